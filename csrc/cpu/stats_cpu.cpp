@@ -1,0 +1,187 @@
+// CPU implementations of the gapmon ops: build StridedViews, run the chunk kernels in one
+// at::parallel_for region over every chunk of every tensor, merge chunk states in order.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../core/stats_state.h"
+#include "../tensor_views.h"
+#include "stats_kernels.h"
+
+namespace gapmon {
+namespace {
+
+using core::State;
+
+// Below this many elements in total, one thread does all the work (no parallel region).
+constexpr int64_t kSerialElems = int64_t(1) << 15;
+
+// States of every item of every view, in output-row order: out[v.out_row + item].
+std::vector<State<double>> compute_states(std::vector<core::StridedView>& views, int64_t rows) {
+  std::vector<State<double>> out(rows);
+  const int64_t num_views = static_cast<int64_t>(views.size());
+  if (num_views == 0) return out;
+  const int64_t total_chunks = core::plan_chunks(views.data(), num_views);
+
+  // Items that span several chunks keep per-chunk partials, merged in chunk order afterwards so
+  // the result does not depend on how chunks were spread over threads.
+  std::vector<int64_t> partial_base(num_views, 0);
+  int64_t num_partials = 0, total_elems = 0;
+  for (int64_t i = 0; i < num_views; ++i) {
+    total_elems += views[i].item_numel * views[i].items;
+    if (views[i].chunks_per_item > 1) {
+      partial_base[i] = num_partials;
+      num_partials += views[i].chunks_per_item * views[i].items;
+    }
+  }
+  std::vector<State<double>> partials(num_partials);
+
+  const int64_t grain = total_elems < kSerialElems ? total_chunks : 1;
+  at::parallel_for(0, total_chunks, grain, [&](int64_t begin, int64_t end) {
+    int64_t vi = core::find_view(views.data(), num_views, begin);
+    for (int64_t c = begin; c < end; ++c) {
+      while (c >= views[vi].first_chunk + views[vi].chunks_per_item * views[vi].items) ++vi;
+      const core::StridedView& v = views[vi];
+      const int64_t local = c - v.first_chunk;
+      const int64_t item = local / v.chunks_per_item;
+      const int64_t lo = (local % v.chunks_per_item) * core::kChunkElems;
+      const int64_t hi = std::min(lo + core::kChunkElems, v.item_numel);
+      const State<double> s = cpu::chunk_state(v, item, lo, hi);
+      if (v.chunks_per_item == 1) {
+        out[v.out_row + item] = core::repeat(s, static_cast<double>(v.repeat));
+      } else {
+        partials[partial_base[vi] + local] = s;
+      }
+    }
+  });
+
+  for (int64_t i = 0; i < num_views; ++i) {
+    const core::StridedView& v = views[i];
+    if (v.chunks_per_item == 1) continue;
+    for (int64_t item = 0; item < v.items; ++item) {
+      State<double> s;
+      const State<double>* p = partials.data() + partial_base[i] + item * v.chunks_per_item;
+      for (int64_t k = 0; k < v.chunks_per_item; ++k) s = core::merge(s, p[k]);
+      out[v.out_row + item] = core::repeat(s, static_cast<double>(v.repeat));
+    }
+  }
+  return out;
+}
+
+at::Tensor states_to_tensor(const std::vector<State<double>>& states) {
+  at::Tensor t = at::empty({static_cast<int64_t>(states.size()), core::kNumStateColumns}, at::kDouble);
+  double* p = t.data_ptr<double>();
+  for (const auto& s : states) {
+    *p++ = s.count;
+    *p++ = s.mean;
+    *p++ = s.m2;
+    *p++ = s.max_abs;
+    *p++ = s.sumsq;
+    *p++ = s.nonfinite;
+    *p++ = s.zeros;
+  }
+  return t;
+}
+
+State<double> state_from_row(const double* p) {
+  State<double> s;
+  s.count = p[core::sCount];
+  s.mean = p[core::sMean];
+  s.m2 = p[core::sM2];
+  s.max_abs = p[core::sMaxAbs];
+  s.sumsq = p[core::sSumSq];
+  s.nonfinite = p[core::sNonfinite];
+  s.zeros = p[core::sZeros];
+  return s;
+}
+
+at::Tensor finalize_all(const std::vector<State<double>>& states, int64_t correction) {
+  at::Tensor t = at::empty({static_cast<int64_t>(states.size()), core::kNumStats}, at::kFloat);
+  float* p = t.data_ptr<float>();
+  for (size_t i = 0; i < states.size(); ++i) core::finalize(states[i], correction, p + i * core::kNumStats);
+  return t;
+}
+
+std::vector<core::StridedView> views_of(at::TensorList xs, const char* op, std::vector<at::Tensor>& keep_alive) {
+  check_same_device(xs, op);
+  std::vector<core::StridedView> views;
+  views.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    views.push_back(make_view(xs[i], 0, op, keep_alive));
+    views.back().out_row = static_cast<int64_t>(i);
+  }
+  return views;
+}
+
+at::Tensor multi_tensor_states_cpu(at::TensorList xs) {
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, "multi_tensor_states", keep_alive);
+  return states_to_tensor(compute_states(views, static_cast<int64_t>(xs.size())));
+}
+
+at::Tensor multi_tensor_stats_cpu(at::TensorList xs, int64_t correction) {
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, "multi_tensor_stats", keep_alive);
+  return finalize_all(compute_states(views, static_cast<int64_t>(xs.size())), correction);
+}
+
+at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t correction) {
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 0, "tensor_stats", keep_alive)};
+  return finalize_all(compute_states(views, 1), correction).squeeze(0);
+}
+
+at::Tensor instance_stats_cpu(const at::Tensor& x, int64_t correction) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "gapmon.instance_stats: expected a tensor with a batch dimension (ndim >= 1), ",
+                    "got a 0-dim tensor; use gapmon.tensor_stats for a single value");
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 1, "instance_stats", keep_alive)};
+  return finalize_all(compute_states(views, x.size(0)), correction);
+}
+
+void check_states(const at::Tensor& states, const char* op) {
+  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.size(-1) == core::kNumStateColumns, "gapmon.",
+                    op, ": expected float64 states with ", core::kNumStateColumns,
+                    " columns (from multi_tensor_states), got ", states.scalar_type(), " ", states.sizes());
+}
+
+// [R, N, 7] states (R partial results of N tensors) -> [N, 7] merged in order r = 0..R-1.
+at::Tensor merge_states_cpu(const at::Tensor& states) {
+  check_states(states, "merge_states");
+  TORCH_CHECK_VALUE(states.dim() == 3, "gapmon.merge_states: expected [parts, tensors, 7] states, got ",
+                    states.sizes());
+  const at::Tensor s = states.contiguous();
+  const int64_t parts = s.size(0), n = s.size(1);
+  std::vector<State<double>> merged(n);
+  const double* p = s.data_ptr<double>();
+  for (int64_t r = 0; r < parts; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      merged[i] = core::merge(merged[i], state_from_row(p + (r * n + i) * core::kNumStateColumns));
+    }
+  }
+  return states_to_tensor(merged);
+}
+
+at::Tensor finalize_states_cpu(const at::Tensor& states, int64_t correction) {
+  check_states(states, "finalize_states");
+  TORCH_CHECK_VALUE(states.dim() == 2, "gapmon.finalize_states: expected [tensors, 7] states, got ", states.sizes());
+  const at::Tensor s = states.contiguous();
+  std::vector<State<double>> rows(s.size(0));
+  for (int64_t i = 0; i < s.size(0); ++i) rows[i] = state_from_row(s.data_ptr<double>() + i * core::kNumStateColumns);
+  return finalize_all(rows, correction);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
+  m.impl("tensor_stats", &tensor_stats_cpu);
+  m.impl("instance_stats", &instance_stats_cpu);
+  m.impl("multi_tensor_stats", &multi_tensor_stats_cpu);
+  m.impl("multi_tensor_states", &multi_tensor_states_cpu);
+  m.impl("merge_states", &merge_states_cpu);
+  m.impl("finalize_states", &finalize_states_cpu);
+}
+
+}  // namespace gapmon

@@ -1,0 +1,48 @@
+// Schemas of the gapmon ops (TORCH_LIBRARY) and the Python module gapmon._C that loads them.
+// Kernels: csrc/cpu/stats_cpu.cpp (CPU) and csrc/cuda_ops.cpp (CUDA); fake kernels for
+// tracing live in gapmon/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "cpu/stats_kernels.h"
+
+namespace gapmon {
+namespace {
+
+// Reports (and, given a name, selects) the CPU instruction set of the kernels; for tests and
+// benchmarks that compare the AVX-512, AVX2 and generic code paths.
+std::string cpu_isa(std::string request) {
+  if (!request.empty()) {
+    try {
+      cpu::select_isa(request);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK_VALUE(false, e.what());
+    }
+  }
+  return cpu::active_isa();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gapmon, m) {
+  // Statistics rows have 7 float32 columns: count, mean, var, max_abs, norm, nonfinite, zeros.
+  m.def("tensor_stats(Tensor x, int correction=1) -> Tensor");
+  m.def("instance_stats(Tensor x, int correction=1) -> Tensor");
+  m.def("multi_tensor_stats(Tensor[] xs, int correction=1) -> Tensor");
+  // Mergeable partial states have 7 float64 columns: count, mean, m2, max_abs, sumsq, nonfinite, zeros.
+  m.def("multi_tensor_states(Tensor[] xs) -> Tensor");
+  m.def("merge_states(Tensor states) -> Tensor");
+  m.def("finalize_states(Tensor states, int correction=1) -> Tensor");
+  m.def("_cpu_isa(str request) -> str", &cpu_isa);
+}
+
+}  // namespace gapmon
+
+// Importing gapmon._C runs the static registrations above; the module itself is empty.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,93 @@
+// Torch glue shared by the CPU and CUDA ops: turns tensors into torch-free StridedViews
+// (csrc/core) after checking that a kernel can read them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "core/strided_view.h"
+
+namespace gapmon {
+
+// The kernel dtype of `t`; raises TypeError (naming dtype or layout) for anything else.
+inline core::DType checked_dtype(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "gapmon.", op, ": expected a dense (strided) tensor, got layout ",
+                   t.layout(), "; call .to_dense() first");
+  TORCH_CHECK_TYPE(!t.is_quantized(), "gapmon.", op, ": quantized tensors (", t.scalar_type(),
+                   ") are not supported; call .dequantize() first");
+  switch (t.scalar_type()) {
+    case at::kFloat: return core::DType::kFloat32;
+    case at::kDouble: return core::DType::kFloat64;
+    case at::kHalf: return core::DType::kFloat16;
+    case at::kBFloat16: return core::DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "gapmon.", op, ": expected a floating-point tensor (float16, bfloat16, float32 or ",
+                       "float64), got dtype ", t.scalar_type());
+  }
+  return core::DType::kFloat32;
+}
+
+// Describes dims [first_item_dim, ndim) of `t` as one item (first_item_dim == 1: dim 0 is a
+// batch of items). Size-1 dims are dropped, stride-0 dims become `repeat`, the rest are sorted
+// by decreasing stride and coalesced, so any dense layout (transposed, channels_last) becomes a
+// single unit-stride run. Layouts that still need more than kMaxDims dims are copied once;
+// `keep_alive` owns such copies until the kernels have run.
+inline core::StridedView make_view(at::Tensor t, int64_t first_item_dim, const char* op,
+                                   std::vector<at::Tensor>& keep_alive) {
+  core::StridedView v;
+  v.dtype = checked_dtype(t, op);
+  if (first_item_dim == 1) {
+    v.items = t.size(0);
+    v.item_stride = t.stride(0);
+  }
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  int64_t numel = 1;
+  for (int64_t d = first_item_dim; d < t.dim(); ++d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    numel *= size;
+    if (size == 1) continue;
+    if (stride == 0) {
+      v.repeat *= size;
+      continue;
+    }
+    dims.emplace_back(stride, size);
+  }
+  std::stable_sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::pair<int64_t, int64_t>> merged;
+  for (const auto& d : dims) {
+    if (!merged.empty() && merged.back().first == d.first * d.second) {
+      merged.back() = {d.first, merged.back().second * d.second};
+    } else {
+      merged.push_back(d);
+    }
+  }
+  if (merged.size() > static_cast<size_t>(core::kMaxDims)) {
+    keep_alive.push_back(t.contiguous());
+    return make_view(keep_alive.back(), first_item_dim, op, keep_alive);
+  }
+  v.data = t.data_ptr();
+  v.ndim = static_cast<int32_t>(merged.size());
+  for (size_t i = 0; i < merged.size(); ++i) {
+    v.strides[i] = merged[i].first;
+    v.sizes[i] = merged[i].second;
+  }
+  v.item_numel = numel / v.repeat;
+  if (numel == 0) {  // empty items: nothing to read
+    v.item_numel = 0;
+    v.repeat = 1;
+    v.ndim = 0;
+  }
+  return v;
+}
+
+inline void check_same_device(at::TensorList xs, const char* op) {
+  for (const auto& x : xs) {
+    TORCH_CHECK(x.device() == xs[0].device(), "gapmon.", op, ": all tensors must be on one device, got ",
+                xs[0].device(), " and ", x.device(), "; group them by device first");
+  }
+}
+
+}  // namespace gapmon

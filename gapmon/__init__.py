@@ -1,0 +1,28 @@
+"""gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
+from .ops import (
+    backend,
+    cpu_isa,
+    finalize_states,
+    instance_stats,
+    merge_states,
+    multi_tensor_states,
+    multi_tensor_stats,
+    tensor_stats,
+)
+from .stats import STAT_NAMES, Stats
+from . import reference
+
+__all__ = [
+    "Stats",
+    "STAT_NAMES",
+    "backend",
+    "cpu_isa",
+    "tensor_stats",
+    "instance_stats",
+    "multi_tensor_stats",
+    "multi_tensor_states",
+    "merge_states",
+    "finalize_states",
+    "reference",
+]
+__version__ = "0.1.0"

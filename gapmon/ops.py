@@ -1,0 +1,152 @@
+"""Public statistics ops: fused kernels from gapmon._C, with the pure-PyTorch reference as fallback.
+
+Each op returns a `Stats` whose fields are float32 tensors on the input's device. DTensors give
+exact statistics of the full tensor on every rank (see gapmon.distributed).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Sequence
+
+import torch
+
+from . import reference
+from .stats import Stats
+
+_LIB = "gapmon"
+
+
+def _load_extension() -> bool:
+    if os.environ.get("GAPMON_BACKEND", "").lower() == "torch":
+        return False
+    try:
+        from . import _C  # noqa: F401  (registers torch.ops.gapmon.*)
+    except ImportError as e:
+        warnings.warn(
+            f"gapmon: compiled extension not available ({e}); using the slow pure-PyTorch reference. "
+            "Build it with `pip install --no-build-isolation -e .`",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+_COMPILED = _load_extension()
+_CUDA_KERNELS = _COMPILED and torch._C._dispatch_has_kernel_for_dispatch_key(f"{_LIB}::tensor_stats", "CUDA")
+
+
+def backend() -> str:
+    """The active backend: "cuda" (compiled, GPU present), "cpu" (compiled) or "torch" (fallback)."""
+    if not _COMPILED:
+        return "torch"
+    return "cuda" if _CUDA_KERNELS and torch.cuda.is_available() else "cpu"
+
+
+def _compiled_for(device: torch.device) -> bool:
+    return _COMPILED and (device.type == "cpu" or (device.type == "cuda" and _CUDA_KERNELS))
+
+
+def cpu_isa(request: str = "") -> str:
+    """The CPU instruction set of the kernels ("avx512", "avx2", "generic"); selects one if given."""
+    if not _COMPILED:
+        return "torch"
+    return torch.ops.gapmon._cpu_isa(request)
+
+
+if _COMPILED:
+    # Shapes of the outputs, for tracing (torch.compile, FakeTensor, meta).
+    @torch.library.register_fake(f"{_LIB}::tensor_stats")
+    def _(x, correction=1):
+        return x.new_empty((7,), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{_LIB}::instance_stats")
+    def _(x, correction=1):
+        torch._check(x.dim() >= 1, lambda: "instance_stats expects a batch dimension")
+        return x.new_empty((x.shape[0], 7), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{_LIB}::multi_tensor_stats")
+    def _(xs, correction=1):
+        return xs[0].new_empty((len(xs), 7), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{_LIB}::multi_tensor_states")
+    def _(xs):
+        return xs[0].new_empty((len(xs), 7), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::merge_states")
+    def _(states):
+        return states.new_empty((states.shape[1], 7), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::finalize_states")
+    def _(states, correction=1):
+        return states.new_empty((states.shape[0], 7), dtype=torch.float32)
+
+
+def _is_dtensor(x) -> bool:
+    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+
+
+def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
+    """Count, mean, var (with `correction`), max|x|, L2 norm, non-finite and zero counts of `x`.
+
+    One pass over memory for any float dtype and layout. A DTensor gives the statistics of the
+    full tensor on every rank.
+    """
+    if _is_dtensor(x):
+        from .distributed import dtensor_multi_stats
+
+        return Stats.from_rows(dtensor_multi_stats([x], correction)[0])
+    if not _compiled_for(x.device):
+        return reference.tensor_stats(x, correction)
+    return Stats.from_rows(torch.ops.gapmon.tensor_stats(x.detach(), correction))
+
+
+def instance_stats(x: torch.Tensor, correction: int = 1) -> Stats:
+    """Statistics of each x[b] along dim 0: every field has shape [x.shape[0]]."""
+    if _is_dtensor(x):
+        from .distributed import dtensor_instance_stats
+
+        return dtensor_instance_stats(x, correction)
+    if not _compiled_for(x.device):
+        return reference.instance_stats(x, correction)
+    return Stats.from_rows(torch.ops.gapmon.instance_stats(x.detach(), correction))
+
+
+def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats:
+    """Statistics of each of N tensors (mixed sizes and dtypes) in one launch: fields have shape [N]."""
+    xs = list(xs)
+    if not xs:
+        return Stats.from_rows(torch.empty(0, 7))
+    if any(_is_dtensor(x) for x in xs):
+        from .distributed import dtensor_multi_stats
+
+        return Stats.from_rows(dtensor_multi_stats(xs, correction))
+    if not _compiled_for(xs[0].device):
+        return reference.multi_tensor_stats(xs, correction)
+    return Stats.from_rows(torch.ops.gapmon.multi_tensor_stats([x.detach() for x in xs], correction))
+
+
+def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mergeable partial states of local tensors: [N, 7] float64 (count, mean, m2, max_abs, sumsq,
+    nonfinite, zeros). Merge partial states of pieces of a tensor with `merge_states`."""
+    xs = [x.detach() for x in xs]
+    if not xs:
+        return torch.empty(0, 7, dtype=torch.float64)
+    if not _compiled_for(xs[0].device):
+        return reference.multi_tensor_states(xs)
+    return torch.ops.gapmon.multi_tensor_states(xs)
+
+
+def merge_states(states: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, 7] partial states over R (in order) into [N, 7]."""
+    if not _compiled_for(states.device):
+        return reference.merge_states(states)
+    return torch.ops.gapmon.merge_states(states)
+
+
+def finalize_states(states: torch.Tensor, correction: int = 1) -> Stats:
+    """[N, 7] partial states -> Stats with [N] fields."""
+    if not _compiled_for(states.device):
+        return Stats.from_rows(reference.finalize_states(states, correction))
+    return Stats.from_rows(torch.ops.gapmon.finalize_states(states, correction))

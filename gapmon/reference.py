@@ -1,0 +1,115 @@
+"""Pure-PyTorch statistics: the slow, obviously-correct way.
+
+This module is the fallback backend when the compiled extension is missing and the baseline
+that tests and benchmarks compare the fused kernels against. Each statistic is a separate
+torch op (one or more passes over memory each); half-precision inputs are upcast to float32.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+
+from .stats import Stats
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(x: torch.Tensor, op: str) -> None:
+    """Raises TypeError (naming dtype or layout) for a tensor the statistics cannot read."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gapmon.{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"gapmon.{op}: expected a dense (strided) tensor, got layout {x.layout}; call .to_dense() first")
+    if x.is_quantized:
+        raise TypeError(f"gapmon.{op}: quantized tensors ({x.dtype}) are not supported; call .dequantize() first")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"gapmon.{op}: expected a floating-point tensor (float16, bfloat16, float32 or float64), got dtype {x.dtype}"
+        )
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _rows(xf: torch.Tensor, correction: int) -> torch.Tensor:
+    """Statistics of each row of a 2-D tensor, as a [rows, 7] float32 buffer."""
+    n = xf.shape[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about dof <= 0, which is defined here
+        var, mean = torch.var_mean(xf, dim=1, correction=correction)
+    if n == 0:
+        max_abs = xf.new_zeros(xf.shape[0])
+    else:
+        max_abs = xf.abs().amax(dim=1)
+    norm = torch.linalg.vector_norm(xf, dim=1)
+    nonfinite = (~torch.isfinite(xf)).sum(dim=1)
+    zeros = (xf == 0).sum(dim=1)
+    count = torch.full_like(mean, n)
+    cols = (count, mean, var, max_abs, norm, nonfinite.to(xf.dtype), zeros.to(xf.dtype))
+    return torch.stack(cols, dim=1).float()
+
+
+def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
+    check_tensor(x, "tensor_stats")
+    return Stats.from_rows(_rows(_acc(x).reshape(1, -1), correction)[0])
+
+
+def instance_stats(x: torch.Tensor, correction: int = 1) -> Stats:
+    check_tensor(x, "instance_stats")
+    if x.dim() == 0:
+        raise ValueError("gapmon.instance_stats: expected a tensor with a batch dimension (ndim >= 1), got a 0-dim tensor")
+    return Stats.from_rows(_rows(_acc(x).reshape(x.shape[0], -1), correction))
+
+
+def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats:
+    for x in xs:
+        check_tensor(x, "multi_tensor_stats")
+    if len(xs) == 0:
+        return Stats.from_rows(torch.empty(0, 7))
+    return Stats.from_rows(torch.stack([_rows(_acc(x).reshape(1, -1), correction)[0] for x in xs]))
+
+
+def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mergeable partial states ([N, 7] float64: count, mean, m2, max_abs, sumsq, nonfinite, zeros)."""
+    out = []
+    for x in xs:
+        check_tensor(x, "multi_tensor_states")
+        xf = x.detach().reshape(-1).double()
+        n = xf.numel()
+        if n == 0:
+            out.append(torch.zeros(7, dtype=torch.float64, device=x.device))
+            continue
+        mean = xf.mean()
+        m2 = ((xf - mean) ** 2).sum()
+        cols = (torch.tensor(float(n), dtype=torch.float64, device=x.device), mean, m2, xf.abs().amax(),
+                (xf * xf).sum(), (~torch.isfinite(xf)).sum().double(), (xf == 0).sum().double())
+        out.append(torch.stack(cols))
+    return torch.stack(out) if out else torch.empty(0, 7, dtype=torch.float64)
+
+
+def merge_states(states: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, 7] partial states over R into [N, 7] (Chan et al.), in order."""
+    n, mean, m2, mx, sq, nf, nz = states[0].unbind(-1)
+    for part in states[1:]:
+        nb, mb, m2b, mxb, sqb, nfb, nzb = part.unbind(-1)
+        total = n + nb
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        delta = mb - mean
+        new_mean = torch.where(nb == 0, mean, torch.where(n == 0, mb, (n * mean + nb * mb) / safe))
+        new_m2 = torch.where(nb == 0, m2, torch.where(n == 0, m2b, m2 + m2b + delta * delta * n * nb / safe))
+        nan_max = torch.where(torch.isnan(mx) | torch.isnan(mxb), torch.full_like(mx, float("nan")), torch.maximum(mx, mxb))
+        n, mean, m2, mx, sq, nf, nz = total, new_mean, new_m2, nan_max, sq + sqb, nf + nfb, nz + nzb
+    return torch.stack((n, mean, m2, mx, sq, nf, nz), dim=-1)
+
+
+def finalize_states(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
+    """[N, 7] partial states -> [N, 7] float32 statistics rows."""
+    n, mean, m2, mx, sq, nf, nz = states.unbind(-1)
+    nan = torch.full_like(n, float("nan"))
+    dof = (n - correction).clamp(min=0)
+    var = torch.where(n > 0, m2 / dof, nan)
+    return torch.stack((n, torch.where(n > 0, mean, nan), var, mx, sq.sqrt(), nf, nz), dim=-1).float()

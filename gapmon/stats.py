@@ -1,0 +1,36 @@
+"""The `Stats` result type shared by every backend."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Column order of the [..., 7] statistics rows the kernels return (csrc/core/stats_state.h).
+STAT_NAMES = ("count", "mean", "var", "max_abs", "norm", "nonfinite", "zeros")
+# Column order of the [..., 7] float64 mergeable partial states.
+STATE_NAMES = ("count", "mean", "m2", "max_abs", "sumsq", "nonfinite", "zeros")
+
+
+class Stats(NamedTuple):
+    """Statistics of a tensor (0-dim fields) or of a batch of tensors ([N] fields), float32.
+
+    ``var`` uses the requested Bessel correction; ``max_abs`` is max |x|; ``norm`` is the L2 norm;
+    ``nonfinite`` counts NaN and +-Inf; ``zeros`` counts exact zeros.
+    """
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    var: torch.Tensor
+    max_abs: torch.Tensor
+    norm: torch.Tensor
+    nonfinite: torch.Tensor
+    zeros: torch.Tensor
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> "Stats":
+        """Views the columns of a [..., 7] statistics buffer as fields (no copy)."""
+        return cls(*rows.unbind(-1))
+
+    def rows(self) -> torch.Tensor:
+        """The fields stacked back into a [..., 7] buffer."""
+        return torch.stack(tuple(self), dim=-1)

@@ -1,0 +1,55 @@
+"""Builds gapmon._C: C++ CPU kernels always; CUDA kernels when torch has CUDA and nvcc is found.
+
+GAPMON_CUDA=1 forces the CUDA build (and fails if it cannot be done), GAPMON_CUDA=0 skips it.
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("GAPMON_CUDA")
+    if flag == "0":
+        return False
+    available = cpp_extension.CUDA_HOME is not None and __import__("torch").version.cuda is not None
+    if flag == "1" and not available:
+        raise RuntimeError("GAPMON_CUDA=1 but torch has no CUDA or nvcc was not found (set CUDA_HOME)")
+    return available
+
+
+def rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def extension():
+    sources = rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    cxx = ["-O3", "-std=c++20", "-ffp-contract=fast", "-Wno-psabi", "-fvisibility=hidden"]
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is inlined from ATen headers: without OpenMP it runs on one thread.
+        # The module then shares the libgomp.so.1 that torch itself loads.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
+    if not want_cuda():
+        return cpp_extension.CppExtension(
+            "gapmon._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
+        )
+    sources += rel([os.path.join(ROOT, "csrc", "cuda_ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    return cpp_extension.CUDAExtension(
+        "gapmon._C",
+        sources,
+        extra_compile_args={"cxx": cxx + ["-DGAPMON_WITH_CUDA"], "nvcc": nvcc},
+        extra_link_args=link,
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
