@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from . import reference
-from .stats import Stats
+from .stats import Stats, check_tensor
 
 _LIB = "gapmon"
 
@@ -97,6 +97,7 @@ def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
         from .distributed import dtensor_multi_stats
 
         return Stats.from_rows(dtensor_multi_stats([x], correction)[0])
+    check_tensor(x, "tensor_stats")
     if not _compiled_for(x.device):
         return reference.tensor_stats(x, correction)
     return Stats.from_rows(torch.ops.gapmon.tensor_stats(x.detach(), correction))
@@ -108,6 +109,7 @@ def instance_stats(x: torch.Tensor, correction: int = 1) -> Stats:
         from .distributed import dtensor_instance_stats
 
         return dtensor_instance_stats(x, correction)
+    check_tensor(x, "instance_stats")
     if not _compiled_for(x.device):
         return reference.instance_stats(x, correction)
     return Stats.from_rows(torch.ops.gapmon.instance_stats(x.detach(), correction))
@@ -118,6 +120,8 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats
     xs = list(xs)
     if not xs:
         return Stats.from_rows(torch.empty(0, 7))
+    for x in xs:
+        check_tensor(x, "multi_tensor_stats")
     if any(_is_dtensor(x) for x in xs):
         from .distributed import dtensor_multi_stats
 

@@ -34,3 +34,20 @@ class Stats(NamedTuple):
     def rows(self) -> torch.Tensor:
         """The fields stacked back into a [..., 7] buffer."""
         return torch.stack(tuple(self), dim=-1)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(x: torch.Tensor, op: str) -> None:
+    """Raises TypeError (naming dtype or layout) for a tensor the statistics cannot read."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gapmon.{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"gapmon.{op}: expected a dense (strided) tensor, got layout {x.layout}; call .to_dense() first")
+    if x.is_quantized:
+        raise TypeError(f"gapmon.{op}: quantized tensors ({x.dtype}) are not supported; call .dequantize() first")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"gapmon.{op}: expected a floating-point tensor (float16, bfloat16, float32 or float64), got dtype {x.dtype}"
+        )

@@ -169,6 +169,17 @@ GAPMON_ALWAYS_INLINE void count_block(const typename T::storage* q, int64_t n, d
 
 constexpr int kLanes = 16;  // lanes of the scalar fallback used for strided rows
 
+// State of q[0, n) (stride `step`) accumulated entirely in double: the rare overflow path.
+template <typename T>
+State<double> exact_block(const typename T::storage* q, int64_t n, int64_t step, double shift) {
+  double s1 = 0, s2 = 0, sq = 0, mx = 0;
+  int32_t nf = 0, nz = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    core::accumulate<double>(double(T::load(q[i * step])), shift, 1.7976931348623157e308, s1, s2, sq, mx, nf, nz);
+  }
+  return core::block_to_state<double, double>(double(n), shift, s1, s2, sq, mx, double(nf), double(nz));
+}
+
 // Accumulates `len` elements starting at p (stride in elements) into `state`, with vectors
 // of kBytes bytes on unit-stride runs.
 template <int kBytes, typename T, bool kUnitStride>
@@ -229,7 +240,14 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
       NF += nf[j];
       NZ += nz[j];
     }
-    state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, S1, S2, SQ, MX, NF, NZ));
+    const bool no_nan_or_inf = MX <= T::largest && SQ == SQ;
+    if (no_nan_or_inf && !(core::is_finite(S1) && core::is_finite(S2) && core::is_finite(SQ))) {
+      // Finite elements whose squares overflowed the block precision (|x| > ~1e19 in float32):
+      // redo this block in double so that var and norm stay exact.
+      state = core::merge(state, exact_block<T>(q, n, step, double(shift)));
+    } else {
+      state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, S1, S2, SQ, MX, NF, NZ));
+    }
   }
 }
 

@@ -1,0 +1,78 @@
+"""Test oracles: statistics computed independently, in float64, with plain torch ops."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gapmon
+
+
+def float64_stats(x: torch.Tensor, correction: int = 1) -> dict[str, float]:
+    """Exact (float64) statistics of the elements of x, with torch's semantics."""
+    v = x.detach().double().reshape(-1)
+    n = v.numel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        var = torch.var(v, correction=correction).item() if n > 0 else float("nan")
+    return {
+        "count": float(n),
+        "mean": v.mean().item() if n > 0 else float("nan"),
+        "var": var,
+        "max_abs": v.abs().max().item() if n > 0 else 0.0,
+        "norm": torch.linalg.vector_norm(v).item(),
+        "nonfinite": float((~torch.isfinite(v)).sum()),
+        "zeros": float((v == 0).sum()),
+    }
+
+
+def _close(got: float, want: float, rtol: float, atol: float) -> bool:
+    if want != want:
+        return got != got
+    if abs(want) == float("inf") or abs(got) == float("inf"):
+        return got == want
+    return abs(got - want) <= atol + rtol * abs(want)
+
+
+def assert_stats_match(got: gapmon.Stats, want: dict[str, float], rtol: float = 1e-5, where: str = "") -> None:
+    """Compares one statistics row with a float64 oracle, in float32 precision."""
+    want32 = {k: torch.tensor(v, dtype=torch.float64).float().item() for k, v in want.items()}
+    scale = abs(want["mean"]) + (want["var"] ** 0.5 if want["var"] == want["var"] and want["var"] >= 0 else 0.0)
+    for name in gapmon.STAT_NAMES:
+        g = float(getattr(got, name))
+        w = want32[name]
+        if name in ("count", "nonfinite", "zeros", "max_abs"):
+            ok = (g == w) or (g != g and w != w)
+        elif name == "mean":
+            ok = _close(g, w, rtol, rtol * scale if scale == scale else 0.0)
+        else:
+            ok = _close(g, w, rtol, 1e-30)
+        assert ok, f"{where} {name}: got {g!r}, float64 oracle {w!r}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args) -> None:
+    """Runs fn(rank, world, *args) in `world` gloo processes; a failure on any rank fails the test."""
+    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
