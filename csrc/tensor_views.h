@@ -90,4 +90,16 @@ inline void check_same_device(at::TensorList xs, const char* op) {
   }
 }
 
+// One view per tensor, output row i for xs[i].
+inline std::vector<core::StridedView> views_of(at::TensorList xs, const char* op, std::vector<at::Tensor>& keep_alive) {
+  check_same_device(xs, op);
+  std::vector<core::StridedView> views;
+  views.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    views.push_back(make_view(xs[i], 0, op, keep_alive));
+    views.back().out_row = static_cast<int64_t>(i);
+  }
+  return views;
+}
+
 }  // namespace gapmon

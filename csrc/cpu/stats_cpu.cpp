@@ -104,17 +104,6 @@ at::Tensor finalize_all(const std::vector<State<double>>& states, int64_t correc
   return t;
 }
 
-std::vector<core::StridedView> views_of(at::TensorList xs, const char* op, std::vector<at::Tensor>& keep_alive) {
-  check_same_device(xs, op);
-  std::vector<core::StridedView> views;
-  views.reserve(xs.size());
-  for (size_t i = 0; i < xs.size(); ++i) {
-    views.push_back(make_view(xs[i], 0, op, keep_alive));
-    views.back().out_row = static_cast<int64_t>(i);
-  }
-  return views;
-}
-
 at::Tensor multi_tensor_states_cpu(at::TensorList xs) {
   std::vector<at::Tensor> keep_alive;
   auto views = views_of(xs, "multi_tensor_states", keep_alive);

@@ -192,61 +192,70 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
   for (int64_t start = 0; start < len; start += kBlockElems) {
     const int64_t n = (len - start) < kBlockElems ? (len - start) : kBlockElems;
     const typename T::storage* q = p + start * step;
-    const block_t shift = core::block_shift(state, T::load(q[0]));
-    block_t s1[kLanes] = {}, s2[kLanes] = {}, sq[kLanes] = {}, mx[kLanes] = {};
-    int32_t nf[kLanes] = {}, nz[kLanes] = {};
-    int64_t i = 0;
-    double S1 = 0, S2 = 0, SQ = 0, NF = 0, NZ = 0;
-    block_t MX = 0;
-    if (kUnitStride) {
-      // Two independent accumulator sets hide the add latency.
-      VecSums<V> a, b;
-      const V vshift = V{} + shift;
-      for (; i + 2 * kVec <= n; i += 2 * kVec) {
-        for (int line = 0; line < int(2 * kVec * sizeof(*q)); line += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(q + i) + kPrefetchBytes + line);
+    // The first block of a chunk has no running mean to shift by: a pilot pass (from L1) estimates
+    // the block's mean first, so an outlying first element cannot spoil the float sums.
+    block_t shift = core::block_shift(state, T::load(q[0]));
+    for (int pass = state.count == 0 ? 0 : 1; pass < 2; ++pass) {
+      block_t s1[kLanes] = {}, s2[kLanes] = {}, sq[kLanes] = {}, mx[kLanes] = {};
+      int32_t nf[kLanes] = {}, nz[kLanes] = {};
+      int64_t i = 0;
+      double S1 = 0, S2 = 0, SQ = 0, NF = 0, NZ = 0;
+      block_t MX = 0;
+      if (kUnitStride) {
+        // Two independent accumulator sets hide the add latency.
+        VecSums<V> a, b;
+        const V vshift = V{} + shift;
+        for (; i + 2 * kVec <= n; i += 2 * kVec) {
+          for (int line = 0; line < int(2 * kVec * sizeof(*q)); line += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(q + i) + kPrefetchBytes + line);
+          }
+          a.add(Loads<kBytes>::load(q + i, T{}), vshift);
+          b.add(Loads<kBytes>::load(q + i + kVec, T{}), vshift);
         }
-        a.add(Loads<kBytes>::load(q + i, T{}), vshift);
-        b.add(Loads<kBytes>::load(q + i + kVec, T{}), vshift);
-      }
-      block_t MN = std::numeric_limits<block_t>::max();
-      for (int j = 0; j < kVec; ++j) {
-        S1 += double(a.s1[j]) + double(b.s1[j]);
-        S2 += double(a.s2[j]) + double(b.s2[j]);
-        SQ += double(a.sq[j]) + double(b.sq[j]);
-        MX = a.mx[j] > MX ? a.mx[j] : MX;
-        MX = b.mx[j] > MX ? b.mx[j] : MX;
-        MN = a.mn[j] < MN ? a.mn[j] : MN;
-        MN = b.mn[j] < MN ? b.mn[j] : MN;
-      }
-      if (i > 0 && (MN == 0 || !(MX <= T::largest) || SQ != SQ)) count_block<kBytes, T>(q, i, NF, NZ);
-    } else {
-      for (; i + kLanes <= n; i += kLanes) {
-        for (int j = 0; j < kLanes; ++j) {
-          core::accumulate<block_t>(T::load(q[(i + j) * step]), shift, T::largest, s1[j], s2[j], sq[j],
-                                    mx[j], nf[j], nz[j]);
+        block_t MN = std::numeric_limits<block_t>::max();
+        for (int j = 0; j < kVec; ++j) {
+          S1 += double(a.s1[j]) + double(b.s1[j]);
+          S2 += double(a.s2[j]) + double(b.s2[j]);
+          SQ += double(a.sq[j]) + double(b.sq[j]);
+          MX = a.mx[j] > MX ? a.mx[j] : MX;
+          MX = b.mx[j] > MX ? b.mx[j] : MX;
+          MN = a.mn[j] < MN ? a.mn[j] : MN;
+          MN = b.mn[j] < MN ? b.mn[j] : MN;
+        }
+        if (i > 0 && (MN == 0 || !(MX <= T::largest) || SQ != SQ)) count_block<kBytes, T>(q, i, NF, NZ);
+      } else {
+        for (; i + kLanes <= n; i += kLanes) {
+          for (int j = 0; j < kLanes; ++j) {
+            core::accumulate<block_t>(T::load(q[(i + j) * step]), shift, T::largest, s1[j], s2[j], sq[j],
+                                      mx[j], nf[j], nz[j]);
+          }
         }
       }
-    }
-    for (; i < n; ++i) {
-      core::accumulate<block_t>(T::load(q[i * step]), shift, T::largest, s1[0], s2[0], sq[0], mx[0],
-                                nf[0], nz[0]);
-    }
-    for (int j = 0; j < kLanes; ++j) {
-      S1 += s1[j];
-      S2 += s2[j];
-      SQ += sq[j];
-      MX = mx[j] > MX ? mx[j] : MX;
-      NF += nf[j];
-      NZ += nz[j];
-    }
-    const bool no_nan_or_inf = MX <= T::largest && SQ == SQ;
-    if (no_nan_or_inf && !(core::is_finite(S1) && core::is_finite(S2) && core::is_finite(SQ))) {
-      // Finite elements whose squares overflowed the block precision (|x| > ~1e19 in float32):
-      // redo this block in double so that var and norm stay exact.
-      state = core::merge(state, exact_block<T>(q, n, step, double(shift)));
-    } else {
-      state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, S1, S2, SQ, MX, NF, NZ));
+      for (; i < n; ++i) {
+        core::accumulate<block_t>(T::load(q[i * step]), shift, T::largest, s1[0], s2[0], sq[0], mx[0],
+                                  nf[0], nz[0]);
+      }
+      for (int j = 0; j < kLanes; ++j) {
+        S1 += s1[j];
+        S2 += s2[j];
+        SQ += sq[j];
+        MX = mx[j] > MX ? mx[j] : MX;
+        NF += nf[j];
+        NZ += nz[j];
+      }
+      if (pass == 0) {
+        const block_t pilot = static_cast<block_t>(double(shift) + S1 / double(n));
+        if (core::is_finite(pilot)) shift = pilot;
+        continue;
+      }
+      const bool no_nan_or_inf = MX <= T::largest && SQ == SQ;
+      if (no_nan_or_inf && !(core::is_finite(S1) && core::is_finite(S2) && core::is_finite(SQ))) {
+        // Finite elements whose squares overflowed the block precision (|x| > ~1e19 in float32):
+        // redo this block in double so that var and norm stay exact.
+        state = core::merge(state, exact_block<T>(q, n, step, double(shift)));
+      } else {
+        state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, S1, S2, SQ, MX, NF, NZ));
+      }
     }
   }
 }

@@ -1,0 +1,32 @@
+// Torch-free CUDA launchers for the statistics kernels (raw pointers + cudaStream_t).
+// The torch glue that allocates buffers and picks the stream is csrc/cuda_ops.cpp.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../core/strided_view.h"
+
+namespace gapmon {
+namespace cuda {
+
+// Statistics (or partial states) of every item of every view.
+//   views:        device array of `num_views` planned views (core::plan_chunks), ordered by out_row
+//   chunk_states: device scratch of total_chunks * 7 doubles
+//   out_stats:    [rows, 7] float32 finalised rows, or nullptr
+//   out_states:   [rows, 7] float64 partial states, or nullptr
+// Two launches on `stream`: one block per chunk, then one thread per output row.
+cudaError_t launch_stats(const core::StridedView* views, int64_t num_views, int64_t total_chunks, int64_t rows,
+                         double* chunk_states, float* out_stats, double* out_states, int64_t correction,
+                         cudaStream_t stream);
+
+// [parts, n, 7] float64 states -> [n, 7] merged over parts in order.
+cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, double* out, cudaStream_t stream);
+
+// [n, 7] float64 states -> [n, 7] float32 statistics rows.
+cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t correction, float* out,
+                                   cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace gapmon
