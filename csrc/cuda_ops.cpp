@@ -99,9 +99,21 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   return out;
 }
 
+void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction) {
+  check_accumulator(x, acc, row);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 1, "accumulate_instance_stats", keep_alive)};
+  const at::Tensor stats = run(views, x.size(0), x.device(), correction, false, "accumulate_instance_stats");
+  check_launch(cuda::launch_accumulate_instances(stats.data_ptr<float>(), x.size(0),
+                                                 acc.data_ptr<double>() + row * core::kNumAccColumns,
+                                                 at::cuda::getCurrentCUDAStream()),
+               "accumulate_instance_stats");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
+  m.impl("accumulate_instance_stats", &accumulate_instance_stats_cuda);
   m.impl("tensor_stats", &tensor_stats_cuda);
   m.impl("instance_stats", &instance_stats_cuda);
   m.impl("multi_tensor_stats", &multi_tensor_stats_cuda);

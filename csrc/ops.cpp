@@ -36,6 +36,9 @@ TORCH_LIBRARY(gapmon, m) {
   m.def("multi_tensor_states(Tensor[] xs) -> Tensor");
   m.def("merge_states(Tensor states) -> Tensor");
   m.def("finalize_states(Tensor states, int correction=1) -> Tensor");
+  // Per-instance statistics of x (dim 0 = instances) folded into row `row` of a float64
+  // [modules, 6] accumulator (columns: instances, sum mean, sum var, sum norm, nonfinite, max).
+  m.def("accumulate_instance_stats(Tensor x, Tensor(a!) acc, int row, int correction=1) -> ()");
   m.def("_cpu_isa(str request) -> str", &cpu_isa);
 }
 

@@ -102,4 +102,15 @@ inline std::vector<core::StridedView> views_of(at::TensorList xs, const char* op
   return views;
 }
 
+// Checks the arguments of accumulate_instance_stats (GAPMonitor activation accumulators).
+inline void check_accumulator(const at::Tensor& x, const at::Tensor& acc, int64_t row) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "gapmon.accumulate_instance_stats: expected a batch dimension, got a 0-dim tensor");
+  TORCH_CHECK_VALUE(acc.dim() == 2 && acc.size(1) == core::kNumAccColumns && acc.scalar_type() == at::kDouble &&
+                        acc.is_contiguous() && acc.device() == x.device(),
+                    "gapmon.accumulate_instance_stats: expected a contiguous float64 [rows, ", core::kNumAccColumns,
+                    "] accumulator on ", x.device(), ", got ", acc.scalar_type(), " ", acc.sizes(), " on ", acc.device());
+  TORCH_CHECK_INDEX(row >= 0 && row < acc.size(0), "gapmon.accumulate_instance_stats: row ", row,
+                    " out of range for an accumulator of ", acc.size(0), " rows");
+}
+
 }  // namespace gapmon

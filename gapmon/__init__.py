@@ -1,5 +1,6 @@
 """gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
 from .ops import (
+    accumulate_instance_stats,
     backend,
     cpu_isa,
     finalize_states,
@@ -10,6 +11,8 @@ from .ops import (
     tensor_stats,
 )
 from .stats import STAT_NAMES, Stats
+from .monitor import GAPMonitor
+from .sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
 from . import reference
 
 __all__ = [
@@ -23,6 +26,12 @@ __all__ = [
     "multi_tensor_states",
     "merge_states",
     "finalize_states",
+    "accumulate_instance_stats",
     "reference",
+    "GAPMonitor",
+    "Sink",
+    "JSONLSink",
+    "TensorBoardSink",
+    "WandbSink",
 ]
 __version__ = "0.1.0"

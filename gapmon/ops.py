@@ -82,6 +82,10 @@ if _COMPILED:
     def _(states, correction=1):
         return states.new_empty((states.shape[0], 7), dtype=torch.float32)
 
+    @torch.library.register_fake(f"{_LIB}::accumulate_instance_stats")
+    def _(x, acc, row, correction=1):
+        return None
+
 
 def _is_dtensor(x) -> bool:
     return type(x).__name__ == "DTensor" and hasattr(x, "placements")
@@ -154,3 +158,13 @@ def finalize_states(states: torch.Tensor, correction: int = 1) -> Stats:
     if not _compiled_for(states.device):
         return Stats.from_rows(reference.finalize_states(states, correction))
     return Stats.from_rows(torch.ops.gapmon.finalize_states(states, correction))
+
+
+def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:
+    """Folds the per-instance statistics of x (dim 0 = instances) into row `row` of a float64
+    [rows, 6] accumulator: instances, sum of means, sum of variances, sum of norms, non-finite
+    count, max |x|. One fused op: what GAPMonitor runs in its activation hooks."""
+    if not _compiled_for(x.device):
+        reference.accumulate_instance_stats(x, acc, row, correction)
+        return
+    torch.ops.gapmon.accumulate_instance_stats(x, acc, row, correction)

@@ -96,3 +96,13 @@ def finalize_states(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
     dof = (n - correction).clamp(min=0)
     var = torch.where(n > 0, m2 / dof, nan)
     return torch.stack((n, torch.where(n > 0, mean, nan), var, mx, sq.sqrt(), nf, nz), dim=-1).float()
+
+
+def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:
+    """Per-instance statistics of x folded into row `row` of a [rows, 6] float64 accumulator."""
+    s = instance_stats(x, correction)
+    sums = torch.stack((torch.tensor(float(x.shape[0]), device=acc.device), s.mean.double().sum(), s.var.double().sum(),
+                        s.norm.double().sum(), s.nonfinite.double().sum()))
+    acc[row, :5] += sums.to(acc.device)
+    m = s.max_abs.double().amax() if x.shape[0] > 0 else acc.new_zeros(())
+    acc[row, 5] = torch.where(torch.isnan(m) | torch.isnan(acc[row, 5]), torch.nan, torch.maximum(acc[row, 5], m))

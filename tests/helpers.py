@@ -76,3 +76,61 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
 def run_distributed(fn, world: int, *args) -> None:
     """Runs fn(rank, world, *args) in `world` gloo processes; a failure on any rank fails the test."""
     mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def brute_force_gap_metrics(model: torch.nn.Module, run_step, correction: int = 1) -> dict[str, float]:
+    """GAP metrics computed the slow, independent way: keep every module output and output gradient
+    (float64 copies), then compute per-instance statistics and their averages with torch ops."""
+    from collections import defaultdict
+
+    outs, grads = defaultdict(list), defaultdict(list)
+    handles = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+
+        def hook(mod, args, out, name=name):
+            t = out if isinstance(out, torch.Tensor) else next((o for o in out if isinstance(o, torch.Tensor)), None)
+            if t is None or t.dim() <= 1 or not t.is_floating_point():
+                return
+            outs[name].append(t.detach().double().clone())
+            if t.requires_grad:
+                t.register_hook(lambda g, name=name: grads[name].append(g.detach().double().clone()))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        run_step()
+    finally:
+        for h in handles:
+            h.remove()
+    metrics: dict[str, float] = {}
+    for kind, store in (("activations", outs), ("activation_grads", grads)):
+        for name, tensors in store.items():
+            rows = torch.cat([t.reshape(t.shape[0], -1) for t in tensors])
+            metrics[f"gap/{kind}/{name}/max"] = rows.abs().max().item()
+            metrics[f"gap/{kind}/{name}/mean"] = rows.mean(1).mean().item()
+            metrics[f"gap/{kind}/{name}/var"] = rows.var(1, correction=correction).mean().item()
+            metrics[f"gap/{kind}/{name}/norm"] = rows.norm(dim=1).mean().item()
+            metrics[f"gap/{kind}/{name}/nonfinite"] = float((~torch.isfinite(rows)).sum())
+    for name, p in model.named_parameters():
+        for kind, t in (("params", p), ("grads", p.grad)):
+            if t is None:
+                continue
+            s = float64_stats(t, correction)
+            for field, key in (("max", "max_abs"), ("mean", "mean"), ("var", "var"), ("norm", "norm"),
+                               ("nonfinite", "nonfinite")):
+                metrics[f"gap/{kind}/{name}/{field}"] = s[key]
+    return metrics
+
+
+def assert_metrics_close(got: dict[str, float], want: dict[str, float], rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """Same metric names (ignoring extra gap/global_batch_size etc. in `got`) and close values."""
+    import math
+
+    missing = sorted(set(want) - set(got))
+    assert not missing, f"metrics missing: {missing[:10]}"
+    extra = sorted(k for k in set(got) - set(want) if k.count("/") == 3)
+    assert not extra, f"unexpected metrics: {extra[:10]}"
+    bad = [(k, got[k], w) for k, w in want.items()
+           if not (math.isclose(got[k], w, rel_tol=rtol, abs_tol=atol) or (math.isnan(w) and math.isnan(got[k])))]
+    assert not bad, f"{len(bad)} metrics differ, e.g. {bad[:5]}"

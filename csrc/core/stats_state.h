@@ -43,6 +43,18 @@ enum StateColumn : int {
   kNumStateColumns = 7,
 };
 
+// Columns of a per-module activation accumulator row (GAPMonitor): statistics of many instances
+// folded together; sums are divided by the instance count when the step ends.
+enum InstanceAccColumn : int {
+  aInstances = 0,   // number of instances folded in
+  aSumMean = 1,     // sum over instances of their mean
+  aSumVar = 2,      // sum over instances of their variance
+  aSumNorm = 3,     // sum over instances of their L2 norm
+  aNonfinite = 4,   // non-finite elements over all instances
+  aMaxAbs = 5,      // max |x| over all instances (NaN if any element is NaN)
+  kNumAccColumns = 6,
+};
+
 template <typename T>
 GAPMON_HD T quiet_nan() {
   return static_cast<T>(__builtin_nan(""));
@@ -170,6 +182,17 @@ GAPMON_HD void finalize(const State<acc_t>& s, int64_t correction, out_t* out) {
   out[kNorm] = static_cast<out_t>(sqrt_of(s.sumsq));
   out[kNonfinite] = static_cast<out_t>(s.nonfinite);
   out[kZeros] = static_cast<out_t>(s.zeros);
+}
+
+// Folds one finalised statistics row (one instance) into an accumulator row.
+template <typename stat_t, typename acc_t>
+GAPMON_HD void accumulate_instance(const stat_t* stats, acc_t* acc) {
+  acc[aInstances] += acc_t(1);
+  acc[aSumMean] += static_cast<acc_t>(stats[kMean]);
+  acc[aSumVar] += static_cast<acc_t>(stats[kVar]);
+  acc[aSumNorm] += static_cast<acc_t>(stats[kNorm]);
+  acc[aNonfinite] += static_cast<acc_t>(stats[kNonfinite]);
+  acc[aMaxAbs] = nan_max(acc[aMaxAbs], static_cast<acc_t>(stats[kMaxAbs]));
 }
 
 }  // namespace core

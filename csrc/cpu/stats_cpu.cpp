@@ -162,9 +162,23 @@ at::Tensor finalize_states_cpu(const at::Tensor& states, int64_t correction) {
   return finalize_all(rows, correction);
 }
 
+void accumulate_instance_stats_cpu(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction) {
+  check_accumulator(x, acc, row);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 1, "accumulate_instance_stats", keep_alive)};
+  const auto states = compute_states(views, x.size(0));
+  double* out = acc.data_ptr<double>() + row * core::kNumAccColumns;
+  double stats[core::kNumStats];
+  for (const auto& s : states) {
+    core::finalize(s, correction, stats);
+    core::accumulate_instance(stats, out);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
+  m.impl("accumulate_instance_stats", &accumulate_instance_stats_cpu);
   m.impl("tensor_stats", &tensor_stats_cpu);
   m.impl("instance_stats", &instance_stats_cpu);
   m.impl("multi_tensor_stats", &multi_tensor_stats_cpu);

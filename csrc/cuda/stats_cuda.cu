@@ -211,6 +211,11 @@ __global__ void finalize_states_kernel(const double* states, int64_t n, int64_t 
   core::finalize(load_state(states + i * core::kNumStateColumns), correction, out + i * core::kNumStats);
 }
 
+// One thread, rows in order: instance counts are small (a batch), and the order is fixed.
+__global__ void accumulate_instances_kernel(const float* stats, int64_t rows, double* acc_row) {
+  for (int64_t r = 0; r < rows; ++r) core::accumulate_instance(stats + r * core::kNumStats, acc_row);
+}
+
 int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / threads; }
 
 }  // namespace
@@ -236,6 +241,12 @@ cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t corr
                                    cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   finalize_states_kernel<<<static_cast<unsigned>(blocks_for(n, 128)), 128, 0, stream>>>(states, n, correction, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_accumulate_instances(const float* stats, int64_t rows, double* acc_row, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  accumulate_instances_kernel<<<1, 1, 0, stream>>>(stats, rows, acc_row);
   return cudaGetLastError();
 }
 

@@ -28,5 +28,9 @@ cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, 
 cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t correction, float* out,
                                    cudaStream_t stream);
 
+// Folds [rows, 7] float32 statistics rows (one per instance) into one float64 accumulator row
+// (core::InstanceAccColumn), in row order.
+cudaError_t launch_accumulate_instances(const float* stats, int64_t rows, double* acc_row, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace gapmon

@@ -1,0 +1,315 @@
+"""GAPMonitor: statistics of gradients, activations and parameters at every monitored step.
+
+Activations and activation gradients are folded, inside the hooks, into one preallocated
+device buffer with one fused op per hook call (gapmon::accumulate_instance_stats). Parameters
+and gradients are measured at `end_step` with one `multi_tensor_stats` over all of them
+(DTensors merged exactly across shards, with one collective). Activation sums and maxima are
+reduced across ranks with one SUM and one MAX all-reduce, and everything reaches the host in
+one device-to-host copy. No `.item()` per metric.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import ops
+from .sinks import JSONLSink, Sink, as_sink
+
+# Wrapper prefixes that DDP, FSDP1, activation checkpointing and torch.compile add to names.
+_WRAPPER_PARTS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+_ACC_COLUMNS = 6  # see csrc/core/stats_state.h: InstanceAccColumn
+_STAT_FIELDS = (("max", 3), ("mean", 1), ("var", 2), ("norm", 4), ("nonfinite", 5))  # name, Stats column
+
+
+def clean_name(name: str) -> str:
+    """Module/parameter name without the prefixes that wrappers add (DDP's `module.`, ...)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The activation of a module output: the tensor itself, or the first tensor in a tuple/list/dict."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        values: Iterable = output
+    elif isinstance(output, Mapping):
+        values = output.values()
+    else:
+        return None
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class GAPMonitor:
+    """Monitors a model's gradients, activations and parameters every `interval` steps.
+
+    Call `begin_step(step, batch_size)` before the forward passes of a step and `end_step()` after
+    the backward passes (before `optimizer.step()`/`zero_grad()`); gradient accumulation over any
+    number of micro-batches is fine. `end_step` returns the metrics of the step (empty on skipped
+    steps) and sends them to the sinks (rank 0 only).
+
+    Metric names: ``gap/{params|grads|activations|activation_grads}/{name}/{max|mean|var|norm|nonfinite}``.
+    Parameter and gradient statistics are those of the full (unsharded) tensors. Activation statistics
+    are per instance (dim 0) and then: `max` is the max over instances; `mean`, `var` and `norm` are
+    averages over all instances of the global batch (micro-batches and data-parallel ranks); `nonfinite`
+    is the total count.
+
+    Args:
+        model: the module to watch (plain, DDP, or FSDP2 `fully_shard`ed, 1-D or HSDP mesh).
+        interval: measure every `interval` steps (steps where step % interval == 0).
+        params, grads, activations, activation_grads: which kinds to measure.
+        per_sample_grad_norms: also compute per-sample gradient norms (see gapmon.PerSampleGradNorms).
+        sinks: where metrics go: gapmon sinks or callables fn(step, metrics). Default: a JSONL file
+            `gapmon_metrics.jsonl` in the working directory. Pass [] for none.
+        process_group: the data-parallel group over which activations are averaged (default: world).
+        correction: Bessel correction of the variances (default 1, like torch.var).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        interval: int = 1,
+        params: bool = True,
+        grads: bool = True,
+        activations: bool = True,
+        activation_grads: bool = True,
+        per_sample_grad_norms: bool = False,
+        sinks: Sequence[Any] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        correction: int = 1,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"GAPMonitor: model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ValueError(f"GAPMonitor: interval must be a positive int, got {interval!r}")
+        flags = dict(params=params, grads=grads, activations=activations, activation_grads=activation_grads,
+                     per_sample_grad_norms=per_sample_grad_norms)
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"GAPMonitor: {key} must be True or False, got {value!r}")
+        if not any(flags.values()):
+            raise ValueError(
+                "GAPMonitor: nothing to monitor; enable at least one of params, grads, activations, "
+                "activation_grads, per_sample_grad_norms"
+            )
+        self.model = model
+        self.interval = interval
+        self.correction = correction
+        self._kinds = flags
+        self._group = process_group
+        self.sinks: list[Sink] = [as_sink(s) for s in (sinks if sinks is not None else [JSONLSink("gapmon_metrics.jsonl")])]
+
+        # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
+        self._modules = [(clean_name(n), m) for n, m in model.named_modules() if clean_name(n)]
+        self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        if activations or activation_grads:
+            for index, (_, module) in enumerate(self._modules):
+                self._handles.append(module.register_forward_hook(functools.partial(self._forward_hook, index)))
+        self.per_sample = None
+        if per_sample_grad_norms:
+            from .per_sample import PerSampleGradNorms
+
+            self.per_sample = PerSampleGradNorms(model)
+
+        self._step: int | None = None
+        self._active = False
+        self._acc: torch.Tensor | None = None
+        self._batch_size = 0
+        self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
+        self._order = [0, 0]
+        self.nonfinite_report: dict[str, Any] = {}
+        self.closed = False
+
+    # ---------------------------------------------------------------- hooks
+    def _forward_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._active:
+            return
+        out = _first_tensor(output)
+        if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
+            return
+        if self._kinds["activations"]:
+            self._fold(out, index, 0)
+        if self._kinds["activation_grads"] and out.requires_grad:
+            out.register_hook(functools.partial(self._grad_hook, index))
+
+    def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
+        if self._active and grad is not None and grad.dim() > 1 and grad.numel() > 0:
+            self._fold(grad, index, 1)
+
+    def _fold(self, x: torch.Tensor, index: int, kind: int) -> None:
+        if ops._is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
+            x = x.to_local()
+        if self._acc is None or self._acc.device != x.device:
+            self._acc = self._new_acc(x.device, self._acc)
+        if self._first_seen[kind][index] < 0:
+            self._first_seen[kind][index] = self._order[kind]
+            self._order[kind] += 1
+        ops.accumulate_instance_stats(x.detach(), self._acc, kind * len(self._modules) + index, self.correction)
+
+    def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
+        if old is not None and old.abs().sum().item() != 0:
+            raise RuntimeError(f"GAPMonitor: activations of one step on two devices ({old.device} and {device})")
+        return torch.zeros(2 * len(self._modules), _ACC_COLUMNS, dtype=torch.float64, device=device)
+
+    # ---------------------------------------------------------------- steps
+    def begin_step(self, step: int, batch_size: int | None = None) -> None:
+        """Starts step `step`; `batch_size` is this rank's number of samples in the step (all micro-batches)."""
+        self._check_open()
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
+            raise ValueError(f"GAPMonitor.begin_step: batch_size must be a non-negative int, got {batch_size!r}")
+        self._step = step
+        self._active = step % self.interval == 0
+        if not self._active:
+            return
+        self._batch_size = batch_size or 0
+        if self._acc is not None:
+            self._acc.zero_()
+        self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]
+        self._order = [0, 0]
+        if self.per_sample is not None:
+            self.per_sample.reset()
+
+    def end_step(self) -> dict[str, float]:
+        """Metrics of the step (after backward, before the optimizer step); {} on skipped steps."""
+        self._check_open()
+        if self._step is None:
+            raise RuntimeError("GAPMonitor.end_step: call begin_step(step, batch_size) before the forward pass")
+        step, active = self._step, self._active
+        self._step, self._active = None, False
+        if not active:
+            return {}
+        metrics, info = self._collect(step)
+        if _rank() == 0:
+            for sink in self.sinks:
+                sink.write(step, metrics, info)
+        return metrics
+
+    def _collect(self, step: int) -> tuple[dict[str, float], dict[str, Any]]:
+        names: list[tuple[str, str]] = []  # (kind, name) of each statistics row
+        tensors: list[torch.Tensor] = []
+        if self._kinds["params"]:
+            names += [("params", n) for n, _ in self._params]
+            tensors += [p.detach() for _, p in self._params]
+        if self._kinds["grads"]:
+            with_grad = [(n, p.grad) for n, p in self._params if p.grad is not None]
+            names += [("grads", n) for n, _ in with_grad]
+            tensors += [g for _, g in with_grad]
+        device = tensors[0].device if tensors else (self._acc.device if self._acc is not None else torch.device("cpu"))
+        rows = ops.multi_tensor_stats(tensors, self.correction).rows() if tensors else torch.empty(0, 7, device=device)
+
+        acc = self._acc if self._acc is not None else self._new_acc(device, None)
+        sums = torch.cat([acc[:, :5].reshape(-1), torch.tensor([float(self._batch_size)], dtype=torch.float64,
+                                                                  device=acc.device)])
+        maxes = acc[:, 5].contiguous()
+        per_sample = self.per_sample.local_norms() if self.per_sample is not None else None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self._group)
+        pieces = [rows.reshape(-1).double().to(acc.device), sums, maxes]
+        if per_sample is not None:
+            pieces.append(per_sample.double().to(acc.device))
+        host = torch.cat(pieces).cpu().tolist()  # the one device-to-host copy of the step
+
+        metrics: dict[str, float] = {}
+        for i, (kind, name) in enumerate(names):
+            row = host[i * 7:(i + 1) * 7]
+            for field, col in _STAT_FIELDS:
+                metrics[f"gap/{kind}/{name}/{field}"] = row[col]
+        offset = len(names) * 7
+        m = len(self._modules)
+        act_sums = host[offset:offset + 10 * m]
+        global_batch = host[offset + 10 * m]
+        act_max = host[offset + 10 * m + 1:offset + 12 * m + 1]
+        for kind_index, kind in enumerate(("activations", "activation_grads")):
+            if not self._kinds[kind]:
+                continue
+            for index, (name, _) in enumerate(self._modules):
+                r = kind_index * m + index
+                instances, s_mean, s_var, s_norm, nonfinite = act_sums[5 * r:5 * r + 5]
+                if instances == 0:
+                    continue
+                # A NaN element makes the instance norm NaN; a MAX all-reduce need not propagate NaN.
+                metrics[f"gap/{kind}/{name}/max"] = math.nan if math.isnan(s_norm) else act_max[r]
+                metrics[f"gap/{kind}/{name}/mean"] = s_mean / instances
+                metrics[f"gap/{kind}/{name}/var"] = s_var / instances
+                metrics[f"gap/{kind}/{name}/norm"] = s_norm / instances
+                metrics[f"gap/{kind}/{name}/nonfinite"] = nonfinite
+        if self._batch_size or global_batch:
+            metrics["gap/global_batch_size"] = global_batch
+        if per_sample is not None:
+            norms = host[offset + 12 * m + 1:]
+            if norms:
+                metrics["gap/per_sample_grad_norm/mean"] = sum(norms) / len(norms)
+                metrics["gap/per_sample_grad_norm/max"] = max(norms)
+                metrics["gap/per_sample_grad_norm/min"] = min(norms)
+        info = self._localise_nonfinite(metrics, step)
+        return metrics, info
+
+    def _localise_nonfinite(self, metrics: dict[str, float], step: int) -> dict[str, Any]:
+        """Names the first module (forward, then backward order) and the tensors with non-finite values."""
+        bad: dict[str, list[str]] = {}
+        for key, value in metrics.items():
+            parts = key.split("/")
+            if len(parts) != 4:
+                continue
+            _, kind, name, field = parts
+            if (field == "nonfinite" and value > 0) or (field in ("mean", "max") and not math.isfinite(value)):
+                if name not in bad.setdefault(kind, []):
+                    bad[kind].append(name)
+        self.nonfinite_report = {}
+        if not bad:
+            return {}
+        report: dict[str, Any] = {}
+        module_index = {name: i for i, (name, _) in enumerate(self._modules)}
+        for kind, order_index in (("activations", 0), ("activation_grads", 1)):
+            if kind in bad:
+                seen = self._first_seen[order_index]
+                ordered = sorted(bad[kind], key=lambda n: seen[module_index[n]] if seen[module_index[n]] >= 0 else 1 << 30)
+                report[f"first_{kind[:-1]}"] = ordered[0]
+                report[kind] = ordered
+        for kind in ("params", "grads"):
+            if kind in bad:
+                report[kind] = bad[kind]
+        self.nonfinite_report = report
+        if _rank() == 0:
+            first = report.get("first_activation") or report.get("first_activation_grad")
+            where = f"first in module '{first}'" if first else f"in {', '.join(report.get('grads', report.get('params', [])))}"
+            warnings.warn(f"gapmon: non-finite values at step {step}: {where}", RuntimeWarning,
+                          stacklevel=4)
+        return {"nonfinite": report}
+
+    # ---------------------------------------------------------------- lifetime
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("GAPMonitor: the monitor is closed")
+
+    def close(self) -> None:
+        """Removes every hook and closes the sinks (idempotent)."""
+        if self.closed:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.per_sample is not None:
+            self.per_sample.close()
+        for sink in self.sinks:
+            sink.close()
+        self._acc = None
+        self._active = False
+        self.closed = True
+
+    def __enter__(self) -> "GAPMonitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

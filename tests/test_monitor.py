@@ -1,0 +1,219 @@
+"""GAPMonitor on one process: exact metrics, accumulation, interval, hooks, memory, NaN localisation, sinks."""
+import gc
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gapmon
+from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from helpers import assert_metrics_close, brute_force_gap_metrics
+
+CFG = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
+
+
+def _model(norm="rms"):
+    torch.manual_seed(0)
+    return TinyGPT(GPTConfig(**{**CFG.__dict__, "norm": norm}))
+
+
+def _train_step(model, batches):
+    for x, y in batches:
+        lm_loss(model(x), y, reduction="sum").backward()
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_metrics_match_brute_force(norm):
+    model = _model(norm)
+    batch = [synthetic_batch(CFG, 6, step=0)]
+    want = brute_force_gap_metrics(model, lambda: _train_step(model, batch))
+    model.zero_grad()
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=6)
+        _train_step(model, batch)
+        got = mon.end_step()
+    assert_metrics_close(got, want)
+    assert got["gap/global_batch_size"] == 6
+
+
+def test_gradient_accumulation_equals_one_batch():
+    x, y = synthetic_batch(CFG, 6, step=3)
+    results = []
+    for batches in ([(x, y)], [(x[:2], y[:2]), (x[2:], y[2:])]):
+        model = _model()
+        with gapmon.GAPMonitor(model, sinks=[]) as mon:
+            mon.begin_step(0, batch_size=6)
+            _train_step(model, batches)
+            results.append(mon.end_step())
+    # `pos` outputs [T, d]: its dim 0 is not the batch, so its gradient sums over the micro-batch.
+    results = [{k: v for k, v in r.items() if "/pos/" not in k} for r in results]
+    assert_metrics_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_interval_skips_steps_and_hooks_return_at_once(monkeypatch):
+    calls = []
+    real = gapmon.ops.accumulate_instance_stats
+    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    model = _model()
+    with gapmon.GAPMonitor(model, interval=2, sinks=[]) as mon:
+        for step in range(4):
+            calls.clear()
+            mon.begin_step(step, batch_size=2)
+            _train_step(model, [synthetic_batch(CFG, 2, step)])
+            metrics = mon.end_step()
+            if step % 2:
+                assert metrics == {} and calls == []
+            else:
+                assert metrics and calls
+
+
+def test_close_removes_every_hook():
+    model = _model()
+    before = sum(len(m._forward_hooks) for m in model.modules())
+    mon = gapmon.GAPMonitor(model, sinks=[])
+    assert sum(len(m._forward_hooks) for m in model.modules()) > before
+    mon.close()
+    assert sum(len(m._forward_hooks) for m in model.modules()) == before
+    with pytest.raises(RuntimeError, match="closed"):
+        mon.begin_step(0)
+
+
+def test_no_memory_growth_over_100_steps():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        counts = []
+        for step in range(100):
+            mon.begin_step(step, batch_size=4)
+            _train_step(model, [synthetic_batch(CFG, 4, step)])
+            mon.end_step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step in (10, 99):
+                counts.append(live_tensors())
+    assert counts[1] <= counts[0], f"live tensors grew from {counts[0]} to {counts[1]}"
+
+
+def test_nan_localisation_names_first_module():
+    model = _model()
+    with torch.no_grad():
+        model.blocks[1].mlp.up.weight[0, 0] = float("nan")
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=2)
+        with pytest.warns(RuntimeWarning, match="blocks.1.mlp.up"):
+            _train_step(model, [synthetic_batch(CFG, 2, 0)])
+            metrics = mon.end_step()
+        assert mon.nonfinite_report["first_activation"] == "blocks.1.mlp.up"
+        assert "blocks.1.mlp.up.weight" in mon.nonfinite_report["params"]
+        assert metrics["gap/params/blocks.1.mlp.up.weight/nonfinite"] == 1
+        assert math.isnan(metrics["gap/activations/blocks.1.mlp.up/max"])
+        assert metrics["gap/activations/blocks.1.mlp/nonfinite"] > 0
+        assert metrics["gap/activations/blocks.0.mlp.up/nonfinite"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(interval=0), "interval"),
+        (dict(interval=-3), "interval"),
+        (dict(params=False, grads=False, activations=False, activation_grads=False), "nothing to monitor"),
+        (dict(sinks=[42]), "sink"),
+        (dict(grads="yes"), "grads"),
+    ],
+)
+def test_flags_validated_up_front(kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        gapmon.GAPMonitor(_model(), **{"sinks": [], **kwargs})
+
+
+def test_usage_errors_are_clear():
+    with pytest.raises(TypeError, match="nn.Module"):
+        gapmon.GAPMonitor(lambda x: x)
+    with gapmon.GAPMonitor(_model(), sinks=[]) as mon:
+        with pytest.raises(RuntimeError, match="begin_step"):
+            mon.end_step()
+        with pytest.raises(ValueError, match="batch_size"):
+            mon.begin_step(0, batch_size=-1)
+
+
+def test_jsonl_and_callable_sinks(tmp_path):
+    seen = []
+    path = tmp_path / "run" / "metrics.jsonl"
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[gapmon.JSONLSink(path), lambda step, m: seen.append((step, m))]) as mon:
+        for step in range(3):
+            mon.begin_step(step, batch_size=2)
+            _train_step(model, [synthetic_batch(CFG, 2, step)])
+            mon.end_step()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2] == [s for s, _ in seen]
+    assert lines[2]["gap/grads/head.weight/norm"] == pytest.approx(seen[2][1]["gap/grads/head.weight/norm"])
+
+
+def test_tensorboard_sink(tmp_path):
+    pytest.importorskip("tensorboard")
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[gapmon.TensorBoardSink(tmp_path)]) as mon:
+        mon.begin_step(0, batch_size=2)
+        _train_step(model, [synthetic_batch(CFG, 2, 0)])
+        mon.end_step()
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+def test_wandb_sink_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[gapmon.WandbSink(project="gapmon-test")]) as mon:
+        mon.begin_step(0, batch_size=2)
+        _train_step(model, [synthetic_batch(CFG, 2, 0)])
+        mon.end_step()
+    assert wandb.run is None
+
+
+def test_end_step_makes_no_item_calls(monkeypatch):
+    """All statistics reach the host in one copy: no .item() per metric."""
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=2)
+        _train_step(model, [synthetic_batch(CFG, 2, 0)])
+        monkeypatch.setattr(torch.Tensor, "item", lambda self: (_ for _ in ()).throw(AssertionError(".item() called")))
+        assert mon.end_step()
+
+
+def test_module_outputs_tuple_dict_and_scalars():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return {"h": h, "n": h.sum()}
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.odd = Odd()
+            self.scale = nn.Identity()
+
+        def forward(self, x):
+            out = self.odd(x)
+            return self.scale(out["h"]).sum() + out["n"]  # Identity sees a [B, 4] tensor
+
+    model = Wrap()
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=3)
+        model(torch.randn(3, 4)).backward()
+        m = mon.end_step()
+    assert "gap/activations/odd/mean" in m and "gap/activations/odd.lin/mean" in m
+    assert "gap/activation_grads/scale/mean" in m
