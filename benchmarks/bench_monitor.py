@@ -1,0 +1,108 @@
+"""Time added to a training step by monitoring all four kinds (params, grads, activations,
+activation grads) every step: no monitor vs the pure-PyTorch baseline monitor vs GAPMonitor,
+measured side by side in one run on a GPT-style model. Prints a table and writes JSON.
+
+    python benchmarks/bench_monitor.py                      # CPU: 4 layers, d=256, T=128, B=8
+    python benchmarks/bench_monitor.py --device cuda --gpt2 # GPU: GPT-2 small size
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gapmon  # noqa: E402
+from bench_stats import machine  # noqa: E402
+from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
+from torch_monitor import TorchGAPMonitor  # noqa: E402
+
+
+def run(mode: str, cfg: GPTConfig, batch: int, steps: int, device: str) -> tuple[float, dict]:
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    mon = None
+    if mode == "gapmon":
+        mon = gapmon.GAPMonitor(model, sinks=[])
+    elif mode == "torch":
+        mon = TorchGAPMonitor(model)
+    times, metrics = [], {}
+    for step in range(steps + 2):  # two warm-up steps
+        x, y = synthetic_batch(cfg, batch, step, device=device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if mode == "gapmon":
+            mon.begin_step(step, batch_size=batch)
+        lm_loss(model(x), y).backward()
+        if mon is not None:
+            metrics = mon.end_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - t0)
+    if mon is not None:
+        mon.close()
+    return statistics.median(times), metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--gpt2", action="store_true", help="GPT-2 small size (12 layers, d=768, T=1024)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three modes")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.gpt2:
+        cfg, batch = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12), 8
+    else:
+        cfg, batch = GPTConfig(vocab_size=4096, seq_len=128, d_model=256, n_heads=4, n_layers=4), 8
+    info = machine(args.device)
+    print(f"# GAPMonitor overhead on {info['device']} / {info['cpu']}, torch {info['torch']}")
+    print(f"model: {cfg}, batch {batch}")
+    times: dict[str, list[float]] = {"none": [], "torch": [], "gapmon": []}
+    counts = {}
+    for _ in range(args.rounds):  # interleave so that drift of the machine hits every mode alike
+        for mode in times:
+            t, metrics = run(mode, cfg, batch, args.steps, args.device)
+            times[mode].append(t)
+            counts[mode] = len(metrics)
+    step = {m: min(v) for m, v in times.items()}
+    over_torch = step["torch"] - step["none"]
+    over_gap = step["gapmon"] - step["none"]
+    result = {
+        "machine": info, "config": cfg.__dict__, "batch": batch, "step_s": step, "metrics": counts,
+        "overhead_torch_s": over_torch, "overhead_gapmon_s": over_gap,
+        "gapmon_overhead_vs_torch_overhead": over_gap / over_torch if over_torch > 0 else None,
+        "gapmon_overhead_vs_step": over_gap / step["none"],
+    }
+    table = "\n".join([
+        "| monitor | step time | added time | % of step | metrics per step |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| none | {step['none']*1e3:.1f} ms | | | |",
+        f"| pure-PyTorch (seed approach) | {step['torch']*1e3:.1f} ms | {over_torch*1e3:.1f} ms | "
+        f"{100*over_torch/step['none']:.1f}% | {counts['torch']} |",
+        f"| gapmon.GAPMonitor | {step['gapmon']*1e3:.1f} ms | {over_gap*1e3:.1f} ms | "
+        f"{100*over_gap/step['none']:.1f}% | {counts['gapmon']} |",
+    ])
+    result["table"] = table
+    print(table)
+    if over_torch > 0:
+        print(f"\ngapmon's added time is {100*over_gap/over_torch:.0f}% of the pure-PyTorch monitor's")
+    name = "cpu-" + info["host"] if args.device == "cpu" else info["device"].replace(" ", "-").lower()
+    out = Path(args.out or Path(__file__).parent / "results" / f"monitor-{name}.json")
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
