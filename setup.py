@@ -27,7 +27,10 @@ def rel(paths):
 
 
 def extension():
-    sources = rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    sources = rel(
+        [os.path.join(ROOT, "csrc", "ops.cpp"), os.path.join(ROOT, "csrc", "per_sample.cpp")]
+        + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
+    )
     cxx = ["-O3", "-std=c++20", "-ffp-contract=fast", "-Wno-psabi", "-fvisibility=hidden"]
     link = []
     if sys.platform.startswith("linux"):

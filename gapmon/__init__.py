@@ -12,6 +12,7 @@ from .ops import (
 )
 from .stats import STAT_NAMES, Stats
 from .monitor import GAPMonitor
+from .per_sample import PerSampleGradNorms
 from .sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
 from . import reference
 
@@ -29,6 +30,7 @@ __all__ = [
     "accumulate_instance_stats",
     "reference",
     "GAPMonitor",
+    "PerSampleGradNorms",
     "Sink",
     "JSONLSink",
     "TensorBoardSink",

@@ -73,8 +73,9 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        b, t = idx.shape
+        # Positions are looked up per sample ([B, T] ids), so every module output is batch-first.
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device).expand(b, t))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

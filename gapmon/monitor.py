@@ -208,28 +208,33 @@ class GAPMonitor:
         rows = ops.multi_tensor_stats(tensors, self.correction).rows() if tensors else torch.empty(0, 7, device=device)
 
         acc = self._acc if self._acc is not None else self._new_acc(device, None)
-        sums = torch.cat([acc[:, :5].reshape(-1), torch.tensor([float(self._batch_size)], dtype=torch.float64,
-                                                                  device=acc.device)])
-        maxes = acc[:, 5].contiguous()
-        per_sample = self.per_sample.local_norms() if self.per_sample is not None else None
+        dev = acc.device
+        batch = torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev)
+        sums = [acc[:, :5].reshape(-1), batch]  # reduced with SUM over ranks
+        maxes = [acc[:, 5]]                     # reduced with MAX over ranks
+        if self.per_sample is not None:
+            norms = self.per_sample.local_norms().to(dev, torch.float64)
+            none = torch.full((1,), -math.inf, dtype=torch.float64, device=dev)
+            sums.append(torch.stack((norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64, device=dev))))
+            maxes.append(torch.cat((norms.max().reshape(1), (-norms).max().reshape(1))) if norms.numel() else none.repeat(2))
+        sums_t, maxes_t = torch.cat(sums), torch.cat(maxes)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._group)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self._group)
-        pieces = [rows.reshape(-1).double().to(acc.device), sums, maxes]
-        if per_sample is not None:
-            pieces.append(per_sample.double().to(acc.device))
-        host = torch.cat(pieces).cpu().tolist()  # the one device-to-host copy of the step
+            dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=self._group)
+            dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=self._group)
+        host = torch.cat([rows.reshape(-1).double().to(dev), sums_t, maxes_t]).cpu().tolist()  # the one D2H copy
 
         metrics: dict[str, float] = {}
         for i, (kind, name) in enumerate(names):
             row = host[i * 7:(i + 1) * 7]
             for field, col in _STAT_FIELDS:
                 metrics[f"gap/{kind}/{name}/{field}"] = row[col]
-        offset = len(names) * 7
         m = len(self._modules)
-        act_sums = host[offset:offset + 10 * m]
-        global_batch = host[offset + 10 * m]
-        act_max = host[offset + 10 * m + 1:offset + 12 * m + 1]
+        offset = len(names) * 7
+        act_sums, host = host[offset:offset + 10 * m], host[offset + 10 * m:]
+        global_batch, host = host[0], host[1:]
+        if self.per_sample is not None:
+            (ps_sum, ps_count), host = host[:2], host[2:]
+        act_max, host = host[:2 * m], host[2 * m:]
         for kind_index, kind in enumerate(("activations", "activation_grads")):
             if not self._kinds[kind]:
                 continue
@@ -246,12 +251,10 @@ class GAPMonitor:
                 metrics[f"gap/{kind}/{name}/nonfinite"] = nonfinite
         if self._batch_size or global_batch:
             metrics["gap/global_batch_size"] = global_batch
-        if per_sample is not None:
-            norms = host[offset + 12 * m + 1:]
-            if norms:
-                metrics["gap/per_sample_grad_norm/mean"] = sum(norms) / len(norms)
-                metrics["gap/per_sample_grad_norm/max"] = max(norms)
-                metrics["gap/per_sample_grad_norm/min"] = min(norms)
+        if self.per_sample is not None and ps_count > 0:
+            metrics["gap/per_sample_grad_norm/mean"] = ps_sum / ps_count
+            metrics["gap/per_sample_grad_norm/max"] = host[0]
+            metrics["gap/per_sample_grad_norm/min"] = -host[1]
         info = self._localise_nonfinite(metrics, step)
         return metrics, info
 

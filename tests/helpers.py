@@ -134,3 +134,16 @@ def assert_metrics_close(got: dict[str, float], want: dict[str, float], rtol: fl
     bad = [(k, got[k], w) for k, w in want.items()
            if not (math.isclose(got[k], w, rel_tol=rtol, abs_tol=atol) or (math.isnan(w) and math.isnan(got[k])))]
     assert not bad, f"{len(bad)} metrics differ, e.g. {bad[:5]}"
+
+
+def vmap_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
+    """Norms of exact per-sample gradients from torch.func.vmap(grad(...)): the independent reference."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+    def loss_one(p, x, y):
+        return loss_fn(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    return torch.sqrt(sum(g.reshape(g.shape[0], -1).double().square().sum(1) for g in grads.values())).float()
