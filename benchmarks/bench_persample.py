@@ -1,0 +1,133 @@
+"""Per-sample gradient norms on a GPT-style model (B=32, T=64), four ways, each in its own process
+so that peak memory is measured separately: a plain training step, the same step with gapmon's
+norms, torch.func vmap per-sample gradients + norms (the usual approach), and a loop over samples.
+
+    python benchmarks/bench_persample.py [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+MODES = ("plain", "gapmon", "vmap", "loop")
+
+
+def _config():
+    from gapmon.examples import GPTConfig
+
+    return GPTConfig(vocab_size=4096, seq_len=64, d_model=256, n_heads=4, n_layers=4), 32
+
+
+def _peak_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(mode: str, device: str, steps: int) -> dict:
+    """Runs one mode in this process: median seconds per step and peak memory beyond the model."""
+    import gapmon
+    from gapmon.examples import TinyGPT, lm_loss, synthetic_batch
+    from helpers_bench import vmap_norms
+
+    cfg, batch = _config()
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device)
+    x, y = synthetic_batch(cfg, batch, 0, device=device)
+    lm_loss(model(x), y).backward()  # allocate gradients once: the baseline of the memory figures
+    model.zero_grad(set_to_none=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = _peak_bytes(device)
+    psn = gapmon.PerSampleGradNorms(model) if mode == "gapmon" else None
+
+    def step():
+        if mode in ("plain", "gapmon"):
+            lm_loss(model(x), y).backward()
+            return psn.local_norms() if psn else None
+        if mode == "vmap":
+            return vmap_norms(model, x, y)
+        norms = []
+        for i in range(batch):  # loop over samples
+            model.zero_grad(set_to_none=False)
+            lm_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+            norms.append(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())))
+        return torch.stack(norms)
+
+    times = []
+    for i in range(steps + 1):
+        model.zero_grad(set_to_none=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    result = {"mode": mode, "step_s": statistics.median(times), "extra_peak_bytes": _peak_bytes(device) - base}
+    if out is not None:
+        result["norms_head"] = [float(v) for v in out[:4]]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(measure(args.mode, args.device, args.steps)))
+        return
+    from bench_stats import machine
+
+    info = machine(args.device)
+    cfg, batch = _config()
+    print(f"# per-sample gradient norms on {info['device']} / {info['cpu']}, torch {info['torch']}")
+    print(f"model: {cfg}, batch {batch}")
+    results = {}
+    for mode in MODES:
+        proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--device", args.device,
+                               "--steps", str(args.steps)], capture_output=True, text=True, env=dict(os.environ))
+        if proc.returncode != 0:
+            results[mode] = {"mode": mode, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        else:
+            results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{mode:>7}: {results[mode]}", flush=True)
+    plain = results["plain"]["step_s"]
+    rows = ["| method | step time | vs plain step | gapmon speed-up | extra peak memory |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for mode, label in (("plain", "plain training step"), ("gapmon", "step + gapmon per-sample norms"),
+                        ("vmap", "torch.func vmap per-sample grads + norms"), ("loop", "loop over samples")):
+        r = results[mode]
+        if "error" in r:
+            rows.append(f"| {label} | failed: {r['error']} | | | |")
+            continue
+        speed = "" if mode in ("plain", "gapmon") else f"{r['step_s'] / results['gapmon']['step_s']:.1f}x"
+        rows.append(f"| {label} | {r['step_s']*1e3:.1f} ms | {r['step_s']/plain:.2f}x | {speed} | "
+                    f"{r['extra_peak_bytes']/2**20:.0f} MiB |")
+    table = "\n".join(rows)
+    print("\n" + table)
+    name = "cpu-" + info["host"] if args.device == "cpu" else info["device"].replace(" ", "-").lower()
+    out = Path(args.out or Path(__file__).parent / "results" / f"persample-{name}.json")
+    out.write_text(json.dumps({"machine": info, "config": cfg.__dict__, "batch": batch, "results": results,
+                               "table": table}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
