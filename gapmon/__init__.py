@@ -13,6 +13,9 @@ from .ops import (
 from .stats import STAT_NAMES, Stats
 from .monitor import GAPMonitor
 from .per_sample import PerSampleGradNorms
+from .dump import GradientDumper
+from .reconstruct import DumpError, reconstruct_gradients
+from . import analysis
 from .sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
 from . import reference
 
@@ -31,6 +34,10 @@ __all__ = [
     "reference",
     "GAPMonitor",
     "PerSampleGradNorms",
+    "GradientDumper",
+    "reconstruct_gradients",
+    "DumpError",
+    "analysis",
     "Sink",
     "JSONLSink",
     "TensorBoardSink",

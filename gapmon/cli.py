@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,15 +58,78 @@ def _time(fn, device: str, reps: int = 5) -> float:
     return best
 
 
+def _reconstruct(args: argparse.Namespace) -> int:
+    from .reconstruct import Progress, _read_config, reconstruct_gradients, write_reconstruction
+
+    progress = Progress(f"step {args.step}", quiet=args.quiet)
+    grads = reconstruct_gradients(args.grad_dir, args.step, verify=args.verify, progress=progress)
+    config = _read_config(Path(args.grad_dir))
+    files = write_reconstruction(grads, args.output_dir, args.step, config, skip_individual=args.skip_individual,
+                                 fmt=args.format)
+    if not args.quiet:
+        total = sum(t.numel() for t in grads.values())
+        verified = " (replicas verified)" if args.verify else ""
+        print(f"step {args.step}: {len(grads)} gradients, {total:,} elements{verified} -> {args.output_dir}")
+        if args.verbose:
+            for f in files:
+                print(f"  {f}")
+    return 0
+
+
+def _steps(args: argparse.Namespace) -> int:
+    from .reconstruct import list_steps
+
+    complete, incomplete = list_steps(args.grad_dir)
+    print(f"complete:   {' '.join(map(str, complete)) or '-'}")
+    print(f"incomplete: {' '.join(map(str, incomplete)) or '-'}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .analysis import compare, load_gradients
+
+    rows = compare(load_gradients(args.a), load_gradients(args.b))
+    if not rows:
+        raise ValueError("the two dumps share no gradient names")
+    width = max(len(r.name) for r in rows)
+    print(f"{'parameter':<{width}}  {'norm A':>11}  {'norm B':>11}  {'rel. diff':>10}  {'cosine':>8}")
+    for r in rows:
+        print(f"{r.name:<{width}}  {r.norm_a:>11.4g}  {r.norm_b:>11.4g}  {r.rel_diff:>10.3g}  {r.cosine:>8.5f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gapmon", description="Gradient/activation/parameter monitoring for PyTorch.")
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true", help="more output; tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
+    add = sub.add_parser
+
+    def add_parser(name, **kwargs):
+        return add(name, parents=[common], **kwargs)
+
+    sub.add_parser = add_parser
     p = sub.add_parser("info", help="show the active backend and instruction set")
     p.set_defaults(func=_info)
     p = sub.add_parser("example", help="statistics of a few tensors, checked and timed")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(func=_example)
+    p = sub.add_parser("reconstruct", help="rebuild full gradients of one dumped step")
+    p.add_argument("grad_dir")
+    p.add_argument("output_dir")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--verify", action="store_true", help="compare every HSDP/DDP replica; fail on a mismatch")
+    p.add_argument("--skip-individual", action="store_true", help="only write the combined file")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "pt"])
+    p.set_defaults(func=_reconstruct)
+    p = sub.add_parser("steps", help="list complete and incomplete dumped steps")
+    p.add_argument("grad_dir")
+    p.set_defaults(func=_steps)
+    p = sub.add_parser("compare", help="compare two reconstructed steps (relative difference, cosine)")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=_compare)
     return parser
 
 

@@ -1,0 +1,295 @@
+"""GradientDumper: raw gradients to disk during training, in three layouts.
+
+- ``shards``: every rank writes ``step{S}/rank{R}.safetensors`` with its local shard of every
+  gradient; the header metadata records global shape, dtype, placements, mesh and offsets.
+  ``config.json`` describes the run; ``step{S}/COMPLETE`` is written last, by rank 0, once every
+  rank's file is in place.
+- ``full``: torch.distributed.checkpoint of the gradient dict, stored as safetensors
+  (HuggingFaceStorageWriter): reshardable, replicas written once.
+- ``sampled``: the first ``save_first_n`` elements along every dim of every gradient, gathered to
+  rank 0 one parameter at a time, in ``step{S}/sampled.safetensors``.
+
+Every file is written atomically (temp file, fsync, rename) and no format uses pickle. With
+``async_write=True`` the gradients are copied to host memory during ``maybe_dump`` and written by
+a background thread (at most one step in flight); its errors are raised by the next call or close().
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .monitor import clean_name
+from .ops import _is_dtensor
+from .safe_io import write_json, write_safetensors
+
+MODES = ("shards", "full", "sampled")
+FORMAT_VERSION = 1
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def step_dir(save_dir: str | Path, step: int) -> Path:
+    return Path(save_dir) / f"step{step}"
+
+
+def parallel_layout(model: nn.Module) -> dict[str, Any]:
+    """parallel_type (single|ddp|fsdp|hsdp), world_size, shard_degree, num_replicas, mesh_shape."""
+    _, world = _dist_info()
+    for p in model.parameters():
+        if _is_dtensor(p):
+            mesh = p.device_mesh
+            shard_dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+            repl_dims = [d for d, pl in enumerate(p.placements) if pl.is_replicate()]
+            shard = 1
+            for d in shard_dims:
+                shard *= mesh.size(d)
+            replicas = 1
+            for d in repl_dims:
+                replicas *= mesh.size(d)
+            kind = "hsdp" if repl_dims and shard_dims else ("fsdp" if shard_dims else "ddp")
+            return {"parallel_type": kind, "world_size": world, "shard_degree": shard, "num_replicas": replicas,
+                    "mesh_shape": list(mesh.shape), "mesh_dim_names": list(mesh.mesh_dim_names or [])}
+    if world > 1:
+        return {"parallel_type": "ddp", "world_size": world, "shard_degree": 1, "num_replicas": world,
+                "mesh_shape": [world], "mesh_dim_names": []}
+    return {"parallel_type": "single", "world_size": 1, "shard_degree": 1, "num_replicas": 1, "mesh_shape": [1],
+            "mesh_dim_names": []}
+
+
+def _placement_str(p) -> str:
+    if p.is_shard():
+        return f"S({p.dim})"
+    if p.is_replicate():
+        return "R"
+    return "P"
+
+
+def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The local piece of gradient g and its description (global shape, placements, offsets)."""
+    if _is_dtensor(g):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(p.is_partial() for p in g.placements):
+            from torch.distributed.tensor import Replicate
+
+            g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+        mesh = g.device_mesh
+        local = g.to_local()
+        local_shape, offsets = compute_local_shape_and_global_offset(g.shape, mesh, g.placements)
+        coordinate = mesh.get_coordinate() or []
+        record = {"global_shape": list(g.shape), "dtype": str(g.dtype).replace("torch.", ""),
+                  "placements": [_placement_str(p) for p in g.placements], "mesh_shape": list(mesh.shape),
+                  "coordinate": list(coordinate), "offsets": list(offsets), "local_shape": list(local_shape)}
+        return local, record
+    _, world = _dist_info()
+    record = {"global_shape": list(g.shape), "dtype": str(g.dtype).replace("torch.", ""),
+              "placements": ["R"], "mesh_shape": [world], "coordinate": [rank], "offsets": [0] * g.dim(),
+              "local_shape": list(g.shape)}
+    return g, record
+
+
+class GradientDumper:
+    """Writes gradients at steps start_step, start_step + step_interval, ... up to end_step (inclusive).
+
+    Call `maybe_dump(step)` after backward and before zero_grad, on every rank; `close()` (or
+    the context manager) waits for background writes and raises their errors.
+    """
+
+    def __init__(self, model: nn.Module, save_dir: str | Path, start_step: int = 0, step_interval: int = 1,
+                 end_step: int | None = None, mode: str = "shards", save_first_n: int | None = None,
+                 async_write: bool = True):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"GradientDumper: model must be a torch.nn.Module, got {type(model).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"GradientDumper: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        for key, value in (("start_step", start_step), ("step_interval", step_interval)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"GradientDumper: {key} must be an int, got {value!r}")
+        if start_step < 0:
+            raise ValueError(f"GradientDumper: start_step must be non-negative, got {start_step}")
+        if step_interval <= 0:
+            raise ValueError(f"GradientDumper: step_interval must be positive, got {step_interval}")
+        if end_step is not None and end_step < start_step:
+            raise ValueError(f"GradientDumper: end_step ({end_step}) is before start_step ({start_step})")
+        if mode == "sampled":
+            if save_first_n is None or isinstance(save_first_n, bool) or not isinstance(save_first_n, int) or save_first_n <= 0:
+                raise ValueError(f"GradientDumper: mode='sampled' needs a positive int save_first_n, got {save_first_n!r}")
+        elif save_first_n is not None:
+            raise ValueError("GradientDumper: save_first_n only applies to mode='sampled'")
+        self.model = model
+        self.save_dir = Path(save_dir)
+        self.start_step, self.step_interval, self.end_step = start_step, step_interval, end_step
+        self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
+        self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
+        self.rank, self.world = _dist_info()
+        self._layout = parallel_layout(model)
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.closed = False
+        if self.rank == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            write_json(self.save_dir / "config.json", {**self._layout, "mode": mode, "save_first_n": save_first_n,
+                                                       "format_version": FORMAT_VERSION})
+
+    def should_dump(self, step: int) -> bool:
+        if step < self.start_step or (self.end_step is not None and step > self.end_step):
+            return False
+        return (step - self.start_step) % self.step_interval == 0
+
+    def maybe_dump(self, step: int) -> bool:
+        """Dumps the gradients of `step` if the schedule says so; returns whether it did."""
+        if self.closed:
+            raise RuntimeError("GradientDumper: the dumper is closed")
+        self._raise_background_error()
+        if not self.should_dump(step):
+            return False
+        grads = [(n, p.grad) for n, p in self._params if p.grad is not None]
+        if self.mode == "full":
+            self._dump_full(step, grads)  # collective: runs on the caller's thread
+        elif self.mode == "shards":
+            tensors, records = {}, {}
+            for name, g in grads:
+                local, records[name] = shard_record(name, g.detach(), self.rank)
+                tensors[name] = local.detach().to("cpu", copy=True).contiguous()
+            self._submit(self._write_shards, step, tensors, records)
+        else:
+            self._submit(self._write_sampled, step, *self._gather_sampled(grads))
+        return True
+
+    # ----------------------------------------------------------------- modes
+    def _write_shards(self, step: int, tensors: dict[str, torch.Tensor], records: dict[str, Any]) -> None:
+        directory = step_dir(self.save_dir, step)
+        header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
+                  "tensors": records}
+        write_safetensors(directory / f"rank{self.rank}.safetensors", tensors, {"gapmon": json.dumps(header)})
+        if self.rank == 0:
+            self._complete(directory, [f"rank{r}.safetensors" for r in range(self.world)])
+
+    def _gather_sampled(self, grads) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        n = self.save_first_n
+        tensors, shapes = {}, {}
+        for name, g in grads:  # one parameter at a time: memory bounded by the largest gradient
+            full = g.full_tensor() if _is_dtensor(g) else g
+            if self.rank == 0:
+                piece = full[tuple(slice(0, min(n, s)) for s in full.shape)] if full.dim() else full
+                tensors[name] = piece.detach().to("cpu", copy=True).contiguous()
+                shapes[name] = list(full.shape)
+            del full
+        return tensors, shapes
+
+    def _write_sampled(self, step: int, tensors: dict[str, torch.Tensor], shapes: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        directory = step_dir(self.save_dir, step)
+        header = {"format_version": FORMAT_VERSION, "step": step, "save_first_n": self.save_first_n,
+                  "global_shapes": shapes}
+        write_safetensors(directory / "sampled.safetensors", tensors, {"gapmon": json.dumps(header)})
+        self._complete(directory, ["sampled.safetensors"])
+
+    def _dump_full(self, step: int, grads) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self._wait()
+        directory = step_dir(self.save_dir, step)
+        target = directory / "full"
+        tmp = directory / ".full.tmp"
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        state = {name: g.detach() for name, g in grads}
+        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True, enable_consolidation=False)
+        dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:
+            os.replace(tmp, target)
+            write_json(directory / "full_index.json", {name: {"shape": list(g.shape), "dtype": str(g.dtype)}
+                                                       for name, g in grads})
+            self._complete(directory, ["full", "full_index.json"])
+
+    def _complete(self, directory: Path, expected: list[str], timeout: float = 600.0) -> None:
+        """Writes COMPLETE once every expected file is in place (rank 0)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = [f for f in expected if not (directory / f).exists()]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"GradientDumper: {directory} is still missing {missing} after {timeout:.0f}s; "
+                                   "step left incomplete")
+            time.sleep(0.01)
+        write_json(directory / "COMPLETE", {"files": expected, "format_version": FORMAT_VERSION})
+
+    # ----------------------------------------------------------------- background writes
+    def _submit(self, fn, *args) -> None:
+        if not self.async_write:
+            self._run(fn, *args)
+            return
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=1)  # at most one step waiting: bounded host memory
+            self._thread = threading.Thread(target=self._worker, name="gapmon-dump", daemon=True)
+            self._thread.start()
+        self._queue.put((fn, args))
+
+    def _run(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as e:
+            raise OSError(e.errno, f"GradientDumper: writing gradients under {self.save_dir} failed: {e.strerror or e}; "
+                                   "earlier steps are intact") from e
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            fn, args = item
+            try:
+                if self._error is None:
+                    self._run(fn, *args)
+            except BaseException as e:  # re-raised on the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _wait(self) -> None:
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Waits for pending writes; raises the first background error, if any."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._thread is not None:
+            self._queue.join()
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_background_error()
+
+    def __enter__(self) -> "GradientDumper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,252 @@
+"""Full gradients from a GradientDumper directory, for every dump mode.
+
+`reconstruct_gradients(grad_dir, step)` returns {name: full tensor}. Shards are placed at their
+recorded offsets (uneven and empty shards included) and checked against the recorded global
+shape; HSDP uses replica 0, and `verify=True` rebuilds every replica and compares them.
+Anything missing, incomplete, corrupt or inconsistent raises DumpError naming what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .dump import step_dir
+from .safe_io import write_json
+
+
+class DumpError(Exception):
+    """A gradient dump cannot be read as asked (missing, incomplete, corrupt or inconsistent)."""
+
+
+def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
+    """(complete steps, incomplete steps) found under grad_dir, sorted."""
+    grad_dir = Path(grad_dir)
+    if not grad_dir.is_dir():
+        raise DumpError(f"gradient directory {grad_dir} does not exist")
+    complete, incomplete = [], []
+    for d in grad_dir.glob("step*"):
+        if d.is_dir() and d.name[4:].isdigit():
+            (complete if (d / "COMPLETE").exists() else incomplete).append(int(d.name[4:]))
+    return sorted(complete), sorted(incomplete)
+
+
+def _read_config(grad_dir: Path) -> dict[str, Any]:
+    path = grad_dir / "config.json"
+    if not path.exists():
+        raise DumpError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path} is corrupt: {e}") from e
+
+
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for truncated or garbled files
+        raise DumpError(f"{path} is corrupt or truncated: {e}") from e
+
+
+def _header(handle, path: Path) -> dict[str, Any]:
+    meta = handle.metadata() or {}
+    if "gapmon" not in meta:
+        raise DumpError(f"{path} has no gapmon metadata: not written by GradientDumper")
+    return json.loads(meta["gapmon"])
+
+
+def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[int], dtype, where: str) -> torch.Tensor:
+    """Assembles a tensor of `shape` from (offsets, piece) pairs; every element must be covered once."""
+    full = torch.empty(shape, dtype=dtype)
+    covered = 0
+    for offsets, piece in pieces:
+        if piece.numel() == 0:
+            continue
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+        target = full[index]
+        if list(target.shape) != list(piece.shape):
+            raise DumpError(f"{where}: shard of '{name}' with shape {list(piece.shape)} at offsets {offsets} does not "
+                            f"fit the global shape {shape}")
+        target.copy_(piece)
+        covered += piece.numel()
+    if covered != full.numel():
+        raise DumpError(f"{where}: shards of '{name}' cover {covered} of {full.numel()} elements of shape {shape}")
+    return full
+
+
+def _replica_of(record: dict[str, Any]) -> int:
+    """Index of the replica group a rank belongs to (its coordinates on replicated mesh dims)."""
+    replica = 0
+    for placement, size, coord in zip(record["placements"], record["mesh_shape"], record["coordinate"]):
+        if placement in ("R", "P"):
+            replica = replica * size + coord
+    return replica
+
+
+def _load_shards(directory: Path, config: dict[str, Any], verify: bool,
+                 progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
+    world = int(config["world_size"])
+    missing = [r for r in range(world) if not (directory / f"rank{r}.safetensors").exists()]
+    if missing:
+        raise DumpError(f"{directory}: missing rank file(s) {', '.join(f'rank{r}.safetensors' for r in missing)} "
+                        f"of a world of {world}")
+    handles, headers = [], []
+    for r in range(world):
+        path = directory / f"rank{r}.safetensors"
+        h = _open_safetensors(path)
+        handles.append(h)
+        headers.append(_header(h, path))
+    names = list(headers[0]["tensors"])
+    for r, header in enumerate(headers):
+        if list(header["tensors"]) != names:
+            raise DumpError(f"{directory}: rank {r} holds different gradients than rank 0")
+    out = {}
+    for i, name in enumerate(names):
+        by_replica: dict[int, list[tuple[list[int], torch.Tensor]]] = {}
+        rec0 = headers[0]["tensors"][name]
+        for r in range(world):
+            rec = headers[r]["tensors"][name]
+            if rec["global_shape"] != rec0["global_shape"]:
+                raise DumpError(f"{directory}: rank {r} records shape {rec['global_shape']} for '{name}', rank 0 "
+                                f"{rec0['global_shape']}")
+            piece = handles[r].get_tensor(name)
+            if list(piece.shape) != rec["local_shape"]:
+                raise DumpError(f"{directory}: rank {r} stores '{name}' with shape {list(piece.shape)}, its header says "
+                                f"{rec['local_shape']}")
+            by_replica.setdefault(_replica_of(rec), []).append((rec["offsets"], piece))
+        replicas = sorted(by_replica)
+        where = str(directory)
+        full = _place(name, by_replica[replicas[0]], rec0["global_shape"], by_replica[replicas[0]][0][1].dtype, where)
+        if verify:
+            for rep in replicas[1:]:
+                other = _place(name, by_replica[rep], rec0["global_shape"], full.dtype, where)
+                if not torch.equal(other, full):
+                    diff = (other.double() - full.double()).abs().max().item()
+                    raise DumpError(f"{directory}: replica {rep} of '{name}' differs from replica {replicas[0]} "
+                                    f"(max abs difference {diff:.3g})")
+        out[name] = full
+        if progress:
+            progress(i + 1, len(names))
+    return out
+
+
+def _load_sampled(directory: Path) -> dict[str, torch.Tensor]:
+    path = directory / "sampled.safetensors"
+    if not path.exists():
+        raise DumpError(f"{directory}: sampled.safetensors is missing")
+    h = _open_safetensors(path)
+    _header(h, path)
+    return {name: h.get_tensor(name) for name in h.keys()}
+
+
+def _load_full(directory: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    index_path = directory / "full_index.json"
+    if not (directory / "full").is_dir() or not index_path.exists():
+        raise DumpError(f"{directory}: the distributed checkpoint (full/ and full_index.json) is missing")
+    index = json.loads(index_path.read_text())
+    state = {name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].replace("torch.", "")))
+             for name, info in index.items()}
+    try:
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory / "full")), no_dist=True)
+    except Exception as e:
+        raise DumpError(f"{directory}/full cannot be loaded: {e}") from e
+    return state
+
+
+def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
+                          progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """The full gradients of `step` from a GradientDumper directory (any mode)."""
+    grad_dir = Path(grad_dir)
+    config = _read_config(grad_dir)
+    directory = step_dir(grad_dir, step)
+    if not directory.is_dir():
+        complete, _ = list_steps(grad_dir)
+        raise DumpError(f"step {step} was not dumped under {grad_dir} (complete steps: {complete or 'none'})")
+    if not (directory / "COMPLETE").exists():
+        present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+        raise DumpError(f"step {step} is incomplete: {directory}/COMPLETE is missing (present: {present or 'nothing'})")
+    mode = config.get("mode", "shards")
+    if mode == "shards":
+        return _load_shards(directory, config, verify, progress)
+    if mode == "sampled":
+        return _load_sampled(directory)
+    if mode == "full":
+        return _load_full(directory)
+    raise DumpError(f"{grad_dir}/config.json names an unknown mode {mode!r}")
+
+
+def _safe_filename(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path, step: int, config: dict[str, Any],
+                         skip_individual: bool = False, fmt: str = "safetensors") -> list[Path]:
+    """Writes step{N}_{param}.safetensors, step{N}_all_gradients.safetensors (.pt with fmt="pt") and
+    step{N}_metadata.json. Files are staged in a temporary directory and moved into output_dir only
+    once all are written, so a failure leaves output_dir as it was."""
+    from safetensors.torch import save_file
+
+    from .ops import multi_tensor_stats
+
+    if fmt not in ("safetensors", "pt"):
+        raise ValueError(f"format must be 'safetensors' or 'pt', got {fmt!r}")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    names = list(grads)
+    stats = multi_tensor_stats([grads[n] for n in names]) if names else None
+    params = {}
+    for i, name in enumerate(names):
+        params[name] = {"shape": list(grads[name].shape), "dtype": str(grads[name].dtype).replace("torch.", ""),
+                        "norm": float(stats.norm[i]), "max_abs": float(stats.max_abs[i]),
+                        "mean": float(stats.mean[i]), "var": float(stats.var[i])}
+    metadata = {"step": step, "parallel_type": config.get("parallel_type", "single"),
+                "world_size": config.get("world_size", 1), "parameters": params,
+                "parameter_norms": {n: p["norm"] for n, p in params.items()}}
+    staging = Path(tempfile.mkdtemp(prefix=".reconstruct-", dir=output_dir))
+    try:
+        written = []
+        contiguous = {n: t.contiguous() for n, t in grads.items()}
+        if not skip_individual:
+            for name, t in contiguous.items():
+                written.append(f"step{step}_{_safe_filename(name)}.safetensors")
+                save_file({name: t}, str(staging / written[-1]))
+        written.append(f"step{step}_all_gradients.safetensors")
+        save_file(contiguous, str(staging / written[-1]))
+        if fmt == "pt":
+            written.append(f"step{step}_all_gradients.pt")
+            torch.save(contiguous, staging / written[-1])
+        written.append(f"step{step}_metadata.json")
+        write_json(staging / written[-1], metadata)
+        final = []
+        for name in written:
+            (staging / name).replace(output_dir / name)
+            final.append(output_dir / name)
+        return final
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class Progress:
+    """A one-line progress bar on stderr for long reconstructions (silent when quiet or not a tty)."""
+
+    def __init__(self, label: str, quiet: bool = False):
+        self.label, self.quiet = label, quiet or not sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
