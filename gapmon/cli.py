@@ -58,8 +58,25 @@ def _time(fn, device: str, reps: int = 5) -> float:
     return best
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(nproc=args.nproc, steps=args.steps, device=args.device, out=args.out,
+                        dump_every=args.dump_every, hsdp=args.hsdp, quiet=args.quiet))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import make_report
+
+    path = make_report(args.run_dir)
+    print(f"report written to {path}")
+    return 0
+
+
 def _reconstruct(args: argparse.Namespace) -> int:
-    from .reconstruct import Progress, _read_config, reconstruct_gradients, write_reconstruction
+    from .progress import Progress
+    from .reconstruct import _read_config, reconstruct_gradients, write_reconstruction
 
     progress = Progress(f"step {args.step}", quiet=args.quiet)
     grads = reconstruct_gradients(args.grad_dir, args.step, verify=args.verify, progress=progress)
@@ -109,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
         return add(name, parents=[common], **kwargs)
 
     sub.add_parser = add_parser
+    p = sub.add_parser("demo", help="train a small GPT with FSDP2 and every gapmon feature, then report")
+    p.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", default="gapmon-demo", help="run directory (must be new or empty)")
+    p.add_argument("--dump-every", type=int, default=5, help="dump gradients every K steps")
+    p.add_argument("--hsdp", action="store_true", help="2-D mesh: 2 replicas x nproc/2 shards")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_demo)
+    p = sub.add_parser("report", help="plots and a markdown summary of a run directory")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_report)
     p = sub.add_parser("info", help="show the active backend and instruction set")
     p.set_defaults(func=_info)
     p = sub.add_parser("example", help="statistics of a few tensors, checked and timed")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -233,20 +232,3 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
         return final
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-class Progress:
-    """A one-line progress bar on stderr for long reconstructions (silent when quiet or not a tty)."""
-
-    def __init__(self, label: str, quiet: bool = False):
-        self.label, self.quiet = label, quiet or not sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.quiet:
-            return
-        width = 30
-        filled = int(width * done / max(total, 1))
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()

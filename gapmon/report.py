@@ -1,0 +1,169 @@
+"""`gapmon report RUN_DIR`: plots and a short markdown summary of a monitored run.
+
+Reads RUN_DIR/metrics.jsonl (GAPMonitor), and when present RUN_DIR/train.jsonl (loss per step)
+and RUN_DIR/per_sample_norms.jsonl (per-sample gradient norms per step). Writes PNGs and
+RUN_DIR/report/report.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    prefix = f"gap/{kind}/"
+    suffix = f"/{field}"
+    for r in records:
+        for key, value in r.items():
+            if key.startswith(prefix) and key.endswith(suffix) and isinstance(value, (int, float)):
+                out[key[len(prefix):-len(suffix)]].append((r["step"], float(value)))
+    return dict(out)
+
+
+def global_grad_norms(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """sqrt(sum over parameters of gradient norm^2) per step."""
+    norms = _series(records, "grads", "norm")
+    by_step: dict[int, float] = defaultdict(float)
+    for values in norms.values():
+        for step, v in values:
+            by_step[step] += v * v
+    return sorted((s, math.sqrt(v)) for s, v in by_step.items())
+
+
+def anomalies(records: list[dict[str, Any]], spike: float = 10.0) -> list[tuple[int, str, str]]:
+    """(step, tensor, what): non-finite values, and gradient norms above `spike` x their median."""
+    found = []
+    for r in records:
+        for key, value in r.items():
+            if key.startswith("gap/") and key.endswith("/nonfinite") and isinstance(value, (int, float)) and value > 0:
+                found.append((r["step"], key[4:-10], f"{int(value)} non-finite values"))
+    for name, values in _series(records, "grads", "norm").items():
+        finite = sorted(v for _, v in values if math.isfinite(v))
+        if len(finite) < 3:
+            continue
+        median = finite[len(finite) // 2]
+        for step, v in values:
+            if median > 0 and v > spike * median:
+                found.append((step, f"grads/{name}", f"norm {v:.3g} = {v / median:.0f}x its median"))
+    return sorted(found)
+
+
+def make_report(run_dir: str | Path) -> Path:
+    """Writes the plots and report.md under RUN_DIR/report; returns the markdown path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    run_dir = Path(run_dir)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    if not records:
+        raise FileNotFoundError(f"{run_dir}/metrics.jsonl is missing or empty: not a GAPMonitor run directory")
+    out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images = []
+
+    # 1. Gradient-norm heat map: layers x steps, log scale.
+    grad_norms = _series(records, "grads", "norm")
+    steps = sorted({r["step"] for r in records})
+    names = list(grad_norms)
+    grid = np.full((len(names), len(steps)), np.nan)
+    col = {s: i for i, s in enumerate(steps)}
+    for i, name in enumerate(names):
+        for step, v in grad_norms[name]:
+            grid[i, col[step]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
+    fig, ax = plt.subplots(figsize=(max(6, len(steps) * 0.35 + 3), max(4, len(names) * 0.22 + 1.5)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xticks(range(len(steps)), steps, fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title("Gradient norm per parameter (log10)")
+    fig.colorbar(im, ax=ax, label="log10 ||grad||")
+    fig.tight_layout()
+    fig.savefig(out / "grad_norm_heatmap.png", dpi=110)
+    plt.close(fig)
+    images.append(("Gradient norm per parameter", "grad_norm_heatmap.png"))
+
+    # 2. Activation max over steps (the 12 modules with the largest values).
+    act_max = _series(records, "activations", "max")
+    top = sorted(act_max, key=lambda n: -max((v for _, v in act_max[n] if math.isfinite(v)), default=0))[:12]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in top:
+        xs, ys = zip(*act_max[name])
+        ax.plot(xs, ys, label=name, linewidth=1.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max |activation|")
+    ax.set_title("Activation max over steps (largest 12 modules)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "activation_max.png", dpi=110)
+    plt.close(fig)
+    images.append(("Activation max", "activation_max.png"))
+
+    # 3. Loss and global gradient norm.
+    train = read_jsonl(run_dir / "train.jsonl")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    gn = global_grad_norms(records)
+    if gn:
+        ax.plot(*zip(*gn), color="tab:blue", label="global grad norm")
+    ax.set_xlabel("step")
+    ax.set_ylabel("global gradient norm", color="tab:blue")
+    ax.set_yscale("log")
+    if train:
+        ax2 = ax.twinx()
+        ax2.plot([t["step"] for t in train], [t["loss"] for t in train], color="tab:red", label="loss")
+        ax2.set_ylabel("loss", color="tab:red")
+    ax.set_title("Loss and global gradient norm")
+    fig.tight_layout()
+    fig.savefig(out / "loss_grad_norm.png", dpi=110)
+    plt.close(fig)
+    images.append(("Loss and global gradient norm", "loss_grad_norm.png"))
+
+    # 4. Per-sample gradient norms.
+    per_sample = read_jsonl(run_dir / "per_sample_norms.jsonl")
+    if per_sample:
+        values = [v for r in per_sample for v in r["norms"] if math.isfinite(v)]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.hist(values, bins=40, color="tab:green")
+        ax.set_xlabel("per-sample gradient norm")
+        ax.set_ylabel("samples")
+        ax.set_title(f"Per-sample gradient norms ({len(values)} samples over {len(per_sample)} steps)")
+        fig.tight_layout()
+        fig.savefig(out / "per_sample_norms.png", dpi=110)
+        plt.close(fig)
+        images.append(("Per-sample gradient norms", "per_sample_norms.png"))
+
+    found = anomalies(records)
+    lines = [f"# gapmon report: {run_dir.name}", "",
+             f"{len(records)} monitored steps ({steps[0]}..{steps[-1]}), {len(names)} parameters.", ""]
+    if train:
+        lines.append(f"Loss: {train[0]['loss']:.4f} at step {train[0]['step']} -> {train[-1]['loss']:.4f} "
+                     f"at step {train[-1]['step']}.")
+        lines.append("")
+    lines += ["## Anomalies", ""]
+    if found:
+        lines += ["| step | tensor | what |", "| ---: | --- | --- |"]
+        lines += [f"| {s} | {t} | {w} |" for s, t, w in found[:50]]
+        if len(found) > 50:
+            lines.append(f"\n({len(found) - 50} more)")
+    else:
+        lines.append("None: no non-finite values, no gradient-norm spikes (> 10x a parameter's median).")
+    lines.append("")
+    for title, image in images:
+        lines += [f"## {title}", "", f"![{title}]({image})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
