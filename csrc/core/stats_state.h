@@ -184,6 +184,30 @@ GAPMON_HD void finalize(const State<acc_t>& s, int64_t correction, out_t* out) {
   out[kZeros] = static_cast<out_t>(s.zeros);
 }
 
+// A State as a row of kNumStateColumns doubles (the layout exchanged between ranks), and back.
+template <typename acc_t>
+GAPMON_HD void store_state(const State<acc_t>& s, double* row) {
+  row[sCount] = s.count;
+  row[sMean] = s.mean;
+  row[sM2] = s.m2;
+  row[sMaxAbs] = s.max_abs;
+  row[sSumSq] = s.sumsq;
+  row[sNonfinite] = s.nonfinite;
+  row[sZeros] = s.zeros;
+}
+
+GAPMON_HD State<double> load_state(const double* row) {
+  State<double> s;
+  s.count = row[sCount];
+  s.mean = row[sMean];
+  s.m2 = row[sM2];
+  s.max_abs = row[sMaxAbs];
+  s.sumsq = row[sSumSq];
+  s.nonfinite = row[sNonfinite];
+  s.zeros = row[sZeros];
+  return s;
+}
+
 // Folds one finalised statistics row (one instance) into an accumulator row.
 template <typename stat_t, typename acc_t>
 GAPMON_HD void accumulate_instance(const stat_t* stats, acc_t* acc) {

@@ -49,14 +49,25 @@ inline int64_t plan_chunks(StridedView* views, int64_t num_views) {
   return next;
 }
 
-// Index of the view that owns global chunk `chunk` (views are ordered by first_chunk).
-GAPMON_HD int64_t find_view(const StridedView* views, int64_t num_views, int64_t chunk) {
+// Index of the last view whose `field` is <= value (views are sorted by that field).
+GAPMON_HD int64_t last_view_at_most(const StridedView* views, int64_t num_views, int64_t StridedView::*field,
+                                    int64_t value) {
   int64_t lo = 0, hi = num_views - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (views[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
+    if (views[mid].*field <= value) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// Index of the view that owns global chunk `chunk`.
+GAPMON_HD int64_t find_view(const StridedView* views, int64_t num_views, int64_t chunk) {
+  return last_view_at_most(views, num_views, &StridedView::first_chunk, chunk);
+}
+
+// Index of the view that owns output row `row`.
+GAPMON_HD int64_t find_view_by_row(const StridedView* views, int64_t num_views, int64_t row) {
+  return last_view_at_most(views, num_views, &StridedView::out_row, row);
 }
 
 // Walks the runs of elements along the innermost dim that lie in the logical element range

@@ -74,27 +74,10 @@ at::Tensor states_to_tensor(const std::vector<State<double>>& states) {
   at::Tensor t = at::empty({static_cast<int64_t>(states.size()), core::kNumStateColumns}, at::kDouble);
   double* p = t.data_ptr<double>();
   for (const auto& s : states) {
-    *p++ = s.count;
-    *p++ = s.mean;
-    *p++ = s.m2;
-    *p++ = s.max_abs;
-    *p++ = s.sumsq;
-    *p++ = s.nonfinite;
-    *p++ = s.zeros;
+    core::store_state(s, p);
+    p += core::kNumStateColumns;
   }
   return t;
-}
-
-State<double> state_from_row(const double* p) {
-  State<double> s;
-  s.count = p[core::sCount];
-  s.mean = p[core::sMean];
-  s.m2 = p[core::sM2];
-  s.max_abs = p[core::sMaxAbs];
-  s.sumsq = p[core::sSumSq];
-  s.nonfinite = p[core::sNonfinite];
-  s.zeros = p[core::sZeros];
-  return s;
 }
 
 at::Tensor finalize_all(const std::vector<State<double>>& states, int64_t correction) {
@@ -147,7 +130,7 @@ at::Tensor merge_states_cpu(const at::Tensor& states) {
   const double* p = s.data_ptr<double>();
   for (int64_t r = 0; r < parts; ++r) {
     for (int64_t i = 0; i < n; ++i) {
-      merged[i] = core::merge(merged[i], state_from_row(p + (r * n + i) * core::kNumStateColumns));
+      merged[i] = core::merge(merged[i], core::load_state(p + (r * n + i) * core::kNumStateColumns));
     }
   }
   return states_to_tensor(merged);
@@ -158,7 +141,7 @@ at::Tensor finalize_states_cpu(const at::Tensor& states, int64_t correction) {
   TORCH_CHECK_VALUE(states.dim() == 2, "gapmon.finalize_states: expected [tensors, 7] states, got ", states.sizes());
   const at::Tensor s = states.contiguous();
   std::vector<State<double>> rows(s.size(0));
-  for (int64_t i = 0; i < s.size(0); ++i) rows[i] = state_from_row(s.data_ptr<double>() + i * core::kNumStateColumns);
+  for (int64_t i = 0; i < s.size(0); ++i) rows[i] = core::load_state(s.data_ptr<double>() + i * core::kNumStateColumns);
   return finalize_all(rows, correction);
 }
 

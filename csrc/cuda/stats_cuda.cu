@@ -91,28 +91,6 @@ __device__ State<double> block_merge(State<double> s) {
   return s;
 }
 
-__device__ __forceinline__ void store_state(const State<double>& s, double* out) {
-  out[core::sCount] = s.count;
-  out[core::sMean] = s.mean;
-  out[core::sM2] = s.m2;
-  out[core::sMaxAbs] = s.max_abs;
-  out[core::sSumSq] = s.sumsq;
-  out[core::sNonfinite] = s.nonfinite;
-  out[core::sZeros] = s.zeros;
-}
-
-__device__ __forceinline__ State<double> load_state(const double* p) {
-  State<double> s;
-  s.count = p[core::sCount];
-  s.mean = p[core::sMean];
-  s.m2 = p[core::sM2];
-  s.max_abs = p[core::sMaxAbs];
-  s.sumsq = p[core::sSumSq];
-  s.nonfinite = p[core::sNonfinite];
-  s.zeros = p[core::sZeros];
-  return s;
-}
-
 // One run of `len` elements with element stride `stride`; unit-stride runs use 16-byte loads on
 // the aligned body and scalar loads on the head and tail.
 template <typename T>
@@ -151,15 +129,6 @@ __device__ State<double> chunk_state(const StridedView& v, int64_t item, int64_t
   return acc.state;
 }
 
-__device__ int64_t find_view_by_row(const StridedView* views, int64_t num_views, int64_t row) {
-  int64_t lo = 0, hi = num_views - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (views[mid].out_row <= row) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 __global__ void __launch_bounds__(kThreads) chunk_kernel(const StridedView* views, int64_t num_views,
                                                          int64_t total_chunks, double* chunk_states) {
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
@@ -176,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(const StridedView* view
       case DType::kBFloat16: s = chunk_state<__nv_bfloat16>(v, item, lo, hi); break;
     }
     s = block_merge(s);
-    if (threadIdx.x == 0) store_state(s, chunk_states + c * core::kNumStateColumns);
+    if (threadIdx.x == 0) core::store_state(s, chunk_states + c * core::kNumStateColumns);
     __syncthreads();  // warp_states is reused by the next chunk of this block
   }
 }
@@ -186,29 +155,29 @@ __global__ void merge_items_kernel(const StridedView* views, int64_t num_views, 
                                    int64_t correction) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (row >= rows) return;
-  const StridedView& v = views[find_view_by_row(views, num_views, row)];
+  const StridedView& v = views[core::find_view_by_row(views, num_views, row)];
   const int64_t first = v.first_chunk + (row - v.out_row) * v.chunks_per_item;
   State<double> s;
   for (int64_t k = 0; k < v.chunks_per_item; ++k) {
-    s = core::merge(s, load_state(chunk_states + (first + k) * core::kNumStateColumns));
+    s = core::merge(s, core::load_state(chunk_states + (first + k) * core::kNumStateColumns));
   }
   s = core::repeat(s, double(v.repeat));
   if (out_stats != nullptr) core::finalize(s, correction, out_stats + row * core::kNumStats);
-  if (out_states != nullptr) store_state(s, out_states + row * core::kNumStateColumns);
+  if (out_states != nullptr) core::store_state(s, out_states + row * core::kNumStateColumns);
 }
 
 __global__ void merge_states_kernel(const double* states, int64_t parts, int64_t n, double* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   State<double> s;
-  for (int64_t r = 0; r < parts; ++r) s = core::merge(s, load_state(states + (r * n + i) * core::kNumStateColumns));
-  store_state(s, out + i * core::kNumStateColumns);
+  for (int64_t r = 0; r < parts; ++r) s = core::merge(s, core::load_state(states + (r * n + i) * core::kNumStateColumns));
+  core::store_state(s, out + i * core::kNumStateColumns);
 }
 
 __global__ void finalize_states_kernel(const double* states, int64_t n, int64_t correction, float* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
-  core::finalize(load_state(states + i * core::kNumStateColumns), correction, out + i * core::kNumStats);
+  core::finalize(core::load_state(states + i * core::kNumStateColumns), correction, out + i * core::kNumStats);
 }
 
 // One thread, rows in order: instance counts are small (a batch), and the order is fixed.
