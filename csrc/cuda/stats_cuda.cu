@@ -43,23 +43,37 @@ template <> struct Elem<__nv_bfloat16> {
 };
 
 // A thread's running state plus the shifted sums of its current group (core math throughout).
+// The first group has no running mean to shift by, so it is summed in double, where the shift
+// (its first element) cannot cause cancellation; later groups shift by the running mean in the
+// block precision.
 template <typename block_t>
 struct ThreadAcc {
   State<double> state;
   block_t shift = 0, s1 = 0, s2 = 0, sq = 0, mx = 0;
+  double first_shift = 0, f1 = 0, f2 = 0, fsq = 0, fmx = 0;
   int32_t nonfinite = 0, zeros = 0, n = 0;
 
   __device__ __forceinline__ void push(block_t x, block_t largest) {
-    if (n == 0) shift = core::block_shift(state, x);
-    core::accumulate<block_t>(x, shift, largest, s1, s2, sq, mx, nonfinite, zeros);
+    if (state.count == 0) {
+      if (n == 0) first_shift = core::block_shift(state, double(x));
+      core::accumulate<double>(double(x), first_shift, 1.7976931348623157e308, f1, f2, fsq, fmx, nonfinite, zeros);
+    } else {
+      if (n == 0) shift = core::block_shift(state, x);
+      core::accumulate<block_t>(x, shift, largest, s1, s2, sq, mx, nonfinite, zeros);
+    }
     if (++n == kGroup) flush();
   }
 
   __device__ __forceinline__ void flush() {
     if (n == 0) return;
-    state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, double(s1), double(s2),
-                                                                      double(sq), mx, double(nonfinite),
-                                                                      double(zeros)));
+    if (state.count == 0) {
+      state = core::block_to_state<double, double>(double(n), first_shift, f1, f2, fsq, fmx, double(nonfinite),
+                                                   double(zeros));
+    } else {
+      state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, double(s1), double(s2),
+                                                                        double(sq), mx, double(nonfinite),
+                                                                        double(zeros)));
+    }
     s1 = s2 = sq = mx = 0;
     nonfinite = zeros = n = 0;
   }

@@ -1,0 +1,100 @@
+"""The CUDA kernels against float64 oracles (skipped without a GPU and CUDA kernels)."""
+import pytest
+import torch
+
+import gapmon
+from helpers import assert_stats_match, float64_stats
+from test_tensor_stats import DTYPES, _layouts
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or gapmon.backend() != "cuda", reason="needs a GPU and CUDA kernels"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensor_stats_matches_float64(dtype):
+    for name, x in _layouts(dtype):
+        x = x.cuda()
+        got = gapmon.tensor_stats(x)
+        assert got.mean.device.type == "cuda"
+        assert_stats_match(got, float64_stats(x.cpu()), where=f"cuda/{dtype}/{name}")
+
+
+def test_numerical_cancellation_2_26():
+    x = torch.randn(2**26, device="cuda") + 1000.0
+    want = torch.var(x.double()).item()
+    assert abs(gapmon.tensor_stats(x).var.item() - want) / want <= 1e-5
+
+
+def test_outlying_first_elements():
+    x = torch.randn(1_000_000, device="cuda") * 1e-3 + 1e4
+    x[::4096] = 0.0  # every chunk and many threads start on an outlier
+    assert_stats_match(gapmon.tensor_stats(x), float64_stats(x.cpu()))
+
+
+def test_nan_inf_empty():
+    x = torch.randn(100_000, device="cuda")
+    x[77] = float("nan")
+    s = gapmon.tensor_stats(x)
+    assert torch.isnan(s.mean) and torch.isnan(s.max_abs) and s.nonfinite.item() == 1
+    e = gapmon.tensor_stats(torch.empty(0, device="cuda"))
+    assert e.count.item() == 0 and torch.isnan(e.mean) and e.norm.item() == 0
+
+
+def test_instance_and_multi():
+    x = torch.randn(300, 70, device="cuda").bfloat16()
+    got = gapmon.instance_stats(x)
+    for b in (0, 150, 299):
+        assert_stats_match(gapmon.Stats(*(f[b] for f in got)), float64_stats(x[b].cpu()))
+    xs = [torch.randn(n, device="cuda") for n in (1, 5, 70_000, 200_001)] + [torch.empty(0, device="cuda")]
+    m = gapmon.multi_tensor_stats(xs)
+    for i, t in enumerate(xs):
+        assert_stats_match(gapmon.Stats(*(f[i] for f in m)), float64_stats(t.cpu()))
+
+
+def test_deterministic_bits():
+    x = torch.randn(50_000_001, device="cuda")
+    a = gapmon.tensor_stats(x).rows().view(torch.int32)
+    b = gapmon.tensor_stats(x).rows().view(torch.int32)
+    assert torch.equal(a, b)
+
+
+def test_matches_cpu_kernels():
+    x = torch.randn(3_000_000) * 5 + 2
+    torch.testing.assert_close(gapmon.tensor_stats(x.cuda()).rows().cpu(), gapmon.tensor_stats(x).rows(), rtol=1e-5, atol=1e-6)
+
+
+def test_compile_reduce_overhead():
+    def f(w, a):
+        return gapmon.tensor_stats(w).norm + gapmon.instance_stats(a).max_abs.sum()
+
+    w, a = torch.randn(1024, 512, device="cuda"), torch.randn(8, 4096, device="cuda")
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        out = compiled(w, a)
+    torch.testing.assert_close(out, f(w, a))
+
+
+def test_opcheck_cuda():
+    x = torch.randn(6, 5, device="cuda")
+    torch.library.opcheck(torch.ops.gapmon.tensor_stats.default, (x, 1))
+    torch.library.opcheck(torch.ops.gapmon.multi_tensor_stats.default, ([x, x.t().half()], 1))
+    torch.library.opcheck(torch.ops.gapmon.instance_stats.default, (x, 1))
+
+
+def test_monitor_on_cuda():
+    from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+    from helpers import assert_metrics_close, brute_force_gap_metrics
+
+    cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).cuda()
+    x, y = synthetic_batch(cfg, 6, 0, device="cuda")
+    want = brute_force_gap_metrics(model, lambda: lm_loss(model(x), y, reduction="sum").backward())
+    model.zero_grad()
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=6)
+        lm_loss(model(x), y, reduction="sum").backward()
+        got = mon.end_step()
+    assert_metrics_close(got, want, rtol=1e-4, atol=1e-6)
