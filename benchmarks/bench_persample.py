@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 MODES = ("plain", "gapmon", "vmap", "loop")
 
 
-def _config():
+def _config(d_model: int = 256):
     from gapmon.examples import GPTConfig
 
-    return GPTConfig(vocab_size=4096, seq_len=64, d_model=256, n_heads=4, n_layers=4), 32
+    return GPTConfig(vocab_size=4096, seq_len=64, d_model=d_model, n_heads=4, n_layers=4), 32
 
 
 def _peak_bytes(device: str) -> int:
@@ -35,13 +35,13 @@ def _peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(mode: str, device: str, steps: int) -> dict:
+def measure(mode: str, device: str, steps: int, d_model: int) -> dict:
     """Runs one mode in this process: median seconds per step and peak memory beyond the model."""
     import gapmon
     from gapmon.examples import TinyGPT, lm_loss, synthetic_batch
     from helpers_bench import vmap_norms
 
-    cfg, batch = _config()
+    cfg, batch = _config(d_model)
     torch.manual_seed(0)
     model = TinyGPT(cfg).to(device)
     x, y = synthetic_batch(cfg, batch, 0, device=device)
@@ -87,22 +87,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--d-model", type=int, default=256, help="model width (GPT-style, 4 layers)")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.mode:
-        print(json.dumps(measure(args.mode, args.device, args.steps)))
+        print(json.dumps(measure(args.mode, args.device, args.steps, args.d_model)))
         return
     from bench_stats import machine
 
     info = machine(args.device)
-    cfg, batch = _config()
+    cfg, batch = _config(args.d_model)
     print(f"# per-sample gradient norms on {info['device']} / {info['cpu']}, torch {info['torch']}")
     print(f"model: {cfg}, batch {batch}")
     results = {}
     for mode in MODES:
         proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--device", args.device,
-                               "--steps", str(args.steps)], capture_output=True, text=True, env=dict(os.environ))
+                               "--steps", str(args.steps), "--d-model", str(args.d_model)], capture_output=True, text=True, env=dict(os.environ))
         if proc.returncode != 0:
             results[mode] = {"mode": mode, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
         else:
@@ -123,7 +124,7 @@ def main() -> None:
     table = "\n".join(rows)
     print("\n" + table)
     name = "cpu-" + info["host"] if args.device == "cpu" else info["device"].replace(" ", "-").lower()
-    out = Path(args.out or Path(__file__).parent / "results" / f"persample-{name}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / f"persample-{name}-d{args.d_model}.json")
     out.write_text(json.dumps({"machine": info, "config": cfg.__dict__, "batch": batch, "results": results,
                                "table": table}, indent=2))
     print(f"wrote {out}")
