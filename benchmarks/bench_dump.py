@@ -46,25 +46,34 @@ def main() -> None:
     for mode, async_write, kwargs in cases:
         save = root / f"{mode}-{'async' if async_write else 'sync'}"
         shutil.rmtree(save, ignore_errors=True)
+        calls = []
         with gapmon.GradientDumper(model, save, mode=mode, async_write=async_write, **kwargs) as dumper:
+            for step in range(3):  # the first async dumps also allocate the two staging sets
+                t0 = time.perf_counter()
+                dumper.maybe_dump(step)
+                calls.append(time.perf_counter() - t0)
+                dumper._wait()
+                if step == 0:
+                    total = time.perf_counter() - t0
+        blocking = calls[-1]
+        rec = float("inf")
+        for _ in range(2):  # the best of two: the first pays for faulting in fresh host memory
             t0 = time.perf_counter()
-            dumper.maybe_dump(0)
-            blocking = time.perf_counter() - t0
-        total = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        grads = gapmon.reconstruct_gradients(save, 0)
-        rec = time.perf_counter() - t0
+            grads = gapmon.reconstruct_gradients(save, 2)
+            rec = min(rec, time.perf_counter() - t0)
         rec_bytes = sum(g.numel() * g.element_size() for g in grads.values())
-        row = {"mode": mode, "async": async_write, "blocking_s": blocking, "until_on_disk_s": total,
+        row = {"mode": mode, "async": async_write, "blocking_s": blocking, "blocking_first_s": calls[0],
+               "until_on_disk_s": total,
                "write_GBps": nbytes / total / 1e9 if mode != "sampled" else None,
                "reconstruct_s": rec, "reconstruct_GBps": rec_bytes / rec / 1e9, "reconstructed_bytes": rec_bytes}
         rows.append(row)
         print(row, flush=True)
         shutil.rmtree(save, ignore_errors=True)
-    lines = ["| mode | write | blocks the step | until on disk | reconstruction |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    lines = ["| mode | write | blocks the step (first dump) | blocks the step (later) | until on disk | reconstruction |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {'async' if r['async'] else 'sync'} | {r['blocking_s']*1e3:.0f} ms | "
+        lines.append(f"| {r['mode']} | {'async' if r['async'] else 'sync'} | {r['blocking_first_s']*1e3:.0f} ms | "
+                     f"{r['blocking_s']*1e3:.0f} ms | "
                      f"{r['until_on_disk_s']*1e3:.0f} ms | {r['reconstruct_GBps']:.2f} GB/s |")
     table = "\n".join(lines)
     print("\n" + table)

@@ -139,6 +139,8 @@ class GradientDumper:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._free_staging: queue.Queue = queue.Queue()
+        self._staging_made = 0
         self.closed = False
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
@@ -161,21 +163,51 @@ class GradientDumper:
         if self.mode == "full":
             self._dump_full(step, grads)  # collective: runs on the caller's thread
         elif self.mode == "shards":
-            tensors, records = {}, {}
+            local, records = {}, {}
             for name, g in grads:
-                local, records[name] = shard_record(name, g.detach(), self.rank)
-                tensors[name] = local.detach().to("cpu", copy=True).contiguous()
-            self._submit(self._write_shards, step, tensors, records)
+                local[name], records[name] = shard_record(name, g.detach(), self.rank)
+            self._submit(self._write_shards, step, self._stage(local), records)
         else:
             self._submit(self._write_sampled, step, *self._gather_sampled(grads))
         return True
 
     # ----------------------------------------------------------------- modes
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of `tensors` that later training steps cannot change.
+
+        Sync writes of CPU tensors need no copy. Async writes copy into one of two reusable staging
+        sets (pinned for GPU tensors): no fresh pages to fault in every step, and host memory stays
+        bounded at two copies. Waits if both sets are still being written.
+        """
+        if not self.async_write and all(t.device.type == "cpu" for t in tensors.values()):
+            return {n: t.contiguous() for n, t in tensors.items()}
+        if self._staging_made < 2 and self._free_staging.empty():
+            staging: dict[str, torch.Tensor] = {}
+            self._staging_made += 1
+        else:
+            staging = self._free_staging.get()
+        on_gpu = False
+        for name, t in tensors.items():
+            buf = staging.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = staging[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf.copy_(t, non_blocking=t.is_cuda)
+            on_gpu |= t.is_cuda
+        for name in [n for n in staging if n not in tensors]:
+            del staging[name]
+        if on_gpu:
+            torch.cuda.current_stream().synchronize()
+        return staging
+
     def _write_shards(self, step: int, tensors: dict[str, torch.Tensor], records: dict[str, Any]) -> None:
         directory = step_dir(self.save_dir, step)
         header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
                   "tensors": records}
-        write_safetensors(directory / f"rank{self.rank}.safetensors", tensors, {"gapmon": json.dumps(header)})
+        try:
+            write_safetensors(directory / f"rank{self.rank}.safetensors", tensors, {"gapmon": json.dumps(header)})
+        finally:
+            if self.async_write:
+                self._free_staging.put(tensors)  # the staging set may be filled again
         if self.rank == 0:
             self._complete(directory, [f"rank{r}.safetensors" for r in range(self.world)])
 
@@ -286,6 +318,7 @@ class GradientDumper:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        self._free_staging = queue.Queue()  # release the staging buffers' host memory
         self._raise_background_error()
 
     def __enter__(self) -> "GradientDumper":

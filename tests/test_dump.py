@@ -229,3 +229,18 @@ def test_analysis(tmp_path):
     rows = {r.name: r for r in gapmon.analysis.compare(b, a)}
     assert rows["head.weight"].rel_diff == pytest.approx(1.0, rel=1e-6)
     assert rows["head.weight"].cosine == pytest.approx(1.0, rel=1e-6)
+
+
+def test_async_staging_reuse_keeps_each_step(tmp_path):
+    """Consecutive async dumps reuse two staging sets: every step must still hold its own values."""
+    model = _model_with_grads()
+    want = {}
+    with gapmon.GradientDumper(model, tmp_path, async_write=True) as dumper:
+        for step in range(5):
+            for p in model.parameters():
+                p.grad.add_(1.0)
+            want[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            dumper.maybe_dump(step)
+    for step, grads in want.items():
+        got = reconstruct_gradients(tmp_path, step)
+        assert all(torch.equal(got[n], grads[n]) for n in grads), step
