@@ -9,7 +9,7 @@ share a mesh and sharded mesh dims travel in one collective per mesh dim.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,28 +34,66 @@ def _shard_mesh_dims(x) -> tuple[int, ...]:
 def gather_states(states: torch.Tensor, mesh, mesh_dims: Sequence[int]) -> torch.Tensor:
     """Merges [N, 7] local partial states over the given mesh dims; same result on every rank."""
     for dim in mesh_dims:
-        group = mesh.get_group(dim)
-        world = dist.get_world_size(group)
-        if world == 1:
-            continue
-        parts = [torch.empty_like(states) for _ in range(world)]
-        dist.all_gather(parts, states.contiguous(), group=group)
-        states = ops.merge_states(torch.stack(parts))
+        states = gather_states_over_group(states, mesh.get_group(dim))
     return states
 
 
-def dtensor_multi_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[N, 7] partial states of the full tensors behind a mix of DTensors and plain tensors."""
+def gather_states_over_group(states: torch.Tensor, group) -> torch.Tensor:
+    """Merges [N, 7] partial states over all ranks of a process group, in rank order."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return states
+    parts = [torch.empty_like(states) for _ in range(world)]
+    dist.all_gather(parts, states.contiguous(), group=group)
+    return ops.merge_states(torch.stack(parts))
+
+
+def fsdp1_shard_groups(model: torch.nn.Module) -> dict[int, Any]:
+    """{id(parameter): process group} for parameters that FSDP1 (use_orig_params=True) shards.
+
+    Such a parameter (and its gradient) is a flat view of this rank's piece of the tensor, so its
+    full statistics are the merge of every rank's piece over the FSDP instance's process group.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+    except ImportError:
+        return {}
+    out: dict[int, Any] = {}
+
+    def visit(module: torch.nn.Module, owner) -> None:
+        if isinstance(module, FSDP):
+            owner = module if module.sharding_strategy != ShardingStrategy.NO_SHARD else None
+        for p in module.parameters(recurse=False):
+            if owner is not None and type(p).__name__ != "FlatParameter":
+                out[id(p)] = owner.process_group
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return out
+
+
+def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] | None = None) -> torch.Tensor:
+    """[N, 7] partial states of the full tensors behind a mix of DTensors and plain tensors.
+
+    `flat_groups[i]`, when given and not None, is the process group over which plain tensor i is
+    split into pieces (FSDP1 flat shards); its pieces are merged over that group.
+    """
     xs = [_materialize_partial(x) if ops._is_dtensor(x) else x for x in xs]
     local = [x.to_local() if ops._is_dtensor(x) else x for x in xs]
     states = ops.multi_tensor_states(local)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, x in enumerate(xs):
         if ops._is_dtensor(x) and _shard_mesh_dims(x):
-            groups[(x.device_mesh, _shard_mesh_dims(x))].append(i)
-    for (mesh, dims), idx in groups.items():
+            groups[("mesh", x.device_mesh, _shard_mesh_dims(x))].append(i)
+        elif flat_groups is not None and flat_groups[i] is not None:
+            groups[("group", flat_groups[i])].append(i)
+    for key, idx in groups.items():
         index = torch.tensor(idx, device=states.device)
-        states = states.index_copy(0, index, gather_states(states.index_select(0, index), mesh, dims))
+        rows = states.index_select(0, index)
+        merged = gather_states(rows, key[1], key[2]) if key[0] == "mesh" else gather_states_over_group(rows, key[1])
+        states = states.index_copy(0, index, merged)
     return states
 
 

@@ -10,8 +10,9 @@
   rank 0 one parameter at a time, in ``step{S}/sampled.safetensors``.
 
 Every file is written atomically (temp file, fsync, rename) and no format uses pickle. With
-``async_write=True`` the gradients are copied to host memory during ``maybe_dump`` and written by
-a background thread (at most one step in flight); its errors are raised by the next call or close().
+``async_write=True`` the gradients are copied during ``maybe_dump`` into one of two reusable host
+staging sets (pinned for GPU tensors) and written by a background thread; a third dump waits for a
+free set. Background errors are raised by the next call or close().
 """
 from __future__ import annotations
 

@@ -111,6 +111,10 @@ class GAPMonitor:
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         self._modules = [(clean_name(n), m) for n, m in model.named_modules() if clean_name(n)]
         self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
+        from .distributed import fsdp1_shard_groups
+
+        shard_groups = fsdp1_shard_groups(model)
+        self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if activations or activation_grads:
             for index, (_, module) in enumerate(self._modules):
@@ -197,15 +201,29 @@ class GAPMonitor:
     def _collect(self, step: int) -> tuple[dict[str, float], dict[str, Any]]:
         names: list[tuple[str, str]] = []  # (kind, name) of each statistics row
         tensors: list[torch.Tensor] = []
+        groups: list = []
         if self._kinds["params"]:
             names += [("params", n) for n, _ in self._params]
             tensors += [p.detach() for _, p in self._params]
+            groups += self._flat_groups
         if self._kinds["grads"]:
-            with_grad = [(n, p.grad) for n, p in self._params if p.grad is not None]
-            names += [("grads", n) for n, _ in with_grad]
-            tensors += [g for _, g in with_grad]
+            # An FSDP1 rank whose piece of a parameter is empty has no .grad: an empty stand-in keeps
+            # the rows of every rank aligned for the merge.
+            with_grad = [(n, p.grad if p.grad is not None else p.detach().new_empty(0), g)
+                         for (n, p), g in zip(self._params, self._flat_groups)
+                         if p.grad is not None or (g is not None and p.requires_grad)]
+            names += [("grads", n) for n, _, _ in with_grad]
+            tensors += [t for _, t, _ in with_grad]
+            groups += [g for _, _, g in with_grad]
         device = tensors[0].device if tensors else (self._acc.device if self._acc is not None else torch.device("cpu"))
-        rows = ops.multi_tensor_stats(tensors, self.correction).rows() if tensors else torch.empty(0, 7, device=device)
+        if not tensors:
+            rows = torch.empty(0, 7, device=device)
+        elif any(g is not None for g in groups):  # FSDP1 flat shards: merge pieces over their groups
+            from .distributed import dtensor_multi_states
+
+            rows = ops.finalize_states(dtensor_multi_states(tensors, groups), self.correction).rows()
+        else:
+            rows = ops.multi_tensor_stats(tensors, self.correction).rows()
 
         acc = self._acc if self._acc is not None else self._new_acc(device, None)
         dev = acc.device
@@ -226,6 +244,8 @@ class GAPMonitor:
         metrics: dict[str, float] = {}
         for i, (kind, name) in enumerate(names):
             row = host[i * 7:(i + 1) * 7]
+            if kind == "grads" and row[0] == 0:  # no rank had a gradient for it
+                continue
             for field, col in _STAT_FIELDS:
                 metrics[f"gap/{kind}/{name}/{field}"] = row[col]
         m = len(self._modules)

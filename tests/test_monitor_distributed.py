@@ -69,6 +69,17 @@ def _fsdp(mesh):
     return model
 
 
+def _fsdp1():
+    """FSDP1 with use_orig_params=True: parameters are flat views of uneven (and empty) local pieces."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from gapmon.examples import Block
+
+    return FSDP(_fresh_model(), device_id=torch.device("cpu"), use_orig_params=True,
+                auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
 def _worker(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -81,15 +92,17 @@ def _worker(rank: int, world: int):
         layouts["hsdp"] = lambda: _fsdp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     if world == 2:
         layouts["ddp"] = lambda: DDP(_fresh_model())
+        layouts["fsdp1"] = _fsdp1
     for name, make in layouts.items():
         model = make()
         if name == "fsdp" and world == 4:
             assert model.pos.weight.to_local().numel() == 0 if rank == 3 else True
         got = _run(rank, world, model, steps)
         for step in range(steps):
-            # DDP averages gradients over ranks; compare its grads after undoing the mean.
-            g = {k: (v * world if name == "ddp" and k.startswith("gap/grads/") and k.split("/")[-1] in ("max", "mean", "norm")
-                     else v * world * world if name == "ddp" and k.startswith("gap/grads/") and k.endswith("/var") else v)
+            # DDP and FSDP1 average gradients over ranks; compare their grads after undoing the mean.
+            mean = name in ("ddp", "fsdp1")
+            g = {k: (v * world if mean and k.startswith("gap/grads/") and k.split("/")[-1] in ("max", "mean", "norm")
+                     else v * world * world if mean and k.startswith("gap/grads/") and k.endswith("/var") else v)
                  for k, v in got[step].items()}
             try:
                 assert_metrics_close(g, want[step], rtol=2e-4, atol=1e-6)
