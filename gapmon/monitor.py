@@ -155,7 +155,9 @@ class GAPMonitor:
             x = x.to_local()
         if self._acc is None or self._acc.device != x.device:
             self._acc = self._new_acc(x.device, self._acc)
-        if self._first_seen[kind][index] < 0:
+        # Order bookkeeping is plain Python state: skipped inside torch.compile'd regions (it would
+        # force recompiles); NaN localisation then falls back to module order.
+        if not torch.compiler.is_compiling() and self._first_seen[kind][index] < 0:
             self._first_seen[kind][index] = self._order[kind]
             self._order[kind] += 1
         ops.accumulate_instance_stats(x.detach(), self._acc, kind * len(self._modules) + index, self.correction)
@@ -176,6 +178,10 @@ class GAPMonitor:
         if not self._active:
             return
         self._batch_size = batch_size or 0
+        if self._acc is None and (self._kinds["activations"] or self._kinds["activation_grads"]):
+            first = next(self.model.parameters(), None)
+            device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+            self._acc = self._new_acc(device, None)
         if self._acc is not None:
             self._acc.zero_()
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]

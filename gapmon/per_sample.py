@@ -168,9 +168,18 @@ class PerSampleGradNorms:
         if a.shape[0] != mb["batch"] or output.shape[0] != mb["batch"]:
             self._skip(self._layers[index][0], f"its input has {a.shape[0]} rows for a micro-batch of {mb['batch']}")
             return
-        output.register_hook(functools.partial(self._backward_hook, module, a.detach(), mb))
+        # The input travels in a one-slot box that the backward hook empties: the reference is dropped
+        # as soon as this layer's backward has used it, not when the whole graph is freed.
+        output.register_hook(functools.partial(self._backward_hook, module, [a.detach()], mb))
 
-    def _backward_hook(self, module: nn.Module, a: torch.Tensor, mb: dict, g: torch.Tensor) -> None:
+    def _backward_hook(self, module: nn.Module, box: list, mb: dict, g: torch.Tensor) -> None:
+        if not box:
+            raise RuntimeError(
+                "PerSampleGradNorms: a second backward pass through the same forward pass (retain_graph=True) "
+                "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
+                "combined. Sum the losses and call backward once."
+            )
+        a = box.pop()
         with torch.no_grad():
             sq = layer_norm_sq(module, a, g.detach()).double()
             mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq

@@ -215,3 +215,25 @@ def test_module_outputs_tuple_dict_and_scalars():
         m = mon.end_step()
     assert "gap/activations/odd/mean" in m and "gap/activations/odd.lin/mean" in m
     assert "gap/activation_grads/scale/mean" in m
+
+
+def test_monitor_under_torch_compile():
+    """Hooks on a torch.compile'd model give the eager metrics, without recompiling every step."""
+    import torch._dynamo
+
+    model = _model()
+    x, y = synthetic_batch(CFG, 4, 0)
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=4)
+        _train_step(model, [(x, y)])
+        want = mon.end_step()
+        model.zero_grad()
+        compiled = torch.compile(model, backend="aot_eager")
+        torch._dynamo.utils.counters.clear()
+        for step in range(1, 4):
+            mon.begin_step(step, batch_size=4)
+            lm_loss(compiled(x), y, reduction="sum").backward()
+            got = mon.end_step()
+            model.zero_grad()
+    assert_metrics_close(got, want, rtol=1e-4, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4, dict(torch._dynamo.utils.counters["stats"])

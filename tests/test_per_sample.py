@@ -107,3 +107,13 @@ def test_monitor_reports_per_sample_norms():
     assert m["gap/per_sample_grad_norm/max"] == pytest.approx(want.max().item(), rel=1e-4)
     assert m["gap/per_sample_grad_norm/min"] == pytest.approx(want.min().item(), rel=1e-4)
     assert m["gap/per_sample_grad_norm/mean"] == pytest.approx(want.mean().item(), rel=1e-4)
+
+
+def test_second_backward_through_same_graph_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    psn = gapmon.PerSampleGradNorms(model)
+    out = model(torch.randn(5, 3)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward()
+    psn.close()
