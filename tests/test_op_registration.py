@@ -22,6 +22,10 @@ def _samples():
         (torch.ops.gapmon.multi_tensor_states.default, ([x, torch.randn(0)],)),
         (torch.ops.gapmon.merge_states.default, (torch.ops.gapmon.multi_tensor_states([x, x]).unsqueeze(0).repeat(3, 1, 1),)),
         (torch.ops.gapmon.finalize_states.default, (torch.ops.gapmon.multi_tensor_states([x]), 1)),
+        (torch.ops.gapmon.accumulate_instance_stats.default, (x, torch.zeros(3, 6, dtype=torch.float64), 1, 1)),
+        (torch.ops.gapmon.ghost_norm_sq.default, (torch.randn(2, 5, 3), torch.randn(2, 5, 4), 2)),
+        (torch.ops.gapmon.direct_norm_sq.default, (torch.randn(2, 5, 3), torch.randn(2, 5, 4), 10)),
+        (torch.ops.gapmon.embedding_norm_sq.default, (torch.randint(0, 4, (2, 5)), torch.randn(2, 5, 3), 0, 2)),
     ]
 
 
@@ -51,6 +55,46 @@ def test_cpu_isa_selection():
     with pytest.raises(ValueError, match="unknown"):
         gapmon.cpu_isa("sse9")
     assert gapmon.cpu_isa() == current
+
+
+FALLBACK_SCRIPT = """
+import json, sys, torch, gapmon
+from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
+torch.manual_seed(0)
+model = TinyGPT(cfg)
+x, y = synthetic_batch(cfg, 4, 0)
+with gapmon.GAPMonitor(model, per_sample_grad_norms=True, sinks=[]) as mon:
+    mon.begin_step(0, batch_size=4)
+    lm_loss(model(x), y).backward()
+    metrics = mon.end_step()
+w = torch.randn(50, 30, generator=torch.Generator().manual_seed(1))
+out = {"backend": gapmon.backend(), "metrics": metrics,
+       "multi": gapmon.multi_tensor_stats([w, w.t().half(), torch.empty(0)]).rows().tolist(),
+       "instance": gapmon.instance_stats(w).rows().tolist()}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fallback_backend_gives_the_same_results():
+    """Monitor, per-sample norms and ops through the pure-PyTorch fallback match the compiled kernels."""
+    import json
+    import math
+
+    runs = {}
+    for backend in ("torch", ""):
+        env = dict(os.environ, GAPMON_BACKEND=backend)
+        proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["torch"]["backend"] == "torch" and runs[""]["backend"] == "cpu"
+    slow, fast = runs["torch"], runs[""]
+    assert set(slow["metrics"]) == set(fast["metrics"])
+    bad = [k for k in fast["metrics"] if not math.isclose(slow["metrics"][k], fast["metrics"][k], rel_tol=1e-4, abs_tol=1e-6)]
+    assert not bad, bad[:5]
+    torch.testing.assert_close(torch.tensor(slow["multi"]), torch.tensor(fast["multi"]), rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(torch.tensor(slow["instance"]), torch.tensor(fast["instance"]), rtol=1e-5, atol=1e-6)
 
 
 def test_fallback_backend_in_subprocess():
