@@ -64,6 +64,12 @@ def _worker(rank: int, world: int, root: str):
         dist.barrier()
         if layout == "hsdp" and rank == 0:
             _corrupt_replica_is_caught(f"{root}/hsdp-shards")
+        if layout == "fsdp" and rank == 0:
+            import os
+
+            os.remove(f"{root}/fsdp-shards/step3/rank2.safetensors")
+            with pytest.raises(DumpError, match="missing rank file.*rank2.safetensors"):
+                reconstruct_gradients(f"{root}/fsdp-shards", 3)
         dist.barrier()
 
 

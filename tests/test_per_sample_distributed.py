@@ -25,26 +25,30 @@ def _worker(rank: int, world: int):
     x, y = synthetic_batch(CFG, GLOBAL, step=2)
     want = vmap_per_sample_norms(_model(), lm_loss, x, y)  # one process, all samples
 
-    model = _model()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    fsdp = _model()
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
+    for block in fsdp.blocks:
         fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    psn = gapmon.PerSampleGradNorms(model, strict=True)
+    fully_shard(fsdp, mesh=mesh)
     ids = torch.arange(GLOBAL)
     layouts = {
         "different samples": ids[rank::world],  # DistributedSampler-style interleaving
         "same samples": ids,
     }
-    for layout, local_ids in layouts.items():
-        lm_loss(model(x[local_ids]), y[local_ids]).backward()
-        local = psn.local_norms()
-        torch.testing.assert_close(local, want[local_ids], rtol=1e-4, atol=1e-6)
-        got_ids, got = psn.global_norms(local_ids)
-        assert got_ids.tolist() == list(range(GLOBAL)), (layout, got_ids)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{layout}: {m}")
-        model.zero_grad()
+    for wrapper, model in (("fsdp2", fsdp), ("ddp", DDP(_model()))):
+        psn = gapmon.PerSampleGradNorms(model, strict=True)
+        for layout, local_ids in layouts.items():
+            lm_loss(model(x[local_ids]), y[local_ids]).backward()
+            local = psn.local_norms()
+            torch.testing.assert_close(local, want[local_ids], rtol=1e-4, atol=1e-6)
+            got_ids, got = psn.global_norms(local_ids)
+            assert got_ids.tolist() == list(range(GLOBAL)), (wrapper, layout, got_ids)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{wrapper} {layout}: {m}")
+            model.zero_grad()
+        psn.close()
 
 
-def test_fsdp2_global_norms():
+def test_fsdp2_and_ddp_global_norms():
     run_distributed(_worker, 2)
