@@ -116,17 +116,23 @@ def test_incomplete_missing_and_corrupt_are_refused(tmp_path):
         reconstruct_gradients(tmp_path / "step1", 1)
 
 
+# Shared start of the subprocess scripts: a model with gradients.
+_SCRIPT_SETUP = """
+import os, resource, signal, torch, safetensors.torch as st
+import gapmon
+from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
+model = TinyGPT(cfg); x, y = synthetic_batch(cfg, 4, 0); lm_loss(model(x), y).backward()
+"""
+
+
 def _run_script(code: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=cwd)
+    script = _SCRIPT_SETUP + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd)
 
 
 def test_killed_during_write_leaves_no_complete_step(tmp_path):
     code = f"""
-        import os, torch, safetensors.torch as st
-        import gapmon
-        from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-        cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
-        model = TinyGPT(cfg); x, y = synthetic_batch(cfg, 4, 0); lm_loss(model(x), y).backward()
         dumper = gapmon.GradientDumper(model, {str(tmp_path)!r}, async_write=False)
         dumper.maybe_dump(0)
         real = st.save_file
@@ -148,11 +154,6 @@ def test_killed_during_write_leaves_no_complete_step(tmp_path):
 
 def test_full_disk_raises_clearly_and_keeps_earlier_steps(tmp_path):
     code = f"""
-        import resource, signal, torch
-        import gapmon
-        from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-        cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
-        model = TinyGPT(cfg); x, y = synthetic_batch(cfg, 4, 0); lm_loss(model(x), y).backward()
         dumper = gapmon.GradientDumper(model, {str(tmp_path)!r}, async_write=True)
         dumper.maybe_dump(0)
         dumper._wait()
