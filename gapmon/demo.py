@@ -8,7 +8,6 @@ report and prints a summary with the monitor overhead measured in the run.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time
@@ -138,10 +137,9 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, monitored_times, plain
     from .report import make_report
 
     recon_step = dumped[-1] if dumped else None
-    recon_files = []
     if recon_step is not None:
         grads = reconstruct_gradients(out / "gradients", recon_step, verify=True)
-        recon_files = write_reconstruction(grads, out / "reconstructed", recon_step, _read_config(out / "gradients"))
+        write_reconstruction(grads, out / "reconstructed", recon_step, _read_config(out / "gradients"))
     report = make_report(out)
     # Warm-up aside (the first 2 steps), monitored vs plain step times of this run.
     mon_t = statistics.median(monitored_times[2:] or monitored_times)

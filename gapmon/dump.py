@@ -28,18 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .monitor import clean_name
 from .ops import _is_dtensor
 from .safe_io import write_json, write_safetensors
+from .utils import clean_name, rank_and_world
 
 MODES = ("shards", "full", "sampled")
 FORMAT_VERSION = 1
-
-
-def _dist_info() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
@@ -48,7 +42,7 @@ def step_dir(save_dir: str | Path, step: int) -> Path:
 
 def parallel_layout(model: nn.Module) -> dict[str, Any]:
     """parallel_type (single|ddp|fsdp|hsdp), world_size, shard_degree, num_replicas, mesh_shape."""
-    _, world = _dist_info()
+    _, world = rank_and_world()
     for p in model.parameters():
         if _is_dtensor(p):
             mesh = p.device_mesh
@@ -95,7 +89,7 @@ def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, d
                   "placements": [_placement_str(p) for p in g.placements], "mesh_shape": list(mesh.shape),
                   "coordinate": list(coordinate), "offsets": list(offsets), "local_shape": list(local_shape)}
         return local, record
-    _, world = _dist_info()
+    _, world = rank_and_world()
     record = {"global_shape": list(g.shape), "dtype": str(g.dtype).replace("torch.", ""),
               "placements": ["R"], "mesh_shape": [world], "coordinate": [rank], "offsets": [0] * g.dim(),
               "local_shape": list(g.shape)}
@@ -135,7 +129,7 @@ class GradientDumper:
         self.start_step, self.step_interval, self.end_step = start_step, step_interval, end_step
         self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
         self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
-        self.rank, self.world = _dist_info()
+        self.rank, self.world = rank_and_world()
         self._layout = parallel_layout(model)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None

@@ -19,17 +19,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import ops
+from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .sinks import JSONLSink, Sink, as_sink
-
-# Wrapper prefixes that DDP, FSDP1, activation checkpointing and torch.compile add to names.
-_WRAPPER_PARTS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+from .utils import clean_name, rank_and_world
 _ACC_COLUMNS = 6  # see csrc/core/stats_state.h: InstanceAccColumn
 _STAT_FIELDS = (("max", 3), ("mean", 1), ("var", 2), ("norm", 4), ("nonfinite", 5))  # name, Stats column
-
-
-def clean_name(name: str) -> str:
-    """Module/parameter name without the prefixes that wrappers add (DDP's `module.`, ...)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -43,10 +37,6 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     else:
         return None
     return next((v for v in values if isinstance(v, torch.Tensor)), None)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class GAPMonitor:
@@ -111,8 +101,6 @@ class GAPMonitor:
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         self._modules = [(clean_name(n), m) for n, m in model.named_modules() if clean_name(n)]
         self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
-        from .distributed import fsdp1_shard_groups
-
         shard_groups = fsdp1_shard_groups(model)
         self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -199,7 +187,7 @@ class GAPMonitor:
         if not active:
             return {}
         metrics, info = self._collect(step)
-        if _rank() == 0:
+        if rank_and_world()[0] == 0:
             for sink in self.sinks:
                 sink.write(step, metrics, info)
         return metrics
@@ -225,8 +213,6 @@ class GAPMonitor:
         if not tensors:
             rows = torch.empty(0, 7, device=device)
         elif any(g is not None for g in groups):  # FSDP1 flat shards: merge pieces over their groups
-            from .distributed import dtensor_multi_states
-
             rows = ops.finalize_states(dtensor_multi_states(tensors, groups), self.correction).rows()
         else:
             rows = ops.multi_tensor_stats(tensors, self.correction).rows()
@@ -310,7 +296,7 @@ class GAPMonitor:
             if kind in bad:
                 report[kind] = bad[kind]
         self.nonfinite_report = report
-        if _rank() == 0:
+        if rank_and_world()[0] == 0:
             first = report.get("first_activation") or report.get("first_activation_grad")
             where = f"first in module '{first}'" if first else f"in {', '.join(report.get('grads', report.get('params', [])))}"
             warnings.warn(f"gapmon: non-finite values at step {step}: {where}", RuntimeWarning,

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops  # noqa: F401  (loads gapmon._C: the norm ops)
-from .monitor import clean_name
+from .utils import clean_name
 
 _SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 

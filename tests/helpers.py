@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import warnings
 
 import torch

@@ -1,7 +1,6 @@
 """GradientDumper and reconstruction on one process: round trips, schedule, validation, refusal of
 incomplete or corrupt dumps, crash and full-disk safety, the CLI and the analysis helpers."""
 import json
-import os
 import subprocess
 import sys
 import textwrap

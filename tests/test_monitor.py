@@ -2,7 +2,6 @@
 import gc
 import json
 import math
-import warnings
 
 import pytest
 import torch

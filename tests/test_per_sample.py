@@ -1,5 +1,4 @@
 """PerSampleGradNorms against exact per-sample gradients from torch.func.vmap(grad(...))."""
-import warnings
 
 import pytest
 import torch

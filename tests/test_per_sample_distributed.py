@@ -45,7 +45,7 @@ def _worker(rank: int, world: int):
             torch.testing.assert_close(local, want[local_ids], rtol=1e-4, atol=1e-6)
             got_ids, got = psn.global_norms(local_ids)
             assert got_ids.tolist() == list(range(GLOBAL)), (wrapper, layout, got_ids)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{wrapper} {layout}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, where=f"{wrapper} {layout}": f"{where}: {m}")
             model.zero_grad()
         psn.close()
 
