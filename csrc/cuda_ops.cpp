@@ -2,7 +2,7 @@
 // Builds the chunk table on the host, copies it to the device with one asynchronous copy from
 // pinned memory, and launches on the current stream (no host synchronisation).
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -43,7 +43,7 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
                                   static_cast<int64_t>(views.size()), total_chunks, rows, scratch.data_ptr<double>(),
                                   as_states ? nullptr : out.data_ptr<float>(),
                                   as_states ? out.data_ptr<double>() : nullptr, correction,
-                                  at::cuda::getCurrentCUDAStream()),
+                                  c10::cuda::getCurrentCUDAStream()),
                op);
   return out;
 }
@@ -81,7 +81,7 @@ at::Tensor merge_states_cuda(const at::Tensor& states) {
   const at::Tensor s = states.contiguous();
   at::Tensor out = at::empty({s.size(1), core::kNumStateColumns}, s.options());
   check_launch(cuda::launch_merge_states(s.data_ptr<double>(), s.size(0), s.size(1), out.data_ptr<double>(),
-                                         at::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
                "merge_states");
   return out;
 }
@@ -94,7 +94,7 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   const at::Tensor s = states.contiguous();
   at::Tensor out = at::empty({s.size(0), core::kNumStats}, s.options().dtype(at::kFloat));
   check_launch(cuda::launch_finalize_states(s.data_ptr<double>(), s.size(0), correction, out.data_ptr<float>(),
-                                            at::cuda::getCurrentCUDAStream()),
+                                            c10::cuda::getCurrentCUDAStream()),
                "finalize_states");
   return out;
 }
@@ -106,7 +106,7 @@ void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_
   const at::Tensor stats = run(views, x.size(0), x.device(), correction, false, "accumulate_instance_stats");
   check_launch(cuda::launch_accumulate_instances(stats.data_ptr<float>(), x.size(0),
                                                  acc.data_ptr<double>() + row * core::kNumAccColumns,
-                                                 at::cuda::getCurrentCUDAStream()),
+                                                 c10::cuda::getCurrentCUDAStream()),
                "accumulate_instance_stats");
 }
 
