@@ -33,7 +33,7 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
                bool as_states, const char* op) {
   const c10::cuda::CUDAGuard guard(device);
   const auto opts = at::TensorOptions().device(device);
-  at::Tensor out = at::empty({rows, as_states ? core::kNumStateColumns : core::kNumStats},
+  at::Tensor out = at::empty({rows, int64_t(as_states ? int(core::kNumStateColumns) : int(core::kNumStats))},
                              opts.dtype(as_states ? at::kDouble : at::kFloat));
   if (rows == 0) return out;
   const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));

@@ -129,7 +129,9 @@ class GAPMonitor:
         out = _first_tensor(output)
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return
-        if self._kinds["activations"]:
+        # A forward pass inside backward is activation checkpointing recomputing this module: its
+        # activations were counted already (the gradient hooks of exactly one of the passes fire).
+        if self._kinds["activations"] and torch._C._current_graph_task_id() == -1:
             self._fold(out, index, 0)
         if self._kinds["activation_grads"] and out.requires_grad:
             out.register_hook(functools.partial(self._grad_hook, index))

@@ -1,4 +1,5 @@
 """GAPMonitor on one process: exact metrics, accumulation, interval, hooks, memory, NaN localisation, sinks."""
+import functools
 import gc
 import json
 import math
@@ -236,3 +237,29 @@ def test_monitor_under_torch_compile():
             model.zero_grad()
     assert_metrics_close(got, want, rtol=1e-4, atol=1e-6)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4, dict(torch._dynamo.utils.counters["stats"])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_counts_once(monkeypatch, reentrant):
+    """Recomputed forwards (torch.utils.checkpoint) do not double count activations or their grads."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+    real = gapmon.ops.accumulate_instance_stats
+    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats", lambda *a, **k: (calls.append(a[2]), real(*a, **k)))
+    x, y = synthetic_batch(CFG, 4, 1)
+    results, folded = [], []
+    for use_checkpoint in (False, True):
+        calls.clear()
+        model = _model()
+        if use_checkpoint:
+            for block in model.blocks:
+                block.forward = functools.partial(
+                    lambda blk, h, f: checkpoint(f, h, use_reentrant=reentrant), block, f=block.forward)
+        with gapmon.GAPMonitor(model, per_sample_grad_norms=True, sinks=[]) as mon:
+            mon.begin_step(0, batch_size=4)
+            _train_step(model, [(x, y)])
+            results.append(mon.end_step())
+        folded.append(sorted(calls))
+    assert folded[1] == folded[0]  # each module's activation and gradient folded exactly once
+    assert_metrics_close(results[1], results[0], rtol=1e-5, atol=1e-7)
