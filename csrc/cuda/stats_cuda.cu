@@ -1,11 +1,12 @@
 // CUDA statistics kernels. Every thread folds its elements into a double-precision core::State
-// in groups of kGroup elements (shifted sums in the block precision, shift = running mean),
-// threads merge with Chan's rule over warp shuffles and shared memory in a fixed order, and one
-// block per chunk writes the chunk's state. A second kernel merges each item's chunks in order.
+// with core::GroupAccumulator (groups of 16 elements, csrc/core/group_acc.h); threads merge with
+// Chan's rule over warp shuffles and shared memory in a fixed order, and one block per chunk
+// writes the chunk's state. A second kernel merges each item's chunks in order.
 // No float atomics: results are bit-identical run to run.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../core/group_acc.h"
 #include "../core/stats_state.h"
 #include "stats_cuda.h"
 
@@ -18,7 +19,6 @@ using core::State;
 using core::StridedView;
 
 constexpr int kThreads = 256;
-constexpr int kGroup = 16;  // elements folded into a thread's state at a time
 
 template <typename T> struct Elem;
 template <> struct Elem<float> {
@@ -40,43 +40,6 @@ template <> struct Elem<__nv_bfloat16> {
   using block = float;
   static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
   static constexpr float largest = 3.40282346638528859812e+38f;
-};
-
-// A thread's running state plus the shifted sums of its current group (core math throughout).
-// The first group has no running mean to shift by, so it is summed in double, where the shift
-// (its first element) cannot cause cancellation; later groups shift by the running mean in the
-// block precision.
-template <typename block_t>
-struct ThreadAcc {
-  State<double> state;
-  block_t shift = 0, s1 = 0, s2 = 0, sq = 0, mx = 0;
-  double first_shift = 0, f1 = 0, f2 = 0, fsq = 0, fmx = 0;
-  int32_t nonfinite = 0, zeros = 0, n = 0;
-
-  __device__ __forceinline__ void push(block_t x, block_t largest) {
-    if (state.count == 0) {
-      if (n == 0) first_shift = core::block_shift(state, double(x));
-      core::accumulate<double>(double(x), first_shift, 1.7976931348623157e308, f1, f2, fsq, fmx, nonfinite, zeros);
-    } else {
-      if (n == 0) shift = core::block_shift(state, x);
-      core::accumulate<block_t>(x, shift, largest, s1, s2, sq, mx, nonfinite, zeros);
-    }
-    if (++n == kGroup) flush();
-  }
-
-  __device__ __forceinline__ void flush() {
-    if (n == 0) return;
-    if (state.count == 0) {
-      state = core::block_to_state<double, double>(double(n), first_shift, f1, f2, fsq, fmx, double(nonfinite),
-                                                   double(zeros));
-    } else {
-      state = core::merge(state, core::block_to_state<double, block_t>(double(n), shift, double(s1), double(s2),
-                                                                        double(sq), mx, double(nonfinite),
-                                                                        double(zeros)));
-    }
-    s1 = s2 = sq = mx = 0;
-    nonfinite = zeros = n = 0;
-  }
 };
 
 __device__ __forceinline__ State<double> shfl_down(const State<double>& s, int delta) {
@@ -108,7 +71,7 @@ __device__ State<double> block_merge(State<double> s) {
 // One run of `len` elements with element stride `stride`; unit-stride runs use 16-byte loads on
 // the aligned body and scalar loads on the head and tail.
 template <typename T>
-__device__ void accumulate_run(const T* p, int64_t len, int64_t stride, ThreadAcc<typename Elem<T>::block>& acc) {
+__device__ void accumulate_run(const T* p, int64_t len, int64_t stride, core::GroupAccumulator<typename Elem<T>::block>& acc) {
   constexpr auto largest = Elem<T>::largest;
   if (stride != 1) {
     for (int64_t i = threadIdx.x; i < len; i += kThreads) acc.push(Elem<T>::load(p[i * stride]), largest);
@@ -134,7 +97,7 @@ __device__ void accumulate_run(const T* p, int64_t len, int64_t stride, ThreadAc
 
 template <typename T>
 __device__ State<double> chunk_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi) {
-  ThreadAcc<typename Elem<T>::block> acc;
+  core::GroupAccumulator<typename Elem<T>::block> acc;
   const T* data = static_cast<const T*>(v.data);
   core::RowCursor rows(v, item, lo, hi);
   int64_t offset, len, stride;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/core/group_acc.h"
 #include "../../csrc/core/stats_state.h"
 #include "../../csrc/core/strided_view.h"
 #include "../../csrc/cpu/stats_kernels.h"
@@ -180,8 +181,63 @@ static void test_row_cursor() {
   CHECK(got == want, "row cursor runs");
 }
 
+// Replays the CUDA chunk kernel on the host: 256 threads stride over 16-byte vectors of a chunk
+// (scalar head and tail), each with a GroupAccumulator; then the warp-shuffle tree and the block
+// tree merge in the kernel's order. The device code runs the same core functions in this order.
+static State<double> replay_cuda_chunk(const float* p, int64_t len) {
+  constexpr int kThreads = 256, kPerVec = 4;
+  std::vector<gapmon::core::GroupAccumulator<float>> acc(kThreads);
+  const float largest = 3.40282346638528859812e+38f;
+  const int64_t nvec = len / kPerVec;  // p is 16-byte aligned: no head
+  for (int t = 0; t < kThreads; ++t) {
+    for (int64_t v = t; v < nvec; v += kThreads)
+      for (int k = 0; k < kPerVec; ++k) acc[t].push(p[v * kPerVec + k], largest);
+    for (int64_t i = nvec * kPerVec + t; i < len; i += kThreads) acc[t].push(p[i], largest);
+    acc[t].flush();
+  }
+  std::vector<State<double>> s(kThreads);
+  for (int t = 0; t < kThreads; ++t) s[t] = acc[t].state;
+  // __shfl_down_sync tree within each warp: lane i merges lane i + delta (lanes past the end keep
+  // their own value, as the hardware does).
+  auto warp_tree = [](State<double>* lanes) {
+    for (int delta = 16; delta > 0; delta >>= 1) {
+      State<double> next[32];
+      for (int i = 0; i < 32; ++i) next[i] = core::merge(lanes[i], i + delta < 32 ? lanes[i + delta] : lanes[i]);
+      for (int i = 0; i < 32; ++i) lanes[i] = next[i];
+    }
+  };
+  State<double> warp0[32];
+  for (int w = 0; w < kThreads / 32; ++w) {
+    warp_tree(&s[w * 32]);
+    warp0[w] = s[w * 32];
+  }
+  for (int i = kThreads / 32; i < 32; ++i) warp0[i] = State<double>();
+  warp_tree(warp0);
+  return warp0[0];
+}
+
+static void test_cuda_strategy_on_host() {
+  std::mt19937 g(5);
+  std::normal_distribution<float> d(1e4f, 1e-2f);
+  for (int64_t len : {int64_t(65536), int64_t(1000), int64_t(37), int64_t(1)}) {
+    std::vector<float> xs(len + 4);
+    float* p = xs.data();
+    while (reinterpret_cast<uintptr_t>(p) % 16) ++p;
+    for (int64_t i = 0; i < len; ++i) p[i] = d(g);
+    for (int64_t i = 0; i < len; i += 4096) p[i] = 0.f;  // outlying first elements of many threads
+    std::vector<double> seen(p, p + len);
+    const std::string what = "cuda replay, " + std::to_string(len) + " elements";
+    expect_state(replay_cuda_chunk(p, len), reference(seen), 1e-6, what.c_str());
+  }
+  std::vector<float> nan(4096, 1.f);
+  nan[777] = NAN;
+  State<double> s = replay_cuda_chunk(nan.data(), 4096);
+  CHECK(std::isnan(s.max_abs) && std::isnan(s.mean) && s.nonfinite == 1, "cuda replay NaN");
+}
+
 int main() {
   test_merge_rules();
+  test_cuda_strategy_on_host();
   test_nan_inf_and_finalize();
   test_cpu_paths();
   test_row_cursor();
