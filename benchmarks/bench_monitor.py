@@ -1,6 +1,7 @@
 """Time added to a training step by monitoring all four kinds (params, grads, activations,
-activation grads) every step: no monitor vs the pure-PyTorch baseline monitor vs GAPMonitor,
-measured side by side in one run on a GPT-style model. Prints a table and writes JSON.
+activation grads): the pure-PyTorch baseline monitor vs GAPMonitor on a GPT-style model. Each
+monitor is active on every other step of its run, so the added time is a paired difference of
+median step times within one run (a shared machine's drift cancels). Prints a table, writes JSON.
 
     python benchmarks/bench_monitor.py                      # CPU: 4 layers, d=256, T=128, B=8
     python benchmarks/bench_monitor.py --device cuda --gpt2 # GPU: GPT-2 small size
@@ -23,35 +24,36 @@ from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa
 from torch_monitor import TorchGAPMonitor  # noqa: E402
 
 
-def run(mode: str, cfg: GPTConfig, batch: int, steps: int, device: str) -> tuple[float, dict]:
+def run(mode: str, cfg: GPTConfig, batch: int, steps: int, device: str) -> tuple[float, float, dict]:
+    """Trains with the monitor active on every other step only; returns the median step times with
+    and without monitoring, paired within one run (machine drift hits both alike)."""
     torch.manual_seed(0)
     model = TinyGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    mon = None
-    if mode == "gapmon":
-        mon = gapmon.GAPMonitor(model, sinks=[])
-    elif mode == "torch":
-        mon = TorchGAPMonitor(model)
-    times, metrics = [], {}
-    for step in range(steps + 2):  # two warm-up steps
+    mon = gapmon.GAPMonitor(model, interval=2, sinks=[]) if mode == "gapmon" else TorchGAPMonitor(model)
+    on, off, metrics = [], [], {}
+    for step in range(2 * steps + 2):  # two warm-up steps
+        active = step % 2 == 0
         x, y = synthetic_batch(cfg, batch, step, device=device)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if mode == "gapmon":
-            mon.begin_step(step, batch_size=batch)
+            mon.begin_step(step, batch_size=batch)  # interval=2: odd steps are skipped
+        else:
+            mon.active = active
         lm_loss(model(x), y).backward()
-        if mon is not None:
-            metrics = mon.end_step()
+        out = mon.end_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
         if step >= 2:
-            times.append(time.perf_counter() - t0)
-    if mon is not None:
-        mon.close()
-    return statistics.median(times), metrics
+            (on if active else off).append(time.perf_counter() - t0)
+        if active:
+            metrics = out
+    mon.close()
+    return statistics.median(on), statistics.median(off), metrics
 
 
 def main() -> None:
@@ -59,7 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpt2", action="store_true", help="GPT-2 small size (12 layers, d=768, T=1024)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three modes")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per monitor (the median is reported)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.gpt2:
@@ -69,16 +71,19 @@ def main() -> None:
     info = machine(args.device)
     print(f"# GAPMonitor overhead on {info['device']} / {info['cpu']}, torch {info['torch']}")
     print(f"model: {cfg}, batch {batch}")
-    times: dict[str, list[float]] = {"none": [], "torch": [], "gapmon": []}
+    added: dict[str, list[float]] = {"torch": [], "gapmon": []}
+    plain: list[float] = []
     counts = {}
-    for _ in range(args.rounds):  # interleave so that drift of the machine hits every mode alike
-        for mode in times:
-            t, metrics = run(mode, cfg, batch, args.steps, args.device)
-            times[mode].append(t)
+    for _ in range(args.rounds):
+        for mode in added:
+            t_on, t_off, metrics = run(mode, cfg, batch, args.steps, args.device)
+            added[mode].append(t_on - t_off)
+            plain.append(t_off)
             counts[mode] = len(metrics)
-    step = {m: min(v) for m, v in times.items()}
-    over_torch = step["torch"] - step["none"]
-    over_gap = step["gapmon"] - step["none"]
+    over_torch = statistics.median(added["torch"])
+    over_gap = statistics.median(added["gapmon"])
+    step = {"none": statistics.median(plain), "torch": statistics.median(plain) + over_torch,
+            "gapmon": statistics.median(plain) + over_gap}
     result = {
         "machine": info, "config": cfg.__dict__, "batch": batch, "step_s": step, "metrics": counts,
         "overhead_torch_s": over_torch, "overhead_gapmon_s": over_gap,
@@ -88,7 +93,7 @@ def main() -> None:
     table = "\n".join([
         "| monitor | step time | added time | % of step | metrics per step |",
         "| --- | ---: | ---: | ---: | ---: |",
-        f"| none | {step['none']*1e3:.1f} ms | | | |",
+        f"| none (the unmonitored steps) | {step['none']*1e3:.1f} ms | | | |",
         f"| pure-PyTorch (seed approach) | {step['torch']*1e3:.1f} ms | {over_torch*1e3:.1f} ms | "
         f"{100*over_torch/step['none']:.1f}% | {counts['torch']} |",
         f"| gapmon.GAPMonitor | {step['gapmon']*1e3:.1f} ms | {over_gap*1e3:.1f} ms | "

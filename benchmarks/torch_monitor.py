@@ -17,6 +17,7 @@ class TorchGAPMonitor:
         self.model = model
         self._values: list[torch.Tensor] = []
         self._names: list[str] = []
+        self.active = True  # hooks return at once when False (like GAPMonitor on skipped steps)
         self._handles = [
             m.register_forward_hook(functools.partial(self._forward_hook, n)) for n, m in model.named_modules() if n
         ]
@@ -30,6 +31,8 @@ class TorchGAPMonitor:
                                          (~torch.isfinite(t)).sum().float())))
 
     def _forward_hook(self, name, module, args, out):
+        if not self.active:
+            return
         if isinstance(out, tuple):
             out = out[0]
         if not isinstance(out, torch.Tensor) or out.dim() <= 1:
@@ -40,6 +43,8 @@ class TorchGAPMonitor:
 
     @torch.no_grad()
     def end_step(self) -> dict[str, float]:
+        if not self.active:
+            return {}
         for n, p in self.model.named_parameters():
             for kind, t in (("params", p), ("grads", p.grad)):
                 if t is None:

@@ -71,8 +71,10 @@ struct BF16 {
 
 // Elements per shifted-sums block. A block is summed in the block precision with a shift
 // near the running mean (so deviations stay small), then merged into the chunk's
-// double-precision state with Chan's rule (csrc/core).
-constexpr int64_t kBlockElems = 2048;
+// double-precision state with Chan's rule (csrc/core). Larger blocks amortise the lane
+// reductions and merges (measured: 8192 is 25% faster than 2048 on cached fp32 data).
+constexpr int64_t kBlockElems = 8192;
+constexpr int64_t kPilotElems = 512;
 
 // How far ahead unit-stride loops prefetch: streaming stalls otherwise do not overlap the
 // arithmetic (measured on one core: 2^26 fp32 from 29 to 22 ms).
@@ -190,12 +192,14 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
   constexpr int kVec = kBytes / sizeof(block_t);
   const int64_t step = kUnitStride ? 1 : stride;
   for (int64_t start = 0; start < len; start += kBlockElems) {
-    const int64_t n = (len - start) < kBlockElems ? (len - start) : kBlockElems;
+    const int64_t n_block = (len - start) < kBlockElems ? (len - start) : kBlockElems;
     const typename T::storage* q = p + start * step;
-    // The first block of a chunk has no running mean to shift by: a pilot pass (from L1) estimates
-    // the block's mean first, so an outlying first element cannot spoil the float sums.
+    // The first block of a chunk has no running mean to shift by: a pilot pass over its first
+    // kPilotElems elements (from L1) estimates the mean first, so an outlying first element cannot
+    // spoil the float sums.
     block_t shift = core::block_shift(state, T::load(q[0]));
     for (int pass = state.count == 0 ? 0 : 1; pass < 2; ++pass) {
+      const int64_t n = pass == 0 ? (n_block < kPilotElems ? n_block : kPilotElems) : n_block;
       block_t s1[kLanes] = {}, s2[kLanes] = {}, sq[kLanes] = {}, mx[kLanes] = {};
       int32_t nf[kLanes] = {}, nz[kLanes] = {};
       int64_t i = 0;
