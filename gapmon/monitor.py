@@ -131,7 +131,9 @@ class GAPMonitor:
             return
         # A forward pass inside backward is activation checkpointing recomputing this module: its
         # activations were counted already (the gradient hooks of exactly one of the passes fire).
-        if self._kinds["activations"] and torch._C._current_graph_task_id() == -1:
+        # The check is eager-only: Dynamo cannot trace it (compiled regions are not recomputed by it).
+        recomputing = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+        if self._kinds["activations"] and not recomputing:
             self._fold(out, index, 0)
         if self._kinds["activation_grads"] and out.requires_grad:
             out.register_hook(functools.partial(self._grad_hook, index))
