@@ -256,10 +256,11 @@ def _all_gather_varlen(ids: torch.Tensor, norms: torch.Tensor, group) -> tuple[t
     packed = torch.stack((ids.double(), norms.double())).to(device)  # ids < 2^53 are exact in float64
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([packed.shape[1]], device=device), group=group)
-    longest = int(max(s.item() for s in sizes))
+    counts = torch.cat(sizes).tolist()  # one host read for all ranks
+    longest = int(max(counts))
     padded = torch.zeros(2, longest, dtype=torch.float64, device=device)
     padded[:, : packed.shape[1]] = packed
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    gathered = torch.cat([p[:, : int(s.item())] for p, s in zip(parts, sizes)], dim=1)
+    gathered = torch.cat([p[:, : int(n)] for p, n in zip(parts, counts)], dim=1)
     return gathered[0].to(torch.int64).cpu(), gathered[1].float().cpu()
