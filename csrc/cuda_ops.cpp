@@ -1,9 +1,13 @@
 // CUDA implementations of the gapmon ops: torch glue around the launchers in csrc/cuda.
-// Builds the chunk table on the host, copies it to the device with one asynchronous copy from
-// pinned memory, and launches on the current stream (no host synchronisation).
+// Plans the chunks on the host and launches on the current stream, with no host synchronisation.
+// Up to cuda::kInlineViews views travel in the kernel parameters; a longer table is copied to
+// the device from pinned memory, or through kernel parameters while the stream is being
+// captured into a CUDA graph (a captured copy would read the pinned buffer again at every
+// replay, after the caching host allocator may have reused it).
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -19,13 +23,29 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "gapmon.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-// Copies the planned views to the device; the pinned staging buffer is kept alive by the caching
-// host allocator until the copy has completed.
-at::Tensor device_table(std::vector<core::StridedView>& views, const at::Device& device) {
+// The kernels' view table. `storage` keeps a device copy of a long table alive until the
+// kernels that read it have been queued (the caching allocator orders reuse on the stream).
+cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at::Device& device,
+                           cudaStream_t stream, at::Tensor& storage, const char* op) {
+  cuda::ViewTable table;
+  table.num = static_cast<int64_t>(views.size());
+  if (views.size() <= static_cast<size_t>(cuda::kInlineViews)) {
+    std::copy(views.begin(), views.end(), table.inline_views);
+    return table;
+  }
   const int64_t bytes = static_cast<int64_t>(views.size() * sizeof(core::StridedView));
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), views.data(), bytes);
-  return host.to(device, /*non_blocking=*/true);
+  static_assert(sizeof(core::StridedView) % sizeof(uint64_t) == 0, "views are uploaded as 8-byte words");
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    storage = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    check_launch(cuda::launch_upload(views.data(), bytes, storage.data_ptr(), stream), op);
+  } else {
+    // The pinned staging buffer is kept alive by the caching host allocator until the copy is done.
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.data_ptr(), views.data(), bytes);
+    storage = host.to(device, /*non_blocking=*/true);
+  }
+  table.device = reinterpret_cast<const core::StridedView*>(storage.data_ptr());
+  return table;
 }
 
 // Runs the statistics kernels over `views`: float32 stats rows, or float64 states if `as_states`.
@@ -36,14 +56,14 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
   at::Tensor out = at::empty({rows, int64_t(as_states ? int(core::kNumStateColumns) : int(core::kNumStats))},
                              opts.dtype(as_states ? at::kDouble : at::kFloat));
   if (rows == 0) return out;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
-  at::Tensor table = device_table(views, device);
+  at::Tensor table_storage;
+  const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
   at::Tensor scratch = at::empty({total_chunks, core::kNumStateColumns}, opts.dtype(at::kDouble));
-  check_launch(cuda::launch_stats(reinterpret_cast<const core::StridedView*>(table.data_ptr()),
-                                  static_cast<int64_t>(views.size()), total_chunks, rows, scratch.data_ptr<double>(),
+  check_launch(cuda::launch_stats(table, total_chunks, rows, scratch.data_ptr<double>(),
                                   as_states ? nullptr : out.data_ptr<float>(),
-                                  as_states ? out.data_ptr<double>() : nullptr, correction,
-                                  c10::cuda::getCurrentCUDAStream()),
+                                  as_states ? out.data_ptr<double>() : nullptr, correction, stream),
                op);
   return out;
 }

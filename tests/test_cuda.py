@@ -53,6 +53,74 @@ def test_instance_and_multi():
         assert_stats_match(gapmon.Stats(*(f[i] for f in m)), float64_stats(t.cpu()))
 
 
+def test_float32_overflow_is_redone_in_double():
+    """Finite float32 values whose squares overflow float: var and norm stay finite and exact."""
+    x = torch.randn(300_000, device="cuda") * 1e20
+    x[5] = 0.0
+    assert_stats_match(gapmon.tensor_stats(x), float64_stats(x.cpu()))
+    rows = x[: 299_997].view(3, -1)
+    got = gapmon.instance_stats(rows)
+    for b in range(3):
+        assert_stats_match(gapmon.Stats(*(f[b] for f in got)), float64_stats(rows[b].cpu()), where=f"row {b}")
+
+
+def test_instance_rows_tiny_and_long():
+    for shape in [(10_000, 3), (3, 1_500_007), (5, 1)]:
+        x = torch.randn(*shape, device="cuda") * 2 - 1
+        got = gapmon.instance_stats(x)
+        for b in {0, shape[0] // 2, shape[0] - 1}:
+            assert_stats_match(gapmon.Stats(*(f[b] for f in got)), float64_stats(x[b].cpu()), where=f"{shape} row {b}")
+
+
+def _many_tensors():
+    """More tensors than travel inline in the kernel parameters, of every dtype and several layouts."""
+    g = torch.Generator().manual_seed(3)
+    xs = []
+    for i in range(40):
+        dtype = DTYPES[i % len(DTYPES)]
+        t = (torch.randn(17 * i + 1, 31, generator=g) * (i + 1)).to(dtype)
+        xs.append(t.cuda().t() if i % 3 == 0 else t.cuda())
+    return xs
+
+
+def test_multi_tensor_long_table():
+    xs = _many_tensors()
+    m = gapmon.multi_tensor_stats(xs)
+    for i, t in enumerate(xs):
+        assert_stats_match(gapmon.Stats(*(f[i] for f in m)), float64_stats(t.cpu()), where=f"tensor {i}")
+
+
+def test_cuda_graph_capture_and_replay():
+    """Captured ops read their view tables from the graph, not from recycled host buffers."""
+    xs = _many_tensors()
+    w = torch.randn(1000, 300, device="cuda")
+
+    def ops():
+        return (torch.ops.gapmon.multi_tensor_stats(xs, 1), torch.ops.gapmon.tensor_stats(w, 1),
+                torch.ops.gapmon.instance_stats(w, 1))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops()  # warm-up outside the capture, as torch.cuda.graph expects
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops()
+    for trial in range(3):
+        with torch.no_grad():
+            for x in xs:
+                x.copy_(torch.randn_like(x) * (trial + 2) - trial)
+            w.copy_(torch.randn_like(w) + trial)
+        # Churn the pinned host allocator: a captured host-to-device copy would now read other bytes.
+        for _ in range(4):
+            gapmon.multi_tensor_stats([torch.randn(5 + k, device="cuda") for k in range(30)])
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, ops()):
+            assert torch.equal(got, want), f"replay {trial} differs from eager"
+
+
 def test_deterministic_bits():
     x = torch.randn(50_000_001, device="cuda")
     a = gapmon.tensor_stats(x).rows().view(torch.int32)
@@ -66,14 +134,17 @@ def test_matches_cpu_kernels():
 
 
 def test_compile_reduce_overhead():
-    def f(w, a):
-        return gapmon.tensor_stats(w).norm + gapmon.instance_stats(a).max_abs.sum()
+    def f(w, a, ps):
+        return (gapmon.tensor_stats(w).norm + gapmon.instance_stats(a).max_abs.sum()
+                + gapmon.multi_tensor_stats(ps).var.sum())
 
     w, a = torch.randn(1024, 512, device="cuda"), torch.randn(8, 4096, device="cuda")
+    ps = [torch.randn(64 + i, device="cuda") for i in range(12)]
     compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
-    for _ in range(3):
-        out = compiled(w, a)
-    torch.testing.assert_close(out, f(w, a))
+    for step in range(4):
+        for t in (w, a, *ps):
+            t.normal_()  # new values every step: replays must read them
+        torch.testing.assert_close(compiled(w, a, ps), f(w, a, ps), msg=f"step {step}")
 
 
 def test_opcheck_cuda():

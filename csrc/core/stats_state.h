@@ -169,6 +169,13 @@ GAPMON_HD State<acc_t> block_to_state(acc_t n, block_t shift, acc_t s1, acc_t s2
   return s;
 }
 
+// True when the shifted sums of a block of finite elements overflowed the block precision
+// (|x| above ~1e19 in float32): the block must then be redone in double.
+template <typename block_t>
+GAPMON_HD bool sums_overflowed(bool elements_finite, block_t s1, block_t s2, block_t sq) {
+  return elements_finite && !(is_finite(s1) && is_finite(s2) && is_finite(sq));
+}
+
 // Finalised statistics, torch semantics: var = M2 / max(0, n - correction); empty -> mean/var NaN.
 template <typename acc_t, typename out_t>
 GAPMON_HD void finalize(const State<acc_t>& s, int64_t correction, out_t* out) {

@@ -253,7 +253,7 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
         continue;
       }
       const bool no_nan_or_inf = MX <= T::largest && SQ == SQ;
-      if (no_nan_or_inf && !(core::is_finite(S1) && core::is_finite(S2) && core::is_finite(SQ))) {
+      if (core::sums_overflowed(no_nan_or_inf, S1, S2, SQ)) {
         // Finite elements whose squares overflowed the block precision (|x| > ~1e19 in float32):
         // redo this block in double so that var and norm stay exact.
         state = core::merge(state, exact_block<T>(q, n, step, double(shift)));

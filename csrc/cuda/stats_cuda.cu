@@ -6,9 +6,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "../core/group_acc.h"
 #include "../core/stats_state.h"
 #include "stats_cuda.h"
+
+#if !defined(__CUDACC_VER_MAJOR__) || __CUDACC_VER_MAJOR__ < 12
+#error "gapmon's CUDA kernels need CUDA 12 or newer (__grid_constant__ kernel parameters)"
+#endif
 
 namespace gapmon {
 namespace cuda {
@@ -68,13 +74,16 @@ __device__ State<double> block_merge(State<double> s) {
   return s;
 }
 
-// One run of `len` elements with element stride `stride`; unit-stride runs use 16-byte loads on
-// the aligned body and scalar loads on the head and tail.
-template <typename T>
-__device__ void accumulate_run(const T* p, int64_t len, int64_t stride, core::GroupAccumulator<typename Elem<T>::block>& acc) {
-  constexpr auto largest = Elem<T>::largest;
+// Accumulates one run of `len` elements with element stride `stride` into `acc`, whose block
+// precision (float, or double when redoing an overflowed chunk) may exceed T's. Unit-stride runs
+// use 16-byte loads on the aligned body (core::walk_vectors) and scalar loads on head and tail.
+template <typename T, typename Acc>
+__device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t stride, Acc& acc) {
+  using block_t = decltype(acc.s1);
+  const auto largest = static_cast<block_t>(Elem<T>::largest);
+  auto push = [&](T x) { acc.push(static_cast<block_t>(Elem<T>::load(x)), largest); };  // head, tail, strided
   if (stride != 1) {
-    for (int64_t i = threadIdx.x; i < len; i += kThreads) acc.push(Elem<T>::load(p[i * stride]), largest);
+    for (int64_t i = threadIdx.x; i < len; i += kThreads) push(p[i * stride]);
     return;
   }
   constexpr int kPerVec = 16 / sizeof(T);
@@ -82,44 +91,67 @@ __device__ void accumulate_run(const T* p, int64_t len, int64_t stride, core::Gr
   int64_t head = misalign == 0 ? 0 : kPerVec - misalign;
   if (head > len) head = len;
   if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) head = len;  // not even element-aligned: scalar only
-  for (int64_t i = threadIdx.x; i < head; i += kThreads) acc.push(Elem<T>::load(p[i]), largest);
+  for (int64_t i = threadIdx.x; i < head; i += kThreads) push(p[i]);
   const int64_t nvec = (len - head) / kPerVec;
   const uint4* vec = reinterpret_cast<const uint4*>(p + head);
-  for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
-    const uint4 bits = __ldg(vec + v);
-    T vals[kPerVec];
-    memcpy(vals, &bits, 16);
+  core::walk_vectors(
+      nvec, threadIdx.x, kThreads, [&](int64_t v) { return __ldg(vec + v); },
+      [&](const uint4& bits) {
+        T vals[kPerVec];
+        memcpy(vals, &bits, 16);
+        block_t xs[kPerVec];
 #pragma unroll
-    for (int k = 0; k < kPerVec; ++k) acc.push(Elem<T>::load(vals[k]), largest);
-  }
-  for (int64_t i = head + nvec * kPerVec + threadIdx.x; i < len; i += kThreads) acc.push(Elem<T>::load(p[i]), largest);
+        for (int k = 0; k < kPerVec; ++k) xs[k] = static_cast<block_t>(Elem<T>::load(vals[k]));
+        acc.push(xs, largest);
+      });
+  for (int64_t i = head + nvec * kPerVec + threadIdx.x; i < len; i += kThreads) push(p[i]);
 }
 
-template <typename T>
-__device__ State<double> chunk_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi) {
-  core::GroupAccumulator<typename Elem<T>::block> acc;
+// This thread's share of the elements [lo, hi) of `item`, accumulated in block precision block_t.
+template <typename T, typename block_t>
+__device__ State<double> thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi, bool& overflow) {
+  core::GroupAccumulator<block_t> acc;
   const T* data = static_cast<const T*>(v.data);
   core::RowCursor rows(v, item, lo, hi);
   int64_t offset, len, stride;
   while (rows.next(offset, len, stride)) accumulate_run<T>(data + offset, len, stride, acc);
   acc.flush();
+  overflow = acc.overflow;
   return acc.state;
 }
 
-__global__ void __launch_bounds__(kThreads) chunk_kernel(const StridedView* views, int64_t num_views,
-                                                         int64_t total_chunks, double* chunk_states) {
+// This thread's share of a chunk. If any thread's float sums overflowed on finite elements
+// (|x| above ~1e19), the whole block redoes the chunk in double, as the CPU kernels do.
+template <typename T>
+__device__ State<double> chunk_thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi) {
+  using block_t = typename Elem<T>::block;
+  bool overflow = false;
+  State<double> s = thread_state<T, block_t>(v, item, lo, hi, overflow);
+  if constexpr (!std::is_same<block_t, double>::value) {
+    if (__syncthreads_or(overflow)) s = thread_state<T, double>(v, item, lo, hi, overflow);
+  }
+  return s;
+}
+
+__device__ __forceinline__ const StridedView* views_of(const ViewTable& table) {
+  return table.device != nullptr ? table.device : table.inline_views;
+}
+
+__global__ void __launch_bounds__(kThreads, 2) chunk_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks,
+                                                         double* chunk_states) {
+  const StridedView* views = views_of(table);
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
-    const StridedView& v = views[core::find_view(views, num_views, c)];
+    const StridedView& v = views[core::find_view(views, table.num, c)];
     const int64_t local = c - v.first_chunk;
     const int64_t item = local / v.chunks_per_item;
     const int64_t lo = (local % v.chunks_per_item) * core::kChunkElems;
     const int64_t hi = lo + core::kChunkElems < v.item_numel ? lo + core::kChunkElems : v.item_numel;
     State<double> s;
     switch (v.dtype) {
-      case DType::kFloat32: s = chunk_state<float>(v, item, lo, hi); break;
-      case DType::kFloat64: s = chunk_state<double>(v, item, lo, hi); break;
-      case DType::kFloat16: s = chunk_state<__half>(v, item, lo, hi); break;
-      case DType::kBFloat16: s = chunk_state<__nv_bfloat16>(v, item, lo, hi); break;
+      case DType::kFloat32: s = chunk_thread_state<float>(v, item, lo, hi); break;
+      case DType::kFloat64: s = chunk_thread_state<double>(v, item, lo, hi); break;
+      case DType::kFloat16: s = chunk_thread_state<__half>(v, item, lo, hi); break;
+      case DType::kBFloat16: s = chunk_thread_state<__nv_bfloat16>(v, item, lo, hi); break;
     }
     s = block_merge(s);
     if (threadIdx.x == 0) core::store_state(s, chunk_states + c * core::kNumStateColumns);
@@ -127,12 +159,12 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(const StridedView* view
   }
 }
 
-__global__ void merge_items_kernel(const StridedView* views, int64_t num_views, int64_t rows,
-                                   const double* chunk_states, float* out_stats, double* out_states,
-                                   int64_t correction) {
+__global__ void merge_items_kernel(const __grid_constant__ ViewTable table, int64_t rows, const double* chunk_states,
+                                   float* out_stats, double* out_states, int64_t correction) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (row >= rows) return;
-  const StridedView& v = views[core::find_view_by_row(views, num_views, row)];
+  const StridedView* views = views_of(table);
+  const StridedView& v = views[core::find_view_by_row(views, table.num, row)];
   const int64_t first = v.first_chunk + (row - v.out_row) * v.chunks_per_item;
   State<double> s;
   for (int64_t k = 0; k < v.chunks_per_item; ++k) {
@@ -157,6 +189,17 @@ __global__ void finalize_states_kernel(const double* states, int64_t n, int64_t 
   core::finalize(core::load_state(states + i * core::kNumStateColumns), correction, out + i * core::kNumStats);
 }
 
+// Bytes carried by one upload launch: well inside the 4 KB of kernel parameters every CUDA
+// version accepts.
+constexpr int kUploadWords = 480;
+struct UploadPiece {
+  uint64_t words[kUploadWords];
+};
+
+__global__ void upload_kernel(const __grid_constant__ UploadPiece piece, int64_t words, uint64_t* dst) {
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) dst[i] = piece.words[i];
+}
+
 // One thread, rows in order: instance counts are small (a batch), and the order is fixed.
 __global__ void accumulate_instances_kernel(const float* stats, int64_t rows, double* acc_row) {
   for (int64_t r = 0; r < rows; ++r) core::accumulate_instance(stats + r * core::kNumStats, acc_row);
@@ -166,15 +209,30 @@ int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / thre
 
 }  // namespace
 
-cudaError_t launch_stats(const StridedView* views, int64_t num_views, int64_t total_chunks, int64_t rows,
-                         double* chunk_states, float* out_stats, double* out_states, int64_t correction,
-                         cudaStream_t stream) {
+cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, double* chunk_states,
+                         float* out_stats, double* out_states, int64_t correction, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int64_t grid = total_chunks < (int64_t(1) << 20) ? total_chunks : (int64_t(1) << 20);
-  chunk_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(views, num_views, total_chunks, chunk_states);
+  chunk_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(views, total_chunks, chunk_states);
   merge_items_kernel<<<static_cast<unsigned>(blocks_for(rows, 128)), 128, 0, stream>>>(
-      views, num_views, rows, chunk_states, out_stats, out_states, correction);
+      views, rows, chunk_states, out_stats, out_states, correction);
   return cudaGetLastError();
+}
+
+cudaError_t launch_upload(const void* src, int64_t bytes, void* dst, cudaStream_t stream) {
+  if (bytes % sizeof(uint64_t) != 0) return cudaErrorInvalidValue;  // callers upload whole 8-byte words
+  const auto* words = static_cast<const uint64_t*>(src);
+  auto* out = static_cast<uint64_t*>(dst);
+  const int64_t total = bytes / int64_t(sizeof(uint64_t));
+  for (int64_t first = 0; first < total; first += kUploadWords) {
+    const int64_t n = total - first < kUploadWords ? total - first : kUploadWords;
+    UploadPiece piece;
+    memcpy(piece.words, words + first, n * sizeof(uint64_t));
+    upload_kernel<<<1, 128, 0, stream>>>(piece, n, out + first);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, double* out, cudaStream_t stream) {

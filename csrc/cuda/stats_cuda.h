@@ -11,15 +11,30 @@
 namespace gapmon {
 namespace cuda {
 
+// Views that travel inside the kernel parameters (ViewTable::inline_views).
+constexpr int kInlineViews = 8;
+
+// Where the kernels find their planned views (core::plan_chunks, ordered by out_row): up to
+// kInlineViews inside the kernel parameters, so a single-tensor call copies nothing and a CUDA
+// graph records them by value; more in device memory (`device`, filled e.g. by launch_upload).
+struct ViewTable {
+  const core::StridedView* device = nullptr;  // nullptr: the views are inline_views[0, num)
+  int64_t num = 0;
+  core::StridedView inline_views[kInlineViews];
+};
+
 // Statistics (or partial states) of every item of every view.
-//   views:        device array of `num_views` planned views (core::plan_chunks), ordered by out_row
 //   chunk_states: device scratch of total_chunks * 7 doubles
 //   out_stats:    [rows, 7] float32 finalised rows, or nullptr
 //   out_states:   [rows, 7] float64 partial states, or nullptr
-// Two launches on `stream`: one block per chunk, then one thread per output row.
-cudaError_t launch_stats(const core::StridedView* views, int64_t num_views, int64_t total_chunks, int64_t rows,
-                         double* chunk_states, float* out_stats, double* out_states, int64_t correction,
-                         cudaStream_t stream);
+// Two launches on `stream`: one block per chunk (grid-stride), then one thread per output row.
+cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, double* chunk_states,
+                         float* out_stats, double* out_states, int64_t correction, cudaStream_t stream);
+
+// Copies `bytes` of host memory to device memory `dst` through kernel parameters (a few KB per
+// launch). Unlike a copy from pinned memory, this is safe while `stream` is being captured into a
+// CUDA graph: the graph keeps the bytes, not a pointer to host memory that may be reused.
+cudaError_t launch_upload(const void* src, int64_t bytes, void* dst, cudaStream_t stream);
 
 // [parts, n, 7] float64 states -> [n, 7] merged over parts in order.
 cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, double* out, cudaStream_t stream);

@@ -181,22 +181,42 @@ static void test_row_cursor() {
   CHECK(got == want, "row cursor runs");
 }
 
-// Replays the CUDA chunk kernel on the host: 256 threads stride over 16-byte vectors of a chunk
-// (scalar head and tail), each with a GroupAccumulator; then the warp-shuffle tree and the block
-// tree merge in the kernel's order. The device code runs the same core functions in this order.
-static State<double> replay_cuda_chunk(const float* p, int64_t len) {
+// Replays the CUDA chunk kernel on the host: 256 threads walk the 16-byte vectors of a chunk in
+// core::walk_vectors order (scalar tail), each with a GroupAccumulator in block precision block_t;
+// reports whether any thread overflowed, as the kernel's __syncthreads_or does.
+template <typename block_t>
+static std::vector<State<double>> replay_cuda_threads(const float* p, int64_t len, bool& any_overflow) {
   constexpr int kThreads = 256, kPerVec = 4;
-  std::vector<gapmon::core::GroupAccumulator<float>> acc(kThreads);
-  const float largest = 3.40282346638528859812e+38f;
+  const block_t largest = 3.40282346638528859812e+38f;
   const int64_t nvec = len / kPerVec;  // p is 16-byte aligned: no head
+  std::vector<State<double>> states(kThreads);
+  any_overflow = false;
   for (int t = 0; t < kThreads; ++t) {
-    for (int64_t v = t; v < nvec; v += kThreads)
-      for (int k = 0; k < kPerVec; ++k) acc[t].push(p[v * kPerVec + k], largest);
-    for (int64_t i = nvec * kPerVec + t; i < len; i += kThreads) acc[t].push(p[i], largest);
-    acc[t].flush();
+    gapmon::core::GroupAccumulator<block_t> acc;
+    gapmon::core::walk_vectors(
+        nvec, t, kThreads, [&](int64_t v) { return v; },
+        [&](int64_t v) {
+          block_t xs[kPerVec];
+          for (int k = 0; k < kPerVec; ++k) xs[k] = p[v * kPerVec + k];
+          acc.push(xs, largest);
+        });
+    for (int64_t i = nvec * kPerVec + t; i < len; i += kThreads) acc.push(block_t(p[i]), largest);
+    acc.flush();
+    states[t] = acc.state;
+    any_overflow = any_overflow || acc.overflow;
   }
-  std::vector<State<double>> s(kThreads);
-  for (int t = 0; t < kThreads; ++t) s[t] = acc[t].state;
+  return states;
+}
+
+// Then the warp-shuffle tree and the block tree merge in the kernel's order, after the redo in
+// double that the kernel makes when any thread overflowed. The device code runs the same core
+// functions in this order.
+static State<double> replay_cuda_chunk(const float* p, int64_t len, bool* redone = nullptr) {
+  constexpr int kThreads = 256;
+  bool overflow = false, overflow_in_double = false;
+  std::vector<State<double>> s = replay_cuda_threads<float>(p, len, overflow);
+  if (overflow) s = replay_cuda_threads<double>(p, len, overflow_in_double);
+  if (redone != nullptr) *redone = overflow;
   // __shfl_down_sync tree within each warp: lane i merges lane i + delta (lanes past the end keep
   // their own value, as the hardware does).
   auto warp_tree = [](State<double>* lanes) {
@@ -219,20 +239,40 @@ static State<double> replay_cuda_chunk(const float* p, int64_t len) {
 static void test_cuda_strategy_on_host() {
   std::mt19937 g(5);
   std::normal_distribution<float> d(1e4f, 1e-2f);
-  for (int64_t len : {int64_t(65536), int64_t(1000), int64_t(37), int64_t(1)}) {
-    std::vector<float> xs(len + 4);
-    float* p = xs.data();
-    while (reinterpret_cast<uintptr_t>(p) % 16) ++p;
-    for (int64_t i = 0; i < len; ++i) p[i] = d(g);
-    for (int64_t i = 0; i < len; i += 4096) p[i] = 0.f;  // outlying first elements of many threads
-    std::vector<double> seen(p, p + len);
-    const std::string what = "cuda replay, " + std::to_string(len) + " elements";
-    expect_state(replay_cuda_chunk(p, len), reference(seen), 1e-6, what.c_str());
+  for (bool outliers : {false, true}) {
+    for (int64_t len : {int64_t(65536), int64_t(5000), int64_t(1000), int64_t(37), int64_t(1)}) {
+      std::vector<float> xs(len + 4);
+      float* p = xs.data();
+      while (reinterpret_cast<uintptr_t>(p) % 16) ++p;
+      for (int64_t i = 0; i < len; ++i) p[i] = d(g);
+      // Outliers as the first element of thread 0's first group: that group is shifted by the
+      // outlier, so its float sums carry an error of about kGroup * eps * sum (x - shift)^2,
+      // a few 1e-6 of the chunk's M2 (within the 1e-5 the Python oracles allow).
+      if (outliers)
+        for (int64_t i = 0; i < len; i += 4096) p[i] = 0.f;
+      std::vector<double> seen(p, p + len);
+      const std::string what = "cuda replay, " + std::to_string(len) + (outliers ? " elements with outliers" : " elements");
+      bool redone = true;
+      expect_state(replay_cuda_chunk(p, len, &redone), reference(seen), outliers ? 1e-5 : 1e-6, what.c_str());
+      CHECK(!redone, "cuda replay: no overflow redo for ordinary values");
+    }
   }
   std::vector<float> nan(4096, 1.f);
   nan[777] = NAN;
   State<double> s = replay_cuda_chunk(nan.data(), 4096);
   CHECK(std::isnan(s.max_abs) && std::isnan(s.mean) && s.nonfinite == 1, "cuda replay NaN");
+
+  // Finite values whose squares overflow float32: the chunk is redone in double and stays exact.
+  std::vector<float> big(8200);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = (i % 3 ? 3e20f : -1e19f) * (1.f + 1e-3f * float(i % 7));
+  bool redone = false;
+  const State<double> b = replay_cuda_chunk(big.data(), int64_t(big.size()), &redone);
+  CHECK(redone, "cuda replay: overflow detected");
+  expect_state(b, reference(std::vector<double>(big.begin(), big.end())), 1e-9, "cuda replay, overflow redo");
+  // An Inf element is non-finite, not an overflow: no redo, and the norm is Inf.
+  big[5] = INFINITY;
+  const State<double> inf = replay_cuda_chunk(big.data(), int64_t(big.size()), &redone);
+  CHECK(!std::isfinite(inf.sumsq) && inf.nonfinite == 1, "cuda replay Inf");
 }
 
 int main() {
