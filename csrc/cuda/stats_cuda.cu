@@ -25,6 +25,8 @@ using core::State;
 using core::StridedView;
 
 constexpr int kThreads = 256;
+// Items of at most this many chunks are merged by one thread each, longer ones by a block each.
+constexpr int64_t kShortItemChunks = 8;
 
 template <typename T> struct Elem;
 template <> struct Elem<float> {
@@ -159,20 +161,50 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_kernel(const __grid_constan
   }
 }
 
-__global__ void merge_items_kernel(const __grid_constant__ ViewTable table, int64_t rows, const double* chunk_states,
-                                   float* out_stats, double* out_states, int64_t correction) {
+// Writes row `row`'s merged state: finalised statistics and/or the raw state.
+__device__ __forceinline__ void write_row(State<double> s, const StridedView& v, int64_t row, float* out_stats,
+                                          double* out_states, int64_t correction) {
+  s = core::repeat(s, double(v.repeat));
+  if (out_stats != nullptr) core::finalize(s, correction, out_stats + row * core::kNumStats);
+  if (out_states != nullptr) core::store_state(s, out_states + row * core::kNumStateColumns);
+}
+
+__device__ __forceinline__ State<double> chunk_at(const double* chunk_states, int64_t c) {
+  return core::load_state(chunk_states + c * core::kNumStateColumns);
+}
+
+// Items of a few chunks each (many small rows): one thread per row merges its chunks in order.
+__global__ void merge_short_items_kernel(const __grid_constant__ ViewTable table, int64_t rows,
+                                         const double* chunk_states, float* out_stats, double* out_states,
+                                         int64_t correction) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (row >= rows) return;
   const StridedView* views = views_of(table);
   const StridedView& v = views[core::find_view_by_row(views, table.num, row)];
   const int64_t first = v.first_chunk + (row - v.out_row) * v.chunks_per_item;
   State<double> s;
-  for (int64_t k = 0; k < v.chunks_per_item; ++k) {
-    s = core::merge(s, core::load_state(chunk_states + (first + k) * core::kNumStateColumns));
+  for (int64_t k = 0; k < v.chunks_per_item; ++k) s = core::merge(s, chunk_at(chunk_states, first + k));
+  write_row(s, v, row, out_stats, out_states, correction);
+}
+
+// Items of many chunks (a large tensor has thousands): one block per row. Thread t merges chunks
+// t, t + kThreads, ... in order, then the block tree merges the threads, also in a fixed order,
+// so a row of n chunks takes about n / kThreads dependent steps instead of n.
+__global__ void __launch_bounds__(kThreads) merge_long_items_kernel(const __grid_constant__ ViewTable table,
+                                                                    int64_t rows, const double* chunk_states,
+                                                                    float* out_stats, double* out_states,
+                                                                    int64_t correction) {
+  const StridedView* views = views_of(table);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const StridedView& v = views[core::find_view_by_row(views, table.num, row)];
+    const int64_t first = v.first_chunk + (row - v.out_row) * v.chunks_per_item;
+    State<double> s;
+#pragma unroll 4
+    for (int64_t k = threadIdx.x; k < v.chunks_per_item; k += kThreads) s = core::merge(s, chunk_at(chunk_states, first + k));
+    s = block_merge(s);
+    if (threadIdx.x == 0) write_row(s, v, row, out_stats, out_states, correction);
+    __syncthreads();  // warp_states is reused by the next row of this block
   }
-  s = core::repeat(s, double(v.repeat));
-  if (out_stats != nullptr) core::finalize(s, correction, out_stats + row * core::kNumStats);
-  if (out_states != nullptr) core::store_state(s, out_states + row * core::kNumStateColumns);
 }
 
 __global__ void merge_states_kernel(const double* states, int64_t parts, int64_t n, double* out) {
@@ -209,13 +241,20 @@ int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / thre
 
 }  // namespace
 
-cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, double* chunk_states,
-                         float* out_stats, double* out_states, int64_t correction, cudaStream_t stream) {
+cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
+                         double* chunk_states, float* out_stats, double* out_states, int64_t correction,
+                         cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const int64_t grid = total_chunks < (int64_t(1) << 20) ? total_chunks : (int64_t(1) << 20);
+  constexpr int64_t kMaxGrid = int64_t(1) << 20;
+  const int64_t grid = total_chunks < kMaxGrid ? total_chunks : kMaxGrid;
   chunk_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(views, total_chunks, chunk_states);
-  merge_items_kernel<<<static_cast<unsigned>(blocks_for(rows, 128)), 128, 0, stream>>>(
-      views, rows, chunk_states, out_stats, out_states, correction);
+  if (max_chunks_per_item <= kShortItemChunks) {
+    merge_short_items_kernel<<<static_cast<unsigned>(blocks_for(rows, 128)), 128, 0, stream>>>(
+        views, rows, chunk_states, out_stats, out_states, correction);
+  } else {
+    merge_long_items_kernel<<<static_cast<unsigned>(rows < kMaxGrid ? rows : kMaxGrid), kThreads, 0, stream>>>(
+        views, rows, chunk_states, out_stats, out_states, correction);
+  }
   return cudaGetLastError();
 }
 

@@ -181,6 +181,28 @@ static void test_row_cursor() {
   CHECK(got == want, "row cursor runs");
 }
 
+// block_merge of the CUDA kernels: a __shfl_down_sync tree within each warp (lane i merges lane
+// i + delta; lanes past the end keep their own value, as the hardware does), then the same tree
+// over the warps' results.
+static State<double> replay_block_merge(std::vector<State<double>> s) {
+  auto warp_tree = [](State<double>* lanes) {
+    for (int delta = 16; delta > 0; delta >>= 1) {
+      State<double> next[32];
+      for (int i = 0; i < 32; ++i) next[i] = core::merge(lanes[i], i + delta < 32 ? lanes[i + delta] : lanes[i]);
+      for (int i = 0; i < 32; ++i) lanes[i] = next[i];
+    }
+  };
+  State<double> warp0[32];
+  const int warps = static_cast<int>(s.size()) / 32;
+  for (int w = 0; w < warps; ++w) {
+    warp_tree(&s[w * 32]);
+    warp0[w] = s[w * 32];
+  }
+  for (int i = warps; i < 32; ++i) warp0[i] = State<double>();
+  warp_tree(warp0);
+  return warp0[0];
+}
+
 // Replays the CUDA chunk kernel on the host: 256 threads walk the 16-byte vectors of a chunk in
 // core::walk_vectors order (scalar tail), each with a GroupAccumulator in block precision block_t;
 // reports whether any thread overflowed, as the kernel's __syncthreads_or does.
@@ -208,32 +230,24 @@ static std::vector<State<double>> replay_cuda_threads(const float* p, int64_t le
   return states;
 }
 
-// Then the warp-shuffle tree and the block tree merge in the kernel's order, after the redo in
-// double that the kernel makes when any thread overflowed. The device code runs the same core
-// functions in this order.
+// Replays chunk_kernel for one chunk: the threads (redone in double, as the kernel does, when any
+// overflowed), then block_merge. The device code runs the same core functions in this order.
 static State<double> replay_cuda_chunk(const float* p, int64_t len, bool* redone = nullptr) {
-  constexpr int kThreads = 256;
   bool overflow = false, overflow_in_double = false;
   std::vector<State<double>> s = replay_cuda_threads<float>(p, len, overflow);
   if (overflow) s = replay_cuda_threads<double>(p, len, overflow_in_double);
   if (redone != nullptr) *redone = overflow;
-  // __shfl_down_sync tree within each warp: lane i merges lane i + delta (lanes past the end keep
-  // their own value, as the hardware does).
-  auto warp_tree = [](State<double>* lanes) {
-    for (int delta = 16; delta > 0; delta >>= 1) {
-      State<double> next[32];
-      for (int i = 0; i < 32; ++i) next[i] = core::merge(lanes[i], i + delta < 32 ? lanes[i + delta] : lanes[i]);
-      for (int i = 0; i < 32; ++i) lanes[i] = next[i];
-    }
-  };
-  State<double> warp0[32];
-  for (int w = 0; w < kThreads / 32; ++w) {
-    warp_tree(&s[w * 32]);
-    warp0[w] = s[w * 32];
-  }
-  for (int i = kThreads / 32; i < 32; ++i) warp0[i] = State<double>();
-  warp_tree(warp0);
-  return warp0[0];
+  return replay_block_merge(s);
+}
+
+// Replays merge_long_items_kernel for one row: thread t merges chunks t, t + 256, ... in order,
+// then the block tree merges the threads.
+static State<double> replay_long_row_merge(const std::vector<State<double>>& chunks) {
+  constexpr int kThreads = 256;
+  std::vector<State<double>> s(kThreads);
+  for (int t = 0; t < kThreads; ++t)
+    for (size_t k = t; k < chunks.size(); k += kThreads) s[t] = core::merge(s[t], chunks[k]);
+  return replay_block_merge(s);
 }
 
 static void test_cuda_strategy_on_host() {
@@ -269,6 +283,17 @@ static void test_cuda_strategy_on_host() {
   const State<double> b = replay_cuda_chunk(big.data(), int64_t(big.size()), &redone);
   CHECK(redone, "cuda replay: overflow detected");
   expect_state(b, reference(std::vector<double>(big.begin(), big.end())), 1e-9, "cuda replay, overflow redo");
+  // A long row: 1,000 chunk states (uneven sizes, shifted means) merged in the kernel's order.
+  std::vector<State<double>> chunks;
+  std::vector<double> all;
+  std::uniform_int_distribution<int> size(1, 40);
+  for (int c = 0; c < 1000; ++c) {
+    std::vector<double> part(size(g));
+    for (double& x : part) x = d(g) + 0.5 * c;
+    chunks.push_back(reference(part));
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  expect_state(replay_long_row_merge(chunks), reference(all), 1e-12, "cuda replay, long row merge");
   // An Inf element is non-finite, not an overflow: no redo, and the norm is Inf.
   big[5] = INFINITY;
   const State<double> inf = replay_cuda_chunk(big.data(), int64_t(big.size()), &redone);
