@@ -32,6 +32,9 @@ section "CUDA tests"
 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee -a "$log"
 tests_rc=${PIPESTATUS[0]}
 
+section "demo on one GPU"
+timeout 120 $py -m gapmon demo --device cuda --out /tmp/gapmon-demo-gpu 2>&1 | tail -25 | tee -a "$log"
+
 section "statistics benchmark"
 timeout 300 $py benchmarks/bench_stats.py --device cuda --out "$out/stats.json" 2>&1 | tee -a "$log"
 

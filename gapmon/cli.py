@@ -61,7 +61,10 @@ def _time(fn, device: str, reps: int = 5) -> float:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(nproc=args.nproc, steps=args.steps, device=args.device, out=args.out,
+    nproc = args.nproc
+    if nproc is None:  # two processes; on GPUs one per GPU (NCCL), at most two
+        nproc = 2 if args.device == "cpu" else max(1, min(2, torch.cuda.device_count()))
+    run_demo(DemoConfig(nproc=nproc, steps=args.steps, device=args.device, out=args.out,
                         dump_every=args.dump_every, hsdp=args.hsdp, quiet=args.quiet))
     return 0
 
@@ -127,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = add_parser
     p = sub.add_parser("demo", help="train a small GPT with FSDP2 and every gapmon feature, then report")
-    p.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to spawn (default 2; with --device cuda one per GPU, at most 2; ignored under torchrun)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default="gapmon-demo", help="run directory (must be new or empty)")

@@ -184,6 +184,9 @@ def run_demo(cfg: DemoConfig) -> None:
         raise ValueError("--nproc, --steps and --dump-every must be positive")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
+    if cfg.device == "cuda" and cfg.nproc > torch.cuda.device_count():
+        raise ValueError(f"--device cuda runs one process per GPU (NCCL): {cfg.nproc} processes asked for, "
+                         f"{torch.cuda.device_count()} GPU(s) visible; pass --nproc {torch.cuda.device_count()}")
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; pass --out to a new directory")
