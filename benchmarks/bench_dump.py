@@ -42,7 +42,8 @@ def main() -> None:
     print(f"# gradient dumps of {numel/1e6:.1f}M parameters ({nbytes/2**20:.0f} MiB) on {info['cpu']}")
     root = Path(args.dir or tempfile.mkdtemp(prefix="gapmon-bench-dump-"))
     rows = []
-    cases = [("shards", True, {}), ("shards", False, {}), ("full", False, {}), ("sampled", True, {"save_first_n": 64})]
+    cases = [("shards", True, {}), ("shards", False, {}), ("full", True, {}), ("full", False, {}),
+             ("sampled", True, {"save_first_n": 64})]
     for mode, async_write, kwargs in cases:
         save = root / f"{mode}-{'async' if async_write else 'sync'}"
         shutil.rmtree(save, ignore_errors=True)

@@ -1,6 +1,8 @@
 """Per-sample gradient norms on a GPT-style model (B=32, T=64), four ways, each in its own process
 so that peak memory is measured separately: a plain training step, the same step with gapmon's
 norms, torch.func vmap per-sample gradients + norms (the usual approach), and a loop over samples.
+The cost of gapmon's norms is also measured paired: one process alternates plain steps and steps
+with the norms attached, so that a shared machine's drift hits both alike.
 
     python benchmarks/bench_persample.py [--device cuda]
 """
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-MODES = ("plain", "gapmon", "vmap", "loop")
+MODES = ("plain", "gapmon", "vmap", "loop", "paired")
 
 
 def _config(d_model: int = 256):
@@ -33,6 +35,36 @@ def _peak_bytes(device: str) -> int:
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_paired(device: str, steps: int, d_model: int) -> dict:
+    """Median plain and with-norms step times from alternating steps of one model in one process."""
+    import gapmon
+    from gapmon.examples import TinyGPT, lm_loss, synthetic_batch
+
+    cfg, batch = _config(d_model)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device)
+    x, y = synthetic_batch(cfg, batch, 0, device=device)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * (steps + 1)):
+        with_norms = i % 2 == 1
+        psn = gapmon.PerSampleGradNorms(model) if with_norms else None
+        model.zero_grad(set_to_none=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lm_loss(model(x), y).backward()
+        if psn is not None:
+            psn.local_norms()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:  # one warm-up step of each
+            times[with_norms].append(time.perf_counter() - t0)
+        if psn is not None:
+            psn.close()
+    plain, norms = statistics.median(times[False]), statistics.median(times[True])
+    return {"mode": "paired", "plain_s": plain, "gapmon_s": norms, "ratio": norms / plain}
 
 
 def measure(mode: str, device: str, steps: int, d_model: int) -> dict:
@@ -91,6 +123,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.mode == "paired":
+        print(json.dumps(measure_paired(args.device, 2 * args.steps, args.d_model)))
+        return
     if args.mode:
         print(json.dumps(measure(args.mode, args.device, args.steps, args.d_model)))
         return
@@ -121,6 +156,10 @@ def main() -> None:
         speed = "" if mode in ("plain", "gapmon") else f"{r['step_s'] / results['gapmon']['step_s']:.1f}x"
         rows.append(f"| {label} | {r['step_s']*1e3:.1f} ms | {r['step_s']/plain:.2f}x | {speed} | "
                     f"{r['extra_peak_bytes']/2**20:.0f} MiB |")
+    paired = results["paired"]
+    if "error" not in paired:
+        rows.append(f"| paired (alternating steps, one process): with norms vs plain | {paired['gapmon_s']*1e3:.1f} ms "
+                    f"vs {paired['plain_s']*1e3:.1f} ms | {paired['ratio']:.2f}x | | |")
     table = "\n".join(rows)
     print("\n" + table)
     name = "cpu-" + info["host"] if args.device == "cpu" else info["device"].replace(" ", "-").lower()

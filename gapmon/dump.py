@@ -12,7 +12,9 @@
 Every file is written atomically (temp file, fsync, rename) and no format uses pickle. With
 ``async_write=True`` the gradients are copied during ``maybe_dump`` into one of two reusable host
 staging sets (pinned for GPU tensors) and written by a background thread; a third dump waits for a
-free set. Background errors are raised by the next call or close().
+free set. ``full`` dumps stage through ``dcp.async_save`` instead, whose collectives run on a
+dedicated gloo group so that they never interleave with the training thread's; one such dump is
+in flight at a time. Background errors are raised by the next call or close().
 """
 from __future__ import annotations
 
@@ -96,6 +98,30 @@ def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, d
     return g, record
 
 
+def _with_layout_of(g: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (a host copy of g's local shard) as a tensor laid out like gradient `g`."""
+    if not _is_dtensor(g):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride())
+
+
+class _AlreadyStaged:
+    """A dcp.async_save stager for a state dict that is already a host copy: nothing to do."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class GradientDumper:
     """Writes gradients at steps start_step, start_step + step_interval, ... up to end_step (inclusive).
 
@@ -136,6 +162,10 @@ class GradientDumper:
         self._error: BaseException | None = None
         self._free_staging: queue.Queue = queue.Queue()
         self._staging_made = 0
+        # Async full dumps: DCP's collectives run in a background thread, on their own group.
+        self._full_group = None
+        if mode == "full" and async_write and self.world > 1:
+            self._full_group = dist.new_group(backend="gloo")  # collective: every rank builds the dumper
         self.closed = False
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +186,7 @@ class GradientDumper:
             return False
         grads = [(n, p.grad) for n, p in self._params if p.grad is not None]
         if self.mode == "full":
-            self._dump_full(step, grads)  # collective: runs on the caller's thread
+            self._dump_full(step, grads)
         elif self.mode == "shards":
             local, records = {}, {}
             for name, g in grads:
@@ -230,21 +260,41 @@ class GradientDumper:
     def _dump_full(self, step: int, grads) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self._wait()
+        self._wait()  # one full dump in flight: bounded host memory, and DCP plans never overlap
         directory = step_dir(self.save_dir, step)
-        target = directory / "full"
-        tmp = directory / ".full.tmp"
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         state = {name: g.detach() for name, g in grads}
-        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True, enable_consolidation=False)
-        dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
-        if self.world > 1:
-            dist.barrier()
+        index = {name: {"shape": list(g.shape), "dtype": str(g.dtype)} for name, g in grads}
+        writer = dcp.HuggingFaceStorageWriter(str(directory / ".full.tmp"), save_distributed=True,
+                                              enable_consolidation=False)
+        if not self.async_write:
+            dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
+            if self.world > 1:
+                dist.barrier()
+            self._finish_full(directory, index)
+            return
+        # Local shards go to a staging set (as for shards mode) and are wrapped back into DTensors,
+        # so DCP writes host copies in its thread and need not copy again (its own staging also
+        # deep-copies CPU DTensors, which fails on FSDP2's gradient views).
+        local = {name: (g.to_local() if _is_dtensor(g) else g).detach() for name, g in grads}
+        staged = self._stage(local)
+        state = {name: _with_layout_of(g, staged[name]) for name, g in grads}
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._full_group,
+                                async_stager=_AlreadyStaged(), no_dist=self.world == 1)
+        self._submit(self._await_full, future, staged, directory, index)
+
+    def _await_full(self, future, staged: dict[str, torch.Tensor], directory: Path, index: dict[str, Any]) -> None:
+        try:
+            future.result()  # DCP's coordinator (rank 0) finishes only after every rank reported its writes
+        finally:
+            self._free_staging.put(staged)
+        self._finish_full(directory, index)
+
+    def _finish_full(self, directory: Path, index: dict[str, Any]) -> None:
         if self.rank == 0:
-            os.replace(tmp, target)
-            write_json(directory / "full_index.json", {name: {"shape": list(g.shape), "dtype": str(g.dtype)}
-                                                       for name, g in grads})
+            os.replace(directory / ".full.tmp", directory / "full")
+            write_json(directory / "full_index.json", index)
             self._complete(directory, ["full", "full_index.json"])
 
     def _complete(self, directory: Path, expected: list[str], timeout: float = 600.0) -> None:
@@ -314,6 +364,9 @@ class GradientDumper:
             self._thread.join()
             self._thread = None
         self._free_staging = queue.Queue()  # release the staging buffers' host memory
+        if self._full_group is not None:
+            dist.destroy_process_group(self._full_group)
+            self._full_group = None
         self._raise_background_error()
 
     def __enter__(self) -> "GradientDumper":

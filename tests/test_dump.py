@@ -57,16 +57,19 @@ def test_async_and_sync_files_identical(tmp_path):
     assert a == b
 
 
-def test_async_copies_before_returning(tmp_path):
+@pytest.mark.parametrize("mode", ["shards", "full"])
+def test_async_copies_before_returning(tmp_path, mode):
     """The optimizer may change gradients right after maybe_dump: the dump holds the values at the call."""
     model = _model_with_grads()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    with gapmon.GradientDumper(model, tmp_path, async_write=True) as dumper:
+    with gapmon.GradientDumper(model, tmp_path, mode=mode, async_write=True) as dumper:
         dumper.maybe_dump(0)
         for p in model.parameters():
             p.grad.mul_(3)
-    got = reconstruct_gradients(tmp_path, 0)
-    assert all(torch.equal(got[n], want[n]) for n in want)
+        dumper.maybe_dump(1)
+    for step, factor in ((0, 1), (1, 3)):
+        got = reconstruct_gradients(tmp_path, step)
+        assert all(torch.equal(got[n], want[n] * factor) for n in want), step
 
 
 def test_schedule(tmp_path):

@@ -45,7 +45,8 @@ def _worker(rank: int, world: int, root: str):
         if layout == "fsdp":
             assert model.pos.weight.grad.to_local().shape[0] == (0 if rank == 3 else 1)
         for mode, kwargs in (("shards", {"async_write": True}), ("shards-sync", {"async_write": False}),
-                             ("full", {}), ("sampled", {"save_first_n": 2})):
+                             ("full", {"async_write": True}), ("full-sync", {"async_write": False}),
+                             ("sampled", {"save_first_n": 2})):
             save = f"{root}/{layout}-{mode}"
             with gapmon.GradientDumper(model, save, mode=mode.split("-")[0], **kwargs) as dumper:
                 dumper.maybe_dump(3)
