@@ -62,9 +62,13 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
   at::Tensor table_storage;
   const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
   at::Tensor scratch = at::empty({total_chunks, core::kNumStateColumns}, opts.dtype(at::kDouble));
-  int64_t max_chunks_per_item = 0;
-  for (const auto& v : views) max_chunks_per_item = std::max(max_chunks_per_item, v.chunks_per_item);
-  check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, scratch.data_ptr<double>(),
+  int64_t max_chunks_per_item = 0, max_item_numel = 0;
+  for (const auto& v : views) {
+    max_chunks_per_item = std::max(max_chunks_per_item, v.chunks_per_item);
+    max_item_numel = std::max(max_item_numel, v.item_numel);
+  }
+  check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, max_item_numel,
+                                  scratch.data_ptr<double>(),
                                   as_states ? nullptr : out.data_ptr<float>(),
                                   as_states ? out.data_ptr<double>() : nullptr, correction, stream),
                op);

@@ -58,17 +58,19 @@ def test_float32_overflow_is_redone_in_double():
     x = torch.randn(300_000, device="cuda") * 1e20
     x[5] = 0.0
     assert_stats_match(gapmon.tensor_stats(x), float64_stats(x.cpu()))
-    rows = x[: 299_997].view(3, -1)
-    got = gapmon.instance_stats(rows)
-    for b in range(3):
-        assert_stats_match(gapmon.Stats(*(f[b] for f in got)), float64_stats(rows[b].cpu()), where=f"row {b}")
+    for rows in (x[: 299_997].view(3, -1), x.view(3000, 100)):  # a block per chunk, then a warp per chunk
+        got = gapmon.instance_stats(rows)
+        for b in (0, 1, rows.shape[0] - 1):
+            assert_stats_match(gapmon.Stats(*(f[b] for f in got)), float64_stats(rows[b].cpu()), where=f"row {b}")
 
 
 def test_instance_rows_tiny_and_long():
-    for shape in [(10_000, 3), (3, 1_500_007), (5, 1)]:
+    # (10000, 3) and the transposed (3000, 4100) take the warp-per-chunk path, the others a block per chunk.
+    for shape, transpose in [((10_000, 3), False), ((4100, 3000), True), ((3, 1_500_007), False), ((5, 1), False)]:
         x = torch.randn(*shape, device="cuda") * 2 - 1
+        x = x.t() if transpose else x
         got = gapmon.instance_stats(x)
-        for b in {0, shape[0] // 2, shape[0] - 1}:
+        for b in {0, x.shape[0] // 2, x.shape[0] - 1}:
             assert_stats_match(gapmon.Stats(*(f[b] for f in got)), float64_stats(x[b].cpu()), where=f"{shape} row {b}")
 
 

@@ -27,6 +27,11 @@ using core::StridedView;
 constexpr int kThreads = 256;
 // Items of at most this many chunks are merged by one thread each, longer ones by a block each.
 constexpr int64_t kShortItemChunks = 8;
+// When every item holds at most kWarpItemElems elements and there are at least kWarpMinChunks
+// chunks (enough warps to fill the GPU), each chunk is read by a warp instead of a block: a short
+// row then costs a warp's merge tree rather than a block's barriers and shared-memory round.
+constexpr int64_t kWarpItemElems = 8192;
+constexpr int64_t kWarpMinChunks = 2048;
 
 template <typename T> struct Elem;
 template <> struct Elem<float> {
@@ -62,30 +67,64 @@ __device__ __forceinline__ State<double> shfl_down(const State<double>& s, int d
   return r;
 }
 
-// Merges the states of all threads of the block in a fixed tree order; thread 0 gets the result.
-__device__ State<double> block_merge(State<double> s) {
-  __shared__ State<double> warp_states[kThreads / 32];
+// Merges the states of a warp's lanes in a fixed tree order; lane 0 gets the result.
+__device__ __forceinline__ State<double> warp_merge(State<double> s) {
   for (int delta = 16; delta > 0; delta >>= 1) s = core::merge(s, shfl_down(s, delta));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_states[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    s = lane < kThreads / 32 ? warp_states[lane] : State<double>();
-    for (int delta = 16; delta > 0; delta >>= 1) s = core::merge(s, shfl_down(s, delta));
-  }
   return s;
 }
 
-// Accumulates one run of `len` elements with element stride `stride` into `acc`, whose block
-// precision (float, or double when redoing an overflowed chunk) may exceed T's. Unit-stride runs
-// use 16-byte loads on the aligned body (core::walk_vectors) and scalar loads on head and tail.
-template <typename T, typename Acc>
-__device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t stride, Acc& acc) {
+// Merges the states of all threads of the block in a fixed tree order; thread 0 gets the result.
+__device__ State<double> block_merge(State<double> s) {
+  __shared__ State<double> warp_states[kThreads / 32];
+  s = warp_merge(s);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_states[warp] = s;
+  __syncthreads();
+  if (warp == 0) s = warp_merge(lane < kThreads / 32 ? warp_states[lane] : State<double>());
+  return s;
+}
+
+// The threads that share one chunk: the whole block (kLanes == kThreads) or one warp (kLanes ==
+// 32, for short items: a block then reads kThreads / 32 chunks at once).
+template <int kLanes>
+struct ChunkGroup {
+  static_assert(kLanes == kThreads || kLanes == 32, "a chunk is read by a block or by a warp");
+  static constexpr int kPerBlock = kThreads / kLanes;
+  __device__ static int lane() { return threadIdx.x % kLanes; }
+  __device__ static int index() { return threadIdx.x / kLanes; }
+  // Whether any thread of the group has `v` set (a barrier for the group).
+  __device__ static bool any(bool v) {
+    if constexpr (kLanes == kThreads) {
+      return __syncthreads_or(v);
+    } else {
+      return __any_sync(0xffffffffu, v);
+    }
+  }
+  // The group's merged state, in lane 0.
+  __device__ static State<double> merge(State<double> s) {
+    if constexpr (kLanes == kThreads) {
+      return block_merge(s);
+    } else {
+      return warp_merge(s);
+    }
+  }
+  // Orders the group's reuse of shared memory before its next chunk.
+  __device__ static void sync() {
+    if constexpr (kLanes == kThreads) __syncthreads();
+  }
+};
+
+// Accumulates lane `lane` (of kLanes)'s share of one run of `len` elements with element stride
+// `stride` into `acc`, whose block precision (float, or double when redoing an overflowed chunk)
+// may exceed T's. Unit-stride runs use 16-byte loads on the aligned body (core::walk_vectors) and
+// scalar loads on the head and tail.
+template <int kLanes, typename T, typename Acc>
+__device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t stride, int lane, Acc& acc) {
   using block_t = decltype(acc.s1);
   const auto largest = static_cast<block_t>(Elem<T>::largest);
   auto push = [&](T x) { acc.push(static_cast<block_t>(Elem<T>::load(x)), largest); };  // head, tail, strided
   if (stride != 1) {
-    for (int64_t i = threadIdx.x; i < len; i += kThreads) push(p[i * stride]);
+    for (int64_t i = lane; i < len; i += kLanes) push(p[i * stride]);
     return;
   }
   constexpr int kPerVec = 16 / sizeof(T);
@@ -93,11 +132,11 @@ __device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t 
   int64_t head = misalign == 0 ? 0 : kPerVec - misalign;
   if (head > len) head = len;
   if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) head = len;  // not even element-aligned: scalar only
-  for (int64_t i = threadIdx.x; i < head; i += kThreads) push(p[i]);
+  for (int64_t i = lane; i < head; i += kLanes) push(p[i]);
   const int64_t nvec = (len - head) / kPerVec;
   const uint4* vec = reinterpret_cast<const uint4*>(p + head);
   core::walk_vectors(
-      nvec, threadIdx.x, kThreads, [&](int64_t v) { return __ldg(vec + v); },
+      nvec, lane, kLanes, [&](int64_t v) { return __ldg(vec + v); },
       [&](const uint4& bits) {
         T vals[kPerVec];
         memcpy(vals, &bits, 16);
@@ -106,31 +145,32 @@ __device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t 
         for (int k = 0; k < kPerVec; ++k) xs[k] = static_cast<block_t>(Elem<T>::load(vals[k]));
         acc.push(xs, largest);
       });
-  for (int64_t i = head + nvec * kPerVec + threadIdx.x; i < len; i += kThreads) push(p[i]);
+  for (int64_t i = head + nvec * kPerVec + lane; i < len; i += kLanes) push(p[i]);
 }
 
 // This thread's share of the elements [lo, hi) of `item`, accumulated in block precision block_t.
-template <typename T, typename block_t>
+template <int kLanes, typename T, typename block_t>
 __device__ State<double> thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi, bool& overflow) {
   core::GroupAccumulator<block_t> acc;
   const T* data = static_cast<const T*>(v.data);
+  const int lane = ChunkGroup<kLanes>::lane();
   core::RowCursor rows(v, item, lo, hi);
   int64_t offset, len, stride;
-  while (rows.next(offset, len, stride)) accumulate_run<T>(data + offset, len, stride, acc);
+  while (rows.next(offset, len, stride)) accumulate_run<kLanes, T>(data + offset, len, stride, lane, acc);
   acc.flush();
   overflow = acc.overflow;
   return acc.state;
 }
 
 // This thread's share of a chunk. If any thread's float sums overflowed on finite elements
-// (|x| above ~1e19), the whole block redoes the chunk in double, as the CPU kernels do.
-template <typename T>
+// (|x| above ~1e19), the whole group redoes the chunk in double, as the CPU kernels do.
+template <int kLanes, typename T>
 __device__ State<double> chunk_thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi) {
   using block_t = typename Elem<T>::block;
   bool overflow = false;
-  State<double> s = thread_state<T, block_t>(v, item, lo, hi, overflow);
+  State<double> s = thread_state<kLanes, T, block_t>(v, item, lo, hi, overflow);
   if constexpr (!std::is_same<block_t, double>::value) {
-    if (__syncthreads_or(overflow)) s = thread_state<T, double>(v, item, lo, hi, overflow);
+    if (ChunkGroup<kLanes>::any(overflow)) s = thread_state<kLanes, T, double>(v, item, lo, hi, overflow);
   }
   return s;
 }
@@ -139,10 +179,14 @@ __device__ __forceinline__ const StridedView* views_of(const ViewTable& table) {
   return table.device != nullptr ? table.device : table.inline_views;
 }
 
+// The state of every chunk, kLanes threads per chunk (grid-stride over chunks).
+template <int kLanes>
 __global__ void __launch_bounds__(kThreads, 2) chunk_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks,
                                                          double* chunk_states) {
+  using Group = ChunkGroup<kLanes>;
   const StridedView* views = views_of(table);
-  for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
+  const int64_t stride = int64_t(gridDim.x) * Group::kPerBlock;
+  for (int64_t c = int64_t(blockIdx.x) * Group::kPerBlock + Group::index(); c < total_chunks; c += stride) {
     const StridedView& v = views[core::find_view(views, table.num, c)];
     const int64_t local = c - v.first_chunk;
     const int64_t item = local / v.chunks_per_item;
@@ -150,14 +194,14 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_kernel(const __grid_constan
     const int64_t hi = lo + core::kChunkElems < v.item_numel ? lo + core::kChunkElems : v.item_numel;
     State<double> s;
     switch (v.dtype) {
-      case DType::kFloat32: s = chunk_thread_state<float>(v, item, lo, hi); break;
-      case DType::kFloat64: s = chunk_thread_state<double>(v, item, lo, hi); break;
-      case DType::kFloat16: s = chunk_thread_state<__half>(v, item, lo, hi); break;
-      case DType::kBFloat16: s = chunk_thread_state<__nv_bfloat16>(v, item, lo, hi); break;
+      case DType::kFloat32: s = chunk_thread_state<kLanes, float>(v, item, lo, hi); break;
+      case DType::kFloat64: s = chunk_thread_state<kLanes, double>(v, item, lo, hi); break;
+      case DType::kFloat16: s = chunk_thread_state<kLanes, __half>(v, item, lo, hi); break;
+      case DType::kBFloat16: s = chunk_thread_state<kLanes, __nv_bfloat16>(v, item, lo, hi); break;
     }
-    s = block_merge(s);
-    if (threadIdx.x == 0) core::store_state(s, chunk_states + c * core::kNumStateColumns);
-    __syncthreads();  // warp_states is reused by the next chunk of this block
+    s = Group::merge(s);
+    if (Group::lane() == 0) core::store_state(s, chunk_states + c * core::kNumStateColumns);
+    Group::sync();
   }
 }
 
@@ -242,12 +286,18 @@ int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / thre
 }  // namespace
 
 cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         double* chunk_states, float* out_stats, double* out_states, int64_t correction,
-                         cudaStream_t stream) {
+                         int64_t max_item_numel, double* chunk_states, float* out_stats, double* out_states,
+                         int64_t correction, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
-  const int64_t grid = total_chunks < kMaxGrid ? total_chunks : kMaxGrid;
-  chunk_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(views, total_chunks, chunk_states);
+  if (max_item_numel <= kWarpItemElems && total_chunks >= kWarpMinChunks) {
+    const int64_t blocks = blocks_for(total_chunks, ChunkGroup<32>::kPerBlock);
+    chunk_kernel<32><<<static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid), kThreads, 0, stream>>>(
+        views, total_chunks, chunk_states);
+  } else {
+    chunk_kernel<kThreads><<<static_cast<unsigned>(total_chunks < kMaxGrid ? total_chunks : kMaxGrid), kThreads, 0,
+                             stream>>>(views, total_chunks, chunk_states);
+  }
   if (max_chunks_per_item <= kShortItemChunks) {
     merge_short_items_kernel<<<static_cast<unsigned>(blocks_for(rows, 128)), 128, 0, stream>>>(
         views, rows, chunk_states, out_stats, out_states, correction);

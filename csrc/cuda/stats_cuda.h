@@ -25,14 +25,16 @@ struct ViewTable {
 
 // Statistics (or partial states) of every item of every view.
 //   max_chunks_per_item: the largest chunks_per_item of the views (picks the merge kernel)
+//   max_item_numel:      the largest item_numel of the views (picks a block or a warp per chunk)
 //   chunk_states:        device scratch of total_chunks * 7 doubles
 //   out_stats:           [rows, 7] float32 finalised rows, or nullptr
 //   out_states:          [rows, 7] float64 partial states, or nullptr
-// Two launches on `stream`: one block per chunk (grid-stride), then a fixed-order merge of each
-// row's chunks (a thread per row when rows are short, a block per row when they are long).
+// Two launches on `stream`: a block (or, for many short items, a warp) per chunk, grid-stride;
+// then a fixed-order merge of each row's chunks (a thread per row when rows have few chunks, a
+// block per row when they have many).
 cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         double* chunk_states, float* out_stats, double* out_states, int64_t correction,
-                         cudaStream_t stream);
+                         int64_t max_item_numel, double* chunk_states, float* out_stats, double* out_states,
+                         int64_t correction, cudaStream_t stream);
 
 // Copies `bytes` of host memory to device memory `dst` through kernel parameters (a few KB per
 // launch). Unlike a copy from pinned memory, this is safe while `stream` is being captured into a

@@ -203,12 +203,13 @@ static State<double> replay_block_merge(std::vector<State<double>> s) {
   return warp0[0];
 }
 
-// Replays the CUDA chunk kernel on the host: 256 threads walk the 16-byte vectors of a chunk in
-// core::walk_vectors order (scalar tail), each with a GroupAccumulator in block precision block_t;
-// reports whether any thread overflowed, as the kernel's __syncthreads_or does.
+// Replays the CUDA chunk kernel on the host: `lanes` threads (a block of 256 or a warp of 32) walk
+// the 16-byte vectors of a chunk in core::walk_vectors order (scalar tail), each with a
+// GroupAccumulator in block precision block_t; reports whether any thread overflowed, as the
+// kernel's __syncthreads_or / __any_sync does.
 template <typename block_t>
-static std::vector<State<double>> replay_cuda_threads(const float* p, int64_t len, bool& any_overflow) {
-  constexpr int kThreads = 256, kPerVec = 4;
+static std::vector<State<double>> replay_cuda_threads(const float* p, int64_t len, int kThreads, bool& any_overflow) {
+  constexpr int kPerVec = 4;
   const block_t largest = 3.40282346638528859812e+38f;
   const int64_t nvec = len / kPerVec;  // p is 16-byte aligned: no head
   std::vector<State<double>> states(kThreads);
@@ -231,11 +232,12 @@ static std::vector<State<double>> replay_cuda_threads(const float* p, int64_t le
 }
 
 // Replays chunk_kernel for one chunk: the threads (redone in double, as the kernel does, when any
-// overflowed), then block_merge. The device code runs the same core functions in this order.
-static State<double> replay_cuda_chunk(const float* p, int64_t len, bool* redone = nullptr) {
+// overflowed), then block_merge (for a warp, replay_block_merge reduces to the warp tree). The
+// device code runs the same core functions in this order.
+static State<double> replay_cuda_chunk(const float* p, int64_t len, bool* redone = nullptr, int lanes = 256) {
   bool overflow = false, overflow_in_double = false;
-  std::vector<State<double>> s = replay_cuda_threads<float>(p, len, overflow);
-  if (overflow) s = replay_cuda_threads<double>(p, len, overflow_in_double);
+  std::vector<State<double>> s = replay_cuda_threads<float>(p, len, lanes, overflow);
+  if (overflow) s = replay_cuda_threads<double>(p, len, lanes, overflow_in_double);
   if (redone != nullptr) *redone = overflow;
   return replay_block_merge(s);
 }
@@ -253,6 +255,7 @@ static State<double> replay_long_row_merge(const std::vector<State<double>>& chu
 static void test_cuda_strategy_on_host() {
   std::mt19937 g(5);
   std::normal_distribution<float> d(1e4f, 1e-2f);
+  for (int lanes : {256, 32})
   for (bool outliers : {false, true}) {
     for (int64_t len : {int64_t(65536), int64_t(5000), int64_t(1000), int64_t(37), int64_t(1)}) {
       std::vector<float> xs(len + 4);
@@ -265,9 +268,10 @@ static void test_cuda_strategy_on_host() {
       if (outliers)
         for (int64_t i = 0; i < len; i += 4096) p[i] = 0.f;
       std::vector<double> seen(p, p + len);
-      const std::string what = "cuda replay, " + std::to_string(len) + (outliers ? " elements with outliers" : " elements");
+      const std::string what = "cuda replay, " + std::to_string(lanes) + " lanes, " + std::to_string(len) +
+                               (outliers ? " elements with outliers" : " elements");
       bool redone = true;
-      expect_state(replay_cuda_chunk(p, len, &redone), reference(seen), outliers ? 1e-5 : 1e-6, what.c_str());
+      expect_state(replay_cuda_chunk(p, len, &redone, lanes), reference(seen), outliers ? 1e-5 : 1e-6, what.c_str());
       CHECK(!redone, "cuda replay: no overflow redo for ordinary values");
     }
   }
@@ -279,10 +283,13 @@ static void test_cuda_strategy_on_host() {
   // Finite values whose squares overflow float32: the chunk is redone in double and stays exact.
   std::vector<float> big(8200);
   for (size_t i = 0; i < big.size(); ++i) big[i] = (i % 3 ? 3e20f : -1e19f) * (1.f + 1e-3f * float(i % 7));
+  for (int lanes : {256, 32}) {
+    bool redone = false;
+    const State<double> b = replay_cuda_chunk(big.data(), int64_t(big.size()), &redone, lanes);
+    CHECK(redone, "cuda replay: overflow detected");
+    expect_state(b, reference(std::vector<double>(big.begin(), big.end())), 1e-9, "cuda replay, overflow redo");
+  }
   bool redone = false;
-  const State<double> b = replay_cuda_chunk(big.data(), int64_t(big.size()), &redone);
-  CHECK(redone, "cuda replay: overflow detected");
-  expect_state(b, reference(std::vector<double>(big.begin(), big.end())), 1e-9, "cuda replay, overflow redo");
   // A long row: 1,000 chunk states (uneven sizes, shifted means) merged in the kernel's order.
   std::vector<State<double>> chunks;
   std::vector<double> all;
