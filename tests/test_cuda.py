@@ -16,9 +16,31 @@ pytestmark = [
 def test_tensor_stats_matches_float64(dtype):
     for name, x in _layouts(dtype):
         x = x.cuda()
-        got = gapmon.tensor_stats(x)
-        assert got.mean.device.type == "cuda"
-        assert_stats_match(got, float64_stats(x.cpu()), where=f"cuda/{dtype}/{name}")
+        for correction in (0, 1):
+            got = gapmon.tensor_stats(x, correction=correction)
+            assert got.mean.device.type == "cuda"
+            assert_stats_match(got, float64_stats(x.cpu(), correction), where=f"cuda/{dtype}/{name}/c{correction}")
+
+
+def test_bad_dtype_raises_type_error():
+    for x in (torch.arange(5, device="cuda"), torch.ones(3, dtype=torch.bool, device="cuda")):
+        with pytest.raises(TypeError, match=str(x.dtype).replace("torch.", "")):
+            gapmon.tensor_stats(x)
+
+
+def test_states_of_pieces_merge_to_whole():
+    """The DTensor path's building blocks on CUDA: partial states of pieces, merged, finalised."""
+    x = torch.randn(300_000, device="cuda") * 0.01 + 300.0
+    x[50] = 0.0
+    bounds = [0, 0, 17, 140_000, 140_000, 299_999, 300_000]
+    pieces = [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    states = gapmon.multi_tensor_states(pieces)
+    assert states.device.type == "cuda" and states.dtype == torch.float64
+    merged = gapmon.merge_states(states.unsqueeze(1))
+    got = gapmon.finalize_states(merged)
+    assert_stats_match(gapmon.Stats(*(f[0] for f in got)), float64_stats(x.cpu()))
+    cpu = gapmon.merge_states(gapmon.multi_tensor_states([p.cpu() for p in pieces]).unsqueeze(1))
+    torch.testing.assert_close(merged.cpu(), cpu, rtol=1e-5, atol=1e-6)  # float32 group sums differ in order
 
 
 def test_numerical_cancellation_2_26():
