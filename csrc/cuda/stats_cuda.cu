@@ -6,14 +6,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
 #include <type_traits>
 
 #include "../core/group_acc.h"
 #include "../core/stats_state.h"
 #include "stats_cuda.h"
 
-#if !defined(__CUDACC_VER_MAJOR__) || __CUDACC_VER_MAJOR__ < 12
+#if defined(GAPMON_CUDA_EMULATION)
+// tests/cpp/cuda_emulator.h (force-included) runs these kernels on the host for ctest.
+#elif !defined(__CUDACC_VER_MAJOR__) || __CUDACC_VER_MAJOR__ < 12
 #error "gapmon's CUDA kernels need CUDA 12 or newer (__grid_constant__ kernel parameters)"
+#else
+#define GAPMON_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
 #endif
 
 namespace gapmon {
@@ -139,7 +144,7 @@ __device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t 
       nvec, lane, kLanes, [&](int64_t v) { return __ldg(vec + v); },
       [&](const uint4& bits) {
         T vals[kPerVec];
-        memcpy(vals, &bits, 16);
+        memcpy(static_cast<void*>(vals), &bits, 16);
         block_t xs[kPerVec];
 #pragma unroll
         for (int k = 0; k < kPerVec; ++k) xs[k] = static_cast<block_t>(Elem<T>::load(vals[k]));
@@ -292,17 +297,17 @@ cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t r
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
   if (max_item_numel <= kWarpItemElems && total_chunks >= kWarpMinChunks) {
     const int64_t blocks = blocks_for(total_chunks, ChunkGroup<32>::kPerBlock);
-    chunk_kernel<32><<<static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid), kThreads, 0, stream>>>(
+    GAPMON_LAUNCH(chunk_kernel<32>, static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid), kThreads, stream)(
         views, total_chunks, chunk_states);
   } else {
-    chunk_kernel<kThreads><<<static_cast<unsigned>(total_chunks < kMaxGrid ? total_chunks : kMaxGrid), kThreads, 0,
-                             stream>>>(views, total_chunks, chunk_states);
+    GAPMON_LAUNCH(chunk_kernel<kThreads>, static_cast<unsigned>(total_chunks < kMaxGrid ? total_chunks : kMaxGrid),
+                  kThreads, stream)(views, total_chunks, chunk_states);
   }
   if (max_chunks_per_item <= kShortItemChunks) {
-    merge_short_items_kernel<<<static_cast<unsigned>(blocks_for(rows, 128)), 128, 0, stream>>>(
+    GAPMON_LAUNCH(merge_short_items_kernel, static_cast<unsigned>(blocks_for(rows, 128)), 128, stream)(
         views, rows, chunk_states, out_stats, out_states, correction);
   } else {
-    merge_long_items_kernel<<<static_cast<unsigned>(rows < kMaxGrid ? rows : kMaxGrid), kThreads, 0, stream>>>(
+    GAPMON_LAUNCH(merge_long_items_kernel, static_cast<unsigned>(rows < kMaxGrid ? rows : kMaxGrid), kThreads, stream)(
         views, rows, chunk_states, out_stats, out_states, correction);
   }
   return cudaGetLastError();
@@ -317,7 +322,7 @@ cudaError_t launch_upload(const void* src, int64_t bytes, void* dst, cudaStream_
     const int64_t n = total - first < kUploadWords ? total - first : kUploadWords;
     UploadPiece piece;
     memcpy(piece.words, words + first, n * sizeof(uint64_t));
-    upload_kernel<<<1, 128, 0, stream>>>(piece, n, out + first);
+    GAPMON_LAUNCH(upload_kernel, 1, 128, stream)(piece, n, out + first);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -326,20 +331,21 @@ cudaError_t launch_upload(const void* src, int64_t bytes, void* dst, cudaStream_
 
 cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, double* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  merge_states_kernel<<<static_cast<unsigned>(blocks_for(n, 128)), 128, 0, stream>>>(states, parts, n, out);
+  GAPMON_LAUNCH(merge_states_kernel, static_cast<unsigned>(blocks_for(n, 128)), 128, stream)(states, parts, n, out);
   return cudaGetLastError();
 }
 
 cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t correction, float* out,
                                    cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  finalize_states_kernel<<<static_cast<unsigned>(blocks_for(n, 128)), 128, 0, stream>>>(states, n, correction, out);
+  GAPMON_LAUNCH(finalize_states_kernel, static_cast<unsigned>(blocks_for(n, 128)), 128, stream)(states, n, correction,
+                                                                                                   out);
   return cudaGetLastError();
 }
 
 cudaError_t launch_accumulate_instances(const float* stats, int64_t rows, double* acc_row, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  accumulate_instances_kernel<<<1, 1, 0, stream>>>(stats, rows, acc_row);
+  GAPMON_LAUNCH(accumulate_instances_kernel, 1, 1, stream)(stats, rows, acc_row);
   return cudaGetLastError();
 }
 

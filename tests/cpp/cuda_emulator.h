@@ -1,0 +1,207 @@
+// A small host emulator of the CUDA execution model, so that ctest runs the real kernel source
+// (csrc/cuda/stats_cuda.cu compiled as C++ with GAPMON_CUDA_EMULATION) without a GPU.
+//
+// Blocks run one after another; the threads of a block are cooperative fibers (ucontext) on one
+// OS thread, switched at every barrier. It emulates what the kernels use: threadIdx/blockIdx/
+// blockDim/gridDim, __syncthreads, __syncthreads_or, per-warp __shfl_down_sync and __any_sync,
+// __ldg, static __shared__ arrays and kernel launches. Device memory is host memory. It checks
+// the kernels' logic (indexing, chunking, barriers, merge order), not their speed.
+//
+// Force-included (-include) before the kernel source, so that its definitions of __shared__ and
+// friends win over CUDA's host_defines.h.
+#pragma once
+
+#define __shared__ static  // one instance per kernel function: blocks run one at a time
+#define __global__
+#define __device__
+#define __host__
+#define __grid_constant__
+#define __launch_bounds__(...)
+
+// Before the index macros below: CUDA's headers use these names for parameters.
+#include <cuda_runtime.h>  // cudaError_t, cudaStream_t, dim3, uint4 (declarations only: no runtime needed)
+
+#include <ucontext.h>
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+namespace gapmon_emu {
+
+inline dim3 grid_dim, block_dim, block_idx, thread_idx;
+
+struct Block {
+  static constexpr size_t kStackBytes = 64 * 1024;
+  int threads = 0;
+  std::vector<ucontext_t> contexts;
+  std::vector<std::vector<char>> stacks;
+  std::vector<char> finished;
+  ucontext_t scheduler;
+  int current = 0;
+  // Barriers: arrivals and generation, for the block and for each warp.
+  int block_arrived = 0;
+  int64_t block_generation = 0;
+  std::vector<int> warp_arrived;
+  std::vector<int64_t> warp_generation;
+  std::vector<double> exchange;  // one slot per thread, for shuffles and votes
+  int64_t progress = 0;          // barrier arrivals and finished threads: no change in a round = deadlock
+  std::function<void()> body;
+};
+
+inline Block* running = nullptr;
+
+inline void yield() { swapcontext(&running->contexts[running->current], &running->scheduler); }
+
+inline int thread_id() { return running->current; }
+
+inline void block_barrier() {
+  Block& b = *running;
+  const int64_t generation = b.block_generation;
+  ++b.progress;
+  if (++b.block_arrived == b.threads) {
+    b.block_arrived = 0;
+    ++b.block_generation;
+  }
+  while (b.block_generation == generation) yield();
+}
+
+inline void warp_barrier() {
+  Block& b = *running;
+  const int warp = thread_id() / 32;
+  const int width = b.threads - warp * 32 < 32 ? b.threads - warp * 32 : 32;
+  const int64_t generation = b.warp_generation[warp];
+  ++b.progress;
+  if (++b.warp_arrived[warp] == width) {
+    b.warp_arrived[warp] = 0;
+    ++b.warp_generation[warp];
+  }
+  while (b.warp_generation[warp] == generation) yield();
+}
+
+// Resumes thread t until it waits at a barrier or returns. Not inlined: swapcontext returns like
+// setjmp, so the caller's loop variables stay out of the function that calls it.
+[[gnu::noinline]] inline void resume(Block& b, int t) {
+  b.current = t;
+  thread_idx = dim3(t, 0, 0);
+  swapcontext(&b.scheduler, &b.contexts[t]);
+}
+
+inline void fiber_entry() {
+  running->body();
+  running->finished[running->current] = 1;
+  ++running->progress;
+  // Returning resumes uc_link: the scheduler.
+}
+
+// Sets thread t up to start the kernel body on its own stack (getcontext, too, returns like setjmp).
+[[gnu::noinline]] inline void prepare(Block& b, int t) {
+  getcontext(&b.contexts[t]);
+  b.contexts[t].uc_stack.ss_sp = b.stacks[t].data();
+  b.contexts[t].uc_stack.ss_size = b.stacks[t].size();
+  b.contexts[t].uc_link = &b.scheduler;
+  makecontext(&b.contexts[t], fiber_entry, 0);
+}
+
+// Runs kernel(args...) on a grid of blocks, each block's threads as fibers.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
+  if (block.y != 1 || block.z != 1 || grid.y != 1 || grid.z != 1) throw std::invalid_argument("1-D launches only");
+  Block b;
+  b.threads = static_cast<int>(block.x);
+  b.contexts.resize(b.threads);
+  b.stacks.assign(b.threads, std::vector<char>(Block::kStackBytes));
+  b.warp_arrived.assign((b.threads + 31) / 32, 0);
+  b.warp_generation.assign((b.threads + 31) / 32, 0);
+  b.exchange.assign(b.threads, 0.0);
+  b.body = [&] { kernel(args...); };
+  Block* outer = running;
+  running = &b;
+  grid_dim = grid;
+  block_dim = block;
+  for (unsigned bx = 0; bx < grid.x; ++bx) {
+    block_idx = dim3(bx, 0, 0);
+    b.finished.assign(b.threads, 0);
+    for (int t = 0; t < b.threads; ++t) prepare(b, t);
+    for (int left = b.threads; left > 0;) {  // round-robin until every thread has returned
+      left = 0;
+      const int64_t progress = b.progress;
+      for (int t = 0; t < b.threads; ++t) {
+        if (b.finished[t]) continue;
+        resume(b, t);
+        left += !b.finished[t];
+      }
+      if (left > 0 && b.progress == progress) throw std::logic_error("deadlock: threads wait at barriers others never reach");
+    }
+    if (b.block_arrived != 0) throw std::logic_error("a thread returned while others waited at __syncthreads");
+  }
+  running = outer;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) becomes launcher(kernel, grid, block)(args...).
+template <typename Kernel>
+struct Launcher {
+  Kernel kernel;
+  dim3 grid, block;
+  template <typename... Args>
+  void operator()(Args... args) const {
+    launch(kernel, grid, block, args...);
+  }
+};
+
+template <typename Kernel>
+Launcher<Kernel> launcher(Kernel kernel, dim3 grid, dim3 block) {
+  return {kernel, grid, block};
+}
+
+}  // namespace gapmon_emu
+
+// The per-thread view of the emulated launch.
+#define threadIdx (::gapmon_emu::thread_idx)
+#define blockIdx (::gapmon_emu::block_idx)
+#define blockDim (::gapmon_emu::block_dim)
+#define gridDim (::gapmon_emu::grid_dim)
+
+inline void __syncthreads() { gapmon_emu::block_barrier(); }
+
+inline int __syncthreads_or(int predicate) {
+  auto& b = *gapmon_emu::running;
+  b.exchange[gapmon_emu::thread_id()] = predicate != 0;
+  gapmon_emu::block_barrier();
+  int any = 0;
+  for (int t = 0; t < b.threads; ++t) any |= b.exchange[t] != 0;
+  gapmon_emu::block_barrier();
+  return any;
+}
+
+inline int __any_sync(unsigned, int predicate) {
+  auto& b = *gapmon_emu::running;
+  const int tid = gapmon_emu::thread_id(), first = tid / 32 * 32;
+  b.exchange[tid] = predicate != 0;
+  gapmon_emu::warp_barrier();
+  int any = 0;
+  for (int t = first; t < first + 32 && t < b.threads; ++t) any |= b.exchange[t] != 0;
+  gapmon_emu::warp_barrier();
+  return any;
+}
+
+inline double __shfl_down_sync(unsigned, double value, unsigned delta) {
+  auto& b = *gapmon_emu::running;
+  const int tid = gapmon_emu::thread_id(), lane = tid % 32;
+  b.exchange[tid] = value;
+  gapmon_emu::warp_barrier();
+  const double got = lane + static_cast<int>(delta) < 32 && tid + static_cast<int>(delta) < b.threads
+                         ? b.exchange[tid + delta]
+                         : value;  // lanes past the end keep their own value, as the hardware does
+  gapmon_emu::warp_barrier();
+  return got;
+}
+
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+
+#define GAPMON_LAUNCH(kernel, grid, block, stream) \
+  (static_cast<void>(stream), ::gapmon_emu::launcher(kernel, dim3(grid), dim3(block)))

@@ -1,0 +1,233 @@
+// Runs the CUDA kernels of csrc/cuda/stats_cuda.cu on the host (tests/cpp/cuda_emulator.h, force-
+// included into that source) against long-double references: every launcher, a block or a warp per
+// chunk, both merge kernels, inline and uploaded view tables, misaligned, strided and expanded views,
+// every dtype, NaN/Inf, empty items and the float overflow redo. No GPU and no torch needed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../csrc/core/strided_view.h"
+#include "../../csrc/cuda/stats_cuda.h"
+#include "checks.h"
+
+extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+
+namespace {
+
+namespace cuda = gapmon::cuda;
+using core::DType;
+using core::StridedView;
+
+template <typename T> DType dtype_of();
+template <> DType dtype_of<float>() { return DType::kFloat32; }
+template <> DType dtype_of<double>() { return DType::kFloat64; }
+template <> DType dtype_of<__half>() { return DType::kFloat16; }
+template <> DType dtype_of<__nv_bfloat16>() { return DType::kBFloat16; }
+
+double to_double(float x) { return x; }
+double to_double(double x) { return x; }
+double to_double(__half x) { return __half2float(x); }
+double to_double(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> T from_float(float x) { return static_cast<T>(x); }
+template <> __half from_float<__half>(float x) { return __float2half(x); }
+template <> __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+// A view of `items` items of shape `sizes` / `strides` (elements), item b at data + b * item_stride.
+template <typename T>
+StridedView view(const T* data, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t items = 1,
+                 int64_t item_stride = 0, int64_t repeat = 1) {
+  StridedView v;
+  v.data = data;
+  v.dtype = dtype_of<T>();
+  v.ndim = static_cast<int32_t>(sizes.size());
+  v.item_numel = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    v.sizes[d] = sizes[d];
+    v.strides[d] = strides[d];
+    v.item_numel *= sizes[d];
+  }
+  v.items = items;
+  v.item_stride = item_stride;
+  v.repeat = repeat;
+  if (v.item_numel == 0) v.ndim = 0;  // as tensor_views.h describes empty items
+  return v;
+}
+
+// The values of item `item` of `v`, in logical order, each `repeat` times.
+template <typename T>
+std::vector<double> values_of(const StridedView& v, int64_t item) {
+  std::vector<double> out;
+  const T* base = static_cast<const T*>(v.data) + item * v.item_stride;
+  std::vector<int64_t> index(v.ndim, 0);
+  for (int64_t n = 0; n < v.item_numel; ++n) {
+    int64_t offset = 0;
+    for (int d = 0; d < v.ndim; ++d) offset += index[d] * v.strides[d];
+    for (int64_t r = 0; r < v.repeat; ++r) out.push_back(to_double(base[offset]));
+    for (int d = v.ndim - 1; d >= 0 && ++index[d] == v.sizes[d]; --d) index[d] = 0;
+  }
+  return out;
+}
+
+// Partial states of every output row, through launch_stats as csrc/cuda_ops.cpp runs it: views
+// inline in the kernel parameters when they fit, else uploaded with launch_upload.
+std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, bool force_upload = false) {
+  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
+  cuda::ViewTable table;
+  table.num = static_cast<int64_t>(views.size());
+  std::vector<uint64_t> device_table(views.size() * sizeof(StridedView) / sizeof(uint64_t));
+  if (views.size() <= static_cast<size_t>(cuda::kInlineViews) && !force_upload) {
+    for (size_t i = 0; i < views.size(); ++i) table.inline_views[i] = views[i];
+  } else {
+    CHECK(cuda::launch_upload(views.data(), static_cast<int64_t>(views.size() * sizeof(StridedView)),
+                              device_table.data(), nullptr) == cudaSuccess, "upload");
+    table.device = reinterpret_cast<const StridedView*>(device_table.data());
+  }
+  int64_t max_chunks = 0, max_numel = 0;
+  for (const auto& v : views) {
+    max_chunks = std::max(max_chunks, v.chunks_per_item);
+    max_numel = std::max(max_numel, v.item_numel);
+  }
+  std::vector<double> scratch(total_chunks * core::kNumStateColumns, -7.0);
+  std::vector<double> states(rows * core::kNumStateColumns, -7.0);
+  CHECK(cuda::launch_stats(table, total_chunks, rows, max_chunks, max_numel, scratch.data(), nullptr, states.data(), 0,
+                           nullptr) == cudaSuccess, "launch_stats");
+  std::vector<State<double>> out;
+  for (int64_t r = 0; r < rows; ++r) out.push_back(core::load_state(states.data() + r * core::kNumStateColumns));
+  return out;
+}
+
+template <typename T>
+void expect_view(const StridedView& v, const std::string& what, double rtol = 1e-5) {
+  const auto got = run({v}, v.items);
+  for (int64_t b = 0; b < v.items; ++b) {
+    expect_state(got[b], reference(values_of<T>(v, b)), rtol, (what + ", item " + std::to_string(b)).c_str());
+  }
+}
+
+template <typename T>
+std::vector<T> random_values(size_t n, float mean, float std, unsigned seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(mean, std);
+  std::vector<T> xs(n);
+  for (auto& x : xs) x = from_float<T>(d(g));
+  return xs;
+}
+
+template <typename T>
+void test_dtype(const char* name, double rtol) {
+  // One item: empty, tiny, chunk-sized, several chunks (short merge), > 8 chunks (long merge),
+  // and a misaligned start (scalar head before the 16-byte loads).
+  const auto xs = random_values<T>(65536 * 9 + 100, 3.f, 2.f, 1);
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(37), int64_t(65536), int64_t(65536 * 2 + 77), int64_t(65536 * 9 + 3)}) {
+    expect_view<T>(view(xs.data(), {n}, {1}), std::string(name) + " contiguous " + std::to_string(n), rtol);
+  }
+  expect_view<T>(view(xs.data() + 1, {70001}, {1}), std::string(name) + " misaligned", rtol);
+  // Strided and expanded layouts: a column slice of a [300, 70] matrix, and a stride-0 repeat.
+  expect_view<T>(view(xs.data(), {300, 35}, {70, 2}), std::string(name) + " strided", rtol);
+  expect_view<T>(view(xs.data() + 3, {5, 33}, {40, 1}, 1, 0, 4), std::string(name) + " expanded", rtol);
+}
+
+void test_instances() {
+  // Many short rows: a warp per chunk (>= 2048 chunks of <= 8192 elements), then a thread per row.
+  const auto xs = random_values<float>(2100 * 40, -1.f, 5.f, 2);
+  expect_view<float>(view(xs.data(), {37}, {1}, 2100, 40), "2100 rows of 37 (warp per chunk)");
+  // Transposed rows (strided inside each item) and few long rows (a block per chunk).
+  expect_view<float>(view(xs.data(), {40}, {2100}, 2100, 1), "2100 transposed rows of 40 (warp per chunk)");
+  expect_view<float>(view(xs.data(), {28000}, {1}, 3, 28000), "3 rows of 28000 (block per chunk)");
+}
+
+void test_many_views_and_special_values() {
+  // More views than travel inline: mixed dtypes and sizes, one empty, read through an uploaded table.
+  const auto f = random_values<float>(200000, 0.5f, 1.f, 3);
+  const auto h = random_values<__half>(5000, -2.f, 0.1f, 4);
+  const auto b = random_values<__nv_bfloat16>(5000, 100.f, 3.f, 5);
+  const auto d = random_values<double>(5000, 1e3f, 1e-3f, 6);
+  std::vector<StridedView> views;
+  std::vector<std::vector<double>> want;
+  for (int i = 0; i < 12; ++i) {
+    StridedView v;
+    switch (i % 4) {
+      case 0: v = view(f.data() + i, {int64_t(i) * 15000}, {1}); break;
+      case 1: v = view(h.data() + i, {int64_t(i) * 300 + 1}, {1}); break;
+      case 2: v = view(b.data(), {int64_t(i) * 100}, {3}); break;
+      default: v = view(d.data() + i, {int64_t(i) * 400}, {1}); break;
+    }
+    v.out_row = i;
+    views.push_back(v);
+  }
+  for (bool upload : {false, true}) {
+    std::vector<StridedView> vs(views.begin(), views.begin() + (upload ? 12 : cuda::kInlineViews));
+    const auto got = run(vs, static_cast<int64_t>(vs.size()), upload);
+    for (size_t i = 0; i < vs.size(); ++i) {
+      std::vector<double> values;
+      switch (i % 4) {
+        case 0: values = values_of<float>(vs[i], 0); break;
+        case 1: values = values_of<__half>(vs[i], 0); break;
+        case 2: values = values_of<__nv_bfloat16>(vs[i], 0); break;
+        default: values = values_of<double>(vs[i], 0); break;
+      }
+      expect_state(got[i], reference(values), 1e-5, (std::string(upload ? "uploaded" : "inline") + " view " +
+                                                       std::to_string(i)).c_str());
+    }
+  }
+  // NaN and Inf propagate and are counted; finite values above ~1e19 overflow float sums and are
+  // redone in double, in both chunk shapes.
+  auto special = random_values<float>(70000, 0.f, 1.f, 7);
+  special[100] = NAN;
+  special[65600] = INFINITY;
+  expect_view<float>(view(special.data(), {70000}, {1}), "NaN and Inf");
+  auto big = random_values<float>(2100 * 8, 0.f, 1.f, 8);
+  for (auto& x : big) x *= 3e20f;
+  expect_view<float>(view(big.data(), {2100 * 8}, {1}), "overflow, block per chunk", 1e-9);
+  expect_view<float>(view(big.data(), {8}, {1}, 2100, 8), "overflow, warp per chunk", 1e-9);
+}
+
+void test_state_launchers() {
+  // merge_states over parts, finalize_states, and the per-instance accumulator.
+  const auto xs = random_values<float>(3000, 7.f, 2.f, 9);
+  std::vector<StridedView> parts = {view(xs.data(), {1000}, {1}), view(xs.data() + 1000, {0}, {1}),
+                                    view(xs.data() + 1000, {2000}, {1})};
+  for (int i = 0; i < 3; ++i) parts[i].out_row = i;
+  const auto states = run(parts, 3);
+  std::vector<double> rows(3 * core::kNumStateColumns), merged(core::kNumStateColumns);
+  for (int i = 0; i < 3; ++i) core::store_state(states[i], rows.data() + i * core::kNumStateColumns);
+  CHECK(cuda::launch_merge_states(rows.data(), 3, 1, merged.data(), nullptr) == cudaSuccess, "merge_states");
+  std::vector<double> all(xs.begin(), xs.end());
+  expect_state(core::load_state(merged.data()), reference(all), 1e-6, "merge_states of pieces");
+  float stats[core::kNumStats];
+  CHECK(cuda::launch_finalize_states(merged.data(), 1, 1, stats, nullptr) == cudaSuccess, "finalize_states");
+  const State<double> want = reference(all);
+  CHECK(close(stats[core::kVar], want.m2 / (want.count - 1), 1e-5), "finalize var %g", stats[core::kVar]);
+
+  float instance_rows[2 * core::kNumStats];
+  core::finalize(states[0], 1, instance_rows);
+  core::finalize(states[2], 1, instance_rows + core::kNumStats);
+  double acc[core::kNumAccColumns] = {0, 0, 0, 0, 0, 0};
+  CHECK(cuda::launch_accumulate_instances(instance_rows, 2, acc, nullptr) == cudaSuccess, "accumulate");
+  CHECK(acc[core::aInstances] == 2 && close(acc[core::aSumMean], double(instance_rows[core::kMean]) +
+                                                                      instance_rows[core::kNumStats + core::kMean], 1e-12),
+        "accumulate_instances %g %g", acc[core::aInstances], acc[core::aSumMean]);
+}
+
+}  // namespace
+
+int main() {
+  test_dtype<float>("float32", 1e-5);
+  test_dtype<__nv_bfloat16>("bfloat16", 1e-5);
+  test_dtype<__half>("float16", 1e-5);
+  test_dtype<double>("float64", 1e-12);
+  test_instances();
+  test_many_views_and_special_values();
+  test_state_launchers();
+  if (failures) {
+    std::printf("%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("all emulated CUDA kernel checks passed\n");
+  return 0;
+}
