@@ -141,6 +141,18 @@ void test_instances() {
   expect_view<float>(view(xs.data(), {28000}, {1}, 3, 28000), "3 rows of 28000 (block per chunk)");
 }
 
+void test_accuracy() {
+  // Cancellation: mean 1e4 with std 1e-2, in a block per chunk and in a warp per chunk.
+  auto xs = random_values<float>(2100 * 64, 1e4f, 1e-2f, 10);
+  expect_view<float>(view(xs.data(), {2100 * 64}, {1}), "cancellation, block per chunk", 1e-6);
+  expect_view<float>(view(xs.data(), {64}, {1}, 2100, 64), "cancellation, warp per chunk", 1e-6);
+  // Outliers that are the first element a thread sees: its first group is shifted by the outlier,
+  // so the float sums carry about kGroup * eps * sum (x - shift)^2, a few 1e-6 of M2.
+  for (size_t i = 0; i < xs.size(); i += 64) xs[i] = 0.f;
+  expect_view<float>(view(xs.data(), {2100 * 64}, {1}), "outliers, block per chunk", 1e-5);
+  expect_view<float>(view(xs.data(), {64}, {1}, 2100, 64), "outliers, warp per chunk", 1e-5);
+}
+
 void test_many_views_and_special_values() {
   // More views than travel inline: mixed dtypes and sizes, one empty, read through an uploaded table.
   const auto f = random_values<float>(200000, 0.5f, 1.f, 3);
@@ -222,6 +234,7 @@ int main() {
   test_dtype<__half>("float16", 1e-5);
   test_dtype<double>("float64", 1e-12);
   test_instances();
+  test_accuracy();
   test_many_views_and_special_values();
   test_state_launchers();
   if (failures) {
