@@ -1,5 +1,4 @@
-// Per-thread accumulation strategy of the CUDA kernels, torch- and CUDA-free so that the host
-// unit tests can replay it exactly (tests/cpp/test_core.cpp).
+// Per-thread accumulation strategy of the CUDA kernels, torch- and CUDA-free (host + device).
 //
 // A thread folds its elements into a double-precision State in groups of about kGroup elements:
 // each group is summed as shifted sums in the block precision, shifted by the running mean (by
