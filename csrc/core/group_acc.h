@@ -24,11 +24,19 @@
 namespace gapmon {
 namespace core {
 
-constexpr int kGroup = 32;
+// Both constants can be overridden at compile time (benchmarks/cuda/tune.sh builds variants).
+#ifndef GAPMON_CUDA_GROUP
+#define GAPMON_CUDA_GROUP 32
+#endif
+#ifndef GAPMON_CUDA_VEC_UNROLL
+#define GAPMON_CUDA_VEC_UNROLL 4
+#endif
+
+constexpr int kGroup = GAPMON_CUDA_GROUP;
 
 // Vectors a thread loads before it consumes the first of them: enough independent 16-byte loads
 // in flight per thread to cover the memory latency at the occupancy the kernel reaches.
-constexpr int kVecUnroll = 4;
+constexpr int kVecUnroll = GAPMON_CUDA_VEC_UNROLL;
 
 template <typename block_t>
 struct GroupAccumulator {

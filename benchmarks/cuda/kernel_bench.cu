@@ -1,0 +1,172 @@
+// Times the statistics kernels through their launchers, without torch: for comparing compile-time
+// variants (GAPMON_CUDA_GROUP, GAPMON_CUDA_VEC_UNROLL; see tune.sh) and for profiling with ncu.
+// Checks every case against a float64 host computation before timing it, so a fast but wrong
+// variant fails instead of winning.
+//
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I csrc \
+//        benchmarks/cuda/kernel_bench.cu csrc/cuda/stats_cuda.cu -o kernel_bench && ./kernel_bench
+//
+// Prints one line per case: elements, time per call (median of CUDA-event timed runs of 20
+// back-to-back calls), GB/s read, and the device-to-device copy bandwidth (bytes read + written).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "core/group_acc.h"
+#include "core/strided_view.h"
+#include "cuda/stats_cuda.h"
+
+namespace {
+
+using gapmon::core::DType;
+using gapmon::core::StridedView;
+namespace core = gapmon::core;
+namespace cuda = gapmon::cuda;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
+
+struct Case {
+  const char* name;
+  DType dtype;
+  int64_t rows, row_numel;
+};
+
+double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  return xs[xs.size() / 2];
+}
+
+// Milliseconds per call of fn(), back-to-back calls timed with events.
+template <typename Fn>
+double time_ms(Fn fn) {
+  for (int i = 0; i < 3; ++i) fn();
+  check(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> times;
+  for (int rep = 0; rep < 15; ++rep) {
+    cudaEventRecord(start);
+    for (int i = 0; i < 20; ++i) fn();
+    cudaEventRecord(stop);
+    check(cudaEventSynchronize(stop), "timing");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    times.push_back(ms / 20);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return median(times);
+}
+
+void run(const Case& c, double copy_gbps) {
+  const int64_t numel = c.rows * c.row_numel;
+  const size_t elem = c.dtype == DType::kFloat32 ? 4 : 2;
+  // Host data: normal(3, 2), rounded to the dtype; float64 statistics of row 0 and of the last row.
+  std::vector<float> host(numel);
+  std::mt19937 g(1);
+  std::normal_distribution<float> d(3.f, 2.f);
+  for (auto& x : host) x = d(g);
+  std::vector<unsigned char> bytes(numel * elem);
+  if (c.dtype == DType::kFloat32) {
+    std::copy(host.begin(), host.end(), reinterpret_cast<float*>(bytes.data()));
+  } else {
+    auto* b = reinterpret_cast<__nv_bfloat16*>(bytes.data());
+    for (int64_t i = 0; i < numel; ++i) {
+      b[i] = __float2bfloat16(host[i]);
+      host[i] = __bfloat162float(b[i]);
+    }
+  }
+  void* data = nullptr;
+  check(cudaMalloc(&data, bytes.size()), "cudaMalloc data");
+  check(cudaMemcpy(data, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), "copy data");
+
+  StridedView v;
+  v.data = data;
+  v.dtype = c.dtype;
+  v.ndim = 1;
+  v.sizes[0] = c.row_numel;
+  v.strides[0] = 1;
+  v.item_numel = c.row_numel;
+  v.items = c.rows;
+  v.item_stride = c.row_numel;
+  const int64_t chunks = core::plan_chunks(&v, 1);
+  cuda::ViewTable table;
+  table.num = 1;
+  table.inline_views[0] = v;
+  double* scratch = nullptr;
+  float* out = nullptr;
+  check(cudaMalloc(&scratch, chunks * core::kNumStateColumns * sizeof(double)), "cudaMalloc scratch");
+  check(cudaMalloc(&out, c.rows * core::kNumStats * sizeof(float)), "cudaMalloc out");
+  auto call = [&] {
+    check(cuda::launch_stats(table, chunks, c.rows, v.chunks_per_item, v.item_numel, scratch, out, nullptr, 1, nullptr),
+          "launch_stats");
+  };
+  call();
+  std::vector<float> got(c.rows * core::kNumStats);
+  check(cudaMemcpy(got.data(), out, got.size() * sizeof(float), cudaMemcpyDeviceToHost), "copy out");
+  for (int64_t r : {int64_t(0), c.rows - 1}) {
+    double sum = 0, m2 = 0, sq = 0;
+    for (int64_t i = 0; i < c.row_numel; ++i) sum += host[r * c.row_numel + i];
+    const double mean = sum / c.row_numel;
+    for (int64_t i = 0; i < c.row_numel; ++i) {
+      const double x = host[r * c.row_numel + i];
+      m2 += (x - mean) * (x - mean);
+      sq += x * x;
+    }
+    const float* s = got.data() + r * core::kNumStats;
+    const double var = m2 / (c.row_numel - 1);
+    if (std::fabs(s[core::kVar] - var) > 1e-5 * var || std::fabs(s[core::kNorm] - std::sqrt(sq)) > 1e-5 * std::sqrt(sq) ||
+        std::fabs(s[core::kMean] - mean) > 1e-5 * (std::fabs(mean) + std::sqrt(var))) {
+      std::fprintf(stderr, "%s row %lld: wrong statistics (var %g vs %g)\n", c.name, (long long)r, s[core::kVar], var);
+      std::exit(1);
+    }
+  }
+  const double ms = time_ms(call);
+  const double gbps = bytes.size() / ms / 1e6;
+  std::printf("%-28s %12lld elements  %9.4f ms  %7.1f GB/s  %5.1f%% of copy bandwidth\n", c.name, (long long)numel, ms,
+              gbps, 100 * gbps / copy_gbps);
+  cudaFree(data);
+  cudaFree(scratch);
+  cudaFree(out);
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop;
+  check(cudaGetDeviceProperties(&prop, 0), "device");
+  // Device-to-device copy of 1 GiB: bytes read + written per second.
+  const size_t copy_bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  check(cudaMalloc(&a, copy_bytes), "cudaMalloc copy");
+  check(cudaMalloc(&b, copy_bytes), "cudaMalloc copy");
+  check(cudaMemset(a, 1, copy_bytes), "memset");
+  const double copy_ms = time_ms([&] { check(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice), "copy"); });
+  const double copy_gbps = 2.0 * copy_bytes / copy_ms / 1e6;
+  cudaFree(a);
+  cudaFree(b);
+  std::printf("# %s, %d SMs, kGroup %d, kVecUnroll %d; device copy %.0f GB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, core::kGroup, core::kVecUnroll, copy_gbps);
+  const Case cases[] = {
+      {"tensor_stats fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26},
+      {"tensor_stats bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26},
+      {"tensor_stats fp32 2^28", DType::kFloat32, 1, int64_t(1) << 28},
+      {"instance_stats [64, 2^20]", DType::kFloat32, 64, int64_t(1) << 20},
+      {"instance_stats [8192, 4096]", DType::kFloat32, 8192, 4096},
+      {"instance_stats [65536, 64]", DType::kFloat32, 65536, 64},
+  };
+  for (const Case& c : cases) run(c, copy_gbps);
+  return 0;
+}
