@@ -15,6 +15,10 @@ from .stats import STAT_NAMES
 def _info(args: argparse.Namespace) -> int:
     print(f"gapmon backend: {ops.backend()}  (CPU instruction set: {ops.cpu_isa()})")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, threads: {torch.get_num_threads()}")
+    if ops._CUDA_KERNELS:
+        print("CUDA kernels: compiled in")
+    else:
+        print("CUDA kernels: not compiled in (build with GAPMON_CUDA=1 where torch has CUDA and nvcc is found)")
     return 0
 
 
