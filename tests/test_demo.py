@@ -63,3 +63,18 @@ def test_cli_errors_are_one_line(tmp_path):
         proc = _cli(*args)
         assert proc.returncode != 0, args
         assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_info_reports_backend_and_cuda_kernels():
+    import gapmon
+
+    proc = _cli("info")
+    assert proc.returncode == 0, proc.stderr
+    assert f"gapmon backend: {gapmon.backend()}" in proc.stdout
+    assert ("CUDA kernels: compiled in" if gapmon.ops._CUDA_KERNELS else "CUDA kernels: not compiled in") in proc.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_demo_on_cuda_without_gpu_is_one_line_error(tmp_path):
+    proc = _cli("demo", "--device", "cuda", "--out", tmp_path / "gpu")
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "CUDA" in proc.stderr, proc.stderr
