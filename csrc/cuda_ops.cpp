@@ -128,6 +128,7 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
 
 void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction) {
   check_accumulator(x, acc, row);
+  const c10::cuda::CUDAGuard guard(x.device());  // the fold below runs on x's device too, not the current one
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> views{make_view(x, 1, "accumulate_instance_stats", keep_alive)};
   const at::Tensor stats = run(views, x.size(0), x.device(), correction, false, "accumulate_instance_stats");

@@ -193,3 +193,14 @@ def test_monitor_on_cuda():
         lm_loss(model(x), y, reduction="sum").backward()
         got = mon.end_step()
     assert_metrics_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ops_follow_the_tensor_device_not_the_current_one():
+    x = torch.randn(4, 1000, device="cuda:1")
+    acc = torch.zeros(1, 6, dtype=torch.float64, device="cuda:1")
+    with torch.cuda.device(0):
+        got = gapmon.instance_stats(x)
+        gapmon.accumulate_instance_stats(x, acc, 0)
+    assert got.mean.device == x.device
+    torch.testing.assert_close(acc[0, 1].item(), got.mean.double().sum().item(), rtol=1e-6, atol=1e-9)
