@@ -1,8 +1,9 @@
 // CUDA statistics kernels. Every thread folds its elements into a double-precision core::State
-// with core::GroupAccumulator (groups of 16 elements, csrc/core/group_acc.h); threads merge with
-// Chan's rule over warp shuffles and shared memory in a fixed order, and one block per chunk
-// writes the chunk's state. A second kernel merges each item's chunks in order.
-// No float atomics: results are bit-identical run to run.
+// with core::GroupAccumulator (groups of about kGroup elements, csrc/core/group_acc.h); the threads
+// that share a chunk (a block, or a warp for short items) merge with Chan's rule over warp shuffles
+// and shared memory in a fixed order, and write the chunk's state. A second kernel merges each
+// item's chunks in order. No float atomics: results are bit-identical run to run.
+// Kernels are launched through GAPMON_LAUNCH so that tests/cpp/cuda_emulator.h can run this file.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
