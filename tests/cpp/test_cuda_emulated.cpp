@@ -139,6 +139,10 @@ void test_instances() {
   // Transposed rows (strided inside each item) and few long rows (a block per chunk).
   expect_view<float>(view(xs.data(), {40}, {2100}, 2100, 1), "2100 transposed rows of 40 (warp per chunk)");
   expect_view<float>(view(xs.data(), {28000}, {1}, 3, 28000), "3 rows of 28000 (block per chunk)");
+  // Packed rows of 37: most rows start off a 16-byte boundary (scalar head, then vectors).
+  expect_view<float>(view(xs.data(), {37}, {1}, 2100, 37), "2100 packed rows of 37 (misaligned starts)");
+  const auto bs = random_values<__nv_bfloat16>(2100 * 41, 2.f, 1.f, 11);
+  expect_view<__nv_bfloat16>(view(bs.data(), {41}, {1}, 2100, 41), "2100 packed bfloat16 rows of 41");
 }
 
 void test_accuracy() {
