@@ -131,7 +131,6 @@ def bench_tensor_stats(device: str, sizes: list[int], rows: list[dict]) -> None:
             print(f"tensor_stats {r['dtype']:>8} 2^{exp:<2}: {r['gapmon_s']*1e3:8.3f} ms  "
                   f"{r['x_seed_baseline']:6.1f}x seed  {r['x_reference']:6.1f}x ref  "
                   f"{r['vs_sum_throughput']:.2f}x sum throughput  {r['gapmon_GBps']:.1f} GB/s{bw}", flush=True)
-            del xs, x
 
 
 def bench_multi(device: str, name: str, shapes, rows: list[dict]) -> None:

@@ -82,7 +82,7 @@ at::Tensor tensor_stats_cuda(const at::Tensor& x, int64_t correction) {
 }
 
 at::Tensor instance_stats_cuda(const at::Tensor& x, int64_t correction) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, "gapmon.instance_stats: expected a tensor with a batch dimension (ndim >= 1)");
+  check_batch_dim(x, "instance_stats");
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> views{make_view(x, 1, "instance_stats", keep_alive)};
   return run(views, x.size(0), x.device(), correction, false, "instance_stats");
@@ -101,9 +101,7 @@ at::Tensor multi_tensor_states_cuda(at::TensorList xs) {
 }
 
 at::Tensor merge_states_cuda(const at::Tensor& states) {
-  TORCH_CHECK_VALUE(states.dim() == 3 && states.scalar_type() == at::kDouble && states.size(2) == core::kNumStateColumns,
-                    "gapmon.merge_states: expected float64 [parts, tensors, 7] states, got ", states.scalar_type(), " ",
-                    states.sizes());
+  check_states(states, 3, "merge_states");
   const c10::cuda::CUDAGuard guard(states.device());
   const at::Tensor s = states.contiguous();
   at::Tensor out = at::empty({s.size(1), core::kNumStateColumns}, s.options());
@@ -114,9 +112,7 @@ at::Tensor merge_states_cuda(const at::Tensor& states) {
 }
 
 at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
-  TORCH_CHECK_VALUE(states.dim() == 2 && states.scalar_type() == at::kDouble && states.size(1) == core::kNumStateColumns,
-                    "gapmon.finalize_states: expected float64 [tensors, 7] states, got ", states.scalar_type(), " ",
-                    states.sizes());
+  check_states(states, 2, "finalize_states");
   const c10::cuda::CUDAGuard guard(states.device());
   const at::Tensor s = states.contiguous();
   at::Tensor out = at::empty({s.size(0), core::kNumStats}, s.options().dtype(at::kFloat));

@@ -102,9 +102,25 @@ inline std::vector<core::StridedView> views_of(at::TensorList xs, const char* op
   return views;
 }
 
+// Raises ValueError unless x has a batch dimension (the per-instance ops).
+inline void check_batch_dim(const at::Tensor& x, const char* op) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "gapmon.", op, ": expected a tensor with a batch dimension (ndim >= 1), ",
+                    "got a 0-dim tensor; use gapmon.tensor_stats for a single value");
+}
+
+// Raises ValueError unless `states` are float64 partial states (multi_tensor_states rows) with
+// `dims` dims: 3 for merge_states ([parts, tensors, 7]), 2 for finalize_states ([tensors, 7]).
+inline void check_states(const at::Tensor& states, int64_t dims, const char* op) {
+  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.dim() == dims &&
+                        states.size(-1) == core::kNumStateColumns,
+                    "gapmon.", op, ": expected float64 ", dims == 3 ? "[parts, tensors, " : "[tensors, ",
+                    core::kNumStateColumns, "] states (from multi_tensor_states), got ", states.scalar_type(), " ",
+                    states.sizes());
+}
+
 // Checks the arguments of accumulate_instance_stats (GAPMonitor activation accumulators).
 inline void check_accumulator(const at::Tensor& x, const at::Tensor& acc, int64_t row) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, "gapmon.accumulate_instance_stats: expected a batch dimension, got a 0-dim tensor");
+  check_batch_dim(x, "accumulate_instance_stats");
   TORCH_CHECK_VALUE(acc.dim() == 2 && acc.size(1) == core::kNumAccColumns && acc.scalar_type() == at::kDouble &&
                         acc.is_contiguous() && acc.device() == x.device(),
                     "gapmon.accumulate_instance_stats: expected a contiguous float64 [rows, ", core::kNumAccColumns,

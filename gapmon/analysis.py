@@ -27,8 +27,7 @@ def anomaly_scan(grads: dict[str, torch.Tensor], max_norm: float = 1e3, min_norm
         return []
     s = multi_tensor_stats([grads[n] for n in names])
     found = []
-    for i, name in enumerate(names):
-        nonfinite, norm = float(s.nonfinite[i]), float(s.norm[i])
+    for name, nonfinite, norm in zip(names, s.nonfinite.tolist(), s.norm.tolist()):
         if nonfinite > 0:
             found.append(Anomaly(name, "nonfinite", nonfinite))
         elif norm > max_norm:

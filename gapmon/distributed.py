@@ -97,11 +97,6 @@ def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] 
     return states
 
 
-def dtensor_multi_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
-    """[N, 7] float32 statistics rows of the full tensors."""
-    return ops.finalize_states(dtensor_multi_states(xs), correction).rows()
-
-
 def dtensor_instance_stats(x, correction: int = 1) -> Stats:
     """Per-instance statistics of a DTensor whose non-batch dims are not sharded.
 

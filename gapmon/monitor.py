@@ -21,9 +21,14 @@ import torch.nn as nn
 from . import ops
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .sinks import JSONLSink, Sink, as_sink
+from .stats import STAT_NAMES
 from .utils import clean_name, rank_and_world
+
 _ACC_COLUMNS = 6  # see csrc/core/stats_state.h: InstanceAccColumn
-_STAT_FIELDS = (("max", 3), ("mean", 1), ("var", 2), ("norm", 4), ("nonfinite", 5))  # name, Stats column
+_ROW = len(STAT_NAMES)  # columns of a statistics row
+# (metric name, column of a statistics row)
+_STAT_FIELDS = tuple((metric, STAT_NAMES.index(column)) for metric, column in
+                     (("max", "max_abs"), ("mean", "mean"), ("var", "var"), ("norm", "norm"), ("nonfinite", "nonfinite")))
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -215,11 +220,11 @@ class GAPMonitor:
             groups += [g for _, _, g in with_grad]
         device = tensors[0].device if tensors else (self._acc.device if self._acc is not None else torch.device("cpu"))
         if not tensors:
-            rows = torch.empty(0, 7, device=device)
+            rows = torch.empty(0, _ROW, device=device)
         elif any(g is not None for g in groups):  # FSDP1 flat shards: merge pieces over their groups
-            rows = ops.finalize_states(dtensor_multi_states(tensors, groups), self.correction).rows()
+            rows = ops.finalize_rows(dtensor_multi_states(tensors, groups), self.correction)
         else:
-            rows = ops.multi_tensor_stats(tensors, self.correction).rows()
+            rows = ops.multi_tensor_rows(tensors, self.correction)
 
         acc = self._acc if self._acc is not None else self._new_acc(device, None)
         dev = acc.device
@@ -239,13 +244,13 @@ class GAPMonitor:
 
         metrics: dict[str, float] = {}
         for i, (kind, name) in enumerate(names):
-            row = host[i * 7:(i + 1) * 7]
+            row = host[i * _ROW:(i + 1) * _ROW]
             if kind == "grads" and row[0] == 0:  # no rank had a gradient for it
                 continue
             for field, col in _STAT_FIELDS:
                 metrics[f"gap/{kind}/{name}/{field}"] = row[col]
         m = len(self._modules)
-        offset = len(names) * 7
+        offset = len(names) * _ROW
         act_sums, host = host[offset:offset + 10 * m], host[offset + 10 * m:]
         global_batch, host = host[0], host[1:]
         if self.per_sample is not None:

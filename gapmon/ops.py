@@ -98,9 +98,7 @@ def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
     full tensor on every rank.
     """
     if _is_dtensor(x):
-        from .distributed import dtensor_multi_stats
-
-        return Stats.from_rows(dtensor_multi_stats([x], correction)[0])
+        return Stats.from_rows(multi_tensor_rows([x], correction)[0])
     check_tensor(x, "tensor_stats")
     if not _compiled_for(x.device):
         return reference.tensor_stats(x, correction)
@@ -121,18 +119,24 @@ def instance_stats(x: torch.Tensor, correction: int = 1) -> Stats:
 
 def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats:
     """Statistics of each of N tensors (mixed sizes and dtypes) in one launch: fields have shape [N]."""
+    return Stats.from_rows(multi_tensor_rows(xs, correction))
+
+
+def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
+    """The [N, 7] float32 buffer behind `multi_tensor_stats` (columns in STAT_NAMES order), for
+    callers that read every statistic at once, e.g. in one device-to-host copy."""
     xs = list(xs)
     if not xs:
-        return Stats.from_rows(torch.empty(0, 7))
+        return torch.empty(0, 7)
     for x in xs:
         check_tensor(x, "multi_tensor_stats")
     if any(_is_dtensor(x) for x in xs):
-        from .distributed import dtensor_multi_stats
+        from .distributed import dtensor_multi_states
 
-        return Stats.from_rows(dtensor_multi_stats(xs, correction))
+        return finalize_rows(dtensor_multi_states(xs), correction)
     if not _compiled_for(xs[0].device):
-        return reference.multi_tensor_stats(xs, correction)
-    return Stats.from_rows(torch.ops.gapmon.multi_tensor_stats([x.detach() for x in xs], correction))
+        return reference.multi_tensor_stats(xs, correction).rows()
+    return torch.ops.gapmon.multi_tensor_stats([x.detach() for x in xs], correction)
 
 
 def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -155,9 +159,14 @@ def merge_states(states: torch.Tensor) -> torch.Tensor:
 
 def finalize_states(states: torch.Tensor, correction: int = 1) -> Stats:
     """[N, 7] partial states -> Stats with [N] fields."""
+    return Stats.from_rows(finalize_rows(states, correction))
+
+
+def finalize_rows(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
+    """[N, 7] partial states -> the [N, 7] float32 statistics buffer behind `finalize_states`."""
     if not _compiled_for(states.device):
-        return Stats.from_rows(reference.finalize_states(states, correction))
-    return Stats.from_rows(torch.ops.gapmon.finalize_states(states, correction))
+        return reference.finalize_states(states, correction)
+    return torch.ops.gapmon.finalize_states(states, correction)
 
 
 def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:

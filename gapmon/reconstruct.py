@@ -194,19 +194,20 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
     once all are written, so a failure leaves output_dir as it was."""
     from safetensors.torch import save_file
 
-    from .ops import multi_tensor_stats
+    from .ops import multi_tensor_rows
+    from .stats import STAT_NAMES
 
     if fmt not in ("safetensors", "pt"):
         raise ValueError(f"format must be 'safetensors' or 'pt', got {fmt!r}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     names = list(grads)
-    stats = multi_tensor_stats([grads[n] for n in names]) if names else None
+    rows = multi_tensor_rows([grads[n] for n in names]).tolist()  # one host read for all statistics
     params = {}
-    for i, name in enumerate(names):
+    for name, row in zip(names, rows):
+        stats = dict(zip(STAT_NAMES, row))
         params[name] = {"shape": list(grads[name].shape), "dtype": str(grads[name].dtype).replace("torch.", ""),
-                        "norm": float(stats.norm[i]), "max_abs": float(stats.max_abs[i]),
-                        "mean": float(stats.mean[i]), "var": float(stats.var[i])}
+                        **{key: stats[key] for key in ("norm", "max_abs", "mean", "var")}}
     metadata = {"step": step, "parallel_type": config.get("parallel_type", "single"),
                 "world_size": config.get("world_size", 1), "parameters": params,
                 "parameter_norms": {n: p["norm"] for n, p in params.items()}}

@@ -13,6 +13,7 @@ import torch
 
 from .stats import Stats, check_tensor
 
+
 def _acc(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     return x if x.dtype == torch.float64 else x.float()

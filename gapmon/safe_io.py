@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """Flushes a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -31,13 +32,9 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -146,3 +146,11 @@ def vmap_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets) -> t
 
     grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, inputs, targets)
     return torch.sqrt(sum(g.reshape(g.shape[0], -1).double().square().sum(1) for g in grads.values())).float()
+
+
+def seeded_gpt(cfg) -> torch.nn.Module:
+    """A TinyGPT with the same initial weights in every process and test."""
+    from gapmon.examples import TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT(cfg)

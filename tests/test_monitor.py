@@ -9,15 +9,14 @@ import torch
 import torch.nn as nn
 
 import gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from helpers import assert_metrics_close, brute_force_gap_metrics
+from gapmon.examples import GPTConfig, lm_loss, synthetic_batch
+from helpers import assert_metrics_close, brute_force_gap_metrics, seeded_gpt
 
 CFG = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
 
 
 def _model(norm="rms"):
-    torch.manual_seed(0)
-    return TinyGPT(GPTConfig(**{**CFG.__dict__, "norm": norm}))
+    return seeded_gpt(GPTConfig(**{**CFG.__dict__, "norm": norm}))
 
 
 def _train_step(model, batches):

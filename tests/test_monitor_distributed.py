@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from helpers import assert_metrics_close, run_distributed
+from gapmon.examples import GPTConfig, lm_loss, synthetic_batch
+from helpers import assert_metrics_close, run_distributed, seeded_gpt
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -16,8 +16,7 @@ PER_RANK = 2
 
 
 def _fresh_model():
-    torch.manual_seed(0)
-    return TinyGPT(CFG)
+    return seeded_gpt(CFG)
 
 
 def _reference_metrics(world: int, steps: int, solo_group) -> list[dict]:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from helpers import run_distributed, vmap_per_sample_norms
+from gapmon.examples import GPTConfig, lm_loss, synthetic_batch
+from helpers import run_distributed, seeded_gpt, vmap_per_sample_norms
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -14,8 +14,7 @@ GLOBAL = 6
 
 
 def _model():
-    torch.manual_seed(0)
-    return TinyGPT(CFG)
+    return seeded_gpt(CFG)
 
 
 def _worker(rank: int, world: int):

@@ -106,24 +106,15 @@ at::Tensor tensor_stats_cpu(const at::Tensor& x, int64_t correction) {
 }
 
 at::Tensor instance_stats_cpu(const at::Tensor& x, int64_t correction) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, "gapmon.instance_stats: expected a tensor with a batch dimension (ndim >= 1), ",
-                    "got a 0-dim tensor; use gapmon.tensor_stats for a single value");
+  check_batch_dim(x, "instance_stats");
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> views{make_view(x, 1, "instance_stats", keep_alive)};
   return finalize_all(compute_states(views, x.size(0)), correction);
 }
 
-void check_states(const at::Tensor& states, const char* op) {
-  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.size(-1) == core::kNumStateColumns, "gapmon.",
-                    op, ": expected float64 states with ", core::kNumStateColumns,
-                    " columns (from multi_tensor_states), got ", states.scalar_type(), " ", states.sizes());
-}
-
 // [R, N, 7] states (R partial results of N tensors) -> [N, 7] merged in order r = 0..R-1.
 at::Tensor merge_states_cpu(const at::Tensor& states) {
-  check_states(states, "merge_states");
-  TORCH_CHECK_VALUE(states.dim() == 3, "gapmon.merge_states: expected [parts, tensors, 7] states, got ",
-                    states.sizes());
+  check_states(states, 3, "merge_states");
   const at::Tensor s = states.contiguous();
   const int64_t parts = s.size(0), n = s.size(1);
   std::vector<State<double>> merged(n);
@@ -137,8 +128,7 @@ at::Tensor merge_states_cpu(const at::Tensor& states) {
 }
 
 at::Tensor finalize_states_cpu(const at::Tensor& states, int64_t correction) {
-  check_states(states, "finalize_states");
-  TORCH_CHECK_VALUE(states.dim() == 2, "gapmon.finalize_states: expected [tensors, 7] states, got ", states.sizes());
+  check_states(states, 2, "finalize_states");
   const at::Tensor s = states.contiguous();
   std::vector<State<double>> rows(s.size(0));
   for (int64_t i = 0; i < s.size(0); ++i) rows[i] = core::load_state(s.data_ptr<double>() + i * core::kNumStateColumns);
