@@ -49,13 +49,13 @@ cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at
   return table;
 }
 
-// Runs the statistics kernels over `views`: float32 stats rows, or float64 states if `as_states`.
+// Runs the statistics kernels over `views`: float64 statistics rows, or float64 states if `as_states`.
 at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::Device& device, int64_t correction,
                bool as_states, const char* op) {
   const c10::cuda::CUDAGuard guard(device);
   const auto opts = at::TensorOptions().device(device);
   at::Tensor out = at::empty({rows, int64_t(as_states ? int(core::kNumStateColumns) : int(core::kNumStats))},
-                             opts.dtype(as_states ? at::kDouble : at::kFloat));
+                             opts.dtype(at::kDouble));
   if (rows == 0) return out;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
@@ -69,7 +69,7 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
   }
   check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, max_item_numel,
                                   scratch.data_ptr<double>(),
-                                  as_states ? nullptr : out.data_ptr<float>(),
+                                  as_states ? nullptr : out.data_ptr<double>(),
                                   as_states ? out.data_ptr<double>() : nullptr, correction, stream),
                op);
   return out;
@@ -88,13 +88,21 @@ at::Tensor instance_stats_cuda(const at::Tensor& x, int64_t correction) {
   return run(views, x.size(0), x.device(), correction, false, "instance_stats");
 }
 
+// An empty list carries no device: nothing to launch (the dispatcher does not route one here,
+// but a direct call must not read xs[0]).
+at::Tensor empty_rows() {
+  return at::empty({0, core::kNumStats}, at::TensorOptions().dtype(at::kDouble));
+}
+
 at::Tensor multi_tensor_stats_cuda(at::TensorList xs, int64_t correction) {
+  if (xs.empty()) return empty_rows();
   std::vector<at::Tensor> keep_alive;
   auto views = views_of(xs, "multi_tensor_stats", keep_alive);
   return run(views, static_cast<int64_t>(xs.size()), xs[0].device(), correction, false, "multi_tensor_stats");
 }
 
 at::Tensor multi_tensor_states_cuda(at::TensorList xs) {
+  if (xs.empty()) return empty_rows();
   std::vector<at::Tensor> keep_alive;
   auto views = views_of(xs, "multi_tensor_states", keep_alive);
   return run(views, static_cast<int64_t>(xs.size()), xs[0].device(), 0, true, "multi_tensor_states");
@@ -115,8 +123,8 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   check_states(states, 2, "finalize_states");
   const c10::cuda::CUDAGuard guard(states.device());
   const at::Tensor s = states.contiguous();
-  at::Tensor out = at::empty({s.size(0), core::kNumStats}, s.options().dtype(at::kFloat));
-  check_launch(cuda::launch_finalize_states(s.data_ptr<double>(), s.size(0), correction, out.data_ptr<float>(),
+  at::Tensor out = at::empty({s.size(0), core::kNumStats}, s.options());
+  check_launch(cuda::launch_finalize_states(s.data_ptr<double>(), s.size(0), correction, out.data_ptr<double>(),
                                             c10::cuda::getCurrentCUDAStream()),
                "finalize_states");
   return out;
@@ -128,7 +136,7 @@ void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> views{make_view(x, 1, "accumulate_instance_stats", keep_alive)};
   const at::Tensor stats = run(views, x.size(0), x.device(), correction, false, "accumulate_instance_stats");
-  check_launch(cuda::launch_accumulate_instances(stats.data_ptr<float>(), x.size(0),
+  check_launch(cuda::launch_accumulate_instances(stats.data_ptr<double>(), x.size(0),
                                                  acc.data_ptr<double>() + row * core::kNumAccColumns,
                                                  c10::cuda::getCurrentCUDAStream()),
                "accumulate_instance_stats");

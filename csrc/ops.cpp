@@ -28,7 +28,8 @@ std::string cpu_isa(std::string request) {
 }  // namespace
 
 TORCH_LIBRARY(gapmon, m) {
-  // Statistics rows have 7 float32 columns: count, mean, var, max_abs, norm, nonfinite, zeros.
+  // Statistics rows have 7 float64 columns (counts exact up to 2^53): count, mean, var, max_abs, norm,
+  // nonfinite, zeros.
   m.def("tensor_stats(Tensor x, int correction=1) -> Tensor");
   m.def("instance_stats(Tensor x, int correction=1) -> Tensor");
   m.def("multi_tensor_stats(Tensor[] xs, int correction=1) -> Tensor");

@@ -1,6 +1,7 @@
 """Public statistics ops: fused kernels from gapmon._C, with the pure-PyTorch reference as fallback.
 
-Each op returns a `Stats` whose fields are float32 tensors on the input's device. DTensors give
+Each op returns a `Stats` whose fields are float64 tensors on the input's device (counts exact up to
+2^53). DTensors give
 exact statistics of the full tensor on every rank (see gapmon.distributed).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Sequence
 import torch
 
 from . import reference
-from .stats import Stats, check_tensor
+from .stats import Stats, check_same_device, check_states, check_tensor
 
 _LIB = "gapmon"
 
@@ -59,16 +60,16 @@ if _COMPILED:
     # Shapes of the outputs, for tracing (torch.compile, FakeTensor, meta).
     @torch.library.register_fake(f"{_LIB}::tensor_stats")
     def _(x, correction=1):
-        return x.new_empty((7,), dtype=torch.float32)
+        return x.new_empty((7,), dtype=torch.float64)
 
     @torch.library.register_fake(f"{_LIB}::instance_stats")
     def _(x, correction=1):
         torch._check(x.dim() >= 1, lambda: "instance_stats expects a batch dimension")
-        return x.new_empty((x.shape[0], 7), dtype=torch.float32)
+        return x.new_empty((x.shape[0], 7), dtype=torch.float64)
 
     @torch.library.register_fake(f"{_LIB}::multi_tensor_stats")
     def _(xs, correction=1):
-        return xs[0].new_empty((len(xs), 7), dtype=torch.float32)
+        return xs[0].new_empty((len(xs), 7), dtype=torch.float64)
 
     @torch.library.register_fake(f"{_LIB}::multi_tensor_states")
     def _(xs):
@@ -80,7 +81,7 @@ if _COMPILED:
 
     @torch.library.register_fake(f"{_LIB}::finalize_states")
     def _(states, correction=1):
-        return states.new_empty((states.shape[0], 7), dtype=torch.float32)
+        return states.new_empty((states.shape[0], 7), dtype=torch.float64)
 
     @torch.library.register_fake(f"{_LIB}::accumulate_instance_stats")
     def _(x, acc, row, correction=1):
@@ -123,13 +124,14 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats
 
 
 def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
-    """The [N, 7] float32 buffer behind `multi_tensor_stats` (columns in STAT_NAMES order), for
+    """The [N, 7] float64 buffer behind `multi_tensor_stats` (columns in STAT_NAMES order), for
     callers that read every statistic at once, e.g. in one device-to-host copy."""
     xs = list(xs)
     if not xs:
-        return torch.empty(0, 7)
+        return torch.empty(0, 7, dtype=torch.float64)
     for x in xs:
         check_tensor(x, "multi_tensor_stats")
+    check_same_device(xs, "multi_tensor_stats")
     if any(_is_dtensor(x) for x in xs):
         from .distributed import dtensor_multi_states
 
@@ -142,6 +144,10 @@ def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.
 def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Mergeable partial states of local tensors: [N, 7] float64 (count, mean, m2, max_abs, sumsq,
     nonfinite, zeros). Merge partial states of pieces of a tensor with `merge_states`."""
+    xs = list(xs)
+    for x in xs:
+        check_tensor(x, "multi_tensor_states")
+    check_same_device(xs, "multi_tensor_states")
     xs = [x.detach() for x in xs]
     if not xs:
         return torch.empty(0, 7, dtype=torch.float64)
@@ -152,6 +158,7 @@ def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def merge_states(states: torch.Tensor) -> torch.Tensor:
     """Merges [R, N, 7] partial states over R (in order) into [N, 7]."""
+    check_states(states, 3, "merge_states")
     if not _compiled_for(states.device):
         return reference.merge_states(states)
     return torch.ops.gapmon.merge_states(states)
@@ -163,7 +170,8 @@ def finalize_states(states: torch.Tensor, correction: int = 1) -> Stats:
 
 
 def finalize_rows(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
-    """[N, 7] partial states -> the [N, 7] float32 statistics buffer behind `finalize_states`."""
+    """[N, 7] partial states -> the [N, 7] float64 statistics buffer behind `finalize_states`."""
+    check_states(states, 2, "finalize_states")
     if not _compiled_for(states.device):
         return reference.finalize_states(states, correction)
     return torch.ops.gapmon.finalize_states(states, correction)

@@ -20,7 +20,7 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(xf: torch.Tensor, correction: int) -> torch.Tensor:
-    """Statistics of each row of a 2-D tensor, as a [rows, 7] float32 buffer."""
+    """Statistics of each row of a 2-D tensor, as a [rows, 7] float64 buffer (exact counts)."""
     n = xf.shape[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns about dof <= 0, which is defined here
@@ -32,9 +32,9 @@ def _rows(xf: torch.Tensor, correction: int) -> torch.Tensor:
     norm = torch.linalg.vector_norm(xf, dim=1)
     nonfinite = (~torch.isfinite(xf)).sum(dim=1)
     zeros = (xf == 0).sum(dim=1)
-    count = torch.full_like(mean, n)
-    cols = (count, mean, var, max_abs, norm, nonfinite.to(xf.dtype), zeros.to(xf.dtype))
-    return torch.stack(cols, dim=1).float()
+    count = torch.full_like(mean, n, dtype=torch.float64)
+    cols = (count, mean.double(), var.double(), max_abs.double(), norm.double(), nonfinite.double(), zeros.double())
+    return torch.stack(cols, dim=1)
 
 
 def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
@@ -53,7 +53,7 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats
     for x in xs:
         check_tensor(x, "multi_tensor_stats")
     if len(xs) == 0:
-        return Stats.from_rows(torch.empty(0, 7))
+        return Stats.from_rows(torch.empty(0, 7, dtype=torch.float64))
     return Stats.from_rows(torch.stack([_rows(_acc(x).reshape(1, -1), correction)[0] for x in xs]))
 
 
@@ -91,12 +91,12 @@ def merge_states(states: torch.Tensor) -> torch.Tensor:
 
 
 def finalize_states(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
-    """[N, 7] partial states -> [N, 7] float32 statistics rows."""
+    """[N, 7] partial states -> [N, 7] float64 statistics rows."""
     n, mean, m2, mx, sq, nf, nz = states.unbind(-1)
     nan = torch.full_like(n, float("nan"))
     dof = (n - correction).clamp(min=0)
     var = torch.where(n > 0, m2 / dof, nan)
-    return torch.stack((n, torch.where(n > 0, mean, nan), var, mx, sq.sqrt(), nf, nz), dim=-1).float()
+    return torch.stack((n, torch.where(n > 0, mean, nan), var, mx, sq.sqrt(), nf, nz), dim=-1)
 
 
 def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:

@@ -12,7 +12,9 @@ STATE_NAMES = ("count", "mean", "m2", "max_abs", "sumsq", "nonfinite", "zeros")
 
 
 class Stats(NamedTuple):
-    """Statistics of a tensor (0-dim fields) or of a batch of tensors ([N] fields), float32.
+    """Statistics of a tensor (0-dim fields) or of a batch of tensors ([N] fields), float64.
+
+    Counts (``count``, ``nonfinite``, ``zeros``) are exact up to 2^53 elements.
 
     ``var`` uses the requested Bessel correction; ``max_abs`` is max |x|; ``norm`` is the L2 norm;
     ``nonfinite`` counts NaN and +-Inf; ``zeros`` counts exact zeros.
@@ -39,10 +41,33 @@ class Stats(NamedTuple):
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_same_device(xs, op: str) -> None:
+    """Raises ValueError unless every tensor of `xs` is on one device (one launch reads them all)."""
+    devices = {x.device for x in xs}
+    if len(devices) > 1:
+        raise ValueError(f"gapmon.{op}: all tensors must be on one device, got {sorted(map(str, devices))}; "
+                         "call it once per device")
+
+
+def check_states(states, dims: int, op: str) -> None:
+    """Raises TypeError/ValueError unless `states` are float64 partial states with `dims` dims
+    ([parts, tensors, 7] for merge_states, [tensors, 7] for finalize_states). Checked before any
+    kernel runs, in every build."""
+    if not isinstance(states, torch.Tensor):
+        raise TypeError(f"gapmon.{op}: expected a torch.Tensor of partial states, got {type(states).__name__}")
+    shape = "[parts, tensors, 7]" if dims == 3 else "[tensors, 7]"
+    if states.dtype != torch.float64 or states.dim() != dims or states.shape[-1] != len(STATE_NAMES):
+        raise ValueError(f"gapmon.{op}: expected float64 {shape} states (from multi_tensor_states), "
+                         f"got {states.dtype} {list(states.shape)}")
+
+
 def check_tensor(x: torch.Tensor, op: str) -> None:
-    """Raises TypeError (naming dtype or layout) for a tensor the statistics cannot read."""
+    """Raises TypeError (naming dtype or layout) for a tensor the statistics cannot read, and
+    ValueError for a meta tensor (it has no data to measure)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gapmon.{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError(f"gapmon.{op}: a meta tensor has no data to measure; materialize it first (e.g. to_empty + init)")
     if x.layout != torch.strided:
         raise TypeError(f"gapmon.{op}: expected a dense (strided) tensor, got layout {x.layout}; call .to_dense() first")
     if x.is_quantized:

@@ -94,3 +94,20 @@ def test_merge_states_propagates_nan_and_counts():
 def test_merge_states_rejects_bad_input():
     with pytest.raises(ValueError, match="float64"):
         gapmon.merge_states(torch.zeros(2, 3, 7))
+    with pytest.raises(ValueError, match="float64"):
+        gapmon.finalize_states(torch.zeros(3, 7))
+    with pytest.raises(ValueError, match=r"\[parts, tensors, 7\]"):
+        gapmon.merge_states(torch.zeros(3, 7, dtype=torch.float64))
+    with pytest.raises(TypeError, match="list"):
+        gapmon.merge_states([[1.0]])
+
+
+def test_mixed_devices_and_meta_are_refused():
+    """A meta tensor has no data: refused, never statistics of uninitialised memory."""
+    with pytest.raises(ValueError, match="meta"):
+        gapmon.multi_tensor_stats([torch.ones(1000), torch.ones(3, device="meta")])
+    with pytest.raises(ValueError, match="meta"):
+        gapmon.tensor_stats(torch.ones(3, device="meta"))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one device"):
+            gapmon.multi_tensor_stats([torch.ones(10), torch.ones(3, device="cuda")])

@@ -88,7 +88,7 @@ def test_fallback_backend_gives_the_same_results():
         proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert runs["torch"]["backend"] == "torch" and runs[""]["backend"] == "cpu"
+    assert runs["torch"]["backend"] == "torch" and runs[""]["backend"] == gapmon.backend()
     slow, fast = runs["torch"], runs[""]
     assert set(slow["metrics"]) == set(fast["metrics"])
     bad = [k for k in fast["metrics"] if not math.isclose(slow["metrics"][k], fast["metrics"][k], rel_tol=1e-4, abs_tol=1e-6)]
@@ -105,6 +105,6 @@ def test_fallback_backend_in_subprocess():
     )
     env = dict(os.environ, GAPMON_BACKEND="torch")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    got = torch.tensor(eval(out.stdout))
+    got = torch.tensor(eval(out.stdout), dtype=torch.float64)
     x = torch.randn(100, 7, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(got, gapmon.tensor_stats(x).rows())

@@ -107,7 +107,7 @@ def test_empty_tensor(cpu_isa):
 def test_correction_like_torch(correction):
     for n in (1, 2, 3, 10):
         x = torch.randn(n)
-        want = torch.var_mean(x.double(), correction=correction)[0].float()
+        want = torch.var_mean(x.double(), correction=correction)[0]
         got = gapmon.tensor_stats(x, correction=correction).var
         torch.testing.assert_close(got, want, equal_nan=True)
 
@@ -161,6 +161,30 @@ def test_requires_grad_input_is_not_tracked():
     assert not s.mean.requires_grad
 
 
-def test_fields_are_float32_on_input_device():
-    s = gapmon.tensor_stats(torch.randn(10, dtype=torch.float64))
-    assert all(f.dtype == torch.float32 and f.shape == () and f.device.type == "cpu" for f in s)
+def test_fields_are_float64_on_input_device():
+    for dtype in DTYPES:
+        s = gapmon.tensor_stats(torch.randn(10).to(dtype))
+        assert all(f.dtype == torch.float64 and f.shape == () and f.device.type == "cpu" for f in s), dtype
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_counts_exact_above_2_24(backend):
+    """Counts are exact up to 2^53: float32 rows would round 16,777,219 to 16,777,220."""
+    stats = gapmon.tensor_stats if backend == "compiled" else gapmon.reference.tensor_stats
+    n = 2**24 + 3
+    x = torch.ones(n)
+    x[:5] = 0.0
+    x[5] = float("nan")
+    s = stats(x)
+    assert (s.count.item(), s.zeros.item(), s.nonfinite.item()) == (n, 5, 1)
+    # Expanded (stride-0) dims multiply the counts: 3 * (2^33 + 1) elements, no memory read twice.
+    wide = torch.tensor([0.0, float("inf"), 2.0]).expand(2**33 + 1, 3)
+    s = stats(wide) if backend == "compiled" else None
+    if s is not None:
+        assert (s.count.item(), s.zeros.item(), s.nonfinite.item()) == (3 * (2**33 + 1), 2**33 + 1, 2**33 + 1)
+
+
+def test_float64_input_keeps_its_precision():
+    x = torch.tensor([1.0 + 2**-40, 1.0], dtype=torch.float64)
+    s = gapmon.tensor_stats(x)
+    assert s.max_abs.item() == 1.0 + 2**-40 and s.mean.item() == 1.0 + 2**-41

@@ -106,16 +106,16 @@ void run(const Case& c, double copy_gbps) {
   table.num = 1;
   table.inline_views[0] = v;
   double* scratch = nullptr;
-  float* out = nullptr;
+  double* out = nullptr;
   check(cudaMalloc(&scratch, chunks * core::kNumStateColumns * sizeof(double)), "cudaMalloc scratch");
-  check(cudaMalloc(&out, c.rows * core::kNumStats * sizeof(float)), "cudaMalloc out");
+  check(cudaMalloc(&out, c.rows * core::kNumStats * sizeof(double)), "cudaMalloc out");
   auto call = [&] {
     check(cuda::launch_stats(table, chunks, c.rows, v.chunks_per_item, v.item_numel, scratch, out, nullptr, 1, nullptr),
           "launch_stats");
   };
   call();
-  std::vector<float> got(c.rows * core::kNumStats);
-  check(cudaMemcpy(got.data(), out, got.size() * sizeof(float), cudaMemcpyDeviceToHost), "copy out");
+  std::vector<double> got(c.rows * core::kNumStats);
+  check(cudaMemcpy(got.data(), out, got.size() * sizeof(double), cudaMemcpyDeviceToHost), "copy out");
   for (int64_t r : {int64_t(0), c.rows - 1}) {
     double sum = 0, m2 = 0, sq = 0;
     for (int64_t i = 0; i < c.row_numel; ++i) sum += host[r * c.row_numel + i];
@@ -125,7 +125,7 @@ void run(const Case& c, double copy_gbps) {
       m2 += (x - mean) * (x - mean);
       sq += x * x;
     }
-    const float* s = got.data() + r * core::kNumStats;
+    const double* s = got.data() + r * core::kNumStats;
     const double var = m2 / (c.row_numel - 1);
     if (std::fabs(s[core::kVar] - var) > 1e-5 * var || std::fabs(s[core::kNorm] - std::sqrt(sq)) > 1e-5 * std::sqrt(sq) ||
         std::fabs(s[core::kMean] - mean) > 1e-5 * (std::fabs(mean) + std::sqrt(var))) {

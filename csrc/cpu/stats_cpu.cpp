@@ -81,8 +81,8 @@ at::Tensor states_to_tensor(const std::vector<State<double>>& states) {
 }
 
 at::Tensor finalize_all(const std::vector<State<double>>& states, int64_t correction) {
-  at::Tensor t = at::empty({static_cast<int64_t>(states.size()), core::kNumStats}, at::kFloat);
-  float* p = t.data_ptr<float>();
+  at::Tensor t = at::empty({static_cast<int64_t>(states.size()), core::kNumStats}, at::kDouble);
+  double* p = t.data_ptr<double>();
   for (size_t i = 0; i < states.size(); ++i) core::finalize(states[i], correction, p + i * core::kNumStats);
   return t;
 }

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_kernel(const __grid_constan
 }
 
 // Writes row `row`'s merged state: finalised statistics and/or the raw state.
-__device__ __forceinline__ void write_row(State<double> s, const StridedView& v, int64_t row, float* out_stats,
+__device__ __forceinline__ void write_row(State<double> s, const StridedView& v, int64_t row, double* out_stats,
                                           double* out_states, int64_t correction) {
   s = core::repeat(s, double(v.repeat));
   if (out_stats != nullptr) core::finalize(s, correction, out_stats + row * core::kNumStats);
@@ -225,7 +225,7 @@ __device__ __forceinline__ State<double> chunk_at(const double* chunk_states, in
 
 // Items of a few chunks each (many small rows): one thread per row merges its chunks in order.
 __global__ void merge_short_items_kernel(const __grid_constant__ ViewTable table, int64_t rows,
-                                         const double* chunk_states, float* out_stats, double* out_states,
+                                         const double* chunk_states, double* out_stats, double* out_states,
                                          int64_t correction) {
   const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (row >= rows) return;
@@ -242,7 +242,7 @@ __global__ void merge_short_items_kernel(const __grid_constant__ ViewTable table
 // so a row of n chunks takes about n / kThreads dependent steps instead of n.
 __global__ void __launch_bounds__(kThreads) merge_long_items_kernel(const __grid_constant__ ViewTable table,
                                                                     int64_t rows, const double* chunk_states,
-                                                                    float* out_stats, double* out_states,
+                                                                    double* out_stats, double* out_states,
                                                                     int64_t correction) {
   const StridedView* views = views_of(table);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -265,7 +265,7 @@ __global__ void merge_states_kernel(const double* states, int64_t parts, int64_t
   core::store_state(s, out + i * core::kNumStateColumns);
 }
 
-__global__ void finalize_states_kernel(const double* states, int64_t n, int64_t correction, float* out) {
+__global__ void finalize_states_kernel(const double* states, int64_t n, int64_t correction, double* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   core::finalize(core::load_state(states + i * core::kNumStateColumns), correction, out + i * core::kNumStats);
@@ -283,7 +283,7 @@ __global__ void upload_kernel(const __grid_constant__ UploadPiece piece, int64_t
 }
 
 // One thread, rows in order: instance counts are small (a batch), and the order is fixed.
-__global__ void accumulate_instances_kernel(const float* stats, int64_t rows, double* acc_row) {
+__global__ void accumulate_instances_kernel(const double* stats, int64_t rows, double* acc_row) {
   for (int64_t r = 0; r < rows; ++r) core::accumulate_instance(stats + r * core::kNumStats, acc_row);
 }
 
@@ -292,7 +292,7 @@ int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / thre
 }  // namespace
 
 cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         int64_t max_item_numel, double* chunk_states, float* out_stats, double* out_states,
+                         int64_t max_item_numel, double* chunk_states, double* out_stats, double* out_states,
                          int64_t correction, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
@@ -336,7 +336,7 @@ cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, 
   return cudaGetLastError();
 }
 
-cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t correction, float* out,
+cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t correction, double* out,
                                    cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   GAPMON_LAUNCH(finalize_states_kernel, static_cast<unsigned>(blocks_for(n, 128)), 128, stream)(states, n, correction,
@@ -344,7 +344,7 @@ cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t corr
   return cudaGetLastError();
 }
 
-cudaError_t launch_accumulate_instances(const float* stats, int64_t rows, double* acc_row, cudaStream_t stream) {
+cudaError_t launch_accumulate_instances(const double* stats, int64_t rows, double* acc_row, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   GAPMON_LAUNCH(accumulate_instances_kernel, 1, 1, stream)(stats, rows, acc_row);
   return cudaGetLastError();

@@ -1,17 +1,22 @@
 // A small host emulator of the CUDA execution model, so that ctest runs the real kernel source
 // (csrc/cuda/stats_cuda.cu compiled as C++ with GAPMON_CUDA_EMULATION) without a GPU.
 //
-// Blocks run one after another; the threads of a block are cooperative fibers (ucontext) on one
-// OS thread, switched at every barrier. It emulates what the kernels use: threadIdx/blockIdx/
-// blockDim/gridDim, __syncthreads, __syncthreads_or, per-warp __shfl_down_sync and __any_sync,
-// __ldg, static __shared__ arrays and kernel launches. Device memory is host memory. It checks
-// the kernels' logic (indexing, chunking, barriers, merge order), not their speed.
+// The threads of a block are cooperative fibers (ucontext) on one OS thread, switched at every
+// barrier. Blocks run in order on one OS thread by default; with a schedule seed
+// (gapmon_emu::set_schedule(seed)) they run in a shuffled order, several at once on worker OS
+// threads (so blocks really interleave), and the fibers of each block are resumed in a shuffled
+// order at every barrier round: a result that depends on which block or thread runs first shows
+// up as a difference between schedules. Shared memory is per OS thread, hence per running block.
+// It emulates what the kernels use: threadIdx/blockIdx/blockDim/gridDim, __syncthreads,
+// __syncthreads_or, per-warp __shfl_down_sync and __any_sync, __ldg, static __shared__ arrays and
+// kernel launches. Device memory is host memory. It checks the kernels' logic (indexing,
+// chunking, barriers, merge order, independence of the schedule), not their speed.
 //
 // Force-included (-include) before the kernel source, so that its definitions of __shared__ and
 // friends win over CUDA's host_defines.h.
 #pragma once
 
-#define __shared__ static  // one instance per kernel function: blocks run one at a time
+#define __shared__ static thread_local  // one instance per OS thread: per running block
 #define __global__
 #define __device__
 #define __host__
@@ -23,14 +28,33 @@
 
 #include <ucontext.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
+#include <mutex>
+#include <numeric>
+#include <random>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 namespace gapmon_emu {
 
-inline dim3 grid_dim, block_dim, block_idx, thread_idx;
+inline dim3 grid_dim, block_dim;                   // set before a launch's blocks start
+inline thread_local dim3 block_idx, thread_idx;    // of the block and fiber running on this OS thread
+
+// 0: blocks in order on the calling thread, fibers in order. Otherwise the seed of a shuffled,
+// interleaved schedule (see the header comment); each launch draws a new permutation from it.
+inline unsigned schedule_seed = 0;
+inline unsigned schedule_launches = 0;
+constexpr int kScheduleWorkers = 4;
+
+inline void set_schedule(unsigned seed) {
+  schedule_seed = seed;
+  schedule_launches = 0;
+}
 
 struct Block {
   static constexpr size_t kStackBytes = 64 * 1024;
@@ -50,7 +74,7 @@ struct Block {
   std::function<void()> body;
 };
 
-inline Block* running = nullptr;
+inline thread_local Block* running = nullptr;
 
 inline void yield() { swapcontext(&running->contexts[running->current], &running->scheduler); }
 
@@ -104,39 +128,74 @@ inline void fiber_entry() {
   makecontext(&b.contexts[t], fiber_entry, 0);
 }
 
-// Runs kernel(args...) on a grid of blocks, each block's threads as fibers.
+// Runs block `bx` of the current launch on `b`'s fibers; `rng` (if any) shuffles the order in
+// which waiting fibers are resumed in every round.
+inline void run_block(Block& b, unsigned bx, std::mt19937* rng) {
+  block_idx = dim3(bx, 0, 0);
+  b.finished.assign(b.threads, 0);
+  for (int t = 0; t < b.threads; ++t) prepare(b, t);
+  std::vector<int> order(b.threads);
+  std::iota(order.begin(), order.end(), 0);
+  for (int left = b.threads; left > 0;) {  // rounds until every thread has returned
+    left = 0;
+    const int64_t progress = b.progress;
+    if (rng != nullptr) std::shuffle(order.begin(), order.end(), *rng);
+    for (int t : order) {
+      if (b.finished[t]) continue;
+      resume(b, t);
+      left += !b.finished[t];
+    }
+    if (left > 0 && b.progress == progress) throw std::logic_error("deadlock: threads wait at barriers others never reach");
+  }
+  if (b.block_arrived != 0) throw std::logic_error("a thread returned while others waited at __syncthreads");
+}
+
+// Runs kernel(args...) on a grid of blocks, each block's threads as fibers; blocks in order, or
+// shuffled over kScheduleWorkers OS threads when a schedule seed is set.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
   if (block.y != 1 || block.z != 1 || grid.y != 1 || grid.z != 1) throw std::invalid_argument("1-D launches only");
-  Block b;
-  b.threads = static_cast<int>(block.x);
-  b.contexts.resize(b.threads);
-  b.stacks.assign(b.threads, std::vector<char>(Block::kStackBytes));
-  b.warp_arrived.assign((b.threads + 31) / 32, 0);
-  b.warp_generation.assign((b.threads + 31) / 32, 0);
-  b.exchange.assign(b.threads, 0.0);
-  b.body = [&] { kernel(args...); };
-  Block* outer = running;
-  running = &b;
   grid_dim = grid;
   block_dim = block;
-  for (unsigned bx = 0; bx < grid.x; ++bx) {
-    block_idx = dim3(bx, 0, 0);
-    b.finished.assign(b.threads, 0);
-    for (int t = 0; t < b.threads; ++t) prepare(b, t);
-    for (int left = b.threads; left > 0;) {  // round-robin until every thread has returned
-      left = 0;
-      const int64_t progress = b.progress;
-      for (int t = 0; t < b.threads; ++t) {
-        if (b.finished[t]) continue;
-        resume(b, t);
-        left += !b.finished[t];
-      }
-      if (left > 0 && b.progress == progress) throw std::logic_error("deadlock: threads wait at barriers others never reach");
-    }
-    if (b.block_arrived != 0) throw std::logic_error("a thread returned while others waited at __syncthreads");
+  std::vector<unsigned> blocks(grid.x);
+  std::iota(blocks.begin(), blocks.end(), 0u);
+  const unsigned seed = schedule_seed == 0 ? 0 : schedule_seed * 7919u + schedule_launches++;
+  if (seed != 0) {
+    std::mt19937 shuffle(seed);
+    std::shuffle(blocks.begin(), blocks.end(), shuffle);
   }
-  running = outer;
+  const int workers = seed == 0 ? 1 : static_cast<int>(std::min<unsigned>(kScheduleWorkers, grid.x));
+  std::atomic<size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_lock;
+  auto work = [&](int worker) {
+    try {
+      Block b;
+      b.threads = static_cast<int>(block.x);
+      b.contexts.resize(b.threads);
+      b.stacks.assign(b.threads, std::vector<char>(Block::kStackBytes));
+      b.warp_arrived.assign((b.threads + 31) / 32, 0);
+      b.warp_generation.assign((b.threads + 31) / 32, 0);
+      b.exchange.assign(b.threads, 0.0);
+      b.body = [&] { kernel(args...); };
+      std::mt19937 rng(seed + 104729u * worker);
+      Block* outer = running;
+      running = &b;
+      for (size_t i; (i = next++) < blocks.size();) run_block(b, blocks[i], seed == 0 ? nullptr : &rng);
+      running = outer;
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(error_lock);
+      if (!error) error = std::current_exception();
+    }
+  };
+  if (workers == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int w = 0; w < workers; ++w) pool.emplace_back(work, w);
+    for (auto& t : pool) t.join();
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 // kernel<<<grid, block, 0, stream>>>(args...) becomes launcher(kernel, grid, block)(args...).

@@ -54,13 +54,13 @@ static void test_nan_inf_and_finalize() {
   std::vector<double> inf = {INFINITY, 1.0, INFINITY};
   s = fold(inf, 1);
   CHECK(s.mean == INFINITY && std::isnan(s.m2) && s.max_abs == INFINITY && s.sumsq == INFINITY, "+inf mean %g", s.mean);
-  float out[core::kNumStats];
+  double out[core::kNumStats];
   core::finalize(State<double>(), 1, out);
   CHECK(out[core::kCount] == 0 && std::isnan(out[core::kMean]) && std::isnan(out[core::kVar]) &&
             out[core::kMaxAbs] == 0 && out[core::kNorm] == 0,
         "empty finalize");
   core::finalize(fold({3.0}, 1), 1, out);
-  CHECK(std::isnan(out[core::kVar]) && out[core::kMean] == 3.0f, "single element var must be NaN with correction 1");
+  CHECK(std::isnan(out[core::kVar]) && out[core::kMean] == 3.0, "single element var must be NaN with correction 1");
   core::finalize(fold({1.0, 2.0}, 1), 2, out);
   CHECK(std::isinf(out[core::kVar]), "dof 0 with m2 > 0 gives inf like torch");
 }

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "checks.h"
 
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+void gapmon_emu_set_schedule(unsigned seed);  // tests/cpp/stats_cuda_emulated.cpp
 
 namespace {
 
@@ -215,12 +217,12 @@ void test_state_launchers() {
   CHECK(cuda::launch_merge_states(rows.data(), 3, 1, merged.data(), nullptr) == cudaSuccess, "merge_states");
   std::vector<double> all(xs.begin(), xs.end());
   expect_state(core::load_state(merged.data()), reference(all), 1e-6, "merge_states of pieces");
-  float stats[core::kNumStats];
+  double stats[core::kNumStats];
   CHECK(cuda::launch_finalize_states(merged.data(), 1, 1, stats, nullptr) == cudaSuccess, "finalize_states");
   const State<double> want = reference(all);
   CHECK(close(stats[core::kVar], want.m2 / (want.count - 1), 1e-5), "finalize var %g", stats[core::kVar]);
 
-  float instance_rows[2 * core::kNumStats];
+  double instance_rows[2 * core::kNumStats];
   core::finalize(states[0], 1, instance_rows);
   core::finalize(states[2], 1, instance_rows + core::kNumStats);
   double acc[core::kNumAccColumns] = {0, 0, 0, 0, 0, 0};
@@ -230,9 +232,43 @@ void test_state_launchers() {
         "accumulate_instances %g %g", acc[core::aInstances], acc[core::aSumMean]);
 }
 
+// The same launch under the in-order schedule and under shuffled, interleaved block schedules
+// (and shuffled fiber order inside blocks) must give the same bits: nothing may depend on which
+// block finishes first.
+void expect_schedule_independent(const std::vector<StridedView>& views, int64_t rows, bool upload, const char* what) {
+  gapmon_emu_set_schedule(0);
+  const auto want = run(views, rows, upload);
+  for (unsigned seed : {1u, 2u, 3u}) {
+    gapmon_emu_set_schedule(seed);
+    const auto got = run(views, rows, upload);
+    CHECK(std::memcmp(got.data(), want.data(), sizeof(State<double>) * want.size()) == 0,
+          "%s: block schedule %u changes the result bits", what, seed);
+  }
+  gapmon_emu_set_schedule(0);
+}
+
+void test_schedule_independence() {
+  // The shapes of a GPT-2 layer list, scaled down: square and tall matrices, a bias, a long item
+  // (> 8 chunks: the block-per-row merge), one element and an empty tensor, plus a bfloat16 one.
+  const auto f = random_values<float>(65536 * 10, 0.02f, 1.f, 21);
+  const auto b = random_values<__nv_bfloat16>(20000, -3.f, 0.5f, 22);
+  std::vector<StridedView> views = {view(f.data(), {96 * 96}, {1}), view(f.data() + 5, {384, 96}, {96, 1}),
+                                    view(f.data() + 7, {96}, {1}), view(f.data(), {65536 * 9 + 1000}, {1}),
+                                    view(f.data() + 3, {1}, {1}), view(f.data(), {0}, {1}),
+                                    view(b.data(), {128 * 96}, {1})};
+  for (size_t i = 0; i < views.size(); ++i) views[i].out_row = static_cast<int64_t>(i);
+  expect_schedule_independent(views, static_cast<int64_t>(views.size()), false, "7 mixed tensors, inline table");
+  expect_schedule_independent(views, static_cast<int64_t>(views.size()), true, "7 mixed tensors, uploaded table");
+  // Many short rows: a warp per chunk, a thread per row in the merge.
+  expect_schedule_independent({view(f.data(), {37}, {1}, 2100, 37)}, 2100, false, "2100 rows of 37");
+  // A few rows of several chunks each (the thread-per-row merge of multi-chunk items).
+  expect_schedule_independent({view(f.data(), {65536 * 3 + 5}, {1}, 3, 65536 * 3 + 5)}, 3, false, "3 rows of 3 chunks");
+}
+
 }  // namespace
 
 int main() {
+  test_schedule_independence();
   test_dtype<float>("float32", 1e-5);
   test_dtype<__nv_bfloat16>("bfloat16", 1e-5);
   test_dtype<__half>("float16", 1e-5);
