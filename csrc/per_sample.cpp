@@ -38,6 +38,7 @@ at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t tile)
 // `max_elements` elements.
 at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_elements) {
   check_pair(a, g, "direct_norm_sq");
+  TORCH_CHECK_VALUE(max_elements > 0, "gapmon.direct_norm_sq: max_elements must be positive, got ", max_elements);
   const int64_t b = a.size(0), per_sample = a.size(2) * g.size(2);
   const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, per_sample));
   at::Tensor out = at::empty({b}, a.options());
@@ -55,6 +56,7 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
   TORCH_CHECK_VALUE(ids.dim() == 2 && g.dim() == 3 && ids.size(0) == g.size(0) && ids.size(1) == g.size(1),
                     "gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(), " and ",
                     g.sizes());
+  TORCH_CHECK_VALUE(tile > 0, "gapmon.embedding_norm_sq: tile must be positive, got ", tile);
   const int64_t t = ids.size(1);
   const at::Tensor valid = padding_idx >= 0 ? ids.ne(padding_idx) : at::ones_like(ids, ids.options().dtype(at::kBool));
   at::Tensor out = at::zeros({g.size(0)}, g.options());

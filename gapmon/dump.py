@@ -18,11 +18,15 @@ in flight at a time. Background errors are raised by the next call or close().
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
 import threading
 import time
+import uuid
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +35,37 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .ops import _is_dtensor
-from .safe_io import write_json, write_safetensors
-from .utils import clean_name, rank_and_world
+from .safe_io import read_safetensors_metadata, write_json, write_safetensors
+from .utils import clean_named, rank_and_world
 
 MODES = ("shards", "full", "sampled")
 FORMAT_VERSION = 1
+
+
+def rank_file_run_id(path: Path) -> str | None:
+    """The run id recorded in a rank file's header, or None if it cannot be read (yet)."""
+    try:
+        return json.loads(read_safetensors_metadata(path)["gapmon"]).get("run_id")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _new_run_id() -> str:
+    """A fresh id shared by every rank (rank 0 draws it; a collective when world > 1)."""
+    run_id = [uuid.uuid4().hex]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(run_id, src=0)
+    return run_id[0]
+
+
+def _close_at_exit(ref: "weakref.ref[GradientDumper]") -> None:
+    dumper = ref()
+    if dumper is None or dumper.closed:
+        return
+    try:
+        dumper.close()
+    except BaseException as e:  # at exit: report, never abort the interpreter
+        warnings.warn(f"GradientDumper: pending gradient writes failed at exit: {e}", RuntimeWarning)
 
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
@@ -126,12 +156,18 @@ class GradientDumper:
     """Writes gradients at steps start_step, start_step + step_interval, ... up to end_step (inclusive).
 
     Call `maybe_dump(step)` after backward and before zero_grad, on every rank; `close()` (or
-    the context manager) waits for background writes and raises their errors.
+    the context manager) waits for background writes and raises their errors. A dumper that is
+    never closed is closed at interpreter exit, so pending steps are still written.
+
+    Every dumper has a fresh `run_id`, written into config.json, every rank file and COMPLETE: a
+    directory can be reused (a resumed run), and a step is complete only when every rank file
+    carries the run id of its COMPLETE. `timeout` bounds how long rank 0 waits for the other
+    ranks' files of a step (in the background with async_write, else on the training thread).
     """
 
     def __init__(self, model: nn.Module, save_dir: str | Path, start_step: int = 0, step_interval: int = 1,
                  end_step: int | None = None, mode: str = "shards", save_first_n: int | None = None,
-                 async_write: bool = True):
+                 async_write: bool = True, timeout: float = 600.0):
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradientDumper: model must be a torch.nn.Module, got {type(model).__name__}")
         if mode not in MODES:
@@ -150,11 +186,14 @@ class GradientDumper:
                 raise ValueError(f"GradientDumper: mode='sampled' needs a positive int save_first_n, got {save_first_n!r}")
         elif save_first_n is not None:
             raise ValueError("GradientDumper: save_first_n only applies to mode='sampled'")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"GradientDumper: timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
         self.model = model
         self.save_dir = Path(save_dir)
         self.start_step, self.step_interval, self.end_step = start_step, step_interval, end_step
         self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
-        self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
+        self._params = clean_named(model, model.named_parameters(), "parameters")
         self.rank, self.world = rank_and_world()
         self._layout = parallel_layout(model)
         self._queue: queue.Queue | None = None
@@ -167,10 +206,12 @@ class GradientDumper:
         if mode == "full" and async_write and self.world > 1:
             self._full_group = dist.new_group(backend="gloo")  # collective: every rank builds the dumper
         self.closed = False
+        self.run_id = _new_run_id()
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             write_json(self.save_dir / "config.json", {**self._layout, "mode": mode, "save_first_n": save_first_n,
-                                                       "format_version": FORMAT_VERSION})
+                                                       "format_version": FORMAT_VERSION, "run_id": self.run_id})
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def should_dump(self, step: int) -> bool:
         if step < self.start_step or (self.end_step is not None and step > self.end_step):
@@ -185,6 +226,11 @@ class GradientDumper:
         if not self.should_dump(step):
             return False
         grads = [(n, p.grad) for n, p in self._params if p.grad is not None]
+        if not grads:
+            warnings.warn(f"GradientDumper: step {step} has no gradients to dump (was maybe_dump called after "
+                          "zero_grad, or before backward?)", RuntimeWarning, stacklevel=2)
+        if self.rank == 0:  # a COMPLETE left by an earlier run must not vouch for this run's files
+            (step_dir(self.save_dir, step) / "COMPLETE").unlink(missing_ok=True)
         if self.mode == "full":
             self._dump_full(step, grads)
         elif self.mode == "shards":
@@ -227,7 +273,7 @@ class GradientDumper:
     def _write_shards(self, step: int, tensors: dict[str, torch.Tensor], records: dict[str, Any]) -> None:
         directory = step_dir(self.save_dir, step)
         header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
-                  "tensors": records}
+                  "run_id": self.run_id, "tensors": records}
         try:
             write_safetensors(directory / f"rank{self.rank}.safetensors", tensors, {"gapmon": json.dumps(header)})
         finally:
@@ -253,7 +299,7 @@ class GradientDumper:
             return
         directory = step_dir(self.save_dir, step)
         header = {"format_version": FORMAT_VERSION, "step": step, "save_first_n": self.save_first_n,
-                  "global_shapes": shapes}
+                  "run_id": self.run_id, "global_shapes": shapes}
         write_safetensors(directory / "sampled.safetensors", tensors, {"gapmon": json.dumps(header)})
         self._complete(directory, ["sampled.safetensors"])
 
@@ -297,18 +343,26 @@ class GradientDumper:
             write_json(directory / "full_index.json", index)
             self._complete(directory, ["full", "full_index.json"])
 
-    def _complete(self, directory: Path, expected: list[str], timeout: float = 600.0) -> None:
-        """Writes COMPLETE once every expected file is in place (rank 0)."""
-        deadline = time.monotonic() + timeout
+    def _complete(self, directory: Path, expected: list[str]) -> None:
+        """Writes COMPLETE once every expected file is in place and, for rank files, was written by
+        this run (rank 0). Files that an earlier run left under the same names do not count."""
+        deadline = time.monotonic() + self.timeout
         while True:
-            missing = [f for f in expected if not (directory / f).exists()]
+            missing = [f for f in expected if not self._written_by_this_run(directory / f)]
             if not missing:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"GradientDumper: {directory} is still missing {missing} after {timeout:.0f}s; "
-                                   "step left incomplete")
+                raise TimeoutError(f"GradientDumper: {directory} still lacks {missing} from this run after "
+                                   f"{self.timeout:.0f}s (a rank died or is stuck?); step left incomplete")
             time.sleep(0.01)
-        write_json(directory / "COMPLETE", {"files": expected, "format_version": FORMAT_VERSION})
+        write_json(directory / "COMPLETE", {"files": expected, "format_version": FORMAT_VERSION,
+                                            "run_id": self.run_id, "step": int(directory.name[4:]),
+                                            "world_size": self.world})
+
+    def _written_by_this_run(self, path: Path) -> bool:
+        if path.suffix != ".safetensors":
+            return path.exists()
+        return rank_file_run_id(path) == self.run_id
 
     # ----------------------------------------------------------------- background writes
     def _submit(self, fn, *args) -> None:
@@ -325,6 +379,8 @@ class GradientDumper:
         try:
             fn(*args)
         except OSError as e:
+            if e.errno is None:  # TimeoutError and other errors without an errno: raised as they are
+                raise
             raise OSError(e.errno, f"GradientDumper: writing gradients under {self.save_dir} failed: {e.strerror or e}; "
                                    "earlier steps are intact") from e
 

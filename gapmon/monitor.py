@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,26 +22,13 @@ from . import ops
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .sinks import JSONLSink, Sink, as_sink
 from .stats import STAT_NAMES
-from .utils import clean_name, rank_and_world
+from .utils import clean_named, first_tensor, rank_and_world
 
 _ACC_COLUMNS = 6  # see csrc/core/stats_state.h: InstanceAccColumn
 _ROW = len(STAT_NAMES)  # columns of a statistics row
 # (metric name, column of a statistics row)
 _STAT_FIELDS = tuple((metric, STAT_NAMES.index(column)) for metric, column in
                      (("max", "max_abs"), ("mean", "mean"), ("var", "var"), ("norm", "norm"), ("nonfinite", "nonfinite")))
-
-
-def _first_tensor(output: Any) -> torch.Tensor | None:
-    """The activation of a module output: the tensor itself, or the first tensor in a tuple/list/dict."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        values: Iterable = output
-    elif isinstance(output, Mapping):
-        values = output.values()
-    else:
-        return None
-    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 class GAPMonitor:
@@ -104,8 +91,8 @@ class GAPMonitor:
         self.sinks: list[Sink] = [as_sink(s) for s in (sinks if sinks is not None else [JSONLSink("gapmon_metrics.jsonl")])]
 
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
-        self._modules = [(clean_name(n), m) for n, m in model.named_modules() if clean_name(n)]
-        self._params = [(clean_name(n), p) for n, p in model.named_parameters()]
+        self._modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
+        self._params = clean_named(model, model.named_parameters(), "parameters")
         shard_groups = fsdp1_shard_groups(model)
         self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -131,7 +118,7 @@ class GAPMonitor:
     def _forward_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active:
             return
-        out = _first_tensor(output)
+        out = first_tensor(output)
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return
         # A forward pass inside backward is activation checkpointing recomputing this module: its
@@ -172,6 +159,8 @@ class GAPMonitor:
             raise ValueError(f"GAPMonitor.begin_step: batch_size must be a non-negative int, got {batch_size!r}")
         self._step = step
         self._active = step % self.interval == 0
+        if self.per_sample is not None:
+            self.per_sample.active = self._active  # skipped steps: its hooks return at once
         if not self._active:
             return
         self._batch_size = batch_size or 0

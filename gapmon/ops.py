@@ -185,3 +185,29 @@ def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, corr
         reference.accumulate_instance_stats(x, acc, row, correction)
         return
     torch.ops.gapmon.accumulate_instance_stats(x, acc, row, correction)
+
+
+# ------------------------------------------------------------------ per-sample norm products
+def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Σ_{t,s} (a_t·a_s)(g_t·g_s) per sample of a [B, T, d], g [B, T, p]: ||gᵀa||²_F via Grams."""
+    if _COMPILED:
+        return torch.ops.gapmon.ghost_norm_sq(a, g)
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+
+def direct_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """||g_bᵀ a_b||²_F per sample, forming the [p, d] per-sample products in bounded batches."""
+    if _COMPILED:
+        return torch.ops.gapmon.direct_norm_sq(a, g)
+    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+
+
+def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
+    """Σ over positions t, s with equal ids (not padding_idx) of g_t·g_s, per sample."""
+    if _COMPILED:
+        return torch.ops.gapmon.embedding_norm_sq(ids, g, padding_idx)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    if padding_idx >= 0:
+        valid = ids != padding_idx
+        same &= valid.unsqueeze(2) & valid.unsqueeze(1)
+    return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))

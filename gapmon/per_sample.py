@@ -1,18 +1,17 @@
 """Per-sample gradient norms without per-sample gradients.
 
-For each supported layer the forward hook keeps the layer input A and a tensor hook on the output
-receives G = dL/d(output) during backward; the per-sample squared norms of the layer's parameter
-gradients follow from A and G in closed form, are added to a per-sample accumulator, and A is
-released. Norms cover every parameter of these layers:
+A forward hook on every layer that a rule covers (gapmon.norm_rules) keeps the layer input A, and
+a tensor hook on the output receives G = dL/d(output) during backward. Once every call of the
+layer in the micro-batch has its G, the rule turns the calls into per-sample squared norms of
+the layer's trainable parameters (calls concatenated, so that a module applied twice is exact),
+they are added to a per-sample accumulator, and A is released.
 
-- nn.Linear on [B, d] or [B, ..., d]: weight by the ghost norm sum((A Aᵀ) ⊙ (G Gᵀ)) when 2T² < d·p,
-  else by the direct ||Gᵀ A||²; bias ||Σ_t G_t||².
-- nn.Embedding: sum over positions with equal ids of G_t·G_s (padding_idx rows excluded).
-- nn.LayerNorm / nn.RMSNorm: weight ||Σ_t G_t ⊙ x̂_t||², bias ||Σ_t G_t||².
-
-Parameters of other modules are reported by coverage() and excluded with a warning (strict=True
-raises). A parameter shared by several modules (tied weights) is refused: its per-sample gradient
-is the sum of the pieces, whose norms do not add.
+Which samples: the batch size B is dim 0 of the model's first tensor input (the root module's
+forward). A layer whose input or output has no dim 0 of size B, or an Embedding fed ids that
+are not taken from the model input and carry no batch dim (position ids of shape [T]), is not
+per-sample: it is excluded, with a warning naming it (strict=True raises). Parameters of layers
+without a rule, or whose module bypasses them (nn.MultiheadAttention's out_proj), are reported by
+coverage() as uncovered. A parameter shared by several modules (tied weights) is refused.
 """
 from __future__ import annotations
 
@@ -23,77 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from . import ops as _ops  # noqa: F401  (loads gapmon._C: the norm ops)
-from .utils import clean_name
-
-_SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+from .norm_rules import BYPASSING_MODULES, rule_for
+from .utils import clean_named, first_tensor, name_cleaner
 
 
-def _compiled() -> bool:
-    return _ops._COMPILED
-
-
-def _ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    if _compiled():
-        return torch.ops.gapmon.ghost_norm_sq(a, g)
-    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-
-
-def _direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    if _compiled():
-        return torch.ops.gapmon.direct_norm_sq(a, g)
-    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
-
-
-def _embedding(ids: torch.Tensor, g: torch.Tensor, padding_idx: int) -> torch.Tensor:
-    if _compiled():
-        return torch.ops.gapmon.embedding_norm_sq(ids, g, padding_idx)
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)
-    if padding_idx >= 0:
-        valid = ids != padding_idx
-        same &= valid.unsqueeze(2) & valid.unsqueeze(1)
-    return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
-
-
-def layer_norm_sq(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-sample squared gradient norm of all parameters of a supported layer, [B] float32+."""
-    b = g.shape[0]
-    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-    g = g.to(acc)
-    if isinstance(module, nn.Linear):
-        a = a.to(acc).reshape(b, -1, a.shape[-1])
-        g = g.reshape(b, -1, g.shape[-1])
-        t, d, p = a.shape[1], a.shape[2], g.shape[2]
-        if t == 1:
-            out = a.square().sum((1, 2)) * g.square().sum((1, 2))
-        elif 2 * t * t < d * p:
-            out = _ghost(a, g)
-        else:
-            out = _direct(a, g)
-        if module.bias is not None:
-            out = out + g.sum(1).square().sum(1)
-        return out
-    if isinstance(module, nn.Embedding):
-        ids = a.reshape(b, -1)
-        return _embedding(ids, g.reshape(b, ids.shape[1], -1), -1 if module.padding_idx is None else module.padding_idx)
-    # LayerNorm / RMSNorm: x̂ recomputed from the input, exactly as the module normalises it.
-    shape = tuple(module.normalized_shape)
-    if isinstance(module, nn.LayerNorm):
-        xhat = F.layer_norm(a.to(acc), shape, eps=module.eps)
-    else:
-        xhat = F.rms_norm(a.to(acc), shape, eps=module.eps)
-    n = 1
-    for s in shape:
-        n *= s
-    g = g.reshape(b, -1, n)
-    out = torch.zeros(b, dtype=acc, device=g.device)
-    if module.weight is not None:
-        out = out + (g * xhat.reshape(b, -1, n)).sum(1).square().sum(1)
-    if getattr(module, "bias", None) is not None:
-        out = out + g.sum(1).square().sum(1)
-    return out
+def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    found = first_tensor(args)
+    return found if found is not None else first_tensor(kwargs)
 
 
 class PerSampleGradNorms:
@@ -116,73 +52,136 @@ class PerSampleGradNorms:
         self.strict = strict
         self._group = process_group
         owners: dict[int, list[str]] = {}
-        names = {id(p): clean_name(n) for n, p in model.named_parameters(remove_duplicate=False)}
-        self._layers: list[tuple[str, nn.Module]] = []
+        clean_name = name_cleaner(model)
+        names = {id(p): n for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters")}
+        bypassed: dict[int, str] = {}  # id(module) -> the bypassing module's type
+        for module in model.modules():
+            if isinstance(module, BYPASSING_MODULES):
+                for sub in module.modules():
+                    bypassed[id(sub)] = type(module).__name__
+        self._layers: list[tuple[str, nn.Module, Any]] = []  # (name, module, rule)
+        reasons: dict[str, str] = {}  # uncovered parameter -> why
         for name, module in model.named_modules(remove_duplicate=False):
-            for p in module.parameters(recurse=False):
+            own = list(module.parameters(recurse=False))
+            for p in own:
                 owners.setdefault(id(p), []).append(clean_name(name) or "<root>")
-            if isinstance(module, _SUPPORTED) and any(p.requires_grad for p in module.parameters(recurse=False)):
-                self._layers.append((clean_name(name), module))
+            trainable = [p for p in own if p.requires_grad]
+            if not trainable:
+                continue
+            rule = rule_for(module)
+            why = (f"{bypassed[id(module)]} reads these weights without calling the module" if id(module) in bypassed
+                   else f"no per-sample rule for {type(module).__name__}" if rule is None
+                   else rule.unsupported(module))
+            if why is None:
+                self._layers.append((clean_name(name), module, rule))
+            else:
+                reasons.update({names[id(p)]: why for p in trainable})
         tied = {names[i]: mods for i, mods in owners.items() if len(mods) > 1}
         if tied:
             raise ValueError(
                 "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
                 f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
             )
-        covered_ids = {id(p) for _, m in self._layers for p in m.parameters(recurse=False)}
-        self._covered = {names[id(p)]: p.numel() for _, m in self._layers for p in m.parameters(recurse=False)
-                         if p.requires_grad}
+        self._param_names = names
+        self._covered = {names[id(p)]: p.numel() for _, m, rule in self._layers for p in rule.params(m)}
         self._uncovered = {clean_name(n): p.numel() for n, p in model.named_parameters()
-                           if p.requires_grad and id(p) not in covered_ids}
+                           if p.requires_grad and clean_name(n) not in self._covered}
+        self._reasons = {n: reasons.get(n, "not covered") for n in self._uncovered}
         if self._uncovered:
+            listed = [f"{n} ({self._reasons[n]})" for n in list(self._uncovered)[:8]]
             message = (f"PerSampleGradNorms: {len(self._uncovered)} parameters ({sum(self._uncovered.values()):,} "
-                       f"elements) are in unsupported modules and excluded from the norms: "
-                       f"{list(self._uncovered)[:8]}{' ...' if len(self._uncovered) > 8 else ''}")
+                       f"elements) are excluded from the norms: {listed}{' ...' if len(self._uncovered) > 8 else ''}")
             if strict:
                 raise ValueError(message + " (strict=True)")
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i))
-                         for i, (_, m) in enumerate(self._layers)]
-        self._root = model.register_forward_pre_hook(self._new_micro_batch)
-        self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size and accumulated squares
+                         for i, (_, m, _) in enumerate(self._layers)]
+        self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
+        self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
         self._read = False
+        self.active = True  # GAPMonitor turns the hooks off on the steps it skips
         self.skipped: set[str] = set()
 
     # ------------------------------------------------------------------ hooks
-    def _new_micro_batch(self, module, args) -> None:
+    def _new_micro_batch(self, module, args, kwargs) -> None:
+        # A skipped step, activation-checkpoint recomputation, or the model run under torch.func.
+        if (not self.active or torch._C._current_graph_task_id() != -1
+                or torch._C._are_functorch_transforms_active()):
+            return
         if self._read:
             self.reset()
-        self._micro.append({"batch": None, "sq": None})
+        x = _root_input(args, kwargs)
+        if x is None or x.dim() == 0:
+            raise ValueError("PerSampleGradNorms: the model's first tensor input gives the batch size (dim 0), "
+                             "but this forward call has no tensor input with a batch dim")
+        storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        self._micro.append({"batch": x.shape[0], "inputs": storages, "sq": None, "dtype": None, "calls": {}})
 
     def _forward_hook(self, index: int, module: nn.Module, args, output) -> None:
-        if not self._micro or not args or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        if not self.active or not self._micro or not args or not isinstance(output, torch.Tensor):
             return
-        if torch._C._are_functorch_transforms_active():  # e.g. the model run under torch.func.vmap
+        if torch._C._are_functorch_transforms_active() or not output.requires_grad:  # e.g. under torch.func.vmap
             return
         a = args[0]
-        if not isinstance(a, torch.Tensor) or a.dim() < 1:
+        if not isinstance(a, torch.Tensor):
             return
+        name, _, _ = self._layers[index]
         mb = self._micro[-1]
-        if mb["batch"] is None:
-            mb["batch"] = a.shape[0]
-        if a.shape[0] != mb["batch"] or output.shape[0] != mb["batch"]:
-            self._skip(self._layers[index][0], f"its input has {a.shape[0]} rows for a micro-batch of {mb['batch']}")
+        why = self._not_per_sample(module, a, output, mb)
+        if why is not None:
+            self._skip(name, why)
             return
-        # The input travels in a one-slot box that the backward hook empties: the reference is dropped
-        # as soon as this layer's backward has used it, not when the whole graph is freed.
-        output.register_hook(functools.partial(self._backward_hook, module, [a.detach()], mb))
+        calls = mb["calls"].setdefault(index, {"a": [], "g": [], "in_forward": 0})
+        # A forward inside backward is activation checkpointing recomputing the layer. Non-reentrant
+        # checkpointing recorded the calls in the forward pass already (their outputs get the
+        # gradients); reentrant checkpointing ran that pass without grad, so the recomputed calls
+        # are the ones whose outputs get gradients.
+        if torch._C._current_graph_task_id() == -1:
+            calls["in_forward"] += 1
+        elif calls["in_forward"]:
+            return
+        calls["a"].append(a.detach())
+        calls["g"].append(None)
+        output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["a"]) - 1))
 
-    def _backward_hook(self, module: nn.Module, box: list, mb: dict, g: torch.Tensor) -> None:
-        if not box:
+    @staticmethod
+    def _not_per_sample(module: nn.Module, a: torch.Tensor, output: torch.Tensor, mb: dict) -> str | None:
+        b = mb["batch"]
+        if a.dim() == 0 or a.shape[0] != b or output.dim() == 0 or output.shape[0] != b:
+            return f"its input {list(a.shape)} / output {list(output.shape)} has no batch dim of size {b}"
+        if not a.is_floating_point() and a.dim() == 1 and a.untyped_storage().data_ptr() not in mb["inputs"]:
+            return (f"its ids {list(a.shape)} have no batch dim and are not the model input (e.g. position ids "
+                    "shared by every sample)")
+        if isinstance(module, nn.modules.conv._ConvNd) and a.dim() == len(module.kernel_size) + 1:
+            return "its input is unbatched"
+        return None
+
+    def _backward_hook(self, index: int, mb: dict, call: int, g: torch.Tensor) -> None:
+        calls = mb["calls"].get(index)
+        if calls is None or calls["g"][call] is not None:
             raise RuntimeError(
                 "PerSampleGradNorms: a second backward pass through the same forward pass (retain_graph=True) "
                 "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
                 "combined. Sum the losses and call backward once."
             )
-        a = box.pop()
+        calls["g"][call] = g.detach()
+        if all(x is not None for x in calls["g"]):
+            self._finish(index, mb)
+
+    def _finish(self, index: int, mb: dict) -> None:
+        """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
+        calls = mb["calls"].pop(index)
+        _, module, rule = self._layers[index]
+        pairs = [(a, g) for a, g in zip(calls["a"], calls["g"]) if g is not None]
+        if not pairs:
+            return
         with torch.no_grad():
-            sq = layer_norm_sq(module, a, g.detach()).double()
-            mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq
+            acc = torch.float64 if any(g.dtype == torch.float64 for _, g in pairs) else torch.float32
+            pieces = [rule.positions(module, a, g, acc) for a, g in pairs]
+            pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+            sq = rule.norm_sq(module, pos).double()
+        mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq
+        mb["dtype"] = acc if mb["dtype"] is None else torch.promote_types(mb["dtype"], acc)
 
     def _skip(self, name: str, why: str) -> None:
         message = f"PerSampleGradNorms: layer '{name}' is not per-sample ({why}); excluded from the norms"
@@ -199,17 +198,21 @@ class PerSampleGradNorms:
         self._read = False
 
     def local_norms(self) -> torch.Tensor:
-        """[B_local] per-sample gradient norms (float32) of this rank's samples since the last reset."""
+        """[B_local] per-sample gradient norms of this rank's samples since the last reset: float64
+        when the layers saw float64 gradients, else float32."""
         self._read = True
         parts = []
         for mb in self._micro:
+            for index in list(mb["calls"]):  # calls whose output got no gradient add nothing
+                self._finish(index, mb)
             if mb["sq"] is None:
                 continue
             sq = mb["sq"] * (mb["batch"] ** 2 if self.loss_reduction == "mean" else 1)
-            parts.append(sq.sqrt().float())
+            parts.append(sq.sqrt().to(mb["dtype"]))
         if not parts:
             return torch.empty(0)
-        return torch.cat(parts)
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+        return torch.cat([p.to(dtype) for p in parts])
 
     def global_norms(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, norms) of every rank's samples, ordered by global sample id, each sample once.
@@ -231,12 +234,22 @@ class PerSampleGradNorms:
         return ids[keep], norms[keep]
 
     def coverage(self) -> dict[str, Any]:
-        """Covered and uncovered parameters (name -> numel), and layers skipped at run time."""
+        """Covered and uncovered parameters (name -> numel), why each uncovered one is, and the
+        layers found not to be per-sample at run time (their parameters count as uncovered)."""
+        covered, uncovered, reasons = dict(self._covered), dict(self._uncovered), dict(self._reasons)
+        for name, module, rule in self._layers:
+            if name in self.skipped:
+                for p in rule.params(module):
+                    full = self._param_names[id(p)]
+                    if full in covered:
+                        uncovered[full] = covered.pop(full)
+                        reasons[full] = "layer is not per-sample (see skipped_layers)"
         return {
-            "covered": dict(self._covered),
-            "uncovered": dict(self._uncovered),
-            "covered_numel": sum(self._covered.values()),
-            "uncovered_numel": sum(self._uncovered.values()),
+            "covered": covered,
+            "uncovered": uncovered,
+            "uncovered_reasons": reasons,
+            "covered_numel": sum(covered.values()),
+            "uncovered_numel": sum(uncovered.values()),
             "skipped_layers": sorted(self.skipped),
         }
 

@@ -35,14 +35,38 @@ def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
     return sorted(complete), sorted(incomplete)
 
 
+_MAX_WORLD = 1 << 20
+
+
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DumpError(f"{path} is corrupt: {e}") from e
+    if not isinstance(value, dict):
+        raise DumpError(f"{path} is corrupt: expected a JSON object ({what}), got {type(value).__name__}")
+    return value
+
+
+def _world_size(value: Any, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_WORLD:
+        raise DumpError(f"{path}: field 'world_size' must be an int between 1 and {_MAX_WORLD}, got {value!r}")
+    return value
+
+
 def _read_config(grad_dir: Path) -> dict[str, Any]:
     path = grad_dir / "config.json"
     if not path.exists():
         raise DumpError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DumpError(f"{path} is corrupt: {e}") from e
+    config = _read_json_object(path, "the dump's configuration")
+    _world_size(config.get("world_size", 1), path)
+    return config
+
+
+def _field(record: dict[str, Any], key: str, path: Path, what: str) -> Any:
+    if not isinstance(record, dict) or key not in record:
+        raise DumpError(f"{path}: {what} lacks the field '{key}'")
+    return record[key]
 
 
 def _open_safetensors(path: Path):
@@ -58,25 +82,36 @@ def _header(handle, path: Path) -> dict[str, Any]:
     meta = handle.metadata() or {}
     if "gapmon" not in meta:
         raise DumpError(f"{path} has no gapmon metadata: not written by GradientDumper")
-    return json.loads(meta["gapmon"])
+    try:
+        header = json.loads(meta["gapmon"])
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: the gapmon metadata is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise DumpError(f"{path}: the gapmon metadata is not a JSON object")
+    return header
 
 
 def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[int], dtype, where: str) -> torch.Tensor:
-    """Assembles a tensor of `shape` from (offsets, piece) pairs; every element must be covered once."""
+    """Assembles a tensor of `shape` from (offsets, piece) pairs; every element must be covered
+    exactly once (no gap, no overlap)."""
     full = torch.empty(shape, dtype=dtype)
-    covered = 0
+    hits = torch.zeros(shape, dtype=torch.int32)
     for offsets, piece in pieces:
         if piece.numel() == 0:
             continue
+        if len(offsets) != piece.dim() or any(o < 0 for o in offsets):
+            raise DumpError(f"{where}: shard of '{name}' has bad offsets {offsets} for shape {list(piece.shape)}")
         index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
         target = full[index]
         if list(target.shape) != list(piece.shape):
             raise DumpError(f"{where}: shard of '{name}' with shape {list(piece.shape)} at offsets {offsets} does not "
                             f"fit the global shape {shape}")
         target.copy_(piece)
-        covered += piece.numel()
-    if covered != full.numel():
-        raise DumpError(f"{where}: shards of '{name}' cover {covered} of {full.numel()} elements of shape {shape}")
+        hits[index] += 1
+    if full.numel() and not bool((hits == 1).all()):
+        gaps, overlaps = int((hits == 0).sum()), int((hits > 1).sum())
+        raise DumpError(f"{where}: shards of '{name}' (shape {shape}) leave {gaps} elements uncovered and cover "
+                        f"{overlaps} more than once")
     return full
 
 
@@ -89,19 +124,30 @@ def _replica_of(record: dict[str, Any]) -> int:
     return replica
 
 
-def _load_shards(directory: Path, config: dict[str, Any], verify: bool,
+def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, Any], step: int, verify: bool,
                  progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
-    world = int(config["world_size"])
-    missing = [r for r in range(world) if not (directory / f"rank{r}.safetensors").exists()]
+    world = _world_size(complete.get("world_size", config.get("world_size", 1)), directory / "COMPLETE")
+    paths = [directory / f"rank{r}.safetensors" for r in range(world)]
+    missing = [p.name for p in paths if not p.exists()]
     if missing:
-        raise DumpError(f"{directory}: missing rank file(s) {', '.join(f'rank{r}.safetensors' for r in missing)} "
-                        f"of a world of {world}")
+        raise DumpError(f"{directory}: missing rank file(s) {', '.join(missing)} of a world of {world}")
+    odd = [p.name for p in paths if not p.is_file()]
+    if odd:
+        raise DumpError(f"{directory}: {', '.join(odd)} is not a regular file")
     handles, headers = [], []
-    for r in range(world):
-        path = directory / f"rank{r}.safetensors"
+    for r, path in enumerate(paths):
         h = _open_safetensors(path)
         handles.append(h)
-        headers.append(_header(h, path))
+        header = _header(h, path)
+        # Every rank file must come from the run and step that COMPLETE vouches for.
+        if "run_id" in complete and header.get("run_id") != complete["run_id"]:
+            raise DumpError(f"{path} was written by another run ({header.get('run_id')!r}) than the one that marked "
+                            f"step {step} complete ({complete['run_id']!r}): the directory mixes runs")
+        if header.get("step", step) != step:
+            raise DumpError(f"{path} holds step {header.get('step')!r}, not step {step}")
+        if not isinstance(_field(header, "tensors", path, "the gapmon header"), dict):
+            raise DumpError(f"{path}: the gapmon header's 'tensors' is not an object")
+        headers.append(header)
     names = list(headers[0]["tensors"])
     for r, header in enumerate(headers):
         if list(header["tensors"]) != names:
@@ -112,6 +158,9 @@ def _load_shards(directory: Path, config: dict[str, Any], verify: bool,
         rec0 = headers[0]["tensors"][name]
         for r in range(world):
             rec = headers[r]["tensors"][name]
+            what = f"the record of '{name}'"
+            for key in ("global_shape", "local_shape", "offsets", "placements", "mesh_shape", "coordinate", "dtype"):
+                _field(rec, key, paths[r], what)
             if rec["global_shape"] != rec0["global_shape"]:
                 raise DumpError(f"{directory}: rank {r} records shape {rec['global_shape']} for '{name}', rank 0 "
                                 f"{rec0['global_shape']}")
@@ -119,6 +168,9 @@ def _load_shards(directory: Path, config: dict[str, Any], verify: bool,
             if list(piece.shape) != rec["local_shape"]:
                 raise DumpError(f"{directory}: rank {r} stores '{name}' with shape {list(piece.shape)}, its header says "
                                 f"{rec['local_shape']}")
+            if str(piece.dtype).replace("torch.", "") != rec["dtype"] or rec["dtype"] != rec0["dtype"]:
+                raise DumpError(f"{paths[r]}: '{name}' is stored as {piece.dtype}, its header says {rec['dtype']} "
+                                f"(rank 0: {rec0['dtype']})")
             by_replica.setdefault(_replica_of(rec), []).append((rec["offsets"], piece))
         replicas = sorted(by_replica)
         where = str(directory)
@@ -173,9 +225,10 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
     if not (directory / "COMPLETE").exists():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
         raise DumpError(f"step {step} is incomplete: {directory}/COMPLETE is missing (present: {present or 'nothing'})")
+    complete = _read_json_object(directory / "COMPLETE", "the step's completion record")
     mode = config.get("mode", "shards")
     if mode == "shards":
-        return _load_shards(directory, config, verify, progress)
+        return _load_shards(directory, config, complete, step, verify, progress)
     if mode == "sampled":
         return _load_sampled(directory)
     if mode == "full":

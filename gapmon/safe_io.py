@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +26,16 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Files get the mode the user's umask gives new files (mkstemp alone would make them 0600).
+_FILE_MODE = 0o666 & ~_umask()
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Calls write(tmp_path), then fsyncs and renames tmp_path to `path`; cleans up on failure."""
     path = Path(path)
@@ -31,6 +43,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, _FILE_MODE)
         write(tmp)
         fsync_path(tmp)
         os.replace(tmp, path)
@@ -65,3 +78,30 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
             raise OSError(code, os.strerror(code), tmp) from e
 
     atomic_write(path, write)
+
+
+def read_safetensors_metadata(path: str | Path, limit: int = 100 << 20) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file, read from its header alone (no tensor data).
+
+    Raises ValueError for anything that is not a regular file with a well-formed header."""
+    path = Path(path)
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    with open(path, "rb") as f:
+        size_bytes = f.read(8)
+        if len(size_bytes) != 8:
+            raise ValueError(f"{path} is truncated (no safetensors header)")
+        (size,) = struct.unpack("<Q", size_bytes)
+        if size > limit:
+            raise ValueError(f"{path} has a {size}-byte header, more than the {limit} allowed")
+        raw = f.read(size)
+    if len(raw) != size:
+        raise ValueError(f"{path} is truncated (header of {size} bytes, {len(raw)} present)")
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} has a corrupt safetensors header: {e}") from e
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} has a corrupt safetensors header")
+    return meta

@@ -1,15 +1,59 @@
 """Small helpers shared by the monitor, per-sample norms and the dumper."""
 from __future__ import annotations
 
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
 import torch.distributed as dist
 
-# Wrapper prefixes that DDP, FSDP1, activation checkpointing and torch.compile add to names.
-_WRAPPER_PARTS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+# Attributes that FSDP1, activation checkpointing and torch.compile wrappers insert into names:
+# private names, stripped wherever they appear.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
-def clean_name(name: str) -> str:
-    """Module/parameter name without the prefixes that wrappers add (DDP's `module.`, ...)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+def name_cleaner(model: torch.nn.Module) -> Callable[[str], str]:
+    """A function that removes wrapper components from `model`'s module/parameter names.
+
+    DDP's and DataParallel's `module` is removed only right after such a wrapper, so a model's
+    own submodule called `module` keeps its name.
+    """
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    ddp = {n for n, m in model.named_modules() if isinstance(m, (DataParallel, DistributedDataParallel))}
+
+    def clean(name: str) -> str:
+        kept, path = [], []
+        for part in name.split(".") if name else []:
+            wrapper = part in _WRAPPER_PARTS or (part == "module" and ".".join(path) in ddp)
+            if not wrapper:
+                kept.append(part)
+            path.append(part)
+        return ".".join(kept)
+
+    return clean
+
+
+def clean_named(model: torch.nn.Module, named: Iterable[tuple[str, Any]], what: str) -> list[tuple[str, Any]]:
+    """(clean name, value) pairs; raises ValueError if two different names clean to the same one.
+
+    A wrapper module and the module it wraps (`block` and `block._checkpoint_wrapped_module`) share
+    one clean name by design: the inner module is kept, in the wrapper's place."""
+    clean = name_cleaner(model)
+    out: list[tuple[str, Any]] = []
+    seen: dict[str, tuple[str, int]] = {}  # clean name -> (raw name, index in out)
+    for name, value in named:
+        short = clean(name)
+        if short in seen:
+            first, index = seen[short]
+            if name.startswith(first + ".") or (first == "" and name):  # the module a wrapper wraps
+                out[index] = (short, value)
+                seen[short] = (name, index)
+                continue
+            raise ValueError(f"gapmon: {what} '{first}' and '{name}' would both be reported as '{short}'; "
+                             "rename one of them")
+        seen[short] = (name, len(out))
+        out.append((short, value))
+    return out
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -17,3 +61,16 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The tensor itself, or the first tensor in a tuple/list/dict (not nested), else None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        values: Iterable = value
+    elif isinstance(value, Mapping):
+        values = value.values()
+    else:
+        return None
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)

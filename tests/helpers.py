@@ -155,3 +155,21 @@ def seeded_gpt(cfg) -> torch.nn.Module:
 
     torch.manual_seed(0)
     return TinyGPT(cfg)
+
+
+def loop_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets, params: set[str] | None = None) -> torch.Tensor:
+    """Per-sample gradient norms by brute force, in float64: one backward per sample of its own loss.
+
+    `params` restricts the norm to those parameter names (default: every trainable parameter)."""
+    import copy
+
+    ref = copy.deepcopy(model).double()
+    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad and (params is None or n in params)]
+    norms = []
+    for i in range(len(inputs)):
+        x, y = inputs[i:i + 1], targets[i:i + 1]
+        x = x.double() if x.is_floating_point() else x
+        y = y.double() if y.is_floating_point() else y
+        grads = torch.autograd.grad(loss_fn(ref(x), y), [p for _, p in named], allow_unused=True)
+        norms.append(torch.sqrt(sum(g.double().square().sum() for g in grads if g is not None)))
+    return torch.stack(norms)

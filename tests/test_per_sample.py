@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import gapmon
-import gapmon.per_sample as per_sample
+import gapmon.norm_rules as norm_rules
 from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from helpers import vmap_per_sample_norms
 
@@ -21,8 +21,8 @@ def _gpt(seq_len=8, norm="rms"):
 def test_transformer_matches_vmap(monkeypatch, reduction, norm, seq_len, regime):
     calls = {"ghost": 0, "direct": 0}
     for name in calls:
-        real = getattr(per_sample, f"_{name}")
-        monkeypatch.setattr(per_sample, f"_{name}", lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
+        real = getattr(norm_rules, f"_{name}")
+        monkeypatch.setattr(norm_rules, f"_{name}", lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
     model = _gpt(seq_len, norm)
     x, y = synthetic_batch(model.cfg, 5, 1)
     psn = gapmon.PerSampleGradNorms(model, loss_reduction=reduction, strict=True)
@@ -69,11 +69,12 @@ def test_two_dim_linear_inputs_and_micro_batches():
 
 
 def test_unsupported_layers_warn_and_strict_raises():
-    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4, 2))
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Flatten(), nn.Linear(3 * 4, 2))
     with pytest.warns(RuntimeWarning, match="0.weight"):
         psn = gapmon.PerSampleGradNorms(model)
     cov = psn.coverage()
-    assert cov["uncovered"] == {"0.weight": 18, "0.bias": 3}
+    assert cov["uncovered"] == {"0.weight": 3, "0.bias": 3}
+    assert "BatchNorm1d" in cov["uncovered_reasons"]["0.weight"]
     assert cov["covered"] == {"2.weight": 24, "2.bias": 2}
     with pytest.raises(ValueError, match="strict"):
         gapmon.PerSampleGradNorms(model, strict=True)
