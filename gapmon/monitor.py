@@ -78,6 +78,8 @@ class GAPMonitor:
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"GAPMonitor: {key} must be True or False, got {value!r}")
+        if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
+            raise ValueError(f"GAPMonitor: correction must be a non-negative int (1: Bessel's correction), got {correction!r}")
         if not any(flags.values()):
             raise ValueError(
                 "GAPMonitor: nothing to monitor; enable at least one of params, grads, activations, "

@@ -7,6 +7,7 @@ Anything missing, incomplete, corrupt or inconsistent raises DumpError naming wh
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -236,8 +237,16 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
     raise DumpError(f"{grad_dir}/config.json names an unknown mode {mode!r}")
 
 
+_MAX_NAME = 120
+
+
 def _safe_filename(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    """A file-name-safe form of a parameter name, injective: a name that had to be changed (odd
+    characters, or longer than _MAX_NAME) gets a hash of the full name appended."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    if safe != name or len(safe) > _MAX_NAME:
+        safe = f"{safe[:_MAX_NAME]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+    return safe
 
 
 def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path, step: int, config: dict[str, Any],
@@ -255,6 +264,11 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     names = list(grads)
+    files: dict[str, str] = {}
+    for name in names:
+        other = files.setdefault(_safe_filename(name), name)
+        if other != name:
+            raise DumpError(f"gradients '{other}' and '{name}' would be written to the same file; nothing was written")
     rows = multi_tensor_rows([grads[n] for n in names]).tolist()  # one host read for all statistics
     params = {}
     for name, row in zip(names, rows):

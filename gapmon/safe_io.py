@@ -43,8 +43,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        os.chmod(tmp, _FILE_MODE)
         write(tmp)
+        os.chmod(tmp, _FILE_MODE)  # after writing: a writer may replace the file it was given
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)

@@ -1,0 +1,216 @@
+"""Dumps are never silently wrong: run identity, exact shard coverage, step/dtype checks, name
+collisions, unclosed dumpers, bad configs and headers (issue: dumps and names)."""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import gapmon
+from gapmon.reconstruct import DumpError, _place, list_steps, reconstruct_gradients, write_reconstruction
+
+
+def _linear_with_grad(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    model(torch.randn(5, 4)).sum().backward()
+    return model
+
+
+def _dump(path, model, steps=(0,)):
+    with gapmon.GradientDumper(model, path, async_write=False) as d:
+        for s in steps:
+            d.maybe_dump(s)
+    return d.run_id
+
+
+def test_every_file_records_the_run(tmp_path):
+    run_id = _dump(tmp_path, _linear_with_grad())
+    assert json.loads((tmp_path / "config.json").read_text())["run_id"] == run_id
+    assert json.loads((tmp_path / "step0" / "COMPLETE").read_text())["run_id"] == run_id
+    with safe_open(str(tmp_path / "step0" / "rank0.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["gapmon"])["run_id"] == run_id
+
+
+def test_rank_file_of_another_run_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _dump(a, _linear_with_grad(0))
+    _dump(b, _linear_with_grad(1))
+    shutil.copy(b / "step0" / "rank0.safetensors", a / "step0" / "rank0.safetensors")
+    with pytest.raises(DumpError, match="another run"):
+        reconstruct_gradients(a, 0)
+
+
+def test_stale_rank_file_never_completes_a_step(tmp_path):
+    """Rank 0 waits for this run's files: one left by an earlier run (its writer died) does not count."""
+    old = tmp_path / "old"
+    _dump(old, _linear_with_grad(1))
+    model = _linear_with_grad(0)
+    dumper = gapmon.GradientDumper(model, tmp_path / "d", async_write=False, timeout=0.3)
+    dumper.world = 2  # as if a rank 1 existed: its file is the stale one
+    (tmp_path / "d" / "step0").mkdir(parents=True)
+    shutil.copy(old / "step0" / "rank0.safetensors", tmp_path / "d" / "step0" / "rank1.safetensors")
+    (tmp_path / "d" / "step0" / "COMPLETE").write_text("{}")  # left by the earlier run too
+    with pytest.raises(TimeoutError, match="rank1.safetensors"):
+        dumper.maybe_dump(0)
+    dumper.close()
+    assert list_steps(tmp_path / "d") == ([], [0])
+
+
+def test_rank_file_of_another_step_is_refused(tmp_path):
+    _dump(tmp_path, _linear_with_grad(), steps=(0, 1))
+    shutil.copy(tmp_path / "step0" / "rank0.safetensors", tmp_path / "step1" / "rank0.safetensors")
+    with pytest.raises(DumpError, match="holds step 0, not step 1"):
+        reconstruct_gradients(tmp_path, 1)
+
+
+def test_shard_dtype_must_match_its_header(tmp_path):
+    _dump(tmp_path, _linear_with_grad())
+    path = tmp_path / "step0" / "rank0.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k).double() for k in f.keys()}
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(DumpError, match="stored as torch.float64"):
+        reconstruct_gradients(tmp_path, 0)
+
+
+def test_overlapping_or_missing_shards_are_refused():
+    a, b = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(DumpError, match="more than once"):
+        _place("w", [([0, 0], a), ([1, 0], b)], [4, 3], torch.float32, "here")  # rows 1 twice, row 3 never
+    with pytest.raises(DumpError, match="uncovered"):
+        _place("w", [([0, 0], a)], [4, 3], torch.float32, "here")
+    full = _place("w", [([0, 0], a), ([2, 0], b * 2)], [4, 3], torch.float32, "here")
+    assert full[3, 0] == 2 and full[0, 0] == 1
+
+
+class _HasModuleAttribute(nn.Module):
+    """A submodule called `module` next to the model's own `weight`: no wrapper is involved."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(3, 3)
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.module(x) * self.weight
+
+
+def test_a_submodule_named_module_keeps_its_name(tmp_path):
+    model = _HasModuleAttribute()
+    model(torch.randn(2, 3)).sum().backward()
+    _dump(tmp_path, model)
+    assert set(reconstruct_gradients(tmp_path, 0)) == {"module.weight", "module.bias", "weight"}
+    with gapmon.GAPMonitor(model, activations=False, activation_grads=False, sinks=[]) as mon:
+        mon.begin_step(0)
+        metrics = mon.end_step()
+    assert {"gap/grads/weight/norm", "gap/grads/module.weight/norm"} <= set(metrics)
+
+
+def test_ddp_prefix_is_still_removed():
+    from gapmon.utils import clean_named
+
+    class FakeDDP(nn.parallel.DistributedDataParallel):
+        def __init__(self, module):
+            nn.Module.__init__(self)
+            self.module = module
+
+    wrapped = FakeDDP(_HasModuleAttribute())
+    names = [n for n, _ in clean_named(wrapped, wrapped.named_parameters(), "parameters")]
+    assert names == ["weight", "module.weight", "module.bias"]
+
+
+def test_reconstruction_file_names_are_injective(tmp_path):
+    grads = {"a/b": torch.ones(2), "a_b": torch.zeros(2), "x" * 300: torch.ones(1)}
+    files = write_reconstruction(grads, tmp_path, 0, {})
+    individual = [f for f in files if f.name.startswith("step0_") and "all_gradients" not in f.name
+                  and f.suffix == ".safetensors"]
+    assert len(individual) == 3 and all(len(f.name) < 200 for f in individual)
+    from safetensors.torch import load_file
+
+    assert {k for f in individual for k in load_file(str(f))} == set(grads)
+
+
+UNCLOSED = textwrap.dedent("""
+    import sys, torch, torch.nn as nn, gapmon
+    model = nn.Linear(64, 64)
+    model(torch.randn(8, 64)).sum().backward()
+    d = gapmon.GradientDumper(model, sys.argv[1], async_write=True)
+    for step in range(3):
+        d.maybe_dump(step)
+    # no close(): the dumper is flushed at interpreter exit
+""")
+
+
+def test_unclosed_async_dumper_writes_every_step(tmp_path):
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        proc = subprocess.run([sys.executable, "-c", UNCLOSED, str(out)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert list_steps(out) == ([0, 1, 2], [])
+
+
+def test_empty_dump_warns(tmp_path):
+    with pytest.warns(RuntimeWarning, match="no gradients"):
+        with gapmon.GradientDumper(nn.Linear(2, 2), tmp_path, async_write=False) as d:
+            d.maybe_dump(0)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"world_size": 10**12, "mode": "shards"}, "world_size"),
+    ({"world_size": 0, "mode": "shards"}, "world_size"),
+    ({"world_size": "two", "mode": "shards"}, "world_size"),
+    ([1, 2], "JSON object"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, config, match):
+    _dump(tmp_path, _linear_with_grad())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DumpError, match=match):
+        reconstruct_gradients(tmp_path, 0)
+
+
+def test_missing_header_field_names_file_and_field(tmp_path):
+    _dump(tmp_path, _linear_with_grad())
+    path = tmp_path / "step0" / "rank0.safetensors"
+    with safe_open(str(path), "pt") as f:
+        header = json.loads(f.metadata()["gapmon"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    del header["tensors"]["weight"]["local_shape"]
+    save_file(tensors, str(path), metadata={"gapmon": json.dumps(header)})
+    with pytest.raises(DumpError, match="rank0.safetensors.*local_shape"):
+        reconstruct_gradients(tmp_path, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_rank_file_does_not_block(tmp_path):
+    _dump(tmp_path, _linear_with_grad())
+    path = tmp_path / "step0" / "rank0.safetensors"
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(DumpError, match="not a regular file"):
+        reconstruct_gradients(tmp_path, 0)
+
+
+def test_files_follow_the_umask(tmp_path):
+    _dump(tmp_path, _linear_with_grad())
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = stat.S_IMODE(os.stat(tmp_path / "step0" / "rank0.safetensors").st_mode)
+    assert mode == 0o666 & ~mask
+
+
+def test_bad_monitor_correction_and_norm_tile():
+    with pytest.raises(ValueError, match="correction"):
+        gapmon.GAPMonitor(nn.Linear(2, 2), correction="x", sinks=[])
+    if gapmon.backend() != "torch":
+        with pytest.raises(ValueError, match="tile"):
+            torch.ops.gapmon.embedding_norm_sq(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, 2), -1, 0)
