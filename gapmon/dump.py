@@ -209,9 +209,21 @@ class GradientDumper:
         self.run_id = _new_run_id()
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_temps()
             write_json(self.save_dir / "config.json", {**self._layout, "mode": mode, "save_first_n": save_first_n,
                                                        "format_version": FORMAT_VERSION, "run_id": self.run_id})
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _remove_stale_temps(self) -> None:
+        """Removes temp files (safe_io's `.name.*.tmp`) that killed writers left in save_dir and its
+        step directories, if older than `timeout`: no live writer of a run keeps one that long."""
+        cutoff = time.time() - self.timeout
+        for tmp in [*self.save_dir.glob(".*.tmp"), *self.save_dir.glob("step*/.*.tmp")]:
+            try:
+                if tmp.is_file() and tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+            except OSError:
+                pass  # another process removed it first
 
     def should_dump(self, step: int) -> bool:
         if step < self.start_step or (self.end_step is not None and step > self.end_step):

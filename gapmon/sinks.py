@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -24,6 +26,12 @@ class JSONLSink:
         self._file = None
 
     def write(self, step: int, metrics: Mapping[str, float], info: Mapping[str, Any]) -> None:
+        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+            # The file was deleted while open: writing on would go nowhere. Start a new one.
+            warnings.warn(f"gapmon: {self.path} was deleted during the run; metrics continue in a new file there",
+                          RuntimeWarning, stacklevel=2)
+            self._file.close()
+            self._file = None
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")

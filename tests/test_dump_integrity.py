@@ -214,3 +214,24 @@ def test_bad_monitor_correction_and_norm_tile():
     if gapmon.backend() != "torch":
         with pytest.raises(ValueError, match="tile"):
             torch.ops.gapmon.embedding_norm_sq(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, 2), -1, 0)
+
+
+def test_stale_temp_files_are_removed_on_start(tmp_path):
+    stale, fresh = tmp_path / "step3" / ".rank1.safetensors.abc.tmp", tmp_path / ".config.json.def.tmp"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    old = os.stat(stale).st_mtime - 3600
+    os.utime(stale, (old, old))
+    gapmon.GradientDumper(nn.Linear(2, 2), tmp_path, timeout=60).close()
+    assert not stale.exists() and fresh.exists()  # a recent one may belong to a live writer
+
+
+def test_jsonl_sink_reopens_a_deleted_file(tmp_path):
+    sink = gapmon.JSONLSink(tmp_path / "m.jsonl")
+    sink.write(0, {"a": 1.0}, {})
+    (tmp_path / "m.jsonl").unlink()
+    with pytest.warns(RuntimeWarning, match="deleted"):
+        sink.write(1, {"a": 2.0}, {})
+    sink.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 1
