@@ -359,8 +359,10 @@ class GradientDumper:
         """Writes COMPLETE once every expected file is in place and, for rank files, was written by
         this run (rank 0). Files that an earlier run left under the same names do not count."""
         deadline = time.monotonic() + self.timeout
+        missing = list(expected)
         while True:
-            missing = [f for f in expected if not self._written_by_this_run(directory / f)]
+            # A file once confirmed stays confirmed: each rank file's header is read until it is this run's.
+            missing = [f for f in missing if not self._written_by_this_run(directory / f)]
             if not missing:
                 break
             if time.monotonic() > deadline:

@@ -1,8 +1,7 @@
 """Public statistics ops: fused kernels from gapmon._C, with the pure-PyTorch reference as fallback.
 
 Each op returns a `Stats` whose fields are float64 tensors on the input's device (counts exact up to
-2^53). DTensors give
-exact statistics of the full tensor on every rank (see gapmon.distributed).
+2^53). DTensors give exact statistics of the full tensor on every rank (see gapmon.distributed).
 """
 from __future__ import annotations
 

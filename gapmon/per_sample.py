@@ -84,8 +84,8 @@ class PerSampleGradNorms:
             )
         self._param_names = names
         self._covered = {names[id(p)]: p.numel() for _, m, rule in self._layers for p in rule.params(m)}
-        self._uncovered = {clean_name(n): p.numel() for n, p in model.named_parameters()
-                           if p.requires_grad and clean_name(n) not in self._covered}
+        self._uncovered = {names[id(p)]: p.numel() for p in model.parameters()
+                           if p.requires_grad and names[id(p)] not in self._covered}
         self._reasons = {n: reasons.get(n, "not covered") for n in self._uncovered}
         if self._uncovered:
             listed = [f"{n} ({self._reasons[n]})" for n in list(self._uncovered)[:8]]
