@@ -14,11 +14,13 @@ Rules never materialise per-sample gradients where a cheaper exact form exists:
 - Embedding: Σ over positions with equal ids of G_t·G_s (padding_idx excluded; with
   scale_grad_by_freq each position is scaled by 1 / the count of its id in the sample).
 - LayerNorm / RMSNorm / GroupNorm / InstanceNorm: weight ||Σ_t G_t ⊙ x̂_t||², bias ||Σ_t G_t||².
+- EmbeddingBag: the entries of each bag, weighted, paired by id as for Embedding.
+- MultiheadAttention: its projections as Linear products, from a recomputed attention.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -49,8 +51,22 @@ def rule_for(module: nn.Module) -> "NormRule | None":
     return None
 
 
+class Call(NamedTuple):
+    """The arguments of one call of a layer (tensors detached), as its forward hook saw them."""
+
+    args: tuple
+    kwargs: dict
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Argument `index` of forward(), passed by position or by keyword `name`."""
+        return self.args[index] if len(self.args) > index else self.kwargs.get(name, default)
+
+
 class NormRule:
-    """How one layer family turns (input, output gradient) into per-sample squared norms."""
+    """How one layer family turns (call arguments, output gradient) into per-sample squared norms."""
+
+    # True: the rule covers the parameters of the module's submodules too (they are not called).
+    owns_submodules = False
 
     def unsupported(self, module: nn.Module) -> str | None:
         """Why this module's per-sample norms cannot be computed exactly (None: they can)."""
@@ -58,9 +74,21 @@ class NormRule:
 
     def params(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable parameters whose norms this rule covers."""
-        return [p for p in module.parameters(recurse=False) if p.requires_grad]
+        return [p for p in module.parameters(recurse=self.owns_submodules) if p.requires_grad]
 
-    def positions(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def not_per_sample(self, module: nn.Module, call: Call, output: torch.Tensor, batch: int,
+                       model_inputs: set[int]) -> str | None:
+        """Why this call is not per-sample for a batch of `batch` samples (None: it is). Default:
+        dim 0 of the input and of the output is the batch. `model_inputs` holds the storages of the
+        model's own inputs."""
+        a = call.arg(0, "input")
+        if not isinstance(a, torch.Tensor):
+            return "its input is not a tensor"
+        if a.dim() == 0 or a.shape[0] != batch or output.dim() == 0 or output.shape[0] != batch:
+            return f"its input {list(a.shape)} / output {list(output.shape)} has no batch dim of size {batch}"
+        return None
+
+    def positions(self, module: nn.Module, call: Call, g: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def norm_sq(self, module: nn.Module, pos: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -99,8 +127,8 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 @register_norm_rule(nn.Linear)
 class LinearRule(NormRule):
-    def positions(self, module, a, g, acc):
-        b = g.shape[0]
+    def positions(self, module, call, g, acc):
+        a, b = call.arg(0, "input"), g.shape[0]
         return a.to(acc).reshape(b, -1, a.shape[-1]), g.to(acc).reshape(b, -1, g.shape[-1])
 
     def norm_sq(self, module, pos):
@@ -143,10 +171,14 @@ class ConvRule(NormRule):
             return f"padding_mode={module.padding_mode!r} (only 'zeros' is unfolded)"
         return None
 
-    def positions(self, module, a, g, acc):
-        b, groups = g.shape[0], module.groups
-        if a.dim() == len(module.kernel_size) + 1:  # unbatched input: not per-sample (filtered earlier)
-            raise ValueError("unbatched convolution input")
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        a = call.arg(0, "input")
+        if isinstance(a, torch.Tensor) and a.dim() == len(module.kernel_size) + 1:
+            return "its input is unbatched"
+        return super().not_per_sample(module, call, output, batch, model_inputs)
+
+    def positions(self, module, call, g, acc):
+        a, b, groups = call.arg(0, "input"), g.shape[0], module.groups
         cols = _unfold(a.to(acc), module)  # [B, L, C·k]
         grads = g.to(acc).reshape(b, g.shape[1], -1).transpose(1, 2)  # [B, L, out]
         if groups > 1:  # each group is its own product: [B, L, G, ·] -> [B·G, L, ·]
@@ -169,9 +201,16 @@ class ConvRule(NormRule):
 # -------------------------------------------------------------------- embeddings
 @register_norm_rule(nn.Embedding)
 class EmbeddingRule(NormRule):
-    def positions(self, module, a, g, acc):
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        ids = call.arg(0, "input")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.untyped_storage().data_ptr() not in model_inputs:
+            return (f"its ids {list(ids.shape)} have no batch dim and are not the model input (e.g. position ids "
+                    "shared by every sample)")
+        return super().not_per_sample(module, call, output, batch, model_inputs)
+
+    def positions(self, module, call, g, acc):
         b = g.shape[0]
-        ids = a.reshape(b, -1)
+        ids = call.arg(0, "input").reshape(b, -1)
         g = g.to(acc).reshape(b, ids.shape[1], -1)
         return ids, g
 
@@ -206,8 +245,8 @@ class _AffineNormRule(NormRule):
 
 @register_norm_rule(nn.LayerNorm, nn.RMSNorm)
 class LastDimsNormRule(_AffineNormRule):
-    def positions(self, module, a, g, acc):
-        shape = tuple(module.normalized_shape)
+    def positions(self, module, call, g, acc):
+        a, shape = call.arg(0, "input"), tuple(module.normalized_shape)
         if isinstance(module, nn.LayerNorm):
             xhat = F.layer_norm(a.to(acc), shape, eps=module.eps)
         else:
@@ -224,8 +263,8 @@ def _channels_last_positions(x: torch.Tensor) -> torch.Tensor:
 
 @register_norm_rule(nn.GroupNorm)
 class GroupNormRule(_AffineNormRule):
-    def positions(self, module, a, g, acc):
-        xhat = F.group_norm(a.to(acc), module.num_groups, eps=module.eps)
+    def positions(self, module, call, g, acc):
+        xhat = F.group_norm(call.arg(0, "input").to(acc), module.num_groups, eps=module.eps)
         return _channels_last_positions(xhat), _channels_last_positions(g.to(acc))
 
 
@@ -236,12 +275,145 @@ class InstanceNormRule(_AffineNormRule):
             return "track_running_stats=True (eval mode normalises with running statistics)"
         return None
 
-    def positions(self, module, a, g, acc):
-        xhat = F.instance_norm(a.to(acc), eps=module.eps)
+    def positions(self, module, call, g, acc):
+        xhat = F.instance_norm(call.arg(0, "input").to(acc), eps=module.eps)
         return _channels_last_positions(xhat), _channels_last_positions(g.to(acc))
 
 
-# -------------------------------------------------------------------- modules that bypass children
-# These modules read their submodules' parameters directly instead of calling them, so a rule of
-# the submodule would never see a call; their parameters are reported as uncovered.
-BYPASSING_MODULES: tuple[type, ...] = (nn.MultiheadAttention,)
+# -------------------------------------------------------------------- bags
+@register_norm_rule(nn.EmbeddingBag)
+class EmbeddingBagRule(NormRule):
+    """Sample b's bag adds c_t·g_b to row id_t for each entry t of the bag (c_t: its per-sample weight
+    in "sum" mode, 1 / the bag's size in "mean" mode; 0 for padding_idx). As positions: ids [B, L] and
+    per-entry gradients c_t·g_b, which the Embedding product then pairs by equal id."""
+
+    def unsupported(self, module):
+        if module.mode == "max":
+            return "mode='max' (its gradient follows the arg max of each dimension)"
+        if module.scale_grad_by_freq:
+            # On torch 2.13 CPU the scaled gradient of a row is not 1 / its own count in the bag
+            # ([1, 2, 2, 5, 2]: row 5 gets g / 3), so no per-id rule reproduces it.
+            return "scale_grad_by_freq=True (its gradient follows no per-id frequency rule here)"
+        return None
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        ids = call.arg(0, "input")
+        if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2):
+            return "its input is not a 1-D or 2-D tensor of ids"
+        if output.dim() != 2 or output.shape[0] != batch:
+            return f"it makes {output.shape[0] if output.dim() else 0} bags for a batch of {batch}"
+        return None
+
+    def positions(self, module, call, g, acc):
+        ids, offsets = call.arg(0, "input"), call.arg(1, "offsets")
+        weights = call.arg(2, "per_sample_weights")
+        if ids.dim() == 1:  # bags are segments of ids, starting at offsets
+            n = ids.shape[0]
+            starts = offsets[:-1] if module.include_last_offset else offsets
+            ends = offsets[1:] if module.include_last_offset else torch.cat((offsets[1:], offsets.new_tensor([n])))
+            width = int((ends - starts).max()) if starts.numel() else 0
+            index = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
+            valid = index < ends.unsqueeze(1)
+            index = index.clamp(max=max(n - 1, 0))
+            ids = ids[index] if n else ids.new_zeros(index.shape)
+            weights = weights[index] if weights is not None else None
+        else:
+            valid = torch.ones_like(ids, dtype=torch.bool)
+        if module.padding_idx is not None:
+            valid &= ids != module.padding_idx
+        coef = valid.to(acc) if weights is None else weights.to(acc) * valid
+        if module.mode == "mean":
+            coef = coef / valid.sum(1, keepdim=True).clamp(min=1).to(acc)
+        return ids.masked_fill(~valid, 0), g.to(acc).unsqueeze(1) * coef.unsqueeze(2)
+
+    def norm_sq(self, module, pos):
+        ids, g = pos
+        if not _trainable(module.weight):
+            return torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        return _ops.embedding_norm_sq(ids, g, -1)  # padding entries already have zero coefficients
+
+
+# -------------------------------------------------------------------- attention
+@register_norm_rule(nn.MultiheadAttention)
+class MultiheadAttentionRule(NormRule):
+    """nn.MultiheadAttention reads its in/out projection weights directly (out_proj's forward never
+    runs), so the rule recomputes the attention from the call's inputs with explicit projection
+    outputs q, k, v and context c, and takes their gradients for the output gradient G by autograd.
+    Then each projection is a Linear product: in_proj rows [q; k; v] by ghost/direct form against
+    the query/key/value inputs, out_proj against c, biases as sums over positions. The in_proj
+    rows of q, k and v are disjoint, so their squared norms add."""
+
+    owns_submodules = True
+
+    def unsupported(self, module):
+        if not module._qkv_same_embed_dim:
+            return "separate kdim/vdim projections"
+        if module.bias_k is not None or module.add_zero_attn:
+            return "add_bias_kv / add_zero_attn"
+        if module.dropout > 0:
+            return f"attention dropout {module.dropout} (the recomputed attention would draw another mask)"
+        return None
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        q = call.arg(0, "query")
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            return "its query is unbatched"
+        dim = 0 if module.batch_first else 1
+        if q.shape[dim] != batch:
+            return f"its query {list(q.shape)} has no batch dim of size {batch}"
+        return None
+
+    def positions(self, module, call, g, acc):
+        query, key, value = call.arg(0, "query"), call.arg(1, "key"), call.arg(2, "value")
+        key_padding_mask, attn_mask = call.arg(3, "key_padding_mask"), call.arg(5, "attn_mask")
+        is_causal = call.arg(7, "is_causal", False)
+        if not module.batch_first:  # [T, B, E] -> [B, T, E]; the output gradient comes batch-first too
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            g = g.transpose(0, 1)
+        x = [t.to(acc) for t in (query, key, value)]
+        e, h = module.embed_dim, module.num_heads
+        w = module.in_proj_weight.detach().to(acc)
+        bias = module.in_proj_bias.detach().to(acc) if module.in_proj_bias is not None else None
+        with torch.enable_grad():
+            proj = [F.linear(x[i], w[i * e:(i + 1) * e], None if bias is None else bias[i * e:(i + 1) * e])
+                    .requires_grad_() for i in range(3)]
+            b, t, s = proj[0].shape[0], proj[0].shape[1], proj[1].shape[1]
+            heads = [p.reshape(b, p.shape[1], h, e // h).transpose(1, 2) for p in proj]
+            mask = _attention_mask(key_padding_mask, attn_mask, is_causal, b, h, t, s, acc, query.device)
+            ctx = F.scaled_dot_product_attention(*heads, attn_mask=mask).transpose(1, 2).reshape(b, t, e)
+            g = g.to(acc)
+            g_ctx = g.matmul(module.out_proj.weight.detach().to(acc))  # out = ctx W_oᵀ + b_o
+            g_proj = torch.autograd.grad(ctx, proj, g_ctx)
+        return (*x, *g_proj, ctx.detach(), g)
+
+    def norm_sq(self, module, pos):
+        xq, xk, xv, gq, gk, gv, ctx, g = pos
+        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        if _trainable(module.in_proj_weight):
+            out = out + sum(product_norm_sq(a, gr) for a, gr in ((xq, gq), (xk, gk), (xv, gv)))
+        if _trainable(module.in_proj_bias):
+            out = out + _bias_sq(gq) + _bias_sq(gk) + _bias_sq(gv)
+        if _trainable(module.out_proj.weight):
+            out = out + product_norm_sq(ctx, g)
+        if _trainable(module.out_proj.bias):
+            out = out + _bias_sq(g)
+        return out
+
+
+def _attention_mask(key_padding_mask, attn_mask, is_causal, b, h, t, s, dtype, device):
+    """nn.MultiheadAttention's masks (True = masked out, or additive floats) as one additive SDPA mask."""
+    if attn_mask is None and key_padding_mask is None and not is_causal:
+        return None
+    mask = torch.zeros(b, h, t, s, dtype=dtype, device=device)
+    if is_causal and attn_mask is None:
+        attn_mask = torch.ones(t, s, dtype=torch.bool, device=device).triu(1)
+    for m, shape in ((attn_mask, None), (key_padding_mask, (b, 1, 1, s))):
+        if m is None:
+            continue
+        add = torch.zeros_like(m, dtype=dtype).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m.to(dtype)
+        if shape is not None:
+            add = add.reshape(shape)
+        elif add.dim() == 3:  # [B·heads, T, S]
+            add = add.reshape(b, h, t, s)
+        mask = mask + add
+    return mask

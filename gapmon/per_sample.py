@@ -1,6 +1,6 @@
 """Per-sample gradient norms without per-sample gradients.
 
-A forward hook on every layer that a rule covers (gapmon.norm_rules) keeps the layer input A, and
+A forward hook on every layer that a rule covers (gapmon.norm_rules) keeps the call's inputs A, and
 a tensor hook on the output receives G = dL/d(output) during backward. Once every call of the
 layer in the micro-batch has its G, the rule turns the calls into per-sample squared norms of
 the layer's trainable parameters (calls concatenated, so that a module applied twice is exact),
@@ -10,8 +10,9 @@ Which samples: the batch size B is dim 0 of the model's first tensor input (the 
 forward). A layer whose input or output has no dim 0 of size B, or an Embedding fed ids that
 are not taken from the model input and carry no batch dim (position ids of shape [T]), is not
 per-sample: it is excluded, with a warning naming it (strict=True raises). Parameters of layers
-without a rule, or whose module bypasses them (nn.MultiheadAttention's out_proj), are reported by
-coverage() as uncovered. A parameter shared by several modules (tied weights) is refused.
+without a rule are reported by coverage() as uncovered. A rule may cover its module's submodules
+(nn.MultiheadAttention's out_proj, which it never calls). A parameter shared by several modules
+(tied weights) is refused; one module reused under several names is fine.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
-from .norm_rules import BYPASSING_MODULES, rule_for
+from .norm_rules import Call, rule_for
 from .utils import clean_named, first_tensor, name_cleaner
 
 
@@ -51,32 +53,37 @@ class PerSampleGradNorms:
         self.loss_reduction = loss_reduction
         self.strict = strict
         self._group = process_group
-        owners: dict[int, list[str]] = {}
+        owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
         clean_name = name_cleaner(model)
-        names = {id(p): n for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters")}
-        bypassed: dict[int, str] = {}  # id(module) -> the bypassing module's type
+        names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
+        for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters"):
+            names.setdefault(id(p), n)
+        owned: set[int] = set()  # submodules whose parameters their parent's rule covers (MHA's out_proj)
         for module in model.modules():
-            if isinstance(module, BYPASSING_MODULES):
-                for sub in module.modules():
-                    bypassed[id(sub)] = type(module).__name__
+            rule = rule_for(module)
+            if rule is not None and rule.owns_submodules:
+                owned.update(id(sub) for sub in module.modules() if sub is not module)
         self._layers: list[tuple[str, nn.Module, Any]] = []  # (name, module, rule)
         reasons: dict[str, str] = {}  # uncovered parameter -> why
+        # Tied weights: a parameter of several *different* modules. One module registered under
+        # several names (a block reused in a ModuleList) is a module called several times: exact.
         for name, module in model.named_modules(remove_duplicate=False):
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
+        for name, module in model.named_modules():
             own = list(module.parameters(recurse=False))
-            for p in own:
-                owners.setdefault(id(p), []).append(clean_name(name) or "<root>")
-            trainable = [p for p in own if p.requires_grad]
-            if not trainable:
+            if id(module) in owned:
                 continue
             rule = rule_for(module)
-            why = (f"{bypassed[id(module)]} reads these weights without calling the module" if id(module) in bypassed
-                   else f"no per-sample rule for {type(module).__name__}" if rule is None
-                   else rule.unsupported(module))
+            trainable = rule.params(module) if rule is not None else [p for p in own if p.requires_grad]
+            if not trainable:
+                continue
+            why = f"no per-sample rule for {type(module).__name__}" if rule is None else rule.unsupported(module)
             if why is None:
                 self._layers.append((clean_name(name), module, rule))
             else:
                 reasons.update({names[id(p)]: why for p in trainable})
-        tied = {names[i]: mods for i, mods in owners.items() if len(mods) > 1}
+        tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
         if tied:
             raise ValueError(
                 "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
@@ -94,7 +101,7 @@ class PerSampleGradNorms:
             if strict:
                 raise ValueError(message + " (strict=True)")
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-        self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i))
+        self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True)
                          for i, (_, m, _) in enumerate(self._layers)]
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
@@ -117,21 +124,20 @@ class PerSampleGradNorms:
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         self._micro.append({"batch": x.shape[0], "inputs": storages, "sq": None, "dtype": None, "calls": {}})
 
-    def _forward_hook(self, index: int, module: nn.Module, args, output) -> None:
-        if not self.active or not self._micro or not args or not isinstance(output, torch.Tensor):
+    def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> None:
+        output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
+        if not self.active or not self._micro or output is None or not output.requires_grad:
             return
-        if torch._C._are_functorch_transforms_active() or not output.requires_grad:  # e.g. under torch.func.vmap
+        if torch._C._are_functorch_transforms_active():  # e.g. the model run under torch.func.vmap
             return
-        a = args[0]
-        if not isinstance(a, torch.Tensor):
-            return
-        name, _, _ = self._layers[index]
+        name, _, rule = self._layers[index]
         mb = self._micro[-1]
-        why = self._not_per_sample(module, a, output, mb)
+        call = Call(*tree_map_only(torch.Tensor, torch.Tensor.detach, (tuple(args), dict(kwargs))))
+        why = rule.not_per_sample(module, call, output, mb["batch"], mb["inputs"])
         if why is not None:
             self._skip(name, why)
             return
-        calls = mb["calls"].setdefault(index, {"a": [], "g": [], "in_forward": 0})
+        calls = mb["calls"].setdefault(index, {"calls": [], "g": [], "in_forward": 0})
         # A forward inside backward is activation checkpointing recomputing the layer. Non-reentrant
         # checkpointing recorded the calls in the forward pass already (their outputs get the
         # gradients); reentrant checkpointing ran that pass without grad, so the recomputed calls
@@ -140,21 +146,9 @@ class PerSampleGradNorms:
             calls["in_forward"] += 1
         elif calls["in_forward"]:
             return
-        calls["a"].append(a.detach())
+        calls["calls"].append(call)
         calls["g"].append(None)
-        output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["a"]) - 1))
-
-    @staticmethod
-    def _not_per_sample(module: nn.Module, a: torch.Tensor, output: torch.Tensor, mb: dict) -> str | None:
-        b = mb["batch"]
-        if a.dim() == 0 or a.shape[0] != b or output.dim() == 0 or output.shape[0] != b:
-            return f"its input {list(a.shape)} / output {list(output.shape)} has no batch dim of size {b}"
-        if not a.is_floating_point() and a.dim() == 1 and a.untyped_storage().data_ptr() not in mb["inputs"]:
-            return (f"its ids {list(a.shape)} have no batch dim and are not the model input (e.g. position ids "
-                    "shared by every sample)")
-        if isinstance(module, nn.modules.conv._ConvNd) and a.dim() == len(module.kernel_size) + 1:
-            return "its input is unbatched"
-        return None
+        output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["calls"]) - 1))
 
     def _backward_hook(self, index: int, mb: dict, call: int, g: torch.Tensor) -> None:
         calls = mb["calls"].get(index)
@@ -172,12 +166,12 @@ class PerSampleGradNorms:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
         calls = mb["calls"].pop(index)
         _, module, rule = self._layers[index]
-        pairs = [(a, g) for a, g in zip(calls["a"], calls["g"]) if g is not None]
+        pairs = [(call, g) for call, g in zip(calls["calls"], calls["g"]) if g is not None]
         if not pairs:
             return
         with torch.no_grad():
             acc = torch.float64 if any(g.dtype == torch.float64 for _, g in pairs) else torch.float32
-            pieces = [rule.positions(module, a, g, acc) for a, g in pairs]
+            pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
         mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq

@@ -97,16 +97,111 @@ def test_embedding_scale_grad_by_freq_is_exact():
     _check(model, ids, torch.randn(3, 5, 2), strict=True)
 
 
-def test_multihead_attention_is_uncovered_not_wrong():
+def test_transformer_encoder_layer_is_fully_covered_and_exact():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-    with pytest.warns(RuntimeWarning, match="MultiheadAttention"):
-        cov = _check(layer, torch.randn(3, 5, 8), torch.randn(3, 5, 8))
-    assert {"self_attn.in_proj_weight", "self_attn.out_proj.weight", "self_attn.out_proj.bias"} <= set(cov["uncovered"])
-    assert not any(name.startswith("self_attn") for name in cov["covered"])
-    assert "linear1.weight" in cov["covered"] and "norm1.weight" in cov["covered"]
-    with pytest.raises(ValueError, match="MultiheadAttention"):
-        gapmon.PerSampleGradNorms(nn.MultiheadAttention(8, 2), strict=True)
+    cov = _check(layer, torch.randn(3, 5, 8), torch.randn(3, 5, 8), strict=True)
+    assert {"self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight"} <= set(cov["covered"])
+    assert cov["uncovered_numel"] == 0
+
+
+class _Attention(nn.Module):
+    """MultiheadAttention with masks derived from the input, self- or cross-attention, either layout."""
+
+    def __init__(self, batch_first=True, cross=False, masks=False, causal=False, twice=False):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.memory = nn.Linear(8, 8)
+        self.batch_first, self.cross, self.masks, self.causal, self.twice = batch_first, cross, masks, causal, twice
+
+    def forward(self, x):
+        kv = self.memory(x[:, :3]) if self.cross else x
+        kwargs = {}
+        if self.masks:
+            kwargs["key_padding_mask"] = kv[..., 0] > 1.0  # True: ignored (never a whole row here)
+            kwargs["key_padding_mask"][:, 0] = False
+        if self.causal:
+            kwargs["attn_mask"] = torch.ones(x.shape[1], kv.shape[1], dtype=torch.bool).triu(1)
+        elif self.masks:
+            kwargs["attn_mask"] = torch.randn(x.shape[1], kv.shape[1], generator=torch.Generator().manual_seed(1))
+            kwargs["attn_mask"] = kwargs["attn_mask"].to(x.dtype)
+        q, k = (x, kv) if self.batch_first else (x.transpose(0, 1), kv.transpose(0, 1))
+        out = self.mha(q, k, k, **kwargs)[0]
+        if self.twice:
+            out = self.mha(out, out, out)[0]
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"batch_first": False}, {"cross": True, "masks": True}, {"causal": True},
+                                    {"masks": True, "batch_first": False}, {"twice": True}])
+def test_multihead_attention_is_exact(kwargs):
+    torch.manual_seed(0)
+    cov = _check(_Attention(**kwargs), torch.randn(3, 5, 8), torch.randn(3, 5, 8), strict=True)
+    assert "mha.out_proj.weight" in cov["covered"] and "mha.in_proj_weight" in cov["covered"]
+
+
+def test_multihead_attention_with_frozen_in_proj_and_dropout():
+    torch.manual_seed(0)
+    model = _Attention()
+    model.mha.in_proj_weight.requires_grad_(False)
+    cov = _check(model, torch.randn(3, 5, 8), torch.randn(3, 5, 8), strict=True)
+    assert "mha.in_proj_weight" not in cov["covered"] and "mha.in_proj_bias" in cov["covered"]
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        cov = gapmon.PerSampleGradNorms(nn.MultiheadAttention(8, 2, dropout=0.1)).coverage()
+    assert set(cov["uncovered"]) == {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+
+
+class _Bags(nn.Module):
+    """EmbeddingBag over [B, L] ids (-1 marks an unused slot), as 2-D bags or as 1-D ids + offsets."""
+
+    def __init__(self, flat, weighted=False, last_offset=False, **bag_kwargs):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(9, 4, include_last_offset=last_offset, **bag_kwargs)
+        self.head = nn.Linear(4, 2)
+        self.flat, self.weighted, self.last_offset = flat, weighted, last_offset
+
+    def forward(self, x):
+        ids = x.clamp(min=0)
+        weights = (ids.to(torch.get_default_dtype()) + 1) / 7 if self.weighted else None
+        if not self.flat:
+            out = self.bag(ids, per_sample_weights=None if weights is None else weights.to(self.head.weight.dtype))
+            return self.head(out)
+        keep = x >= 0
+        lengths = keep.sum(1)
+        offsets = torch.cat((lengths.new_zeros(1), lengths.cumsum(0)[:-1]))
+        if self.last_offset:
+            offsets = torch.cat((offsets, lengths.sum().reshape(1)))
+        flat_weights = None if weights is None else weights[keep].to(self.head.weight.dtype)
+        return self.head(self.bag(ids[keep], offsets, per_sample_weights=flat_weights))
+
+
+@pytest.mark.parametrize("flat, kwargs", [
+    (False, {"mode": "sum"}), (False, {"mode": "mean"}), (False, {"mode": "sum", "weighted": True}),
+    (False, {"mode": "mean", "padding_idx": 2}),
+    (True, {"mode": "sum"}), (True, {"mode": "mean", "last_offset": True}), (True, {"mode": "sum", "weighted": True}),
+    (True, {"mode": "mean", "padding_idx": 2}),
+])
+def test_embedding_bag_is_exact(flat, kwargs):
+    torch.manual_seed(0)
+    x = torch.tensor([[1, 2, 2, 5, 2], [3, 3, -1, -1, -1], [8, 0, 2, 7, -1], [4, -1, -1, -1, -1]])
+    if not flat:
+        x = x.clamp(min=0)
+    cov = _check(_Bags(flat, **kwargs), x, torch.randn(4, 2), strict=True)
+    assert "bag.weight" in cov["covered"]
+
+
+@pytest.mark.parametrize("kwargs, why", [({"mode": "max"}, "max"), ({"scale_grad_by_freq": True}, "scale_grad_by_freq")])
+def test_embedding_bag_max_mode_and_frequency_scaling_are_uncovered(kwargs, why):
+    with pytest.warns(RuntimeWarning, match=why):
+        cov = gapmon.PerSampleGradNorms(nn.EmbeddingBag(5, 3, **kwargs)).coverage()
+    assert cov["uncovered"] == {"weight": 15}
+
+
+def test_module_reused_under_two_names_is_exact():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    model = nn.Sequential(block, block, nn.Linear(4, 2))  # one block object, registered twice
+    _check(model, torch.randn(5, 4), torch.randn(5, 2), strict=True)
 
 
 class _NanoGPT(nn.Module):
