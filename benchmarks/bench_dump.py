@@ -9,17 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from common import machine
 
-sys.path.insert(0, str(Path(__file__).parent))
-import gapmon  # noqa: E402
-from bench_stats import machine  # noqa: E402
+import gapmon
 
 
 def model_100m() -> nn.Module:

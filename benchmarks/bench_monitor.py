@@ -11,17 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from common import machine
+from torch_monitor import TorchGAPMonitor
 
-sys.path.insert(0, str(Path(__file__).parent))
-import gapmon  # noqa: E402
-from bench_stats import machine  # noqa: E402
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch  # noqa: E402
-from torch_monitor import TorchGAPMonitor  # noqa: E402
+import gapmon
+from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
 
 def run(mode: str, cfg: GPTConfig, batch: int, steps: int, device: str) -> tuple[float, float, dict]:

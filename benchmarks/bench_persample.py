@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 MODES = ("plain", "gapmon", "vmap", "loop", "paired")
 
 
 def _config(d_model: int = 256):
-    from gapmon.examples import GPTConfig
+    from gapmon.apps.examples import GPTConfig
 
     return GPTConfig(vocab_size=4096, seq_len=64, d_model=d_model, n_heads=4, n_layers=4), 32
 
@@ -40,7 +38,7 @@ def _peak_bytes(device: str) -> int:
 def measure_paired(device: str, steps: int, d_model: int) -> dict:
     """Median plain and with-norms step times from alternating steps of one model in one process."""
     import gapmon
-    from gapmon.examples import TinyGPT, lm_loss, synthetic_batch
+    from gapmon.apps.examples import TinyGPT, lm_loss, synthetic_batch
 
     cfg, batch = _config(d_model)
     torch.manual_seed(0)
@@ -69,9 +67,10 @@ def measure_paired(device: str, steps: int, d_model: int) -> dict:
 
 def measure(mode: str, device: str, steps: int, d_model: int) -> dict:
     """Runs one mode in this process: median seconds per step and peak memory beyond the model."""
+    from common import vmap_norms
+
     import gapmon
-    from gapmon.examples import TinyGPT, lm_loss, synthetic_batch
-    from helpers_bench import vmap_norms
+    from gapmon.apps.examples import TinyGPT, lm_loss, synthetic_batch
 
     cfg, batch = _config(d_model)
     torch.manual_seed(0)
@@ -129,7 +128,7 @@ def main() -> None:
     if args.mode:
         print(json.dumps(measure(args.mode, args.device, args.steps, args.d_model)))
         return
-    from bench_stats import machine
+    from common import machine
 
     info = machine(args.device)
     cfg, batch = _config(args.d_model)

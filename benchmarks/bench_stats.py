@@ -11,15 +11,13 @@ and writes JSON to benchmarks/results/<device>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import machine
 
 import gapmon
 
@@ -171,23 +169,6 @@ def bench_instance(device: str, shape, rows: list[dict]) -> None:
     rows.append(r)
     print(f"instance_stats {list(shape)}: {r['gapmon_s']*1e3:.2f} ms  {r['x_seed_baseline']:.1f}x var_mean+amax  "
           f"{r['x_reference']:.1f}x ref  {r['vs_sum_throughput']:.2f}x sum throughput", flush=True)
-
-
-def machine(device: str) -> dict:
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "backend": gapmon.backend(),
-            "date": datetime.date.today().isoformat(), "host": platform.node(), "threads": torch.get_num_threads(),
-            "cpu_isa": gapmon.cpu_isa()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor()
-    info["cores"] = os.cpu_count()
-    if device == "cuda":
-        info["device"] = torch.cuda.get_device_name()
-    else:
-        info["device"] = f"cpu ({info['cores']} cores)"
-    return info
 
 
 def markdown(rows: list[dict]) -> str:

@@ -6,7 +6,9 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "core/stats_state.h"
 #include "cpu/stats_kernels.h"
 
 namespace gapmon {
@@ -25,6 +27,19 @@ std::string cpu_isa(std::string request) {
   return cpu::active_isa();
 }
 
+std::string joined(const char* const* names, int count) {
+  std::string out;
+  for (int i = 0; i < count; ++i) out += (i ? "," : "") + std::string(names[i]);
+  return out;
+}
+
+// The column layouts of statistics rows, partial states and activation accumulators, each as
+// comma-separated names in column order (csrc/core/stats_state.h is their one definition).
+std::vector<std::string> layout() {
+  return {joined(core::kStatNames, core::kNumStats), joined(core::kStateNames, core::kNumStateColumns),
+          joined(core::kAccNames, core::kNumAccColumns)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gapmon, m) {
@@ -41,6 +56,7 @@ TORCH_LIBRARY(gapmon, m) {
   // [modules, 6] accumulator (columns: instances, sum mean, sum var, sum norm, nonfinite, max).
   m.def("accumulate_instance_stats(Tensor x, Tensor(a!) acc, int row, int correction=1) -> ()");
   m.def("_cpu_isa(str request) -> str", &cpu_isa);
+  m.def("_layout() -> str[]", &layout);
 }
 
 }  // namespace gapmon

@@ -1,4 +1,7 @@
 """gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
+from . import analysis, reference
+from .dump import GradientDumper
+from .monitor import GAPMonitor
 from .ops import (
     accumulate_instance_stats,
     backend,
@@ -10,14 +13,10 @@ from .ops import (
     multi_tensor_stats,
     tensor_stats,
 )
-from .stats import STAT_NAMES, Stats
-from .monitor import GAPMonitor
 from .per_sample import PerSampleGradNorms
-from .dump import GradientDumper
 from .reconstruct import DumpError, reconstruct_gradients
-from . import analysis
 from .sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
-from . import reference
+from .stats import STAT_NAMES, Stats
 
 __all__ = [
     "Stats",

@@ -14,8 +14,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import _backend
 from .stats import Stats
+from .utils import is_dtensor
 
 
 def _materialize_partial(x):
@@ -45,7 +46,7 @@ def gather_states_over_group(states: torch.Tensor, group) -> torch.Tensor:
         return states
     parts = [torch.empty_like(states) for _ in range(world)]
     dist.all_gather(parts, states.contiguous(), group=group)
-    return ops.merge_states(torch.stack(parts))
+    return _backend.merge_states(torch.stack(parts))
 
 
 def fsdp1_shard_groups(model: torch.nn.Module) -> dict[int, Any]:
@@ -80,12 +81,12 @@ def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] 
     `flat_groups[i]`, when given and not None, is the process group over which plain tensor i is
     split into pieces (FSDP1 flat shards); its pieces are merged over that group.
     """
-    xs = [_materialize_partial(x) if ops._is_dtensor(x) else x for x in xs]
-    local = [x.to_local() if ops._is_dtensor(x) else x for x in xs]
-    states = ops.multi_tensor_states(local)
+    xs = [_materialize_partial(x) if is_dtensor(x) else x for x in xs]
+    local = [x.to_local() if is_dtensor(x) else x for x in xs]
+    states = _backend.multi_states(local)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, x in enumerate(xs):
-        if ops._is_dtensor(x) and _shard_mesh_dims(x):
+        if is_dtensor(x) and _shard_mesh_dims(x):
             groups[("mesh", x.device_mesh, _shard_mesh_dims(x))].append(i)
         elif flat_groups is not None and flat_groups[i] is not None:
             groups[("group", flat_groups[i])].append(i)
@@ -110,6 +111,6 @@ def dtensor_instance_stats(x, correction: int = 1) -> Stats:
             "gapmon.instance_stats: DTensors sharded along a non-batch dim are not supported; "
             "redistribute to Shard(0)/Replicate() first or pass x.full_tensor()"
         )
-    local = ops.instance_stats(x.to_local(), correction)
+    local = Stats.from_rows(_backend.instance_rows(x.to_local(), correction))
     placements = [Shard(0) if p.is_shard() else Replicate() for p in x.placements]
     return Stats(*(DTensor.from_local(f, x.device_mesh, placements, run_check=False) for f in local))

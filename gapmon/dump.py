@@ -34,18 +34,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .ops import _is_dtensor
+from .dump_format import (
+    COMPLETE,
+    CONFIG,
+    FORMAT_VERSION,
+    FULL_DIR,
+    FULL_INDEX,
+    FULL_STAGING,
+    HEADER_KEY,
+    SAMPLED,
+    STEP_PREFIX,
+    rank_file,
+    step_dir,
+    step_of,
+)
 from .safe_io import read_safetensors_metadata, write_json, write_safetensors
-from .utils import clean_named, rank_and_world
+from .utils import clean_named, is_dtensor, rank_and_world
 
 MODES = ("shards", "full", "sampled")
-FORMAT_VERSION = 1
 
 
 def rank_file_run_id(path: Path) -> str | None:
     """The run id recorded in a rank file's header, or None if it cannot be read (yet)."""
     try:
-        return json.loads(read_safetensors_metadata(path)["gapmon"]).get("run_id")
+        return json.loads(read_safetensors_metadata(path)[HEADER_KEY]).get("run_id")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -65,18 +77,14 @@ def _close_at_exit(ref: "weakref.ref[GradientDumper]") -> None:
     try:
         dumper.close()
     except BaseException as e:  # at exit: report, never abort the interpreter
-        warnings.warn(f"GradientDumper: pending gradient writes failed at exit: {e}", RuntimeWarning)
-
-
-def step_dir(save_dir: str | Path, step: int) -> Path:
-    return Path(save_dir) / f"step{step}"
+        warnings.warn(f"GradientDumper: pending gradient writes failed at exit: {e}", RuntimeWarning, stacklevel=1)
 
 
 def parallel_layout(model: nn.Module) -> dict[str, Any]:
     """parallel_type (single|ddp|fsdp|hsdp), world_size, shard_degree, num_replicas, mesh_shape."""
     _, world = rank_and_world()
     for p in model.parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             mesh = p.device_mesh
             shard_dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
             repl_dims = [d for d, pl in enumerate(p.placements) if pl.is_replicate()]
@@ -106,7 +114,7 @@ def _placement_str(p) -> str:
 
 def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """The local piece of gradient g and its description (global shape, placements, offsets)."""
-    if _is_dtensor(g):
+    if is_dtensor(g):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if any(p.is_partial() for p in g.placements):
@@ -130,7 +138,7 @@ def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, d
 
 def _with_layout_of(g: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (a host copy of g's local shard) as a tensor laid out like gradient `g`."""
-    if not _is_dtensor(g):
+    if not is_dtensor(g):
         return local
     from torch.distributed.tensor import DTensor
 
@@ -210,7 +218,7 @@ class GradientDumper:
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_temps()
-            write_json(self.save_dir / "config.json", {**self._layout, "mode": mode, "save_first_n": save_first_n,
+            write_json(self.save_dir / CONFIG, {**self._layout, "mode": mode, "save_first_n": save_first_n,
                                                        "format_version": FORMAT_VERSION, "run_id": self.run_id})
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -218,7 +226,7 @@ class GradientDumper:
         """Removes temp files (safe_io's `.name.*.tmp`) that killed writers left in save_dir and its
         step directories, if older than `timeout`: no live writer of a run keeps one that long."""
         cutoff = time.time() - self.timeout
-        for tmp in [*self.save_dir.glob(".*.tmp"), *self.save_dir.glob("step*/.*.tmp")]:
+        for tmp in [*self.save_dir.glob(".*.tmp"), *self.save_dir.glob(f"{STEP_PREFIX}*/.*.tmp")]:
             try:
                 if tmp.is_file() and tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
@@ -242,7 +250,7 @@ class GradientDumper:
             warnings.warn(f"GradientDumper: step {step} has no gradients to dump (was maybe_dump called after "
                           "zero_grad, or before backward?)", RuntimeWarning, stacklevel=2)
         if self.rank == 0:  # a COMPLETE left by an earlier run must not vouch for this run's files
-            (step_dir(self.save_dir, step) / "COMPLETE").unlink(missing_ok=True)
+            (step_dir(self.save_dir, step) / COMPLETE).unlink(missing_ok=True)
         if self.mode == "full":
             self._dump_full(step, grads)
         elif self.mode == "shards":
@@ -287,18 +295,18 @@ class GradientDumper:
         header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
                   "run_id": self.run_id, "tensors": records}
         try:
-            write_safetensors(directory / f"rank{self.rank}.safetensors", tensors, {"gapmon": json.dumps(header)})
+            write_safetensors(directory / rank_file(self.rank), tensors, {HEADER_KEY: json.dumps(header)})
         finally:
             if self.async_write:
                 self._free_staging.put(tensors)  # the staging set may be filled again
         if self.rank == 0:
-            self._complete(directory, [f"rank{r}.safetensors" for r in range(self.world)])
+            self._complete(directory, [rank_file(r) for r in range(self.world)])
 
     def _gather_sampled(self, grads) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         n = self.save_first_n
         tensors, shapes = {}, {}
         for name, g in grads:  # one parameter at a time: memory bounded by the largest gradient
-            full = g.full_tensor() if _is_dtensor(g) else g
+            full = g.full_tensor() if is_dtensor(g) else g
             if self.rank == 0:
                 piece = full[tuple(slice(0, min(n, s)) for s in full.shape)] if full.dim() else full
                 tensors[name] = piece.detach().to("cpu", copy=True).contiguous()
@@ -312,8 +320,8 @@ class GradientDumper:
         directory = step_dir(self.save_dir, step)
         header = {"format_version": FORMAT_VERSION, "step": step, "save_first_n": self.save_first_n,
                   "run_id": self.run_id, "global_shapes": shapes}
-        write_safetensors(directory / "sampled.safetensors", tensors, {"gapmon": json.dumps(header)})
-        self._complete(directory, ["sampled.safetensors"])
+        write_safetensors(directory / SAMPLED, tensors, {HEADER_KEY: json.dumps(header)})
+        self._complete(directory, [SAMPLED])
 
     def _dump_full(self, step: int, grads) -> None:
         import torch.distributed.checkpoint as dcp
@@ -324,7 +332,7 @@ class GradientDumper:
             directory.mkdir(parents=True, exist_ok=True)
         state = {name: g.detach() for name, g in grads}
         index = {name: {"shape": list(g.shape), "dtype": str(g.dtype)} for name, g in grads}
-        writer = dcp.HuggingFaceStorageWriter(str(directory / ".full.tmp"), save_distributed=True,
+        writer = dcp.HuggingFaceStorageWriter(str(directory / FULL_STAGING), save_distributed=True,
                                               enable_consolidation=False)
         if not self.async_write:
             dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
@@ -335,7 +343,7 @@ class GradientDumper:
         # Local shards go to a staging set (as for shards mode) and are wrapped back into DTensors,
         # so DCP writes host copies in its thread and need not copy again (its own staging also
         # deep-copies CPU DTensors, which fails on FSDP2's gradient views).
-        local = {name: (g.to_local() if _is_dtensor(g) else g).detach() for name, g in grads}
+        local = {name: (g.to_local() if is_dtensor(g) else g).detach() for name, g in grads}
         staged = self._stage(local)
         state = {name: _with_layout_of(g, staged[name]) for name, g in grads}
         future = dcp.async_save(state, storage_writer=writer, process_group=self._full_group,
@@ -351,9 +359,9 @@ class GradientDumper:
 
     def _finish_full(self, directory: Path, index: dict[str, Any]) -> None:
         if self.rank == 0:
-            os.replace(directory / ".full.tmp", directory / "full")
-            write_json(directory / "full_index.json", index)
-            self._complete(directory, ["full", "full_index.json"])
+            os.replace(directory / FULL_STAGING, directory / FULL_DIR)
+            write_json(directory / FULL_INDEX, index)
+            self._complete(directory, [FULL_DIR, FULL_INDEX])
 
     def _complete(self, directory: Path, expected: list[str]) -> None:
         """Writes COMPLETE once every expected file is in place and, for rank files, was written by
@@ -369,9 +377,9 @@ class GradientDumper:
                 raise TimeoutError(f"GradientDumper: {directory} still lacks {missing} from this run after "
                                    f"{self.timeout:.0f}s (a rank died or is stuck?); step left incomplete")
             time.sleep(0.01)
-        write_json(directory / "COMPLETE", {"files": expected, "format_version": FORMAT_VERSION,
-                                            "run_id": self.run_id, "step": int(directory.name[4:]),
-                                            "world_size": self.world})
+        write_json(directory / COMPLETE, {"files": expected, "format_version": FORMAT_VERSION,
+                                          "run_id": self.run_id, "step": step_of(directory),
+                                          "world_size": self.world})
 
     def _written_by_this_run(self, path: Path) -> bool:
         if path.suffix != ".safetensors":

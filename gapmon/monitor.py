@@ -10,8 +10,8 @@ one device-to-host copy. No `.item()` per metric.
 from __future__ import annotations
 
 import functools
+import logging
 import math
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -20,15 +20,20 @@ import torch.nn as nn
 
 from . import ops
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
-from .sinks import JSONLSink, Sink, as_sink
-from .stats import STAT_NAMES
-from .utils import clean_named, first_tensor, rank_and_world
+from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, metric_name, parse_metric_name, per_sample_norm_name
+from .sinks import Sink, as_sink
+from .stats import ACC_NAMES, STAT_NAMES
+from .utils import clean_named, first_tensor, is_dtensor, rank_and_world
 
-_ACC_COLUMNS = 6  # see csrc/core/stats_state.h: InstanceAccColumn
+logger = logging.getLogger("gapmon")
+
 _ROW = len(STAT_NAMES)  # columns of a statistics row
+# Activation accumulator columns (csrc/core/stats_state.h via gapmon.stats): every column is summed
+# over ranks except max |x|, which is a max.
+_ACC_MAX = ACC_NAMES.index("max_abs")
+_ACC_SUMS = tuple(i for i in range(len(ACC_NAMES)) if i != _ACC_MAX)
 # (metric name, column of a statistics row)
-_STAT_FIELDS = tuple((metric, STAT_NAMES.index(column)) for metric, column in
-                     (("max", "max_abs"), ("mean", "mean"), ("var", "var"), ("norm", "norm"), ("nonfinite", "nonfinite")))
+_STAT_FIELDS = tuple((field, STAT_NAMES.index(column)) for field, column in FIELD_COLUMNS.items())
 
 
 class GAPMonitor:
@@ -50,8 +55,8 @@ class GAPMonitor:
         interval: measure every `interval` steps (steps where step % interval == 0).
         params, grads, activations, activation_grads: which kinds to measure.
         per_sample_grad_norms: also compute per-sample gradient norms (see gapmon.PerSampleGradNorms).
-        sinks: where metrics go: gapmon sinks or callables fn(step, metrics). Default: a JSONL file
-            `gapmon_metrics.jsonl` in the working directory. Pass [] for none.
+        sinks: where metrics go: gapmon sinks or callables fn(step, metrics). Default: none (the
+            metrics are returned by end_step; nothing is written unless a sink is given).
         process_group: the data-parallel group over which activations are averaged (default: world).
         correction: Bessel correction of the variances (default 1, like torch.var).
     """
@@ -90,7 +95,7 @@ class GAPMonitor:
         self.correction = correction
         self._kinds = flags
         self._group = process_group
-        self.sinks: list[Sink] = [as_sink(s) for s in (sinks if sinks is not None else [JSONLSink("gapmon_metrics.jsonl")])]
+        self.sinks: list[Sink] = [as_sink(s) for s in (sinks or [])]
 
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         self._modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
@@ -137,7 +142,7 @@ class GAPMonitor:
             self._fold(grad, index, 1)
 
     def _fold(self, x: torch.Tensor, index: int, kind: int) -> None:
-        if ops._is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
+        if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
             x = x.to_local()
         if self._acc is None or self._acc.device != x.device:
             self._acc = self._new_acc(x.device, self._acc)
@@ -151,7 +156,7 @@ class GAPMonitor:
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:
             raise RuntimeError(f"GAPMonitor: activations of one step on two devices ({old.device} and {device})")
-        return torch.zeros(2 * len(self._modules), _ACC_COLUMNS, dtype=torch.float64, device=device)
+        return torch.zeros(2 * len(self._modules), len(ACC_NAMES), dtype=torch.float64, device=device)
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, step: int, batch_size: int | None = None) -> None:
@@ -220,8 +225,8 @@ class GAPMonitor:
         acc = self._acc if self._acc is not None else self._new_acc(device, None)
         dev = acc.device
         batch = torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev)
-        sums = [acc[:, :5].reshape(-1), batch]  # reduced with SUM over ranks
-        maxes = [acc[:, 5]]                     # reduced with MAX over ranks
+        sums = [acc[:, list(_ACC_SUMS)].reshape(-1), batch]  # reduced with SUM over ranks
+        maxes = [acc[:, _ACC_MAX]]                           # reduced with MAX over ranks
         if self.per_sample is not None:
             norms = self.per_sample.local_norms().to(dev, torch.float64)
             none = torch.full((1,), -math.inf, dtype=torch.float64, device=dev)
@@ -239,34 +244,36 @@ class GAPMonitor:
             if kind == "grads" and row[0] == 0:  # no rank had a gradient for it
                 continue
             for field, col in _STAT_FIELDS:
-                metrics[f"gap/{kind}/{name}/{field}"] = row[col]
+                metrics[metric_name(kind, name, field)] = row[col]
         m = len(self._modules)
         offset = len(names) * _ROW
-        act_sums, host = host[offset:offset + 10 * m], host[offset + 10 * m:]
+        width = len(_ACC_SUMS) * 2 * m
+        act_sums, host = host[offset:offset + width], host[offset + width:]
         global_batch, host = host[0], host[1:]
         if self.per_sample is not None:
             (ps_sum, ps_count), host = host[:2], host[2:]
         act_max, host = host[:2 * m], host[2 * m:]
+        sum_names = [ACC_NAMES[i] for i in _ACC_SUMS]
         for kind_index, kind in enumerate(("activations", "activation_grads")):
             if not self._kinds[kind]:
                 continue
             for index, (name, _) in enumerate(self._modules):
                 r = kind_index * m + index
-                instances, s_mean, s_var, s_norm, nonfinite = act_sums[5 * r:5 * r + 5]
+                acc_row = dict(zip(sum_names, act_sums[len(_ACC_SUMS) * r:len(_ACC_SUMS) * (r + 1)]))
+                instances = acc_row["instances"]
                 if instances == 0:
                     continue
                 # A NaN element makes the instance norm NaN; a MAX all-reduce need not propagate NaN.
-                metrics[f"gap/{kind}/{name}/max"] = math.nan if math.isnan(s_norm) else act_max[r]
-                metrics[f"gap/{kind}/{name}/mean"] = s_mean / instances
-                metrics[f"gap/{kind}/{name}/var"] = s_var / instances
-                metrics[f"gap/{kind}/{name}/norm"] = s_norm / instances
-                metrics[f"gap/{kind}/{name}/nonfinite"] = nonfinite
+                values = {"max": math.nan if math.isnan(acc_row["sum_norm"]) else act_max[r],
+                          "mean": acc_row["sum_mean"] / instances, "var": acc_row["sum_var"] / instances,
+                          "norm": acc_row["sum_norm"] / instances, "nonfinite": acc_row["nonfinite"]}
+                metrics.update({metric_name(kind, name, field): v for field, v in values.items()})
         if self._batch_size or global_batch:
-            metrics["gap/global_batch_size"] = global_batch
+            metrics[GLOBAL_BATCH_SIZE] = global_batch
         if self.per_sample is not None and ps_count > 0:
-            metrics["gap/per_sample_grad_norm/mean"] = ps_sum / ps_count
-            metrics["gap/per_sample_grad_norm/max"] = host[0]
-            metrics["gap/per_sample_grad_norm/min"] = -host[1]
+            metrics[per_sample_norm_name("mean")] = ps_sum / ps_count
+            metrics[per_sample_norm_name("max")] = host[0]
+            metrics[per_sample_norm_name("min")] = -host[1]
         info = self._localise_nonfinite(metrics, step)
         return metrics, info
 
@@ -274,10 +281,10 @@ class GAPMonitor:
         """Names the first module (forward, then backward order) and the tensors with non-finite values."""
         bad: dict[str, list[str]] = {}
         for key, value in metrics.items():
-            parts = key.split("/")
-            if len(parts) != 4:
+            parsed = parse_metric_name(key)
+            if parsed is None:
                 continue
-            _, kind, name, field = parts
+            kind, name, field = parsed
             if (field == "nonfinite" and value > 0) or (field in ("mean", "max") and not math.isfinite(value)):
                 if name not in bad.setdefault(kind, []):
                     bad[kind].append(name)
@@ -299,8 +306,7 @@ class GAPMonitor:
         if rank_and_world()[0] == 0:
             first = report.get("first_activation") or report.get("first_activation_grad")
             where = f"first in module '{first}'" if first else f"in {', '.join(report.get('grads', report.get('params', [])))}"
-            warnings.warn(f"gapmon: non-finite values at step {step}: {where}", RuntimeWarning,
-                          stacklevel=4)
+            logger.warning("gapmon: non-finite values at step %s: %s", step, where)
         return {"nonfinite": report}
 
     # ---------------------------------------------------------------- lifetime

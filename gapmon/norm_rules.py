@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ops as _ops
+from . import _backend
 
 _RULES: dict[type, "NormRule"] = {}
 
@@ -110,11 +110,11 @@ def use_ghost(t: int, d: int, p: int) -> bool:
 
 
 def _ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return _ops.ghost_norm_sq(a, g)
+    return _backend.ghost_norm_sq(a, g)
 
 
 def _direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return _ops.direct_norm_sq(a, g)
+    return _backend.direct_norm_sq(a, g)
 
 
 def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -223,7 +223,7 @@ class EmbeddingRule(NormRule):
             counts = (ids.unsqueeze(2) == ids.unsqueeze(1)).sum(2)
             g = g / counts.unsqueeze(2).to(g.dtype)
         padding = -1 if module.padding_idx is None else module.padding_idx
-        return _ops.embedding_norm_sq(ids, g, padding)
+        return _backend.embedding_norm_sq(ids, g, padding)
 
 
 # -------------------------------------------------------------------- normalisation layers
@@ -330,7 +330,7 @@ class EmbeddingBagRule(NormRule):
         ids, g = pos
         if not _trainable(module.weight):
             return torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
-        return _ops.embedding_norm_sq(ids, g, -1)  # padding entries already have zero coefficients
+        return _backend.embedding_norm_sq(ids, g, -1)  # padding entries already have zero coefficients
 
 
 # -------------------------------------------------------------------- attention

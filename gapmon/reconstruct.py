@@ -16,12 +16,21 @@ from typing import Any, Callable
 
 import torch
 
-from .dump import step_dir
+from .dump_format import (
+    COMPLETE,
+    CONFIG,
+    FULL_DIR,
+    FULL_INDEX,
+    HEADER_KEY,
+    SAMPLED,
+    STEP_PREFIX,
+    DumpError,
+    check_version,
+    rank_file,
+    step_dir,
+    step_of,
+)
 from .safe_io import write_json
-
-
-class DumpError(Exception):
-    """A gradient dump cannot be read as asked (missing, incomplete, corrupt or inconsistent)."""
 
 
 def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
@@ -30,9 +39,10 @@ def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
     if not grad_dir.is_dir():
         raise DumpError(f"gradient directory {grad_dir} does not exist")
     complete, incomplete = [], []
-    for d in grad_dir.glob("step*"):
-        if d.is_dir() and d.name[4:].isdigit():
-            (complete if (d / "COMPLETE").exists() else incomplete).append(int(d.name[4:]))
+    for d in grad_dir.glob(f"{STEP_PREFIX}*"):
+        step = step_of(d)
+        if d.is_dir() and step is not None:
+            (complete if (d / COMPLETE).exists() else incomplete).append(step)
     return sorted(complete), sorted(incomplete)
 
 
@@ -55,11 +65,14 @@ def _world_size(value: Any, path: Path) -> int:
     return value
 
 
-def _read_config(grad_dir: Path) -> dict[str, Any]:
-    path = grad_dir / "config.json"
+def read_config(grad_dir: str | Path) -> dict[str, Any]:
+    """The validated config.json of a gradient dump (raises DumpError naming what is wrong)."""
+    grad_dir = Path(grad_dir)
+    path = grad_dir / CONFIG
     if not path.exists():
         raise DumpError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
     config = _read_json_object(path, "the dump's configuration")
+    check_version(config, path)
     _world_size(config.get("world_size", 1), path)
     return config
 
@@ -81,14 +94,15 @@ def _open_safetensors(path: Path):
 
 def _header(handle, path: Path) -> dict[str, Any]:
     meta = handle.metadata() or {}
-    if "gapmon" not in meta:
+    if HEADER_KEY not in meta:
         raise DumpError(f"{path} has no gapmon metadata: not written by GradientDumper")
     try:
-        header = json.loads(meta["gapmon"])
+        header = json.loads(meta[HEADER_KEY])
     except json.JSONDecodeError as e:
         raise DumpError(f"{path}: the gapmon metadata is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise DumpError(f"{path}: the gapmon metadata is not a JSON object")
+    check_version(header, path)
     return header
 
 
@@ -127,8 +141,8 @@ def _replica_of(record: dict[str, Any]) -> int:
 
 def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, Any], step: int, verify: bool,
                  progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
-    world = _world_size(complete.get("world_size", config.get("world_size", 1)), directory / "COMPLETE")
-    paths = [directory / f"rank{r}.safetensors" for r in range(world)]
+    world = _world_size(complete.get("world_size", config.get("world_size", 1)), directory / COMPLETE)
+    paths = [directory / rank_file(r) for r in range(world)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         raise DumpError(f"{directory}: missing rank file(s) {', '.join(missing)} of a world of {world}")
@@ -136,7 +150,7 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
     if odd:
         raise DumpError(f"{directory}: {', '.join(odd)} is not a regular file")
     handles, headers = [], []
-    for r, path in enumerate(paths):
+    for path in paths:
         h = _open_safetensors(path)
         handles.append(h)
         header = _header(h, path)
@@ -190,9 +204,9 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
 
 
 def _load_sampled(directory: Path) -> dict[str, torch.Tensor]:
-    path = directory / "sampled.safetensors"
+    path = directory / SAMPLED
     if not path.exists():
-        raise DumpError(f"{directory}: sampled.safetensors is missing")
+        raise DumpError(f"{directory}: {SAMPLED} is missing")
     h = _open_safetensors(path)
     _header(h, path)
     return {name: h.get_tensor(name) for name in h.keys()}
@@ -201,14 +215,14 @@ def _load_sampled(directory: Path) -> dict[str, torch.Tensor]:
 def _load_full(directory: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
-    index_path = directory / "full_index.json"
-    if not (directory / "full").is_dir() or not index_path.exists():
-        raise DumpError(f"{directory}: the distributed checkpoint (full/ and full_index.json) is missing")
+    index_path = directory / FULL_INDEX
+    if not (directory / FULL_DIR).is_dir() or not index_path.exists():
+        raise DumpError(f"{directory}: the distributed checkpoint ({FULL_DIR}/ and {FULL_INDEX}) is missing")
     index = json.loads(index_path.read_text())
     state = {name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].replace("torch.", "")))
              for name, info in index.items()}
     try:
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory / "full")), no_dist=True)
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory / FULL_DIR)), no_dist=True)
     except Exception as e:
         raise DumpError(f"{directory}/full cannot be loaded: {e}") from e
     return state
@@ -218,15 +232,16 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
                           progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """The full gradients of `step` from a GradientDumper directory (any mode)."""
     grad_dir = Path(grad_dir)
-    config = _read_config(grad_dir)
+    config = read_config(grad_dir)
     directory = step_dir(grad_dir, step)
     if not directory.is_dir():
         complete, _ = list_steps(grad_dir)
         raise DumpError(f"step {step} was not dumped under {grad_dir} (complete steps: {complete or 'none'})")
-    if not (directory / "COMPLETE").exists():
+    if not (directory / COMPLETE).exists():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
-        raise DumpError(f"step {step} is incomplete: {directory}/COMPLETE is missing (present: {present or 'nothing'})")
-    complete = _read_json_object(directory / "COMPLETE", "the step's completion record")
+        raise DumpError(f"step {step} is incomplete: {directory}/{COMPLETE} is missing (present: {present or 'nothing'})")
+    complete = _read_json_object(directory / COMPLETE, "the step's completion record")
+    check_version(complete, directory / COMPLETE)
     mode = config.get("mode", "shards")
     if mode == "shards":
         return _load_shards(directory, config, complete, step, verify, progress)

@@ -56,6 +56,11 @@ def clean_named(model: torch.nn.Module, named: Iterable[tuple[str, Any]], what: 
     return out
 
 
+def is_dtensor(x: Any) -> bool:
+    """Whether x is a DTensor (checked by type name: no import of torch.distributed.tensor needed)."""
+    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+
+
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of the default process group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():

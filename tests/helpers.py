@@ -41,7 +41,7 @@ def _close(got: float, want: float, rtol: float, atol: float) -> bool:
 def assert_stats_match(got: gapmon.Stats, want: dict[str, float], rtol: float = 1e-5, where: str = "") -> None:
     """Compares one statistics row with a float64 oracle: counts and max |x| exactly (they are exact
     in the float64 result rows), the rest to `rtol`."""
-    assert getattr(got, "count").dtype == torch.float64, f"{where}: result rows must be float64"
+    assert got.count.dtype == torch.float64, f"{where}: result rows must be float64"
     scale = abs(want["mean"]) + (want["var"] ** 0.5 if want["var"] == want["var"] and want["var"] >= 0 else 0.0)
     for name in gapmon.STAT_NAMES:
         g = float(getattr(got, name))
@@ -151,7 +151,7 @@ def vmap_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets) -> t
 
 def seeded_gpt(cfg) -> torch.nn.Module:
     """A TinyGPT with the same initial weights in every process and test."""
-    from gapmon.examples import TinyGPT
+    from gapmon.apps.examples import TinyGPT
 
     torch.manual_seed(0)
     return TinyGPT(cfg)

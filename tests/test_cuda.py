@@ -1,10 +1,10 @@
 """The CUDA kernels against float64 oracles (skipped without a GPU and CUDA kernels)."""
 import pytest
 import torch
-
-import gapmon
 from helpers import assert_stats_match, float64_stats
 from test_tensor_stats import DTYPES, _layouts
+
+import gapmon
 
 pytestmark = [
     pytest.mark.cuda,
@@ -179,8 +179,9 @@ def test_opcheck_cuda():
 
 
 def test_monitor_on_cuda():
-    from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
     from helpers import assert_metrics_close, brute_force_gap_metrics
+
+    from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
     cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
     torch.manual_seed(0)

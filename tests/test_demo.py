@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from gapmon.report import anomalies, make_report
+from gapmon.apps.report import anomalies, make_report
 
 
 def _cli(*args, cwd=None):
@@ -71,7 +71,7 @@ def test_info_reports_backend_and_cuda_kernels():
     proc = _cli("info")
     assert proc.returncode == 0, proc.stderr
     assert f"gapmon backend: {gapmon.backend()}" in proc.stdout
-    assert ("CUDA kernels: compiled in" if gapmon.ops._CUDA_KERNELS else "CUDA kernels: not compiled in") in proc.stdout
+    assert ("CUDA kernels: compiled in" if gapmon.ops.cuda_kernels_compiled() else "CUDA kernels: not compiled in") in proc.stdout
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")

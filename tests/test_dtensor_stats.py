@@ -2,9 +2,9 @@
 uneven and empty local shards, 2-D sharding and Partial placements. One spawn per world size."""
 import pytest
 import torch
+from helpers import assert_stats_match, float64_stats, run_distributed
 
 import gapmon
-from helpers import assert_stats_match, float64_stats, run_distributed
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -30,7 +30,7 @@ def _check_all(rank, xs, dts, where):
 
 def _worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, DTensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     xs = _full_tensors()
     mesh = init_device_mesh("cpu", (world,))

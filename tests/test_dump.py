@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from gapmon.reconstruct import DumpError, list_steps, reconstruct_gradients
 
 CFG = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
@@ -124,7 +124,7 @@ def test_incomplete_missing_and_corrupt_are_refused(tmp_path):
 _SCRIPT_SETUP = """
 import os, resource, signal, torch, safetensors.torch as st
 import gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
 model = TinyGPT(cfg); x, y = synthetic_batch(cfg, 4, 0); lm_loss(model(x), y).backward()
 """

@@ -8,13 +8,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_distributed
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 from gapmon.reconstruct import DumpError, reconstruct_gradients
-from helpers import run_distributed
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -1,9 +1,9 @@
 """instance_stats and multi_tensor_stats against float64 oracles, and mergeable states."""
 import pytest
 import torch
+from helpers import assert_stats_match, float64_stats
 
 import gapmon
-from helpers import assert_stats_match, float64_stats
 
 
 def _row(stats, i):

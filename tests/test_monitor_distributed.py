@@ -3,10 +3,10 @@ equal those of one process on the same global batch. One spawn per world size.""
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_metrics_close, run_distributed, seeded_gpt
 
 import gapmon
-from gapmon.examples import GPTConfig, lm_loss, synthetic_batch
-from helpers import assert_metrics_close, run_distributed, seeded_gpt
+from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -73,7 +73,7 @@ def _fsdp1():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from gapmon.examples import Block
+    from gapmon.apps.examples import Block
 
     return FSDP(_fresh_model(), device_id=torch.device("cpu"), use_orig_params=True,
                 auto_wrap_policy=ModuleWrapPolicy({Block}))

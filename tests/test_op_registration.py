@@ -59,7 +59,7 @@ def test_cpu_isa_selection():
 
 FALLBACK_SCRIPT = """
 import json, sys, torch, gapmon
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
 torch.manual_seed(0)
 model = TinyGPT(cfg)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn as nn
+from helpers import vmap_per_sample_norms
 
 import gapmon
 import gapmon.norm_rules as norm_rules
-from gapmon.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from helpers import vmap_per_sample_norms
+from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
 
 def _gpt(seq_len=8, norm="rms"):

@@ -2,10 +2,10 @@
 that see the same samples both give the single-process norms (no sqrt(world) inflation)."""
 import pytest
 import torch
+from helpers import run_distributed, seeded_gpt, vmap_per_sample_norms
 
 import gapmon
-from gapmon.examples import GPTConfig, lm_loss, synthetic_batch
-from helpers import run_distributed, seeded_gpt, vmap_per_sample_norms
+from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import loop_per_sample_norms
 
 import gapmon
-from helpers import loop_per_sample_norms
 
 
 def _sq_loss(out, t):

@@ -3,9 +3,9 @@ import os
 
 import pytest
 import torch
+from helpers import assert_stats_match, float64_stats
 
 import gapmon
-from helpers import assert_stats_match, float64_stats
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 

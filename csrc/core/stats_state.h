@@ -55,6 +55,14 @@ enum InstanceAccColumn : int {
   kNumAccColumns = 6,
 };
 
+// The column names, in enum order: what gapmon._C reports to Python (gapmon.stats names them too,
+// and refuses a build whose layout differs).
+inline constexpr const char* kStatNames[kNumStats] = {"count", "mean", "var", "max_abs", "norm", "nonfinite", "zeros"};
+inline constexpr const char* kStateNames[kNumStateColumns] = {"count", "mean", "m2", "max_abs", "sumsq", "nonfinite",
+                                                              "zeros"};
+inline constexpr const char* kAccNames[kNumAccColumns] = {"instances", "sum_mean", "sum_var", "sum_norm", "nonfinite",
+                                                          "max_abs"};
+
 template <typename T>
 GAPMON_HD T quiet_nan() {
   return static_cast<T>(__builtin_nan(""));

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import torch
 
-from . import ops, reference
-from .stats import STAT_NAMES
+from .. import ops, reference
+from ..stats import STAT_NAMES
 
 
 def _info(args: argparse.Namespace) -> int:
     print(f"gapmon backend: {ops.backend()}  (CPU instruction set: {ops.cpu_isa()})")
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, threads: {torch.get_num_threads()}")
-    if ops._CUDA_KERNELS:
+    if ops.cuda_kernels_compiled():
         print("CUDA kernels: compiled in")
     else:
         print("CUDA kernels: not compiled in (build with GAPMON_CUDA=1 where torch has CUDA and nvcc is found)")
@@ -82,12 +82,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _reconstruct(args: argparse.Namespace) -> int:
+    from ..reconstruct import read_config, reconstruct_gradients, write_reconstruction
     from .progress import Progress
-    from .reconstruct import _read_config, reconstruct_gradients, write_reconstruction
 
     progress = Progress(f"step {args.step}", quiet=args.quiet)
     grads = reconstruct_gradients(args.grad_dir, args.step, verify=args.verify, progress=progress)
-    config = _read_config(Path(args.grad_dir))
+    config = read_config(Path(args.grad_dir))
     files = write_reconstruction(grads, args.output_dir, args.step, config, skip_individual=args.skip_individual,
                                  fmt=args.format)
     if not args.quiet:
@@ -101,7 +101,7 @@ def _reconstruct(args: argparse.Namespace) -> int:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from .reconstruct import list_steps
+    from ..reconstruct import list_steps
 
     complete, incomplete = list_steps(args.grad_dir)
     print(f"complete:   {' '.join(map(str, complete)) or '-'}")
@@ -110,7 +110,7 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .analysis import compare, load_gradients
+    from ..analysis import compare, load_gradients
 
     rows = compare(load_gradients(args.a), load_gradients(args.b))
     if not rows:

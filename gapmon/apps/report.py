@@ -12,6 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ..metric_names import parse_metric_name
+
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
@@ -22,12 +24,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    prefix = f"gap/{kind}/"
-    suffix = f"/{field}"
     for r in records:
         for key, value in r.items():
-            if key.startswith(prefix) and key.endswith(suffix) and isinstance(value, (int, float)):
-                out[key[len(prefix):-len(suffix)]].append((r["step"], float(value)))
+            metric = parse_metric_name(key)
+            if metric is not None and metric.kind == kind and metric.field == field and isinstance(value, (int, float)):
+                out[metric.name].append((r["step"], float(value)))
     return dict(out)
 
 
@@ -46,8 +47,9 @@ def anomalies(records: list[dict[str, Any]], spike: float = 10.0) -> list[tuple[
     found = []
     for r in records:
         for key, value in r.items():
-            if key.startswith("gap/") and key.endswith("/nonfinite") and isinstance(value, (int, float)) and value > 0:
-                found.append((r["step"], key[4:-10], f"{int(value)} non-finite values"))
+            metric = parse_metric_name(key)
+            if metric is not None and metric.field == "nonfinite" and isinstance(value, (int, float)) and value > 0:
+                found.append((r["step"], f"{metric.kind}/{metric.name}", f"{int(value)} non-finite values"))
     for name, values in _series(records, "grads", "norm").items():
         finite = sorted(v for _, v in values if math.isfinite(v))
         if len(finite) < 3:
@@ -61,11 +63,14 @@ def anomalies(records: list[dict[str, Any]], spike: float = 10.0) -> list[tuple[
 
 def make_report(run_dir: str | Path) -> Path:
     """Writes the plots and report.md under RUN_DIR/report; returns the markdown path."""
-    import matplotlib
-
+    try:
+        import matplotlib
+        import numpy as np
+    except ImportError as e:
+        raise ImportError(f"gapmon report needs matplotlib and numpy ({e.name} is missing): "
+                          "pip install 'gapmon[report]' (or: pip install matplotlib numpy)") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")

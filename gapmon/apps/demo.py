@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..metric_names import parse_metric_name
+
 
 @dataclass
 class DemoConfig:
@@ -57,11 +59,11 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .dump import GradientDumper
+    from ..dump import GradientDumper
+    from ..monitor import GAPMonitor
+    from ..sinks import JSONLSink
     from .examples import TinyGPT, lm_loss, synthetic_batch
-    from .monitor import GAPMonitor
     from .progress import Progress
-    from .sinks import JSONLSink
 
     out = Path(cfg.out)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
@@ -133,21 +135,25 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
 
 def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, monitored_times, plain_times, last_metrics, nonfinite,
             dumped) -> None:
-    from .reconstruct import _read_config, reconstruct_gradients, write_reconstruction
+    from ..reconstruct import read_config, reconstruct_gradients, write_reconstruction
     from .report import make_report
 
     recon_step = dumped[-1] if dumped else None
     if recon_step is not None:
         grads = reconstruct_gradients(out / "gradients", recon_step, verify=True)
-        write_reconstruction(grads, out / "reconstructed", recon_step, _read_config(out / "gradients"))
-    report = make_report(out)
+        write_reconstruction(grads, out / "reconstructed", recon_step, read_config(out / "gradients"))
+    try:
+        report = make_report(out)
+    except ImportError as e:  # the plotting extra is optional
+        report = f"not written: {e}"
     # Warm-up aside (the first 2 steps), monitored vs plain step times of this run.
     mon_t = statistics.median(monitored_times[2:] or monitored_times)
     plain_t = statistics.median(plain_times) if plain_times else float("nan")
     train = [json.loads(line) for line in open(out / "train.jsonl")]
     tokens = cfg.batch_per_rank * world * mcfg.seq_len
-    grad_norms = sorted(((k.split("/")[2], v) for k, v in last_metrics.items()
-                         if k.startswith("gap/grads/") and k.endswith("/norm")), key=lambda kv: -kv[1])
+    parsed = ((parse_metric_name(k), v) for k, v in last_metrics.items())
+    grad_norms = sorted(((m.name, v) for m, v in parsed if m is not None and m.kind == "grads" and m.field == "norm"),
+                        key=lambda kv: -kv[1])
     summary = {
         "config": asdict(cfg), "world_size": world, "model": mcfg.__dict__,
         "loss_first": train[0]["loss"], "loss_last_monitored": train[cfg.steps - 1]["loss"],

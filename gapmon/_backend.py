@@ -1,0 +1,200 @@
+"""The one door to the compiled ops (torch.ops.gapmon): extension loading, fake kernels for
+tracing, and every op on local (non-distributed) tensors, with the pure-PyTorch reference as the
+fallback where the extension or its kernels for a device are missing.
+
+No other module calls torch.ops.gapmon. The public, DTensor-aware front is gapmon.ops.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Sequence
+
+import torch
+
+from . import reference
+from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES, check_same_device, check_states, check_tensor
+
+_LIB = "gapmon"
+
+
+def _load_extension() -> bool:
+    if os.environ.get("GAPMON_BACKEND", "").lower() == "torch":
+        return False
+    try:
+        from . import _C  # noqa: F401  (registers torch.ops.gapmon.*)
+    except ImportError as e:
+        warnings.warn(
+            f"gapmon: compiled extension not available ({e}); using the slow pure-PyTorch reference. "
+            "Build it with `pip install --no-build-isolation -e .`",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+COMPILED = _load_extension()
+CUDA_KERNELS = COMPILED and torch._C._dispatch_has_kernel_for_dispatch_key(f"{_LIB}::tensor_stats", "CUDA")
+
+
+def _check_layout() -> None:
+    """The column layouts are defined once, in csrc/core/stats_state.h; stats.py names them. A build
+    whose layout differs (a stale gapmon._C) is refused rather than misread."""
+    built = [names.split(",") for names in torch.ops.gapmon._layout()]
+    named = [list(STAT_NAMES), list(STATE_NAMES), list(ACC_NAMES)]
+    if built != named:
+        raise ImportError(f"gapmon._C reports column layouts {built}, the Python package expects {named}: "
+                          "rebuild the extension (pip install --no-build-isolation -e .)")
+
+
+if COMPILED:
+    _check_layout()
+
+
+def backend() -> str:
+    """The active backend: "cuda" (compiled, GPU present), "cpu" (compiled) or "torch" (fallback)."""
+    if not COMPILED:
+        return "torch"
+    return "cuda" if CUDA_KERNELS and torch.cuda.is_available() else "cpu"
+
+
+def cuda_kernels_compiled() -> bool:
+    """Whether this build of gapmon._C has the CUDA kernels."""
+    return CUDA_KERNELS
+
+
+def _compiled_for(device: torch.device) -> bool:
+    return COMPILED and (device.type == "cpu" or (device.type == "cuda" and CUDA_KERNELS))
+
+
+def cpu_isa(request: str = "") -> str:
+    """The CPU instruction set of the kernels ("avx512", "avx2", "generic"); selects one if given."""
+    if not COMPILED:
+        return "torch"
+    return torch.ops.gapmon._cpu_isa(request)
+
+
+if COMPILED:
+    # Shapes of the outputs, for tracing (torch.compile, FakeTensor, meta).
+    _ROW = len(STAT_NAMES)
+
+    @torch.library.register_fake(f"{_LIB}::tensor_stats")
+    def _(x, correction=1):
+        return x.new_empty((_ROW,), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::instance_stats")
+    def _(x, correction=1):
+        torch._check(x.dim() >= 1, lambda: "instance_stats expects a batch dimension")
+        return x.new_empty((x.shape[0], _ROW), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::multi_tensor_stats")
+    def _(xs, correction=1):
+        return xs[0].new_empty((len(xs), _ROW), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::multi_tensor_states")
+    def _(xs):
+        return xs[0].new_empty((len(xs), len(STATE_NAMES)), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::merge_states")
+    def _(states):
+        return states.new_empty((states.shape[1], len(STATE_NAMES)), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::finalize_states")
+    def _(states, correction=1):
+        return states.new_empty((states.shape[0], _ROW), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::accumulate_instance_stats")
+    def _(x, acc, row, correction=1):
+        return None
+
+
+# ------------------------------------------------------------------ statistics of local tensors
+def tensor_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:
+    """The [7] float64 statistics row of a local tensor."""
+    check_tensor(x, "tensor_stats")
+    if not _compiled_for(x.device):
+        return reference.tensor_stats(x, correction).rows()
+    return torch.ops.gapmon.tensor_stats(x.detach(), correction)
+
+
+def instance_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:
+    """[x.shape[0], 7] float64 statistics rows of each x[b] of a local tensor."""
+    check_tensor(x, "instance_stats")
+    if not _compiled_for(x.device):
+        return reference.instance_stats(x, correction).rows()
+    return torch.ops.gapmon.instance_stats(x.detach(), correction)
+
+
+def multi_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
+    """[N, 7] float64 statistics rows of N local tensors on one device, in one launch."""
+    if not xs:
+        return torch.empty(0, len(STAT_NAMES), dtype=torch.float64)
+    if not _compiled_for(xs[0].device):
+        return reference.multi_tensor_stats(xs, correction).rows()
+    return torch.ops.gapmon.multi_tensor_stats([x.detach() for x in xs], correction)
+
+
+def multi_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, 7] float64 mergeable partial states of N local tensors on one device."""
+    xs = list(xs)
+    for x in xs:
+        check_tensor(x, "multi_tensor_states")
+    check_same_device(xs, "multi_tensor_states")
+    if not xs:
+        return torch.empty(0, len(STATE_NAMES), dtype=torch.float64)
+    xs = [x.detach() for x in xs]
+    if not _compiled_for(xs[0].device):
+        return reference.multi_tensor_states(xs)
+    return torch.ops.gapmon.multi_tensor_states(xs)
+
+
+def merge_states(states: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, 7] partial states over R (in order) into [N, 7]."""
+    check_states(states, 3, "merge_states")
+    if not _compiled_for(states.device):
+        return reference.merge_states(states)
+    return torch.ops.gapmon.merge_states(states)
+
+
+def finalize_rows(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
+    """[N, 7] partial states -> [N, 7] float64 statistics rows."""
+    check_states(states, 2, "finalize_states")
+    if not _compiled_for(states.device):
+        return reference.finalize_states(states, correction)
+    return torch.ops.gapmon.finalize_states(states, correction)
+
+
+def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:
+    """Folds the per-instance statistics of x (dim 0 = instances) into row `row` of a float64
+    [rows, len(ACC_NAMES)] accumulator: one fused op, what GAPMonitor runs in its activation hooks."""
+    if not _compiled_for(x.device):
+        reference.accumulate_instance_stats(x, acc, row, correction)
+        return
+    torch.ops.gapmon.accumulate_instance_stats(x, acc, row, correction)
+
+
+# ------------------------------------------------------------------ per-sample norm products
+def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Σ_{t,s} (a_t·a_s)(g_t·g_s) per sample of a [B, T, d], g [B, T, p]: ||gᵀa||²_F via Grams."""
+    if COMPILED:
+        return torch.ops.gapmon.ghost_norm_sq(a, g)
+    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+
+def direct_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """||g_bᵀ a_b||²_F per sample, forming the [p, d] per-sample products in bounded batches."""
+    if COMPILED:
+        return torch.ops.gapmon.direct_norm_sq(a, g)
+    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+
+
+def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
+    """Σ over positions t, s with equal ids (not padding_idx) of g_t·g_s, per sample."""
+    if COMPILED:
+        return torch.ops.gapmon.embedding_norm_sq(ids, g, padding_idx)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    if padding_idx >= 0:
+        valid = ids != padding_idx
+        same &= valid.unsqueeze(2) & valid.unsqueeze(1)
+    return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))

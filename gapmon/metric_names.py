@@ -1,0 +1,41 @@
+"""The names of GAPMonitor's metrics: built and parsed here only.
+
+Per tensor or module: ``gap/{kind}/{name}/{field}``, kind one of KINDS, field one of FIELDS
+(``max`` is the max |x|). Step-wide: ``gap/global_batch_size`` and
+``gap/per_sample_grad_norm/{mean|max|min}``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+PREFIX = "gap"
+KINDS = ("params", "grads", "activations", "activation_grads")
+FIELDS = ("max", "mean", "var", "norm", "nonfinite")
+# The statistics column (gapmon.STAT_NAMES) behind each field of a parameter or gradient.
+FIELD_COLUMNS = {"max": "max_abs", "mean": "mean", "var": "var", "norm": "norm", "nonfinite": "nonfinite"}
+GLOBAL_BATCH_SIZE = f"{PREFIX}/global_batch_size"
+
+
+class MetricName(NamedTuple):
+    kind: str
+    name: str
+    field: str
+
+
+def metric_name(kind: str, name: str, field: str) -> str:
+    """``gap/{kind}/{name}/{field}``."""
+    return f"{PREFIX}/{kind}/{name}/{field}"
+
+
+def per_sample_norm_name(field: str) -> str:
+    """``gap/per_sample_grad_norm/{field}`` (field: mean, max or min)."""
+    return f"{PREFIX}/per_sample_grad_norm/{field}"
+
+
+def parse_metric_name(key: str) -> MetricName | None:
+    """(kind, name, field) of a per-tensor metric name, else None. Module and parameter names
+    contain no "/" (they are dotted), so the split is unambiguous."""
+    parts = key.split("/")
+    if len(parts) != 4 or parts[0] != PREFIX or parts[1] not in KINDS or parts[3] not in FIELDS:
+        return None
+    return MetricName(parts[1], parts[2], parts[3])

@@ -1,0 +1,123 @@
+"""The library's structure: one door to the compiled ops, no import cycle, applications apart,
+formats named once, quiet defaults."""
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gapmon
+from gapmon.dump_format import FORMAT_VERSION, DumpError, check_version
+from gapmon.metric_names import metric_name, parse_metric_name
+
+PACKAGE = Path(gapmon.__file__).parent
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {str(p.relative_to(PACKAGE)): ast.parse(p.read_text()) for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: str, tree: ast.Module) -> set[str]:
+    """Package-relative modules that a file imports (any depth, including function-local imports)."""
+    here = Path(path).parent.parts
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = list(here[:len(here) - (node.level - 1)])
+            target = base + (node.module.split(".") if node.module else [])
+            names = [target + [alias.name] for alias in node.names] if not node.module else [target]
+            out.update(".".join(n) for n in names)
+    return out
+
+
+def test_only_the_backend_calls_torch_ops_gapmon():
+    callers = [path for path, tree in _modules().items()
+               if any(isinstance(n, ast.Attribute) and n.attr == "gapmon" and isinstance(n.value, ast.Attribute)
+                      and n.value.attr == "ops" for n in ast.walk(tree))]
+    assert callers == ["_backend.py"], callers
+
+
+def test_import_graph_has_no_cycle_and_the_library_never_imports_apps():
+    graph = {}
+    for path, tree in _modules().items():
+        name = path[:-3].replace("/", ".").removesuffix(".__init__")
+        graph[name] = {m for m in _imports(path, tree) if m and m != name}
+    library = [n for n in graph if not n.startswith("apps") and n != "__main__"]  # __main__ runs the CLI
+    for name in library:
+        assert not any(m.startswith("apps") for m in graph[name]), f"{name} imports the applications"
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(stack + [nxt])}")
+            if nxt in graph and not state.get(nxt):
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in graph:
+        if name != "" and not state.get(name):
+            visit(name, [name])
+
+
+def test_no_module_reads_another_modules_private_names():
+    bad = []
+    for path, tree in _modules().items():
+        for node in ast.walk(tree):
+            # `from . import _backend` imports the private door module itself: allowed.
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module:
+                bad += [f"{path}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not bad, bad
+
+
+def test_layouts_come_from_the_extension():
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled extension")
+    built = [names.split(",") for names in torch.ops.gapmon._layout()]
+    assert built == [list(gapmon.STAT_NAMES), list(gapmon.stats.STATE_NAMES), list(gapmon.stats.ACC_NAMES)]
+
+
+def test_dump_format_versions_are_checked(tmp_path):
+    check_version({"format_version": FORMAT_VERSION}, "x")
+    check_version({}, "x")  # before versioning: version 1
+    with pytest.raises(DumpError, match="format_version 99"):
+        check_version({"format_version": 99}, "x")
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    with gapmon.GradientDumper(model, tmp_path, async_write=False) as d:
+        d.maybe_dump(0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "format_version": 2}))
+    with pytest.raises(DumpError, match="upgrade gapmon"):
+        gapmon.reconstruct_gradients(tmp_path, 0)
+
+
+def test_metric_names_round_trip():
+    key = metric_name("activation_grads", "blocks.0.attn", "var")
+    assert key == "gap/activation_grads/blocks.0.attn/var"
+    assert parse_metric_name(key) == ("activation_grads", "blocks.0.attn", "var")
+    assert parse_metric_name("gap/global_batch_size") is None
+    assert parse_metric_name("gap/weights/x/var") is None
+
+
+def test_monitor_writes_no_file_without_a_sink(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    with gapmon.GAPMonitor(model) as mon:
+        mon.begin_step(0, batch_size=2)
+        model(torch.randn(2, 3)).sum().backward()
+        assert mon.end_step()
+    assert os.listdir(tmp_path) == []
+
+
+def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    from gapmon.apps.report import make_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"gapmon\[report\]"):
+        make_report(tmp_path)
