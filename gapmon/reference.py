@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .stats import Stats, check_tensor
+from .stats import ACC_NAMES, STAT_NAMES, Stats, check_tensor
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats
     for x in xs:
         check_tensor(x, "multi_tensor_stats")
     if len(xs) == 0:
-        return Stats.from_rows(torch.empty(0, 7, dtype=torch.float64))
+        return Stats.from_rows(torch.empty(0, len(STAT_NAMES), dtype=torch.float64))
     return Stats.from_rows(torch.stack([_rows(_acc(x).reshape(1, -1), correction)[0] for x in xs]))
 
 
@@ -100,10 +100,12 @@ def finalize_states(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
 
 
 def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:
-    """Per-instance statistics of x folded into row `row` of a [rows, 6] float64 accumulator."""
+    """Per-instance statistics of x folded into row `row` of a [rows, len(ACC_NAMES)] float64 accumulator."""
     s = instance_stats(x, correction)
-    sums = torch.stack((torch.tensor(float(x.shape[0]), device=acc.device), s.mean.double().sum(), s.var.double().sum(),
-                        s.norm.double().sum(), s.nonfinite.double().sum()))
-    acc[row, :5] += sums.to(acc.device)
-    m = s.max_abs.double().amax() if x.shape[0] > 0 else acc.new_zeros(())
-    acc[row, 5] = torch.where(torch.isnan(m) | torch.isnan(acc[row, 5]), torch.nan, torch.maximum(acc[row, 5], m))
+    col = {name: i for i, name in enumerate(ACC_NAMES)}
+    for name, value in (("instances", float(x.shape[0])), ("sum_mean", s.mean.sum()), ("sum_var", s.var.sum()),
+                        ("sum_norm", s.norm.sum()), ("nonfinite", s.nonfinite.sum())):
+        acc[row, col[name]] += value
+    m = s.max_abs.amax().to(acc.device) if x.shape[0] > 0 else acc.new_zeros(())
+    old = acc[row, col["max_abs"]]
+    acc[row, col["max_abs"]] = torch.where(torch.isnan(m) | torch.isnan(old), torch.nan, torch.maximum(old, m))
