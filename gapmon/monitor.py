@@ -182,6 +182,12 @@ class GAPMonitor:
         if self.per_sample is not None:
             self.per_sample.reset()
 
+    def add_samples(self, n: int) -> None:
+        """Counts `n` more samples of this rank in the current step, for loops that learn the batch
+        size one micro-batch at a time (instead of passing batch_size to begin_step)."""
+        if self._active:
+            self._batch_size += int(n)
+
     def end_step(self) -> dict[str, float]:
         """Metrics of the step (after backward, before the optimizer step); {} on skipped steps."""
         self._check_open()

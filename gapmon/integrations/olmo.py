@@ -1,0 +1,111 @@
+"""A drop-in gapmon replacement for OLMo-core's `GAPMonitorCallback`.
+
+    from gapmon.integrations.olmo import GAPMonitorCallback
+    trainer_config.with_callback("gap_monitor", GAPMonitorCallback(interval=10, dump_gradients=True))
+
+Same configuration fields as OLMo-core's callback (`enabled`, `monitor`, `interval`, the
+`dump_gradients*` fields) and the same metric names (`gap/{params|grads|activations|
+activation_grads}/{name}/{max|mean|var}`, plus `norm` and `nonfinite`), computed by GAPMonitor:
+fused one-pass kernels, one collective per reduce kind, hooks that never change the gradients
+they watch, activation checkpointing counted once. Metrics are recorded through the trainer's own
+`record_metric`; gradient dumps are written by GradientDumper under the run's save folder
+(`<save_folder>/gradients`, or the trainer's work_dir when the save folder is remote) — sampled
+mode when `dump_gradients_save_first_n` is set, else a distributed checkpoint (mode "full").
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from . import require
+
+require("olmo_core", "olmo", "ai2-olmo-core")
+
+from olmo_core.train.callbacks.callback import Callback  # noqa: E402
+
+from ..dump import GradientDumper  # noqa: E402
+from ..monitor import GAPMonitor  # noqa: E402
+
+
+@dataclass
+class GAPMonitorCallback(Callback):
+    """Gradient, activation and parameter monitoring (and gradient dumps) for OLMo-core's Trainer."""
+
+    enabled: bool = True
+    monitor: Optional[bool] = None
+    interval: int = 1
+    dump_gradients: Optional[bool] = None
+    dump_gradients_start_step: int = 0
+    dump_gradients_end_step: Optional[int] = None
+    dump_gradients_step_interval: int = 1
+    dump_gradients_save_first_n: Optional[int] = None
+    # gapmon's own switches: which kinds to measure, and per-sample gradient norms.
+    params: bool = True
+    grads: bool = True
+    activations: bool = True
+    activation_grads: bool = True
+    per_sample_grad_norms: bool = False
+
+    _monitor: Optional[GAPMonitor] = dataclasses.field(default=None, repr=False)
+    _dumper: Optional[GradientDumper] = dataclasses.field(default=None, repr=False)
+    _in_step: bool = dataclasses.field(default=False, repr=False)
+
+    def __post_init__(self):
+        if not self.enabled and (self.monitor or self.dump_gradients):
+            raise ValueError("GAPMonitorCallback: monitor or dump_gradients is True but enabled=False; "
+                             "set enabled=True to use them")
+        if self.enabled:
+            self.monitor = True if self.monitor is None else self.monitor
+            self.dump_gradients = False if self.dump_gradients is None else self.dump_gradients
+            if not self.monitor and not self.dump_gradients:
+                raise ValueError("GAPMonitorCallback: enabled=True but monitor and dump_gradients are both False")
+        if self.enabled and self.dump_gradients:  # GradientDumper validates the rest with clear messages
+            if self.dump_gradients_save_first_n is not None and self.dump_gradients_save_first_n <= 0:
+                raise ValueError(f"GAPMonitorCallback: dump_gradients_save_first_n must be positive, "
+                                 f"got {self.dump_gradients_save_first_n}")
+
+    @property
+    def model(self) -> Any:
+        return self.trainer.train_module.model
+
+    def _dump_dir(self) -> Path:
+        folder = str(self.trainer.save_folder)
+        return (Path(self.trainer.work_dir) if "://" in folder else Path(folder)) / "gradients"
+
+    def pre_train(self):
+        if not self.enabled:
+            return
+        if self.monitor:
+            self._monitor = GAPMonitor(self.model, interval=self.interval, params=self.params, grads=self.grads,
+                                       activations=self.activations, activation_grads=self.activation_grads,
+                                       per_sample_grad_norms=self.per_sample_grad_norms)
+        if self.dump_gradients:
+            sampled = self.dump_gradients_save_first_n is not None
+            self._dumper = GradientDumper(
+                self.model, self._dump_dir(), start_step=self.dump_gradients_start_step,
+                step_interval=self.dump_gradients_step_interval, end_step=self.dump_gradients_end_step,
+                mode="sampled" if sampled else "full", save_first_n=self.dump_gradients_save_first_n)
+
+    def pre_step(self, batch: dict[str, Any]):
+        if self._monitor is not None:
+            ids = batch.get("input_ids")
+            self._monitor.begin_step(self.step, batch_size=int(ids.shape[0]) if ids is not None else None)
+            self._in_step = True
+
+    def pre_optim_step(self):
+        if self._monitor is not None and self._in_step:
+            self._in_step = False
+            for name, value in self._monitor.end_step().items():
+                self.trainer.record_metric(name, value)  # identical on every rank: no reduction
+        if self._dumper is not None:
+            self._dumper.maybe_dump(self.step)
+
+    def close(self):
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        if self._dumper is not None:
+            self._dumper.close()
+            self._dumper = None

@@ -1,0 +1,153 @@
+"""gapmon inside transformers.Trainer, Lightning and OLMo-core, with the real packages on CPU.
+
+Each test checks that metrics reach the framework's own logging, at the right steps, and that the
+gradient statistics are those of the accumulated gradients the optimizer sees (recorded
+independently by a second callback at the same point)."""
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gapmon
+from gapmon.integrations import require
+
+
+def test_import_gapmon_loads_no_framework():
+    code = ("import sys, gapmon; bad = [m for m in ('transformers', 'lightning', 'olmo_core') if m in sys.modules];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_framework_names_the_package():
+    with pytest.raises(ImportError, match="pip install no-such-framework"):
+        require("no_such_framework", "example", "no-such-framework")
+
+
+# ------------------------------------------------------------------ Hugging Face
+def test_huggingface_trainer_with_gradient_accumulation(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from gapmon.integrations.huggingface import attach
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=31, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    data = [{"input_ids": torch.randint(0, 31, (8,)), "labels": torch.randint(0, 31, (8,))} for _ in range(16)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        logging_steps=1000, report_to=[], save_strategy="no", use_cpu=True, max_grad_norm=0.0,
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    seen = {}
+
+    class Recorder(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # runs after gapmon's
+            seen[state.global_step + 1] = model.transformer.h[0].mlp.c_fc.weight.grad.norm().item()
+
+    attach(trainer, interval=1)
+    trainer.add_callback(Recorder())
+    trainer.train()
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "gap/global_batch_size" in entry}
+    assert sorted(logged) == [1, 2, 3]
+    for step, entry in logged.items():
+        assert entry["gap/global_batch_size"] == 4  # 2 samples x 2 accumulated micro-batches
+        assert entry["gap/grads/transformer.h.0.mlp.c_fc.weight/norm"] == pytest.approx(seen[step], rel=1e-5)
+        assert "gap/activations/transformer.h.1.attn/max" in entry
+
+
+# ------------------------------------------------------------------ Lightning
+def test_lightning_trainer_logs_to_its_loggers(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Logger(pl.loggers.Logger):
+        name, version = "memory", 0
+        records: list = []
+
+        @property
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            self.records.append((step, dict(metrics)))
+
+    grads = {}
+
+    class Recorder(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads[trainer.global_step] = pl_module.net[0].weight.grad.norm().item()
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    gap = GAPMonitorCallback(interval=1)
+    logger = Logger()
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", logger=logger,
+                         callbacks=[gap, Recorder()], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), log_every_n_steps=1)
+    trainer.fit(Module(), loader)
+    gap_records = {step: m for step, m in logger.records if "gap/global_batch_size" in m}
+    assert sorted(gap_records) == [0, 1, 2]
+    for step, metrics in gap_records.items():
+        assert metrics["gap/global_batch_size"] == 6  # 3 samples x 2 accumulated batches
+        assert metrics["gap/grads/net.0.weight/norm"] == pytest.approx(grads[step], rel=1e-5)
+        assert "gap/activations/net.1/max" in metrics
+
+
+# ------------------------------------------------------------------ OLMo-core
+def test_olmo_core_callback_driven_as_the_trainer_drives_it(tmp_path):
+    pytest.importorskip("olmo_core")
+    from olmo_core.train.callbacks.callback import Callback
+
+    from gapmon.integrations.olmo import GAPMonitorCallback
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    recorded: dict[int, dict[str, float]] = {}
+    trainer = SimpleNamespace(train_module=SimpleNamespace(model=model), global_step=0, save_folder=str(tmp_path),
+                              work_dir=tmp_path / "work")
+    trainer.record_metric = lambda name, value, **kw: recorded.setdefault(trainer.global_step, {}).__setitem__(name, value)
+    callback = GAPMonitorCallback(interval=2, dump_gradients=True, dump_gradients_save_first_n=4)
+    assert isinstance(callback, Callback)
+    callback.trainer = trainer
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    callback.pre_train()
+    grad_norms = {}
+    for step in (1, 2, 3, 4):  # the Trainer increments global_step, then pre_step, train_batch, pre_optim_step
+        trainer.global_step = step
+        ids = torch.randint(0, 20, (4, 5))
+        callback.pre_step({"input_ids": ids})
+        for micro in ids.split(2):  # two micro-batches
+            nn.functional.cross_entropy(model(micro).flatten(0, 1), micro.flatten()).backward()
+        grad_norms[step] = model[1].weight.grad.norm().item()
+        callback.pre_optim_step()
+        opt.step()
+        opt.zero_grad()
+        callback.post_step()
+    callback.close()
+    assert sorted(recorded) == [2, 4]  # interval=2
+    for step in (2, 4):
+        metrics = recorded[step]
+        assert metrics["gap/grads/1.weight/norm"] == pytest.approx(grad_norms[step], rel=1e-5)
+        assert {"gap/params/1.weight/max", "gap/params/1.weight/mean", "gap/params/1.weight/var",
+                "gap/activations/1/max", "gap/activation_grads/1/var"} <= set(metrics)
+    assert gapmon.reconstruct.list_steps(tmp_path / "gradients") == ([1, 2, 3, 4], [])
+    sampled = gapmon.reconstruct_gradients(tmp_path / "gradients", 4)
+    assert sampled["1.weight"].shape == (4, 4)
