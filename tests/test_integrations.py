@@ -151,3 +151,66 @@ def test_olmo_core_callback_driven_as_the_trainer_drives_it(tmp_path):
     assert gapmon.reconstruct.list_steps(tmp_path / "gradients") == ([1, 2, 3, 4], [])
     sampled = gapmon.reconstruct_gradients(tmp_path / "gradients", 4)
     assert sampled["1.weight"].shape == (4, 4)
+
+
+LIGHTNING_FSDP2 = '''
+import json, sys, torch, torch.nn as nn, lightning.pytorch as pl
+from torch.distributed.fsdp import fully_shard
+from gapmon.integrations.lightning import GAPMonitorCallback
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for m in (self.net[0], self.net[2]):
+            fully_shard(m, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.net(x) - y) ** 2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+out = {"logged": {}, "full_norm": {}}
+class Logger(pl.loggers.Logger):
+    name, version = "memory", 0
+    @property
+    def experiment(self): return None
+    def log_hyperparams(self, *a, **k): pass
+    def log_metrics(self, metrics, step=None):
+        out["logged"][step] = metrics["gap/grads/net.0.weight/norm"]
+class Recorder(pl.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        out["full_norm"][trainer.global_step] = pl_module.net[0].weight.grad.full_tensor().norm().item()
+    def on_fit_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            json.dump(out, open(sys.argv[1], "w"))
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 1))
+trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=2, logger=Logger(),
+                     strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                     callbacks=[GAPMonitorCallback(), Recorder()], enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=3))
+'''
+
+
+@pytest.mark.multiprocess
+def test_lightning_fsdp2_reports_full_tensor_statistics(tmp_path):
+    """Lightning's ModelParallelStrategy (FSDP2) over 2 CPU processes: gradient statistics are those
+    of the full, unsharded gradients. (Lightning's FSDPStrategy needs a GPU.)"""
+    pytest.importorskip("lightning.pytorch")
+    import json
+
+    script, result = tmp_path / "fit.py", tmp_path / "out.json"
+    script.write_text(LIGHTNING_FSDP2)
+    proc = subprocess.run([sys.executable, str(script), str(result)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(result.read_text())
+    assert sorted(out["logged"]) == ["0", "1"]
+    for step, norm in out["logged"].items():
+        assert norm == pytest.approx(out["full_norm"][step], rel=1e-5)

@@ -6,8 +6,9 @@
 A step starts at the first batch of each gradient-accumulation window and ends in
 `on_before_optimizer_step`: gradient statistics are those of the accumulated gradients, taken
 before Lightning clips them. Metrics go to every logger of the Trainer (`trainer.loggers`) at the
-Trainer's global step. Under Lightning's FSDP strategies the module's parameters are sharded, and
-GAPMonitor reports the statistics of the full tensors.
+Trainer's global step. Under `ModelParallelStrategy` (FSDP2, `fully_shard` in `configure_model`)
+the statistics are those of the full, unsharded tensors (tested with 2 CPU processes). Lightning's
+`FSDPStrategy` (FSDP1) needs a GPU; GAPMonitor handles FSDP1 with `use_orig_params=True`.
 """
 from __future__ import annotations
 
