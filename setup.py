@@ -7,7 +7,19 @@ import os
 import sys
 
 from setuptools import setup
-from torch.utils import cpp_extension
+
+# The extension must be compiled against the torch it will run with, so the build uses the
+# environment's torch (pip install --no-build-isolation). An isolated build has no torch: say so in
+# one line, at once, rather than compile against another torch pulled into the build.
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    sys.exit("gapmon: torch is not importable in this build environment. Install torch first, then build "
+             "without isolation: pip install --no-build-isolation -e .")
+if "pip-build-env" in torch.__file__:
+    sys.exit("gapmon: this is an isolated build (torch from a temporary build environment); build against your "
+             "own torch instead: pip install --no-build-isolation -e .")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -16,7 +28,7 @@ def want_cuda() -> bool:
     flag = os.environ.get("GAPMON_CUDA")
     if flag == "0":
         return False
-    available = cpp_extension.CUDA_HOME is not None and __import__("torch").version.cuda is not None
+    available = cpp_extension.CUDA_HOME is not None and torch.version.cuda is not None
     if flag == "1" and not available:
         raise RuntimeError("GAPMON_CUDA=1 but torch has no CUDA or nvcc was not found (set CUDA_HOME)")
     return available
@@ -42,6 +54,10 @@ def extension():
         return cpp_extension.CppExtension(
             "gapmon._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
         )
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # No GPU to ask: build for the data-centre GPUs the kernels are tuned for (A100, H100/H200).
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        print("gapmon: no GPU visible, building the CUDA kernels for TORCH_CUDA_ARCH_LIST=8.0;9.0", file=sys.stderr)
     sources += rel([os.path.join(ROOT, "csrc", "cuda_ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     return cpp_extension.CUDAExtension(

@@ -75,7 +75,8 @@ def norm_evolution(grad_dir: str | Path, steps: list[int] | None = None) -> dict
 
 
 def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
-    """Gradients from a reconstruction: a step*_all_gradients.safetensors file or the directory holding one."""
+    """Gradients from a reconstruction: a step*_all_gradients .safetensors or .pt file (as
+    `gapmon reconstruct --format pt` writes it), or the directory holding one .safetensors file."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -86,6 +87,14 @@ def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
         path = files[0]
     if not path.exists():
         raise DumpError(f"{path} does not exist")
+    if path.suffix == ".pt":
+        try:  # weights_only: tensors in a dict, never arbitrary pickled objects
+            grads = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise DumpError(f"{path} is not a readable tensor file: {e}") from e
+        if not isinstance(grads, dict) or not all(isinstance(v, torch.Tensor) for v in grads.values()):
+            raise DumpError(f"{path} does not hold a dict of tensors")
+        return grads
     try:
         return load_file(str(path))
     except Exception as e:

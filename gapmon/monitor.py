@@ -111,6 +111,7 @@ class GAPMonitor:
             from .per_sample import PerSampleGradNorms
 
             self.per_sample = PerSampleGradNorms(model)
+            self.per_sample.active = False  # on from begin_step to end_step of monitored steps
 
         self._step: int | None = None
         self._active = False
@@ -195,6 +196,8 @@ class GAPMonitor:
             raise RuntimeError("GAPMonitor.end_step: call begin_step(step, batch_size) before the forward pass")
         step, active = self._step, self._active
         self._step, self._active = None, False
+        if self.per_sample is not None:
+            self.per_sample.active = False  # off until the next begin_step: plain steps cost nothing
         if not active:
             return {}
         metrics, info = self._collect(step)

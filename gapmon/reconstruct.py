@@ -68,6 +68,8 @@ def _world_size(value: Any, path: Path) -> int:
 def read_config(grad_dir: str | Path) -> dict[str, Any]:
     """The validated config.json of a gradient dump (raises DumpError naming what is wrong)."""
     grad_dir = Path(grad_dir)
+    if not grad_dir.is_dir():
+        raise DumpError(f"gradient directory {grad_dir} does not exist")
     path = grad_dir / CONFIG
     if not path.exists():
         raise DumpError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
@@ -243,13 +245,15 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
     complete = _read_json_object(directory / COMPLETE, "the step's completion record")
     check_version(complete, directory / COMPLETE)
     mode = config.get("mode", "shards")
-    if mode == "shards":
-        return _load_shards(directory, config, complete, step, verify, progress)
-    if mode == "sampled":
-        return _load_sampled(directory)
-    if mode == "full":
-        return _load_full(directory)
-    raise DumpError(f"{grad_dir}/config.json names an unknown mode {mode!r}")
+    loaders = {"shards": lambda: _load_shards(directory, config, complete, step, verify, progress),
+               "sampled": lambda: _load_sampled(directory), "full": lambda: _load_full(directory)}
+    if mode not in loaders:
+        raise DumpError(f"{grad_dir}/{CONFIG} names an unknown mode {mode!r}")
+    grads = loaders[mode]()
+    if not grads:
+        raise DumpError(f"step {step} under {grad_dir} holds no gradients: the model had none when it was dumped "
+                        "(was maybe_dump called after zero_grad, or before backward?)")
+    return grads
 
 
 _MAX_NAME = 120

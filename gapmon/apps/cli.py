@@ -92,7 +92,10 @@ def _reconstruct(args: argparse.Namespace) -> int:
                                  fmt=args.format)
     if not args.quiet:
         total = sum(t.numel() for t in grads.values())
-        verified = " (replicas verified)" if args.verify else ""
+        replicas = int(config.get("num_replicas", 1))
+        verified = ""
+        if args.verify:
+            verified = f" ({replicas} replicas verified)" if replicas > 1 else " (one replica: nothing to compare)"
         print(f"step {args.step}: {len(grads)} gradients, {total:,} elements{verified} -> {args.output_dir}")
         if args.verbose:
             for f in files:
@@ -101,8 +104,9 @@ def _reconstruct(args: argparse.Namespace) -> int:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from ..reconstruct import list_steps
+    from ..reconstruct import list_steps, read_config
 
+    read_config(args.grad_dir)  # refuses a folder that is not a dump
     complete, incomplete = list_steps(args.grad_dir)
     print(f"complete:   {' '.join(map(str, complete)) or '-'}")
     print(f"incomplete: {' '.join(map(str, incomplete)) or '-'}")
@@ -124,8 +128,11 @@ def _compare(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gapmon", description="Gradient/activation/parameter monitoring for PyTorch.")
+    parser.add_argument("--verbose", action="store_true", help="more output; tracebacks on errors")
+    # Also accepted after the subcommand; SUPPRESS keeps a --verbose given before it.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", action="store_true", help="more output; tracebacks on errors")
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="more output; tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     add = sub.add_parser
 
@@ -136,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a small GPT with FSDP2 and every gapmon feature, then report")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default 2; with --device cuda one per GPU, at most 2; ignored under torchrun)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20,
+                   help="training steps, all monitored (3 plain/monitored timing pairs follow)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default="gapmon-demo", help="run directory (must be new or empty)")
     p.add_argument("--dump-every", type=int, default=5, help="dump gradients every K steps")
@@ -144,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_demo)
     p = sub.add_parser("report", help="plots and a markdown summary of a run directory")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory with metrics.jsonl (written by `gapmon demo` or a JSONLSink)")
     p.set_defaults(func=_report)
     p = sub.add_parser("info", help="show the active backend and instruction set")
     p.set_defaults(func=_info)
@@ -152,20 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(func=_example)
     p = sub.add_parser("reconstruct", help="rebuild full gradients of one dumped step")
-    p.add_argument("grad_dir")
-    p.add_argument("output_dir")
-    p.add_argument("--step", type=int, required=True)
+    p.add_argument("grad_dir", help="a GradientDumper directory (holds config.json)")
+    p.add_argument("output_dir", help="where the reconstructed files go (created if missing)")
+    p.add_argument("--step", type=int, required=True, help="the dumped step to rebuild")
     p.add_argument("--verify", action="store_true", help="compare every HSDP/DDP replica; fail on a mismatch")
     p.add_argument("--skip-individual", action="store_true", help="only write the combined file")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "pt"])
     p.set_defaults(func=_reconstruct)
     p = sub.add_parser("steps", help="list complete and incomplete dumped steps")
-    p.add_argument("grad_dir")
+    p.add_argument("grad_dir", help="a GradientDumper directory (holds config.json)")
     p.set_defaults(func=_steps)
     p = sub.add_parser("compare", help="compare two reconstructed steps (relative difference, cosine)")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="reconstructed gradients: a .safetensors or .pt file, or a directory holding one "
+                             "step*_all_gradients file")
+    p.add_argument("b", help="the other reconstructed gradients, as for A")
     p.set_defaults(func=_compare)
     return parser
 
@@ -174,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print(f"gapmon {args.command}: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # one clear line unless --verbose
         if args.verbose:
             raise

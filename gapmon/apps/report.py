@@ -105,9 +105,9 @@ def make_report(run_dir: str | Path) -> Path:
     act_max = _series(records, "activations", "max")
     top = sorted(act_max, key=lambda n: -max((v for _, v in act_max[n] if math.isfinite(v)), default=0))[:12]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name in top:
+    for i, name in enumerate(top):  # tab20: a distinct colour for each of up to 12 lines
         xs, ys = zip(*act_max[name])
-        ax.plot(xs, ys, label=name, linewidth=1.2)
+        ax.plot(xs, ys, label=name, linewidth=1.2, color=plt.cm.tab20(i % 20))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("max |activation|")
