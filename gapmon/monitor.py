@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -119,6 +120,10 @@ class GAPMonitor:
         self._batch_size = 0
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
         self._order = [0, 0]
+        # A tensor that several modules output (an MLP and its `down` projection) is read once: the
+        # outer module's hook finds the inner one's output and reports the inner module's statistics.
+        self._last_output: tuple[weakref.ref, int] | None = None
+        self._aliases: dict[int, int] = {}  # module index -> the module whose statistics it shares
         self.nonfinite_report: dict[str, Any] = {}
         self.closed = False
 
@@ -129,6 +134,13 @@ class GAPMonitor:
         out = first_tensor(output)
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return
+        if not torch.compiler.is_compiling():  # eager-only bookkeeping (as the order tracking below)
+            last = self._last_output
+            if last is not None and last[0]() is out:
+                if last[1] != index:
+                    self._aliases.setdefault(index, last[1])
+                return
+            self._last_output = (weakref.ref(out), index)
         # A forward pass inside backward is activation checkpointing recomputing this module: its
         # activations were counted already (the gradient hooks of exactly one of the passes fire).
         # The check is eager-only: Dynamo cannot trace it (compiled regions are not recomputed by it).
@@ -180,6 +192,7 @@ class GAPMonitor:
             self._acc.zero_()
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]
         self._order = [0, 0]
+        self._last_output, self._aliases = None, {}
         if self.per_sample is not None:
             self.per_sample.reset()
 
@@ -277,6 +290,15 @@ class GAPMonitor:
                           "mean": acc_row["sum_mean"] / instances, "var": acc_row["sum_var"] / instances,
                           "norm": acc_row["sum_norm"] / instances, "nonfinite": acc_row["nonfinite"]}
                 metrics.update({metric_name(kind, name, field): v for field, v in values.items()})
+        for index, source in self._aliases.items():  # modules that output the same tensor as another
+            name, source_name = self._modules[index][0], self._modules[source][0]
+            for kind in ("activations", "activation_grads"):
+                for field in FIELD_COLUMNS:
+                    key = metric_name(kind, source_name, field)
+                    if key in metrics:
+                        metrics[metric_name(kind, name, field)] = metrics[key]
+            for order in self._first_seen:
+                order[index] = order[source]
         if self._batch_size or global_batch:
             metrics[GLOBAL_BATCH_SIZE] = global_batch
         if self.per_sample is not None and ps_count > 0:

@@ -264,3 +264,25 @@ def test_activation_checkpointing_counts_once(monkeypatch, reentrant):
         folded.append(sorted(calls))
     assert folded[1] == folded[0]  # each module's activation and gradient folded exactly once
     assert_metrics_close(results[1], results[0], rtol=1e-5, atol=1e-7)
+
+
+def test_a_tensor_several_modules_output_is_read_once(monkeypatch):
+    """An MLP returns its `down` projection's output, an Attention its `proj`'s: each such tensor
+    (and its gradient) is folded once and reported under every name."""
+    folded = []
+    real = gapmon.ops.accumulate_instance_stats
+    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats", lambda *a, **k: (folded.append(a[2]), real(*a, **k)))
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        mon.begin_step(0, batch_size=2)
+        _train_step(model, [synthetic_batch(CFG, 2, 0)])
+        metrics = mon.end_step()
+    names = [n for n, _ in model.named_modules() if n]  # the monitor's rows: every module but the root
+    m = len(names)
+    rows = {names[r % m] for r in folded}
+    assert "blocks.0.mlp.down" in rows and "blocks.0.mlp" not in rows and "blocks.1.attn" not in rows
+    assert len(folded) == len(set(folded))  # no row folded twice in one micro-batch
+    for kind in ("activations", "activation_grads"):
+        for outer, inner in (("blocks.0.mlp", "blocks.0.mlp.down"), ("blocks.1.attn", "blocks.1.attn.proj")):
+            for field in ("max", "mean", "var", "norm", "nonfinite"):
+                assert metrics[f"gap/{kind}/{outer}/{field}"] == metrics[f"gap/{kind}/{inner}/{field}"]
