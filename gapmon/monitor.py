@@ -310,6 +310,11 @@ class GAPMonitor:
 
     def _localise_nonfinite(self, metrics: dict[str, float], step: int) -> dict[str, Any]:
         """Names the first module (forward, then backward order) and the tensors with non-finite values."""
+        self.nonfinite_report = {}
+        # Fast path, every healthy step: a NaN or Inf element makes its mean or max non-finite, so
+        # all-finite metrics mean nothing to localise (and no metric name needs parsing).
+        if all(math.isfinite(v) for v in metrics.values()):
+            return {}
         bad: dict[str, list[str]] = {}
         for key, value in metrics.items():
             parsed = parse_metric_name(key)
@@ -319,7 +324,6 @@ class GAPMonitor:
             if (field == "nonfinite" and value > 0) or (field in ("mean", "max") and not math.isfinite(value)):
                 if name not in bad.setdefault(kind, []):
                     bad[kind].append(name)
-        self.nonfinite_report = {}
         if not bad:
             return {}
         report: dict[str, Any] = {}
