@@ -1,7 +1,8 @@
 // Per-sample squared gradient norms of Linear and Embedding weights without materialising
 // per-sample gradients. Composite ops built on ATen batched matmuls (so they run on CPU and
-// CUDA alike); the ghost forms tile over the sequence so that no [B, T, T] Gram matrix is
-// ever built, only [B, tile, tile] blocks.
+// CUDA alike). The ghost forms build the [B, T, T] Grams whole when they are small enough (one
+// batched product per layer: O(1) launches), and otherwise tile over the sequence so that only
+// [B, tile, tile] blocks exist.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -9,6 +10,18 @@
 
 namespace gapmon {
 namespace {
+
+// A Gram of at most this many elements (64 MiB in float32) is built whole by the default tile.
+constexpr int64_t kWholeGramElems = int64_t(1) << 24;
+constexpr int64_t kDefaultTile = 256;
+
+// tile == 0 (the default) picks the whole sequence when B * T * T fits kWholeGramElems, else
+// kDefaultTile; a positive tile is used as given (tests pass small ones to exercise the tiling).
+int64_t pick_tile(int64_t tile, int64_t b, int64_t t, const char* op) {
+  TORCH_CHECK_VALUE(tile >= 0, "gapmon.", op, ": tile must be 0 (automatic) or positive, got ", tile);
+  if (tile > 0) return tile;
+  return b * t * t <= kWholeGramElems ? std::max<int64_t>(t, 1) : kDefaultTile;
+}
 
 void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
   TORCH_CHECK_VALUE(a.dim() == 3 && g.dim() == 3 && a.size(0) == g.size(0) && a.size(1) == g.size(1), "gapmon.", op,
@@ -18,8 +31,8 @@ void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
 // sum_{t,s} (a_t . a_s)(g_t . g_s) per sample: the squared Frobenius norm of g^T a, via Grams.
 at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t tile) {
   check_pair(a, g, "ghost_norm_sq");
-  TORCH_CHECK_VALUE(tile > 0, "gapmon.ghost_norm_sq: tile must be positive, got ", tile);
   const int64_t t = a.size(1);
+  tile = pick_tile(tile, a.size(0), t, "ghost_norm_sq");
   at::Tensor out = at::zeros({a.size(0)}, a.options());
   for (int64_t i = 0; i < t; i += tile) {
     const at::Tensor ai = a.narrow(1, i, std::min(tile, t - i));
@@ -56,8 +69,8 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
   TORCH_CHECK_VALUE(ids.dim() == 2 && g.dim() == 3 && ids.size(0) == g.size(0) && ids.size(1) == g.size(1),
                     "gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(), " and ",
                     g.sizes());
-  TORCH_CHECK_VALUE(tile > 0, "gapmon.embedding_norm_sq: tile must be positive, got ", tile);
   const int64_t t = ids.size(1);
+  tile = pick_tile(tile, ids.size(0), t, "embedding_norm_sq");
   const at::Tensor valid = padding_idx >= 0 ? ids.ne(padding_idx) : at::ones_like(ids, ids.options().dtype(at::kBool));
   at::Tensor out = at::zeros({g.size(0)}, g.options());
   for (int64_t i = 0; i < t; i += tile) {
@@ -78,9 +91,9 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gapmon, m) {
-  m.def("ghost_norm_sq(Tensor a, Tensor g, int tile=256) -> Tensor");
+  m.def("ghost_norm_sq(Tensor a, Tensor g, int tile=0) -> Tensor");
   m.def("direct_norm_sq(Tensor a, Tensor g, int max_elements=67108864) -> Tensor");
-  m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int tile=256) -> Tensor");
+  m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int tile=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gapmon, CompositeExplicitAutograd, m) {

@@ -212,8 +212,10 @@ def test_bad_monitor_correction_and_norm_tile():
     with pytest.raises(ValueError, match="correction"):
         gapmon.GAPMonitor(nn.Linear(2, 2), correction="x", sinks=[])
     if gapmon.backend() != "torch":
+        ids, g = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, 2)
         with pytest.raises(ValueError, match="tile"):
-            torch.ops.gapmon.embedding_norm_sq(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, 2), -1, 0)
+            torch.ops.gapmon.embedding_norm_sq(ids, g, -1, -4)
+        assert torch.ops.gapmon.embedding_norm_sq(ids, g, -1, 0).item() == 18.0  # 0: automatic, never a hang; 3 x 3 pairs of g_t . g_s = 2
 
 
 def test_stale_temp_files_are_removed_on_start(tmp_path):

@@ -117,3 +117,23 @@ def test_second_backward_through_same_graph_is_refused():
     with pytest.raises(RuntimeError, match="second backward"):
         out.backward()
     psn.close()
+
+
+def test_ghost_norm_is_one_product_per_layer_when_the_grams_fit():
+    """The default tile builds small Grams whole: O(1) batched matmuls per layer (counted by the
+    profiler), with the same result as the tiled form."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled ops")
+    a, g = torch.randn(2, 300, 8, dtype=torch.float64), torch.randn(2, 300, 5, dtype=torch.float64)
+
+    def bmm_calls(tile):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = torch.ops.gapmon.ghost_norm_sq(a, g, tile)
+        return out, sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+
+    whole, n_whole = bmm_calls(0)
+    tiled, n_tiled = bmm_calls(64)
+    assert n_whole == 2 and n_tiled == 2 * 15  # 5 tiles: 15 tile pairs
+    want = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+    torch.testing.assert_close(whole, want)
+    torch.testing.assert_close(tiled, want)
