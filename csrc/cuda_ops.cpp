@@ -49,9 +49,12 @@ cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at
   return table;
 }
 
-// Runs the statistics kernels over `views`: float64 statistics rows, or float64 states if `as_states`.
+// Runs the statistics kernel over `views`: float64 statistics rows, or float64 states if `as_states`.
+// With `acc_row`, the rows are also folded into that accumulator row in the same launch. One
+// allocation holds the scratch (chunk states for items of several chunks, zeroed counters); an item
+// of one chunk needs neither, so a small tensor costs one output allocation and one launch.
 at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::Device& device, int64_t correction,
-               bool as_states, const char* op) {
+               bool as_states, const char* op, double* acc_row = nullptr) {
   const c10::cuda::CUDAGuard guard(device);
   const auto opts = at::TensorOptions().device(device);
   at::Tensor out = at::empty({rows, int64_t(as_states ? int(core::kNumStateColumns) : int(core::kNumStats))},
@@ -61,17 +64,27 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
   const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
   at::Tensor table_storage;
   const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
-  at::Tensor scratch = at::empty({total_chunks, core::kNumStateColumns}, opts.dtype(at::kDouble));
   int64_t max_chunks_per_item = 0, max_item_numel = 0;
   for (const auto& v : views) {
     max_chunks_per_item = std::max(max_chunks_per_item, v.chunks_per_item);
     max_item_numel = std::max(max_item_numel, v.item_numel);
   }
-  check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, max_item_numel,
-                                  scratch.data_ptr<double>(),
-                                  as_states ? nullptr : out.data_ptr<double>(),
-                                  as_states ? out.data_ptr<double>() : nullptr, correction, stream),
-               op);
+  cuda::StatsTargets targets;
+  (as_states ? targets.out_states : targets.out_stats) = out.data_ptr<double>();
+  targets.correction = correction;
+  targets.acc_row = acc_row;
+  at::Tensor scratch;
+  if (cuda::needs_counters(max_chunks_per_item, acc_row != nullptr)) {
+    const int64_t state_bytes =
+        cuda::needs_chunk_states(max_chunks_per_item) ? total_chunks * core::kNumStateColumns * int64_t(sizeof(double)) : 0;
+    const int64_t counter_bytes = (rows + 1) * int64_t(sizeof(unsigned));
+    scratch = at::empty({state_bytes + counter_bytes}, opts.dtype(at::kByte));
+    auto* base = static_cast<char*>(scratch.data_ptr());
+    if (state_bytes > 0) targets.chunk_states = reinterpret_cast<double*>(base);
+    targets.counters = reinterpret_cast<unsigned*>(base + state_bytes);
+    check_launch(cudaMemsetAsync(targets.counters, 0, counter_bytes, stream), op);
+  }
+  check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, max_item_numel, targets, stream), op);
   return out;
 }
 
@@ -135,11 +148,8 @@ void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_
   const c10::cuda::CUDAGuard guard(x.device());  // the fold below runs on x's device too, not the current one
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> views{make_view(x, 1, "accumulate_instance_stats", keep_alive)};
-  const at::Tensor stats = run(views, x.size(0), x.device(), correction, false, "accumulate_instance_stats");
-  check_launch(cuda::launch_accumulate_instances(stats.data_ptr<double>(), x.size(0),
-                                                 acc.data_ptr<double>() + row * core::kNumAccColumns,
-                                                 c10::cuda::getCurrentCUDAStream()),
-               "accumulate_instance_stats");
+  run(views, x.size(0), x.device(), correction, false, "accumulate_instance_stats",
+      acc.data_ptr<double>() + row * core::kNumAccColumns);
 }
 
 }  // namespace

@@ -107,11 +107,19 @@ void run(const Case& c, double copy_gbps) {
   table.inline_views[0] = v;
   double* scratch = nullptr;
   double* out = nullptr;
+  unsigned* counters = nullptr;
   check(cudaMalloc(&scratch, chunks * core::kNumStateColumns * sizeof(double)), "cudaMalloc scratch");
   check(cudaMalloc(&out, c.rows * core::kNumStats * sizeof(double)), "cudaMalloc out");
+  check(cudaMalloc(&counters, (c.rows + 1) * sizeof(unsigned)), "cudaMalloc counters");
+  cuda::StatsTargets targets;
+  targets.out_stats = out;
+  targets.correction = 1;
+  targets.chunk_states = scratch;
+  targets.counters = counters;
+  // As csrc/cuda_ops.cpp does: the counters zeroed before each launch.
   auto call = [&] {
-    check(cuda::launch_stats(table, chunks, c.rows, v.chunks_per_item, v.item_numel, scratch, out, nullptr, 1, nullptr),
-          "launch_stats");
+    check(cudaMemsetAsync(counters, 0, (c.rows + 1) * sizeof(unsigned), nullptr), "memset counters");
+    check(cuda::launch_stats(table, chunks, c.rows, v.chunks_per_item, v.item_numel, targets, nullptr), "launch_stats");
   };
   call();
   std::vector<double> got(c.rows * core::kNumStats);
@@ -140,6 +148,7 @@ void run(const Case& c, double copy_gbps) {
   cudaFree(data);
   cudaFree(scratch);
   cudaFree(out);
+  cudaFree(counters);
 }
 
 }  // namespace

@@ -143,20 +143,42 @@ GAPMON_HD block_t block_shift(const State<acc_t>& running, block_t first_element
   return is_finite(first_element) ? first_element : block_t(0);
 }
 
-// Per-lane accumulation of one element into shifted sums. Written branch-free so that
-// compilers vectorise lanes of it (CPU) and it maps to a few instructions per thread (CUDA).
-// `largest` is the largest finite value of block_t: |x| > inf (or NaN) counts as non-finite.
-template <typename block_t>
-GAPMON_HD void accumulate(block_t x, block_t shift, block_t largest, block_t& s1, block_t& s2,
-                          block_t& sq, block_t& mx, int32_t& nonfinite, int32_t& zeros) {
+// max(mx, |x|), ignoring a NaN x (block_to_state restores NaN from the sum of squares). On a GPU one
+// FMNMX with an |x| operand; on the CPU a form that compilers vectorise.
+template <typename T>
+GAPMON_HD T max_abs_update(T mx, T x) {
+#if defined(__CUDA_ARCH__)
+  return fmax(mx, fabs(x));
+#else
+  const T a = x < T(0) ? -x : x;
+  return a > mx ? a : mx;
+#endif
+}
+
+// Per-lane accumulation of one element into shifted sums, without the non-finite count: for
+// callers that detect NaN/Inf afterwards from the sums, which they make non-finite (the CUDA
+// kernels, core::GroupAccumulator). Written branch-free so that compilers vectorise lanes of it
+// (CPU) and it maps to a few instructions per thread (CUDA). count_t may be a float type when the
+// caller's groups are short enough to count exactly in it (a select and an add on a GPU).
+template <typename block_t, typename count_t>
+GAPMON_HD void accumulate_finite(block_t x, block_t shift, block_t& s1, block_t& s2, block_t& sq, block_t& mx,
+                                 count_t& zeros) {
   const block_t d = x - shift;
   s1 += d;
   s2 += d * d;
   sq += x * x;
+  mx = max_abs_update(mx, x);
+  zeros += (x == block_t(0)) ? count_t(1) : count_t(0);
+}
+
+// accumulate_finite, and the non-finite count. `largest` is the largest finite value of block_t:
+// |x| > largest (or NaN) counts as non-finite.
+template <typename block_t, typename count_t>
+GAPMON_HD void accumulate(block_t x, block_t shift, block_t largest, block_t& s1, block_t& s2,
+                          block_t& sq, block_t& mx, int32_t& nonfinite, count_t& zeros) {
+  accumulate_finite(x, shift, s1, s2, sq, mx, zeros);
   const block_t a = x < block_t(0) ? -x : x;
-  mx = a > mx ? a : mx;  // ignores NaN here; block_to_state restores it from sq
   nonfinite += (a <= largest) ? 0 : 1;
-  zeros += (x == block_t(0)) ? 1 : 0;
 }
 
 // Converts the shifted sums of n elements (all accumulated with the same shift) into a State.

@@ -1,8 +1,9 @@
 // CUDA statistics kernels. Every thread folds its elements into a double-precision core::State
 // with core::GroupAccumulator (groups of about kGroup elements, csrc/core/group_acc.h); the threads
 // that share a chunk (a block, or a warp for short items) merge with Chan's rule over warp shuffles
-// and shared memory in a fixed order, and write the chunk's state. A second kernel merges each
-// item's chunks in order. No float atomics: results are bit-identical run to run.
+// and shared memory in a fixed order. In the same launch, the group that finishes an item's last
+// chunk (counted with an integer atomic) merges the item's chunks in chunk order. No float atomics
+// and no order that depends on timing: results are bit-identical run to run.
 // Kernels are launched through GAPMON_LAUNCH so that tests/cpp/cuda_emulator.h can run this file.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -31,8 +32,11 @@ using core::State;
 using core::StridedView;
 
 constexpr int kThreads = 256;
-// Items of at most this many chunks are merged by one thread each, longer ones by a block each.
-constexpr int64_t kShortItemChunks = 8;
+// Resident blocks per SM that the statistics kernel is compiled for: 4 x 256 threads caps it at 64
+// registers and doubles the loads in flight over the 2 blocks (128 registers) of the first H100
+// run, whose ncu profile showed a latency-bound kernel at 25% occupancy. tests/cpp/check_kernels.py
+// checks the count and that the element loops use no local memory.
+constexpr int kMinBlocksPerSM = 4;
 // When every item holds at most kWarpItemElems elements and there are at least kWarpMinChunks
 // chunks (enough warps to fill the GPU), each chunk is read by a warp instead of a block: a short
 // row then costs a warp's merge tree rather than a block's barriers and shared-memory round.
@@ -121,9 +125,9 @@ struct ChunkGroup {
 };
 
 // Accumulates lane `lane` (of kLanes)'s share of one run of `len` elements with element stride
-// `stride` into `acc`, whose block precision (float, or double when redoing an overflowed chunk)
-// may exceed T's. Unit-stride runs use 16-byte loads on the aligned body (core::walk_vectors) and
-// scalar loads on the head and tail.
+// `stride` into `acc`, whose block precision (float, or double when redoing a chunk) may exceed
+// T's. Unit-stride runs use 16-byte loads on the aligned body (core::walk_vectors) and scalar loads
+// on the head and tail.
 template <int kLanes, typename T, typename Acc>
 __device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t stride, int lane, Acc& acc) {
   using block_t = decltype(acc.s1);
@@ -143,117 +147,188 @@ __device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t 
   const uint4* vec = reinterpret_cast<const uint4*>(p + head);
   core::walk_vectors(
       nvec, lane, kLanes, [&](int64_t v) { return __ldg(vec + v); },
-      [&](const uint4& bits) {
+      [&](const uint4& bits, bool first_of_batch) {
         T vals[kPerVec];
         memcpy(static_cast<void*>(vals), &bits, 16);
         block_t xs[kPerVec];
 #pragma unroll
         for (int k = 0; k < kPerVec; ++k) xs[k] = static_cast<block_t>(Elem<T>::load(vals[k]));
-        acc.push(xs, largest);
-      });
+        acc.push(xs, largest, first_of_batch);
+      },
+      [&] { acc.end_batch(); });
   for (int64_t i = head + nvec * kPerVec + lane; i < len; i += kLanes) push(p[i]);
 }
 
-// This thread's share of the elements [lo, hi) of `item`, accumulated in block precision block_t.
-template <int kLanes, typename T, typename block_t>
-__device__ State<double> thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi, bool& overflow) {
-  core::GroupAccumulator<block_t> acc;
-  const T* data = static_cast<const T*>(v.data);
-  const int lane = ChunkGroup<kLanes>::lane();
-  core::RowCursor rows(v, item, lo, hi);
-  int64_t offset, len, stride;
-  while (rows.next(offset, len, stride)) accumulate_run<kLanes, T>(data + offset, len, stride, lane, acc);
-  acc.flush();
-  overflow = acc.overflow;
-  return acc.state;
+// Whether an item's elements are one unit-stride run (or a single element, or none).
+__device__ __forceinline__ bool is_contiguous(const StridedView& v) {
+  return v.ndim == 0 || (v.ndim == 1 && v.strides[0] == 1);
 }
 
-// This thread's share of a chunk. If any thread's float sums overflowed on finite elements
-// (|x| above ~1e19), the whole group redoes the chunk in double, as the CPU kernels do.
-template <int kLanes, typename T>
-__device__ State<double> chunk_thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi) {
-  using block_t = typename Elem<T>::block;
-  bool overflow = false;
-  State<double> s = thread_state<kLanes, T, block_t>(v, item, lo, hi, overflow);
-  if constexpr (!std::is_same<block_t, double>::value) {
-    if (ChunkGroup<kLanes>::any(overflow)) s = thread_state<kLanes, T, double>(v, item, lo, hi, overflow);
+// Folds this thread's share of the elements [lo, hi) of `item` into `state`, in block precision
+// block_t. Returns whether the float sums must be redone (core::GroupAccumulator::redo).
+template <int kLanes, typename T, typename block_t, bool kCountNonfinite>
+__device__ __forceinline__ bool accumulate_chunk(const StridedView& v, int64_t item, int64_t lo, int64_t hi,
+                                                 State<double>& state) {
+  core::GroupAccumulator<block_t, kCountNonfinite, sizeof(T) == 2 ? 2 * core::kGroup : core::kGroup> acc(state);
+  const T* data = static_cast<const T*>(v.data);
+  const int lane = ChunkGroup<kLanes>::lane();
+  if (is_contiguous(v)) {
+    accumulate_run<kLanes, T>(data + item * v.item_stride + lo, hi - lo, 1, lane, acc);
+  } else {
+    core::RowCursor rows(v, item, lo, hi);
+    int64_t offset, len, stride;
+    while (rows.next(offset, len, stride)) accumulate_run<kLanes, T>(data + offset, len, stride, lane, acc);
   }
-  return s;
+  acc.flush();
+  return acc.redo;
+}
+
+// The double-precision pass that counts non-finite elements one by one: the first pass of float64
+// inputs, and the second pass of a chunk whose float sums were not finite. Kept out of line so that
+// its registers do not weigh on the float pass.
+template <int kLanes, typename T>
+__device__ __noinline__ void accumulate_chunk_in_double(const StridedView& v, int64_t item, int64_t lo, int64_t hi,
+                                                        State<double>& state) {
+  state = State<double>();
+  accumulate_chunk<kLanes, T, double, true>(v, item, lo, hi, state);
+}
+
+// Folds this thread's share of a chunk into `state` (this thread's slot in shared memory). If any
+// thread of the group saw non-finite float sums (NaN/Inf elements, or finite ones above ~1e19 whose
+// squares overflow), the whole group reads the chunk again in double, counting non-finite elements
+// one by one: non-finite chunks cost a second read, finite ones skip that count per element.
+template <int kLanes, typename T>
+__device__ __forceinline__ void chunk_thread_state(const StridedView& v, int64_t item, int64_t lo, int64_t hi,
+                                                   State<double>& state) {
+  using block_t = typename Elem<T>::block;
+  if constexpr (std::is_same<block_t, double>::value) {
+    accumulate_chunk_in_double<kLanes, T>(v, item, lo, hi, state);
+  } else {
+    state = State<double>();
+    const bool redo = accumulate_chunk<kLanes, T, block_t, false>(v, item, lo, hi, state);
+    if (ChunkGroup<kLanes>::any(redo)) accumulate_chunk_in_double<kLanes, T>(v, item, lo, hi, state);
+  }
 }
 
 __device__ __forceinline__ const StridedView* views_of(const ViewTable& table) {
   return table.device != nullptr ? table.device : table.inline_views;
 }
 
-// The state of every chunk, kLanes threads per chunk (grid-stride over chunks).
+// Where chunk `c` lies: its view, output row, element range in its item, and index in the item.
+struct ChunkPlace {
+  const StridedView* view;
+  int64_t item, row, lo, hi, index_in_item;
+};
+
+__device__ __forceinline__ ChunkPlace place_of(const StridedView* views, int64_t num_views, int64_t c) {
+  ChunkPlace p;
+  p.view = views + core::find_view(views, num_views, c);
+  const int64_t local = c - p.view->first_chunk;
+  p.item = local / p.view->chunks_per_item;
+  p.row = p.view->out_row + p.item;
+  p.index_in_item = local % p.view->chunks_per_item;
+  p.lo = p.index_in_item * core::kChunkElems;
+  p.hi = p.lo + core::kChunkElems < p.view->item_numel ? p.lo + core::kChunkElems : p.view->item_numel;
+  return p;
+}
+
+// Folds this thread's share of chunk `c` into `state`. Out of line, and given only what locates the
+// chunk: the kernel's own loop state then waits in the call's saved registers rather than
+// competing with the element loop for registers.
 template <int kLanes>
-__global__ void __launch_bounds__(kThreads, 2) chunk_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks,
-                                                         double* chunk_states) {
-  using Group = ChunkGroup<kLanes>;
-  const StridedView* views = views_of(table);
-  const int64_t stride = int64_t(gridDim.x) * Group::kPerBlock;
-  for (int64_t c = int64_t(blockIdx.x) * Group::kPerBlock + Group::index(); c < total_chunks; c += stride) {
-    const StridedView& v = views[core::find_view(views, table.num, c)];
-    const int64_t local = c - v.first_chunk;
-    const int64_t item = local / v.chunks_per_item;
-    const int64_t lo = (local % v.chunks_per_item) * core::kChunkElems;
-    const int64_t hi = lo + core::kChunkElems < v.item_numel ? lo + core::kChunkElems : v.item_numel;
-    State<double> s;
-    switch (v.dtype) {
-      case DType::kFloat32: s = chunk_thread_state<kLanes, float>(v, item, lo, hi); break;
-      case DType::kFloat64: s = chunk_thread_state<kLanes, double>(v, item, lo, hi); break;
-      case DType::kFloat16: s = chunk_thread_state<kLanes, __half>(v, item, lo, hi); break;
-      case DType::kBFloat16: s = chunk_thread_state<kLanes, __nv_bfloat16>(v, item, lo, hi); break;
-    }
-    s = Group::merge(s);
-    if (Group::lane() == 0) core::store_state(s, chunk_states + c * core::kNumStateColumns);
-    Group::sync();
+__device__ __noinline__ void read_chunk(const StridedView* views, int64_t num_views, int64_t c, State<double>& state) {
+  const ChunkPlace at = place_of(views, num_views, c);
+  const StridedView& v = *at.view;
+  switch (v.dtype) {
+    case DType::kFloat32: chunk_thread_state<kLanes, float>(v, at.item, at.lo, at.hi, state); break;
+    case DType::kFloat64: chunk_thread_state<kLanes, double>(v, at.item, at.lo, at.hi, state); break;
+    case DType::kFloat16: chunk_thread_state<kLanes, __half>(v, at.item, at.lo, at.hi, state); break;
+    case DType::kBFloat16: chunk_thread_state<kLanes, __nv_bfloat16>(v, at.item, at.lo, at.hi, state); break;
   }
 }
 
 // Writes row `row`'s merged state: finalised statistics and/or the raw state.
-__device__ __forceinline__ void write_row(State<double> s, const StridedView& v, int64_t row, double* out_stats,
-                                          double* out_states, int64_t correction) {
+__device__ __forceinline__ void write_row(State<double> s, const StridedView& v, int64_t row, const StatsTargets& out) {
   s = core::repeat(s, double(v.repeat));
-  if (out_stats != nullptr) core::finalize(s, correction, out_stats + row * core::kNumStats);
-  if (out_states != nullptr) core::store_state(s, out_states + row * core::kNumStateColumns);
+  if (out.out_stats != nullptr) core::finalize(s, out.correction, out.out_stats + row * core::kNumStats);
+  if (out.out_states != nullptr) core::store_state(s, out.out_states + row * core::kNumStateColumns);
 }
 
-__device__ __forceinline__ State<double> chunk_at(const double* chunk_states, int64_t c) {
-  return core::load_state(chunk_states + c * core::kNumStateColumns);
+// Reads `n` doubles that other blocks of this launch wrote, from L2 (L1 is not coherent).
+template <int n>
+__device__ __forceinline__ void load_from_l2(const double* src, double (&dst)[n]) {
+#pragma unroll
+  for (int k = 0; k < n; ++k) dst[k] = __ldcg(src + k);
 }
 
-// Items of a few chunks each (many small rows): one thread per row merges its chunks in order.
-__global__ void merge_short_items_kernel(const __grid_constant__ ViewTable table, int64_t rows,
-                                         const double* chunk_states, double* out_stats, double* out_states,
-                                         int64_t correction) {
-  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (row >= rows) return;
+// Another group's chunk state, published before its count (see publish_and_count).
+__device__ __forceinline__ State<double> published_chunk(const double* chunk_states, int64_t c) {
+  double row[core::kNumStateColumns];
+  load_from_l2(chunk_states + c * core::kNumStateColumns, row);
+  return core::load_state(row);
+}
+
+// Counts one more finished piece at `counter` (after a fence, so that what this thread wrote before
+// is visible to whoever counts last); true for the thread whose count completes `total`. That
+// thread fences again before it reads the other pieces.
+__device__ __forceinline__ bool count_and_check_last(unsigned* counter, int64_t total) {
+  __threadfence();
+  const bool last = atomicAdd(counter, 1u) == static_cast<unsigned>(total - 1);
+  if (last) __threadfence();
+  return last;
+}
+
+// Folds the finalised rows of every item into the accumulator row, in row order.
+__device__ void fold_rows(const double* stats, int64_t rows, double* acc_row) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double row[core::kNumStats];
+    load_from_l2(stats + r * core::kNumStats, row);
+    core::accumulate_instance(row, acc_row);
+  }
+}
+
+// Statistics of every item, in one launch: kLanes threads per chunk (grid-stride over chunks). An
+// item of one chunk is written by the group that reads it. For longer items every group publishes
+// its chunk's state and counts it; the group that counts an item's last chunk merges the item's
+// chunks in chunk order (lane t merges chunks t, t + kLanes, ..., then the group's fixed merge
+// tree), so the result does not depend on which group finishes last. With an accumulator row, the
+// group that writes the last row folds all rows, in row order.
+template <int kLanes>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) stats_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks,
+                                                         int64_t rows, const StatsTargets out) {
+  using Group = ChunkGroup<kLanes>;
+  // Each thread's running state, in shared memory rather than 14 registers (see group_acc.h).
+  __shared__ State<double> thread_states[kThreads];
   const StridedView* views = views_of(table);
-  const StridedView& v = views[core::find_view_by_row(views, table.num, row)];
-  const int64_t first = v.first_chunk + (row - v.out_row) * v.chunks_per_item;
-  State<double> s;
-  for (int64_t k = 0; k < v.chunks_per_item; ++k) s = core::merge(s, chunk_at(chunk_states, first + k));
-  write_row(s, v, row, out_stats, out_states, correction);
-}
-
-// Items of many chunks (a large tensor has thousands): one block per row. Thread t merges chunks
-// t, t + kThreads, ... in order, then the block tree merges the threads, also in a fixed order,
-// so a row of n chunks takes about n / kThreads dependent steps instead of n.
-__global__ void __launch_bounds__(kThreads) merge_long_items_kernel(const __grid_constant__ ViewTable table,
-                                                                    int64_t rows, const double* chunk_states,
-                                                                    double* out_stats, double* out_states,
-                                                                    int64_t correction) {
-  const StridedView* views = views_of(table);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const StridedView& v = views[core::find_view_by_row(views, table.num, row)];
-    const int64_t first = v.first_chunk + (row - v.out_row) * v.chunks_per_item;
-    State<double> s;
-#pragma unroll 4
-    for (int64_t k = threadIdx.x; k < v.chunks_per_item; k += kThreads) s = core::merge(s, chunk_at(chunk_states, first + k));
-    s = block_merge(s);
-    if (threadIdx.x == 0) write_row(s, v, row, out_stats, out_states, correction);
-    __syncthreads();  // warp_states is reused by the next row of this block
+  const int64_t stride = int64_t(gridDim.x) * Group::kPerBlock;
+  for (int64_t c = int64_t(blockIdx.x) * Group::kPerBlock + Group::index(); c < total_chunks; c += stride) {
+    State<double>& mine = thread_states[threadIdx.x];
+    read_chunk<kLanes>(views, table.num, c, mine);
+    const ChunkPlace at = place_of(views, table.num, c);
+    const StridedView& v = *at.view;
+    State<double> s = Group::merge(mine);
+    bool item_done = true;
+    if (v.chunks_per_item > 1) {
+      bool last = false;
+      if (Group::lane() == 0) {
+        core::store_state(s, out.chunk_states + c * core::kNumStateColumns);
+        last = count_and_check_last(out.counters + at.row, v.chunks_per_item);
+      }
+      item_done = Group::any(last);
+      if (item_done) {
+        const int64_t first = c - at.index_in_item;
+        State<double> merged;
+        for (int64_t k = Group::lane(); k < v.chunks_per_item; k += kLanes) {
+          merged = core::merge(merged, published_chunk(out.chunk_states, first + k));
+        }
+        s = Group::merge(merged);
+      }
+    }
+    if (item_done && Group::lane() == 0) {
+      write_row(s, v, at.row, out);
+      if (out.acc_row != nullptr && count_and_check_last(out.counters + rows, rows)) fold_rows(out.out_stats, rows, out.acc_row);
+    }
+    Group::sync();
   }
 }
 
@@ -282,34 +357,27 @@ __global__ void upload_kernel(const __grid_constant__ UploadPiece piece, int64_t
   for (int64_t i = threadIdx.x; i < words; i += blockDim.x) dst[i] = piece.words[i];
 }
 
-// One thread, rows in order: instance counts are small (a batch), and the order is fixed.
-__global__ void accumulate_instances_kernel(const double* stats, int64_t rows, double* acc_row) {
-  for (int64_t r = 0; r < rows; ++r) core::accumulate_instance(stats + r * core::kNumStats, acc_row);
-}
-
 int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / threads; }
 
 }  // namespace
 
 cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         int64_t max_item_numel, double* chunk_states, double* out_stats, double* out_states,
-                         int64_t correction, cudaStream_t stream) {
+                         int64_t max_item_numel, const StatsTargets& targets, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
+  const bool fold = targets.acc_row != nullptr;
+  if ((fold && targets.out_stats == nullptr) ||
+      (needs_chunk_states(max_chunks_per_item) && targets.chunk_states == nullptr) ||
+      (needs_counters(max_chunks_per_item, fold) && targets.counters == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
   if (max_item_numel <= kWarpItemElems && total_chunks >= kWarpMinChunks) {
     const int64_t blocks = blocks_for(total_chunks, ChunkGroup<32>::kPerBlock);
-    GAPMON_LAUNCH(chunk_kernel<32>, static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid), kThreads, stream)(
-        views, total_chunks, chunk_states);
+    GAPMON_LAUNCH(stats_kernel<32>, static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid), kThreads, stream)(
+        views, total_chunks, rows, targets);
   } else {
-    GAPMON_LAUNCH(chunk_kernel<kThreads>, static_cast<unsigned>(total_chunks < kMaxGrid ? total_chunks : kMaxGrid),
-                  kThreads, stream)(views, total_chunks, chunk_states);
-  }
-  if (max_chunks_per_item <= kShortItemChunks) {
-    GAPMON_LAUNCH(merge_short_items_kernel, static_cast<unsigned>(blocks_for(rows, 128)), 128, stream)(
-        views, rows, chunk_states, out_stats, out_states, correction);
-  } else {
-    GAPMON_LAUNCH(merge_long_items_kernel, static_cast<unsigned>(rows < kMaxGrid ? rows : kMaxGrid), kThreads, stream)(
-        views, rows, chunk_states, out_stats, out_states, correction);
+    GAPMON_LAUNCH(stats_kernel<kThreads>, static_cast<unsigned>(total_chunks < kMaxGrid ? total_chunks : kMaxGrid),
+                  kThreads, stream)(views, total_chunks, rows, targets);
   }
   return cudaGetLastError();
 }
@@ -341,12 +409,6 @@ cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t corr
   if (n == 0) return cudaSuccess;
   GAPMON_LAUNCH(finalize_states_kernel, static_cast<unsigned>(blocks_for(n, 128)), 128, stream)(states, n, correction,
                                                                                                    out);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_accumulate_instances(const double* stats, int64_t rows, double* acc_row, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  GAPMON_LAUNCH(accumulate_instances_kernel, 1, 1, stream)(stats, rows, acc_row);
   return cudaGetLastError();
 }
 

@@ -23,18 +23,30 @@ struct ViewTable {
   core::StridedView inline_views[kInlineViews];
 };
 
-// Statistics (or partial states) of every item of every view.
-//   max_chunks_per_item: the largest chunks_per_item of the views (picks the merge kernel)
+// Where launch_stats writes, and the scratch it needs.
+struct StatsTargets {
+  double* out_stats = nullptr;     // [rows, 7] float64 finalised rows, or nullptr
+  double* out_states = nullptr;    // [rows, 7] float64 partial states, or nullptr
+  int64_t correction = 0;          // of out_stats' variance
+  double* acc_row = nullptr;       // if set, out_stats' rows are folded into this accumulator row
+                                   // (core::InstanceAccColumn), in row order, by the last chunk to finish
+  double* chunk_states = nullptr;  // [total_chunks, 7] scratch; needed when an item has > 1 chunk
+  unsigned* counters = nullptr;    // [rows + 1] zeroed scratch; needed when an item has > 1 chunk or acc_row
+};
+
+// Whether launch_stats needs StatsTargets::chunk_states and ::counters for this plan.
+inline bool needs_chunk_states(int64_t max_chunks_per_item) { return max_chunks_per_item > 1; }
+inline bool needs_counters(int64_t max_chunks_per_item, bool fold) { return fold || max_chunks_per_item > 1; }
+
+// Statistics (or partial states) of every item of every view, in one kernel launch.
+//   max_chunks_per_item: the largest chunks_per_item of the views
 //   max_item_numel:      the largest item_numel of the views (picks a block or a warp per chunk)
-//   chunk_states:        device scratch of total_chunks * 7 doubles
-//   out_stats:           [rows, 7] float64 finalised rows, or nullptr
-//   out_states:          [rows, 7] float64 partial states, or nullptr
-// Two launches on `stream`: a block (or, for many short items, a warp) per chunk, grid-stride;
-// then a fixed-order merge of each row's chunks (a thread per row when rows have few chunks, a
-// block per row when they have many).
+// A block (or, for many short items, a warp) reads each chunk, grid-stride. An item of one chunk is
+// written at once; otherwise each chunk's state goes to chunk_states and the group that finishes an
+// item's last chunk (an atomic count per item) merges all its chunks in chunk order. Which group
+// that is depends on timing, the merge order does not: results are bit-identical run to run.
 cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         int64_t max_item_numel, double* chunk_states, double* out_stats, double* out_states,
-                         int64_t correction, cudaStream_t stream);
+                         int64_t max_item_numel, const StatsTargets& targets, cudaStream_t stream);
 
 // Copies `bytes` of host memory to device memory `dst` through kernel parameters (a few KB per
 // launch). Unlike a copy from pinned memory, this is safe while `stream` is being captured into a
@@ -47,10 +59,6 @@ cudaError_t launch_merge_states(const double* states, int64_t parts, int64_t n, 
 // [n, 7] float64 states -> [n, 7] float64 statistics rows.
 cudaError_t launch_finalize_states(const double* states, int64_t n, int64_t correction, double* out,
                                    cudaStream_t stream);
-
-// Folds [rows, 7] float64 statistics rows (one per instance) into one float64 accumulator row
-// (core::InstanceAccColumn), in row order.
-cudaError_t launch_accumulate_instances(const double* stats, int64_t rows, double* acc_row, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace gapmon

@@ -8,9 +8,10 @@
 // order at every barrier round: a result that depends on which block or thread runs first shows
 // up as a difference between schedules. Shared memory is per OS thread, hence per running block.
 // It emulates what the kernels use: threadIdx/blockIdx/blockDim/gridDim, __syncthreads,
-// __syncthreads_or, per-warp __shfl_down_sync and __any_sync, __ldg, static __shared__ arrays and
-// kernel launches. Device memory is host memory. It checks the kernels' logic (indexing,
-// chunking, barriers, merge order, independence of the schedule), not their speed.
+// __syncthreads_or, per-warp __shfl_down_sync and __any_sync, __ldg/__ldcg, __threadfence, atomicAdd
+// on counters, static __shared__ arrays and kernel launches. Device memory is host memory. It
+// checks the kernels' logic (indexing, chunking, barriers, merge order, independence of the
+// schedule), not their speed.
 //
 // Force-included (-include) before the kernel source, so that its definitions of __shared__ and
 // friends win over CUDA's host_defines.h.
@@ -22,6 +23,7 @@
 #define __host__
 #define __grid_constant__
 #define __launch_bounds__(...)
+#define __noinline__ __attribute__((noinline))
 
 // Before the index macros below: CUDA's headers use these names for parameters.
 #include <cuda_runtime.h>  // cudaError_t, cudaStream_t, dim3, uint4 (declarations only: no runtime needed)
@@ -259,6 +261,19 @@ inline double __shfl_down_sync(unsigned, double value, unsigned delta) {
 
 template <typename T>
 inline T __ldg(const T* p) {
+  return *p;
+}
+
+// Blocks really run concurrently on worker OS threads: the counters are host atomics and the fence
+// a host fence, which order the plain stores and loads around them as the CUDA pattern needs.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  return std::atomic_ref<unsigned>(*address).fetch_add(value, std::memory_order_relaxed);
+}
+
+template <typename T>
+inline T __ldcg(const T* p) {
   return *p;
 }
 

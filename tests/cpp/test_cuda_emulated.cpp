@@ -1,7 +1,8 @@
 // Runs the CUDA kernels of csrc/cuda/stats_cuda.cu on the host (tests/cpp/cuda_emulator.h, force-
 // included into that source) against long-double references: every launcher, a block or a warp per
-// chunk, both merge kernels, inline and uploaded view tables, misaligned, strided and expanded views,
-// every dtype, NaN/Inf, empty items and the float overflow redo. No GPU and no torch needed.
+// chunk, the in-launch merge of multi-chunk items and the instance fold, inline and uploaded view
+// tables, misaligned, strided and expanded views, every dtype, NaN/Inf, empty items and the float
+// overflow redo. No GPU and no torch needed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -94,13 +95,57 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
     max_chunks = std::max(max_chunks, v.chunks_per_item);
     max_numel = std::max(max_numel, v.item_numel);
   }
+  // Scratch as csrc/cuda_ops.cpp allocates it: chunk states only for items of several chunks,
+  // counters zeroed; garbage in what the kernel must overwrite.
   std::vector<double> scratch(total_chunks * core::kNumStateColumns, -7.0);
+  std::vector<unsigned> counters(rows + 1, 0u);
   std::vector<double> states(rows * core::kNumStateColumns, -7.0);
-  CHECK(cuda::launch_stats(table, total_chunks, rows, max_chunks, max_numel, scratch.data(), nullptr, states.data(), 0,
-                           nullptr) == cudaSuccess, "launch_stats");
+  cuda::StatsTargets targets;
+  targets.out_states = states.data();
+  if (cuda::needs_chunk_states(max_chunks)) targets.chunk_states = scratch.data();
+  if (cuda::needs_counters(max_chunks, false)) targets.counters = counters.data();
+  CHECK(cuda::launch_stats(table, total_chunks, rows, max_chunks, max_numel, targets, nullptr) == cudaSuccess,
+        "launch_stats");
+  // Every chunk of a multi-chunk item was counted once.
+  for (const auto& v : views) {
+    for (int64_t b = 0; b < v.items && targets.counters != nullptr; ++b) {
+      const unsigned want = v.chunks_per_item > 1 ? static_cast<unsigned>(v.chunks_per_item) : 0u;
+      CHECK(counters[v.out_row + b] == want, "row %lld counted %u chunks, not %u", static_cast<long long>(v.out_row + b),
+            counters[v.out_row + b], want);
+    }
+  }
   std::vector<State<double>> out;
   for (int64_t r = 0; r < rows; ++r) out.push_back(core::load_state(states.data() + r * core::kNumStateColumns));
   return out;
+}
+
+// accumulate_instance_stats as csrc/cuda_ops.cpp runs it: the items of `v` folded, in the same
+// launch, into accumulator row 1 of 2, which already holds one instance (mean 0.5, max 100).
+// Returns row 1, after checking that row 0 is untouched and every row was counted.
+std::vector<double> fold_instances(StridedView v) {
+  const int64_t chunks = core::plan_chunks(&v, 1);
+  cuda::ViewTable table;
+  table.num = 1;
+  table.inline_views[0] = v;
+  std::vector<double> scratch(chunks * core::kNumStateColumns), instance_rows(v.items * core::kNumStats);
+  std::vector<double> acc(2 * core::kNumAccColumns, 0.0);
+  acc[core::kNumAccColumns + core::aInstances] = 1;
+  acc[core::kNumAccColumns + core::aSumMean] = 0.5;
+  acc[core::kNumAccColumns + core::aMaxAbs] = 100;
+  std::vector<unsigned> counters(v.items + 1, 0u);
+  cuda::StatsTargets targets;
+  targets.out_stats = instance_rows.data();
+  targets.correction = 1;
+  targets.acc_row = acc.data() + core::kNumAccColumns;
+  CHECK(cuda::launch_stats(table, chunks, v.items, v.chunks_per_item, v.item_numel, targets, nullptr) ==
+            cudaErrorInvalidValue, "a fold without scratch is refused");
+  targets.chunk_states = scratch.data();
+  targets.counters = counters.data();
+  CHECK(cuda::launch_stats(table, chunks, v.items, v.chunks_per_item, v.item_numel, targets, nullptr) == cudaSuccess,
+        "fold");
+  for (int k = 0; k < core::kNumAccColumns; ++k) CHECK(acc[k] == 0.0, "the fold wrote accumulator row 0");
+  CHECK(counters[v.items] == static_cast<unsigned>(v.items), "the fold counted %u rows", counters[v.items]);
+  return std::vector<double>(acc.begin() + core::kNumAccColumns, acc.end());
 }
 
 template <typename T>
@@ -122,7 +167,7 @@ std::vector<T> random_values(size_t n, float mean, float std, unsigned seed) {
 
 template <typename T>
 void test_dtype(const char* name, double rtol) {
-  // One item: empty, tiny, chunk-sized, several chunks (short merge), > 8 chunks (long merge),
+  // One item: empty, tiny, chunk-sized, several chunks, many chunks (merged by the last group),
   // and a misaligned start (scalar head before the 16-byte loads).
   const auto xs = random_values<T>(65536 * 9 + 100, 3.f, 2.f, 1);
   for (int64_t n : {int64_t(0), int64_t(1), int64_t(37), int64_t(65536), int64_t(65536 * 2 + 77), int64_t(65536 * 9 + 3)}) {
@@ -135,7 +180,7 @@ void test_dtype(const char* name, double rtol) {
 }
 
 void test_instances() {
-  // Many short rows: a warp per chunk (>= 2048 chunks of <= 8192 elements), then a thread per row.
+  // Many short rows: a warp per chunk (>= 2048 chunks of <= 8192 elements), each row written by its warp.
   const auto xs = random_values<float>(2100 * 40, -1.f, 5.f, 2);
   expect_view<float>(view(xs.data(), {37}, {1}, 2100, 40), "2100 rows of 37 (warp per chunk)");
   // Transposed rows (strided inside each item) and few long rows (a block per chunk).
@@ -222,14 +267,20 @@ void test_state_launchers() {
   const State<double> want = reference(all);
   CHECK(close(stats[core::kVar], want.m2 / (want.count - 1), 1e-5), "finalize var %g", stats[core::kVar]);
 
-  double instance_rows[2 * core::kNumStats];
-  core::finalize(states[0], 1, instance_rows);
-  core::finalize(states[2], 1, instance_rows + core::kNumStats);
-  double acc[core::kNumAccColumns] = {0, 0, 0, 0, 0, 0};
-  CHECK(cuda::launch_accumulate_instances(instance_rows, 2, acc, nullptr) == cudaSuccess, "accumulate");
-  CHECK(acc[core::aInstances] == 2 && close(acc[core::aSumMean], double(instance_rows[core::kMean]) +
-                                                                      instance_rows[core::kNumStats + core::kMean], 1e-12),
-        "accumulate_instances %g %g", acc[core::aInstances], acc[core::aSumMean]);
+  // The per-instance fold of accumulate_instance_stats, in the same launch: 3 instances of a
+  // [3, 70000] tensor (two chunks each), folded into an accumulator row that already holds one.
+  const auto big = random_values<float>(3 * 70000, -2.f, 3.f, 12);
+  const StridedView instances = view(big.data(), {70000}, {1}, 3, 70000);
+  const std::vector<double> acc = fold_instances(instances);
+  double want_acc[core::kNumAccColumns] = {1, 0.5, 0, 0, 0, 100};
+  for (int b = 0; b < 3; ++b) {
+    double row[core::kNumStats];
+    core::finalize(reference(values_of<float>(instances, b)), 1, row);
+    core::accumulate_instance(row, want_acc);
+  }
+  for (int k = 0; k < core::kNumAccColumns; ++k) {
+    CHECK(close(acc[k], want_acc[k], 1e-6), "fold column %d: %g, want %g", k, acc[k], want_acc[k]);
+  }
 }
 
 // The same launch under the in-order schedule and under shuffled, interleaved block schedules
@@ -249,7 +300,7 @@ void expect_schedule_independent(const std::vector<StridedView>& views, int64_t 
 
 void test_schedule_independence() {
   // The shapes of a GPT-2 layer list, scaled down: square and tall matrices, a bias, a long item
-  // (> 8 chunks: the block-per-row merge), one element and an empty tensor, plus a bfloat16 one.
+  // (merged by whichever block finishes its last chunk), one element and an empty tensor, plus a bfloat16 one.
   const auto f = random_values<float>(65536 * 10, 0.02f, 1.f, 21);
   const auto b = random_values<__nv_bfloat16>(20000, -3.f, 0.5f, 22);
   std::vector<StridedView> views = {view(f.data(), {96 * 96}, {1}), view(f.data() + 5, {384, 96}, {96, 1}),
@@ -259,10 +310,23 @@ void test_schedule_independence() {
   for (size_t i = 0; i < views.size(); ++i) views[i].out_row = static_cast<int64_t>(i);
   expect_schedule_independent(views, static_cast<int64_t>(views.size()), false, "7 mixed tensors, inline table");
   expect_schedule_independent(views, static_cast<int64_t>(views.size()), true, "7 mixed tensors, uploaded table");
-  // Many short rows: a warp per chunk, a thread per row in the merge.
+  // Many short rows: a warp per chunk.
   expect_schedule_independent({view(f.data(), {37}, {1}, 2100, 37)}, 2100, false, "2100 rows of 37");
-  // A few rows of several chunks each (the thread-per-row merge of multi-chunk items).
+  // A few rows of several chunks each, merged in the launch.
   expect_schedule_independent({view(f.data(), {65536 * 3 + 5}, {1}, 3, 65536 * 3 + 5)}, 3, false, "3 rows of 3 chunks");
+  // The instance fold, by whichever group writes the last row: 2100 rows of one chunk (a warp per
+  // chunk) and 3 rows of 3 chunks.
+  for (const StridedView& v : {view(f.data(), {37}, {1}, 2100, 37), view(f.data(), {65536 * 3 + 5}, {1}, 3, 65536 * 3 + 5)}) {
+    gapmon_emu_set_schedule(0);
+    const auto want = fold_instances(v);
+    for (unsigned seed : {1u, 2u, 3u}) {
+      gapmon_emu_set_schedule(seed);
+      const auto got = fold_instances(v);
+      CHECK(std::memcmp(got.data(), want.data(), sizeof(double) * want.size()) == 0,
+            "fold of %lld rows: block schedule %u changes the result bits", static_cast<long long>(v.items), seed);
+    }
+  }
+  gapmon_emu_set_schedule(0);
 }
 
 }  // namespace

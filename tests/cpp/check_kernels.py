@@ -1,0 +1,134 @@
+"""Checks the register budget of the CUDA statistics kernel without a GPU (run by ctest).
+
+Compiles csrc/cuda/stats_cuda.cu with ``nvcc -Xptxas -v`` for sm_80 and sm_90 and checks that:
+
+- the statistics kernels use at most 64 registers, so 4 blocks of 256 threads are resident per SM;
+- spill traffic stays within a small budget per function: the kernel keeps its loop state across
+  the out-of-line per-chunk call (read_chunk), and that call saves the registers it uses, once per
+  chunk (at least 256 elements per thread), which ptxas reports as spills;
+- where a SASS disassembler is found (cuobjdump from the CUDA toolkit or Triton's copy), no loop
+  that issues 128-bit global loads touches local memory: the element loops themselves never spill.
+
+Usage: check_kernels.py NVCC SOURCE_ROOT
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+MAX_REGISTERS = 64
+# Per function, stores or loads: the per-chunk call saves (a few hundred bytes per thread per chunk of
+# at least 256 elements per thread, from L1), not element-loop spills (checked on the SASS).
+MAX_SPILL_BYTES = 512
+
+
+def compile_verbose(nvcc: str, source: str, arch: str, out: str) -> str:
+    cmd = [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O3", f"-arch={arch}", "-Xptxas", "-v", "-cubin",
+           "-o", out, source]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"nvcc failed for {arch}:\n{done.stderr}")
+    return done.stderr
+
+
+def function_properties(ptxas_log: str) -> dict[str, dict[str, int]]:
+    """{mangled name: {registers, spill_stores, spill_loads}} from ptxas -v output."""
+    props: dict[str, dict[str, int]] = {}
+    name = None
+    for line in ptxas_log.splitlines():
+        if m := re.search(r"Function properties for (\S+)", line):
+            name = m.group(1)
+            props[name] = {"registers": 0, "spill_stores": 0, "spill_loads": 0}
+        elif name and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            props[name]["spill_stores"], props[name]["spill_loads"] = int(m.group(1)), int(m.group(2))
+        elif name and (m := re.search(r"Used (\d+) registers", line)):
+            props[name]["registers"] = int(m.group(1))
+    return props
+
+
+def readable(mangled: str) -> str:
+    """The function's name and template arguments out of its mangled name (enough to tell them apart)."""
+    m = re.search(r"\d(stats_kernel|read_chunk|accumulate_chunk_in_double|[a-z_]+_kernel)I(\w+?)EE", mangled)
+    return f"{m.group(1)}<{m.group(2)}>" if m else re.sub(r"^_ZN.*?\d+(?=[a-z])", "", mangled)[-40:]
+
+
+def find_cuobjdump(nvcc: str) -> str | None:
+    here = os.path.join(os.path.dirname(nvcc), "cuobjdump")
+    if os.path.exists(here):
+        return here
+    if found := shutil.which("cuobjdump"):
+        return found
+    try:
+        import triton  # ships the CUDA binary utilities
+
+        triton_copies = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))
+        return triton_copies[0] if triton_copies else None
+    except Exception:  # no triton, or one that fails to import: the SASS check is skipped
+        return None
+
+
+def element_loops_with_local_memory(cuobjdump: str, cubin: str) -> list[str]:
+    """Loops (backward branches) that issue 128-bit global loads and also touch local memory."""
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    bad = []
+    for function in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = function.split("\n", 1)[0].strip()
+        code = []
+        for line in function.splitlines():
+            if m := re.search(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", line):
+                code.append((int(m.group(1), 16), m.group(2).strip()))
+        index = {address: i for i, (address, _) in enumerate(code)}
+        for i, (address, text) in enumerate(code):
+            m = re.search(r"BRA (?:!?P\d, )?0x([0-9a-f]+)", text)
+            if not m or int(m.group(1), 16) >= address or int(m.group(1), 16) not in index:
+                continue
+            body = [t for _, t in code[index[int(m.group(1), 16)]: i + 1]]
+            vector_loads = sum("LDG.E.128" in t for t in body)
+            local = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body)
+            # An element loop: all its global loads are the kVecUnroll vectors of one batch (outer
+            # loops over runs contain several element loops and may keep cursors in local memory).
+            if 0 < vector_loads <= 4 and local:
+                bad.append(f"{readable(name)}: element loop of {len(body)} instructions, {local} local memory accesses")
+    return bad
+
+
+def main() -> None:
+    nvcc, root = sys.argv[1], sys.argv[2]
+    source = os.path.join(root, "csrc", "cuda", "stats_cuda.cu")
+    failures = []
+    cuobjdump = find_cuobjdump(nvcc)
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("sm_80", "sm_90"):
+            cubin = os.path.join(tmp, f"{arch}.cubin")
+            props = function_properties(compile_verbose(nvcc, source, arch, cubin))
+            kernels = {n: p for n, p in props.items() if "stats_kernel" in n}
+            if len(kernels) != 2:
+                failures.append(f"{arch}: expected the 2 stats_kernel instantiations, found {list(kernels)}")
+            for name, p in props.items():
+                short = readable(name)
+                if name in kernels and p["registers"] > MAX_REGISTERS:
+                    failures.append(f"{arch} {short}: {p['registers']} registers > {MAX_REGISTERS}")
+                if max(p["spill_stores"], p["spill_loads"]) > MAX_SPILL_BYTES:
+                    failures.append(f"{arch} {short}: spills {p['spill_stores']} B stored, {p['spill_loads']} B loaded")
+                if name in kernels:
+                    print(f"{arch} {short}: {p['registers']} registers, spills {p['spill_stores']}/{p['spill_loads']} B")
+            if cuobjdump:
+                failures += [f"{arch} {b}" for b in element_loops_with_local_memory(cuobjdump, cubin)]
+    if cuobjdump:
+        print(f"element loops checked for local memory with {cuobjdump}")
+    else:
+        print("no cuobjdump found: the element-loop local memory check is skipped")
+    if failures:
+        print("\n".join(failures))
+        sys.exit(1)
+    print("kernel register budget: ok")
+
+
+if __name__ == "__main__":
+    main()
