@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_session.sh [OUT_DIR [PHASE ...]]
 #
-# PHASEs (default: all, in this order): build tests demo stats variants ncu monitor persample.
+# PHASEs (default: all but suite, in this order): build tests demo stats variants ncu monitor persample;
+# "suite" runs the whole test suite on the GPU machine (about 6 minutes: a call of its own).
 # A device call is limited to 10 minutes: split them over two calls when needed, e.g.
 # "build tests demo stats" then "build variants ncu monitor persample" (build is quick when done).
 #
@@ -36,12 +37,19 @@ if ! TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} GAPMON_CUDA=1 $py setup
   exit 1
 fi
 grep -E "registers|spill" "$out/build.log" | tail -20 | tee -a "$log"
+$py tests/cpp/check_kernels.py "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" . 2>&1 | tee -a "$log"
 $py -c "import gapmon; b = gapmon.backend(); print('backend', b); assert b == 'cuda', b" 2>&1 | tee -a "$log" || exit 1
 fi
 
 if want tests; then
 section "CUDA tests"
 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee -a "$log"
+tests_rc=${PIPESTATUS[0]}
+fi
+
+if want suite; then
+section "whole test suite"
+timeout 560 $py -m pytest -q -p no:cacheprovider tests 2>&1 | tail -30 | tee -a "$log"
 tests_rc=${PIPESTATUS[0]}
 fi
 
@@ -67,7 +75,7 @@ section "ncu: the statistics kernels on the default variant"
 nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_${arch/./} -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
   csrc/cuda/stats_cuda.cu -o /tmp/gapmon_kernel_bench && \
   timeout 180 ncu --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
-    --kernel-name regex:chunk_kernel --launch-skip 3 --launch-count 3 /tmp/gapmon_kernel_bench > "$out/ncu.txt" 2>&1
+    --kernel-name regex:stats_kernel --launch-skip 3 --launch-count 3 /tmp/gapmon_kernel_bench > "$out/ncu.txt" 2>&1
 tail -60 "$out/ncu.txt" | tee -a "$log"
 fi
 

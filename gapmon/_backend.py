@@ -175,10 +175,17 @@ def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, corr
 
 
 # ------------------------------------------------------------------ per-sample norm products
+# The products are summed in float32 or wider: 16-bit inputs give float32 norms (the compiled ops
+# use tensor cores with float32 results on CUDA, and widen tile by tile elsewhere).
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Σ_{t,s} (a_t·a_s)(g_t·g_s) per sample of a [B, T, d], g [B, T, p]: ||gᵀa||²_F via Grams."""
     if COMPILED:
         return torch.ops.gapmon.ghost_norm_sq(a, g)
+    a, g = _wide(a), _wide(g)
     return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
 
@@ -186,13 +193,16 @@ def direct_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """||g_bᵀ a_b||²_F per sample, forming the [p, d] per-sample products in bounded batches."""
     if COMPILED:
         return torch.ops.gapmon.direct_norm_sq(a, g)
-    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+    a, g = _wide(a), _wide(g)
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    return torch.bmm(g.transpose(1, 2).to(dtype), a.to(dtype)).square().sum((1, 2))
 
 
 def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
     """Σ over positions t, s with equal ids (not padding_idx) of g_t·g_s, per sample."""
     if COMPILED:
         return torch.ops.gapmon.embedding_norm_sq(ids, g, padding_idx)
+    g = _wide(g)
     same = ids.unsqueeze(2) == ids.unsqueeze(1)
     if padding_idx >= 0:
         valid = ids != padding_idx

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.nn as nn
-from helpers import vmap_per_sample_norms
+import torch.nn.functional as F
+from helpers import loop_per_sample_norms, vmap_per_sample_norms
 
 import gapmon
 import gapmon.norm_rules as norm_rules
@@ -137,3 +138,44 @@ def test_ghost_norm_is_one_product_per_layer_when_the_grams_fit():
     want = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
     torch.testing.assert_close(whole, want)
     torch.testing.assert_close(tiled, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_products_sum_in_float32(dtype):
+    """16-bit operands give float32 norms equal to the float64 products of the same 16-bit values:
+    the ops widen them (tensor cores with float32 results on CUDA, tile by tile on the CPU), never
+    summing in 16 bits. Tolerance 1e-5: float32 sums of a few hundred exact products."""
+    torch.manual_seed(0)
+    a, g = torch.randn(3, 40, 24).to(dtype), torch.randn(3, 40, 16).to(dtype)
+    ids = torch.randint(0, 7, (3, 40))
+    a64, g64 = a.double(), g.double()
+    want = torch.bmm(g64.transpose(1, 2), a64).square().sum((1, 2))
+    for got in (gapmon._backend.ghost_norm_sq(a, g), gapmon._backend.direct_norm_sq(a, g),
+                gapmon._backend.ghost_norm_sq(a, g64.float())):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    want_emb = (torch.bmm(g64, g64.transpose(1, 2)) * same).sum((1, 2))
+    got_emb = gapmon._backend.embedding_norm_sq(ids, g)
+    assert got_emb.dtype == torch.float32
+    torch.testing.assert_close(got_emb.double(), want_emb, rtol=1e-5, atol=0)
+
+
+def test_16bit_linear_operands_are_not_copied_to_float32():
+    """A Linear layer's 16-bit input and output gradient reach the products as they are (no float32
+    copy of the activations), and the norms match a float64 loop over the same bfloat16 model."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 6)).to(torch.bfloat16)
+    x, y = torch.randn(5, 12).to(torch.bfloat16), torch.randint(0, 6, (5,))
+    a = torch.randn(5, 7, 12).to(torch.bfloat16)
+    call = gapmon.norm_rules.Call((a,), {})
+    pos = gapmon.norm_rules.LinearRule().positions(model[0], call, torch.randn(5, 7, 20).to(torch.bfloat16), torch.float32)
+    assert pos[0].dtype == torch.bfloat16 and pos[0].data_ptr() == a.data_ptr()
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    F.cross_entropy(model(x).float(), y, reduction="sum").backward()
+    got = psn.local_norms()
+    psn.close()
+    want = loop_per_sample_norms(model, lambda out, t: F.cross_entropy(out, t, reduction="sum"), x, y)
+    # The reference runs the bfloat16 weights in float64 while the model's forward and backward ran
+    # in bfloat16: the gradients themselves differ by bfloat16 rounding (2^-8 relative), not the norms' math.
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0)
