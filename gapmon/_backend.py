@@ -175,10 +175,15 @@ def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, corr
 
 
 # ------------------------------------------------------------------ per-sample norm products
-# The products are summed in float32 or wider: 16-bit inputs give float32 norms (the compiled ops
-# use tensor cores with float32 results on CUDA, and widen tile by tile elsewhere).
+def product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the norm products of `x` are summed in: float32 for 16-bit tensors (the compiled
+    ops use tensor cores with float32 results on CUDA and widen tile by tile elsewhere; sums never
+    run in 16 bits), else x's own."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
 def _wide(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return x.to(product_dtype(x))
 
 
 def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

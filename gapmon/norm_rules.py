@@ -100,19 +100,13 @@ def _trainable(p: torch.Tensor | None) -> bool:
 
 
 def _bias_sq(g: torch.Tensor) -> torch.Tensor:
-    return g.sum(1, dtype=_sum_dtype(g)).square().sum(1)
-
-
-def _sum_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for 16-bit tensors (sums never run in 16 bits), else x's own dtype."""
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    return g.sum(1, dtype=_backend.product_dtype(g)).square().sum(1)
 
 
 def _operand(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """x as an operand of the norm products: 16-bit tensors stay 16-bit when the sums run in
-    float32 (the products widen them: tensor cores with float32 results on CUDA, tile by tile
-    elsewhere), so no float32 copy of an activation is made; anything else becomes `acc`."""
-    return x if acc == torch.float32 and x.dtype in (torch.float16, torch.bfloat16) else x.to(acc)
+    """x as an operand of the norm products: kept as it is when the products sum it in `acc`
+    anyway (16-bit tensors with float32 sums: no float32 copy of an activation), else cast."""
+    return x if _backend.product_dtype(x) == acc else x.to(acc)
 
 
 # -------------------------------------------------------------------- Linear-like products
@@ -133,7 +127,8 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """||Σ_t g_t a_tᵀ||²_F per sample for a [B, T, d] and g [B, T, p]."""
     t, d, p = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
-        return a.to(_sum_dtype(a)).square().sum((1, 2)) * g.to(_sum_dtype(g)).square().sum((1, 2))
+        a, g = a.to(_backend.product_dtype(a)), g.to(_backend.product_dtype(g))
+        return a.square().sum((1, 2)) * g.square().sum((1, 2))
     return _ghost(a, g) if use_ghost(t, d, p) else _direct(a, g)
 
 
@@ -145,7 +140,8 @@ class LinearRule(NormRule):
 
     def norm_sq(self, module, pos):
         a, g = pos
-        out = torch.zeros(g.shape[0], dtype=torch.promote_types(_sum_dtype(a), _sum_dtype(g)), device=g.device)
+        dtype = torch.promote_types(_backend.product_dtype(a), _backend.product_dtype(g))
+        out = torch.zeros(g.shape[0], dtype=dtype, device=g.device)
         if _trainable(module.weight):
             out = out + product_norm_sq(a, g)
         if _trainable(module.bias):
