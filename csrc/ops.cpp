@@ -59,6 +59,16 @@ TORCH_LIBRARY(gapmon, m) {
   m.def("_layout() -> str[]", &layout);
 }
 
+// Statistics are not differentiable: the Autograd keys fall through to the backend kernels, so an
+// input that requires grad needs no detach() (one less Python call per tensor of a list) and the
+// rows never require grad.
+TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
+  for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
+                         "finalize_states", "accumulate_instance_stats"}) {
+    m.impl(op, torch::CppFunction::makeFallthrough());
+  }
+}
+
 }  // namespace gapmon
 
 // Importing gapmon._C runs the static registrations above; the module itself is empty.

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from . import reference
-from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES, check_same_device, check_states, check_tensor
+from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
 
 _LIB = "gapmon"
 
@@ -115,7 +115,7 @@ def tensor_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:
     check_tensor(x, "tensor_stats")
     if not _compiled_for(x.device):
         return reference.tensor_stats(x, correction).rows()
-    return torch.ops.gapmon.tensor_stats(x.detach(), correction)
+    return torch.ops.gapmon.tensor_stats(x, correction)  # not differentiable: no detach needed (csrc/ops.cpp)
 
 
 def instance_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:
@@ -123,7 +123,7 @@ def instance_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:
     check_tensor(x, "instance_stats")
     if not _compiled_for(x.device):
         return reference.instance_stats(x, correction).rows()
-    return torch.ops.gapmon.instance_stats(x.detach(), correction)
+    return torch.ops.gapmon.instance_stats(x, correction)
 
 
 def multi_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
@@ -132,20 +132,17 @@ def multi_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
         return torch.empty(0, len(STAT_NAMES), dtype=torch.float64)
     if not _compiled_for(xs[0].device):
         return reference.multi_tensor_stats(xs, correction).rows()
-    return torch.ops.gapmon.multi_tensor_stats([x.detach() for x in xs], correction)
+    return torch.ops.gapmon.multi_tensor_stats(xs, correction)
 
 
 def multi_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """[N, 7] float64 mergeable partial states of N local tensors on one device."""
     xs = list(xs)
-    for x in xs:
-        check_tensor(x, "multi_tensor_states")
-    check_same_device(xs, "multi_tensor_states")
+    check_tensor_list(xs, "multi_tensor_states")
     if not xs:
         return torch.empty(0, len(STATE_NAMES), dtype=torch.float64)
-    xs = [x.detach() for x in xs]
     if not _compiled_for(xs[0].device):
-        return reference.multi_tensor_states(xs)
+        return reference.multi_tensor_states([x.detach() for x in xs])
     return torch.ops.gapmon.multi_tensor_states(xs)
 
 
@@ -169,7 +166,7 @@ def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, corr
     """Folds the per-instance statistics of x (dim 0 = instances) into row `row` of a float64
     [rows, len(ACC_NAMES)] accumulator: one fused op, what GAPMonitor runs in its activation hooks."""
     if not _compiled_for(x.device):
-        reference.accumulate_instance_stats(x, acc, row, correction)
+        reference.accumulate_instance_stats(x.detach(), acc, row, correction)
         return
     torch.ops.gapmon.accumulate_instance_stats(x, acc, row, correction)
 

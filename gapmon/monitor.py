@@ -164,7 +164,7 @@ class GAPMonitor:
         if not torch.compiler.is_compiling() and self._first_seen[kind][index] < 0:
             self._first_seen[kind][index] = self._order[kind]
             self._order[kind] += 1
-        ops.accumulate_instance_stats(x.detach(), self._acc, kind * len(self._modules) + index, self.correction)
+        ops.accumulate_instance_stats(x, self._acc, kind * len(self._modules) + index, self.correction)
 
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:

@@ -13,8 +13,8 @@ import torch
 
 from . import _backend, distributed
 from ._backend import accumulate_instance_stats, backend, cpu_isa, cuda_kernels_compiled  # noqa: F401
-from .stats import STAT_NAMES, Stats, check_same_device, check_tensor
-from .utils import is_dtensor
+from .stats import STAT_NAMES, Stats, check_tensor_list
+from .utils import is_dtensor, is_dtensor_type
 
 
 def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
@@ -46,10 +46,7 @@ def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.
     xs = list(xs)
     if not xs:
         return torch.empty(0, len(STAT_NAMES), dtype=torch.float64)
-    for x in xs:
-        check_tensor(x, "multi_tensor_stats")
-    check_same_device(xs, "multi_tensor_stats")
-    if any(is_dtensor(x) for x in xs):
+    if any(is_dtensor_type(kind) for kind in check_tensor_list(xs, "multi_tensor_stats")):
         return _backend.finalize_rows(distributed.dtensor_multi_states(xs), correction)
     return _backend.multi_rows(xs, correction)
 

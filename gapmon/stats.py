@@ -64,6 +64,23 @@ def check_states(states, dims: int, op: str) -> None:
                          f"got {states.dtype} {list(states.shape)}")
 
 
+def check_tensor_list(xs: list, op: str) -> set[type]:
+    """check_tensor and check_same_device over a list, in one pass that reads each tensor's type,
+    dtype, layout and device once (the per-tensor checks, with their messages, run only when
+    something is off). Returns the tensor types seen (to spot DTensors without another pass)."""
+    try:
+        kinds = {(type(x), x.dtype, x.layout, x.device) for x in xs}
+    except AttributeError:  # not a tensor: the per-tensor check names it
+        kinds = None
+    if kinds is None or len({device for *_, device in kinds}) > 1 or not all(
+            issubclass(kind, torch.Tensor) and dtype in _FLOAT_DTYPES and layout == torch.strided and device.type != "meta"
+            for kind, dtype, layout, device in kinds):
+        for x in xs:
+            check_tensor(x, op)
+        check_same_device(xs, op)
+    return {kind for kind, *_ in kinds}
+
+
 def check_tensor(x: torch.Tensor, op: str) -> None:
     """Raises TypeError (naming dtype or layout) for a tensor the statistics cannot read, and
     ValueError for a meta tensor (it has no data to measure)."""

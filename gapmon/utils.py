@@ -58,7 +58,12 @@ def clean_named(model: torch.nn.Module, named: Iterable[tuple[str, Any]], what: 
 
 def is_dtensor(x: Any) -> bool:
     """Whether x is a DTensor (checked by type name: no import of torch.distributed.tensor needed)."""
-    return type(x).__name__ == "DTensor" and hasattr(x, "placements")
+    return is_dtensor_type(type(x)) and hasattr(x, "placements")
+
+
+def is_dtensor_type(kind: type) -> bool:
+    """Whether tensors of type `kind` are DTensors (by name, as is_dtensor)."""
+    return kind.__name__ == "DTensor"
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -108,3 +108,31 @@ def test_fallback_backend_in_subprocess():
     got = torch.tensor(eval(out.stdout), dtype=torch.float64)
     x = torch.randn(100, 7, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(got, gapmon.tensor_stats(x).rows())
+
+
+def test_ops_take_tensors_that_require_grad_without_detach(recwarn):
+    """The statistics ops are not differentiable: their Autograd keys fall through to the kernels, so
+    parameters and activations go in as they are (no per-tensor detach in Python), the rows never
+    require grad, and nothing warns about a missing autograd kernel."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled ops")
+    xs = [torch.randn(5, 3, requires_grad=True), torch.nn.Parameter(torch.randn(7))]
+    outs = [torch.ops.gapmon.tensor_stats(xs[0], 1), torch.ops.gapmon.instance_stats(xs[0], 1),
+            torch.ops.gapmon.multi_tensor_stats(xs, 1), torch.ops.gapmon.multi_tensor_states(xs)]
+    assert not any(o.requires_grad for o in outs)
+    acc = torch.zeros(1, len(gapmon.stats.ACC_NAMES), dtype=torch.float64)
+    torch.ops.gapmon.accumulate_instance_stats(xs[0], acc, 0, 1)
+    assert not acc.requires_grad and acc[0, 0].item() == 5
+    torch.testing.assert_close(outs[2][0], gapmon.reference.tensor_stats(xs[0].detach()).rows())
+    assert not [w for w in recwarn if "autograd" in str(w.message).lower()]
+
+
+def test_bad_tensor_in_a_long_list_is_named():
+    """The one-pass list check still gives each bad input its own clear error."""
+    good = [torch.randn(3) for _ in range(20)]
+    with pytest.raises(TypeError, match="int64"):
+        gapmon.multi_tensor_stats(good + [torch.arange(3)])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        gapmon.multi_tensor_stats(good + [[1.0, 2.0]])
+    with pytest.raises(ValueError, match="meta tensor"):
+        gapmon.multi_tensor_stats(good + [torch.empty(3, device="meta")])
