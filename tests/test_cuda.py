@@ -205,3 +205,53 @@ def test_ops_follow_the_tensor_device_not_the_current_one():
         gapmon.accumulate_instance_stats(x, acc, 0)
     assert got.mean.device == x.device
     torch.testing.assert_close(acc[0, 1].item(), got.mean.double().sum().item(), rtol=1e-6, atol=1e-9)
+
+
+def _cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches (profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emset" not in e.name]
+
+
+def test_one_kernel_per_call():
+    """One statistics kernel per call, multi-chunk merge and monitor fold included (plus, where
+    counters are needed, a memset, which is not a kernel)."""
+    x = torch.randn(1 << 20, device="cuda")
+    a = torch.randn(8, 70_000, device="cuda", dtype=torch.bfloat16)
+    acc = torch.zeros(3, len(gapmon.stats.ACC_NAMES), dtype=torch.float64, device="cuda")
+    gapmon.tensor_stats(x)  # warm-up
+    for name, fn in [("tensor_stats 2^20", lambda: torch.ops.gapmon.tensor_stats(x, 1)),
+                     ("instance_stats [8, 70000]", lambda: torch.ops.gapmon.instance_stats(a, 1)),
+                     ("accumulate_instance_stats", lambda: torch.ops.gapmon.accumulate_instance_stats(a, acc, 1, 1))]:
+        kernels = _cuda_kernels(fn)
+        assert len(kernels) == 1 and "stats_kernel" in kernels[0], f"{name}: {kernels}"
+    want = gapmon.reference.instance_stats(a.float())
+    torch.testing.assert_close(acc[1, 1], want.mean.sum(), rtol=1e-6, atol=1e-9)
+
+
+def test_multi_tensor_stats_bits_repeat():
+    """The list that once gave different mean/var bits run to run (chunk partials merged in
+    completion order)."""
+    shapes = [(768, 768), (3072, 768), (768,), (50257, 768), (1,), (0,), (1024, 768)]
+    xs = [torch.randn(s, device="cuda") for s in shapes]
+    first = gapmon.ops.multi_tensor_rows(xs).view(torch.int64)
+    for _ in range(5):
+        assert torch.equal(gapmon.ops.multi_tensor_rows(xs).view(torch.int64), first)
+
+
+def test_16bit_norm_products_on_tensor_cores_without_copies():
+    """bfloat16 Grams and products with float32 results: no widening copy of the operands, and the
+    float64 products of the same values within 1e-5."""
+    if not gapmon._backend.COMPILED:
+        pytest.skip("needs the compiled ops")
+    a = torch.randn(4, 128, 64, device="cuda").bfloat16()
+    g = torch.randn(4, 128, 48, device="cuda").bfloat16()
+    want = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
+    for op in (torch.ops.gapmon.ghost_norm_sq, torch.ops.gapmon.direct_norm_sq):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = op(a, g)
+        copies = [e.key for e in prof.key_averages() if e.key == "aten::_to_copy"]  # a widening .to()
+        assert got.dtype == torch.float32 and not copies, (op, copies)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
