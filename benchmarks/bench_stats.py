@@ -2,8 +2,10 @@
 
 For each case it times gapmon, the seed monitor's per-tensor approach (`x.abs().max()` plus
 `torch.var_mean(x)`), the full pure-PyTorch reference (`gapmon.reference`, all 7 statistics)
-and the memory-bandwidth bounds (`x.sum()`, and a device copy on CUDA). Prints a markdown table
-and writes JSON to benchmarks/results/<device>.json.
+and the memory-bandwidth bounds (`x.sum()`; on CUDA `x.sum(dtype=float32)` and a device copy), each with the
+SPEC target it answers to beside it. On CUDA it also times single calls (events around one call
+after a synchronisation: the host cost counts) besides back-to-back calls, and the host cost of a
+small call. Prints a markdown table and writes JSON to benchmarks/results/<device>.json.
 
     python benchmarks/bench_stats.py                 # CPU, sizes 2^10..2^26
     python benchmarks/bench_stats.py --device cuda   # GPU, sizes 2^10..2^28
@@ -46,6 +48,68 @@ def timeit(fn, device: str, min_time: float = 0.5, max_reps: int = 200) -> float
     return min(times)
 
 
+def single_call_time(fn, device: str, reps: int = 50) -> float:
+    """Seconds of one call on an idle device, host cost included: CUDA events around a single call
+    after a synchronisation, median over `reps` (CPU: the fastest call, as `timeit`)."""
+    if device != "cuda":
+        return timeit(fn, device)
+    for i in range(3):
+        fn(i)
+    times = []
+    for i in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def host_time(fn, device: str, calls: int = 2000) -> float:
+    """Host seconds to issue one call (back to back, no synchronisation inside the timed loop): the
+    CPU cost of a small call, which bounds small GPU calls more than the kernel does."""
+    for i in range(20):
+        fn(i)
+    _sync(device)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        best = min(best, (time.perf_counter() - t0) / calls)
+        _sync(device)
+    return best
+
+
+# What SPEC.md section 8 asks of each ratio, per device: (ratio key, bound, label).
+TARGETS = {
+    ("tensor_stats", "cpu", "large"): [("x_seed_baseline", 20.0, ">= 20x seed"), ("vs_sum_throughput", 0.8, ">= 0.80x x.sum")],
+    ("tensor_stats", "cuda", "large"): [("x_seed_baseline", 4.0, ">= 4x seed"), ("vs_sum_throughput", 0.9, ">= 0.90x x.sum")],
+    ("tensor_stats", "cuda", "2^20"): [("vs_sum_single", 0.8, ">= 0.80x x.sum, single call")],
+    ("host cost", "cuda", ""): [("host_vs_sum", 1 / 1.5, "<= 1.5x x.sum host cost")],
+    ("multi_tensor_stats", "cpu", ""): [("x_seed_loop", 20.0, ">= 20x seed loop")],
+    ("multi_tensor_stats", "cuda", ""): [("x_seed_loop", 20.0, ">= 20x seed loop"),
+                                         ("x_foreach_norm", 1.0, "> 1x _foreach_norm, back to back"),
+                                         ("x_foreach_norm_single", 1.0, "> 1x _foreach_norm, single call")],
+    ("instance_stats", "cpu", ""): [("x_seed_baseline", 10.0, ">= 10x var_mean+amax")],
+    ("instance_stats", "cuda", ""): [("vs_sum_throughput", 0.9, ">= 0.90x row sum")],
+}
+
+
+def judge(r: dict, device: str, size: str = "") -> None:
+    """Adds the targets that apply to row `r` and whether each is met (printed beside the ratios)."""
+    kind = r["case"].split(" ")[0] if not r["case"].startswith("host cost") else "host cost"
+    targets = TARGETS.get((kind, device, size), [])
+    r["targets"] = [{"metric": key, "target": label, "value": r.get(key), "met": r.get(key) is not None and r[key] >= bound}
+                    for key, bound, label in targets]
+
+
+def targets_text(r: dict) -> str:
+    return "; ".join(f"{t['target']}: {'met' if t['met'] else 'NOT met'}" for t in r.get("targets", []))
+
+
 def _cuda_time(fn, min_time: float, calls_per_rep: int = 20) -> float:
     for i in range(3):
         fn(i)
@@ -64,6 +128,12 @@ def _cuda_time(fn, min_time: float, calls_per_rep: int = 20) -> float:
         spent += seconds
         times.append(seconds / calls_per_rep)
     return statistics.median(times)
+
+
+def sum_kwargs(device: str) -> dict:
+    """The bandwidth reference of each device as SPEC.md section 8 names it: `x.sum(dtype=float32)` on
+    GPUs (a float32 accumulation, as the kernels do), plain `x.sum()` on the CPU."""
+    return {"dtype": torch.float32} if device == "cuda" else {}
 
 
 def rotation(x: torch.Tensor, device: str) -> list[torch.Tensor]:
@@ -111,7 +181,7 @@ def bench_tensor_stats(device: str, sizes: list[int], rows: list[dict]) -> None:
             r["gapmon_s"] = timeit(lambda i: gapmon.tensor_stats(xs[i % n]), device)
             r["seed_baseline_s"] = timeit(lambda i: seed_baseline(xs[i % n]), device)
             r["reference_s"] = timeit(lambda i: gapmon.reference.tensor_stats(xs[i % n]), device)
-            r["sum_s"] = timeit(lambda i: xs[i % n].sum(), device)
+            r["sum_s"] = timeit(lambda i: xs[i % n].sum(**sum_kwargs(device)), device)
             if device == "cuda":
                 ys = [torch.empty_like(x) for _ in range(min(n, 2))]
                 r["copy_s"] = timeit(lambda i: ys[i % len(ys)].copy_(xs[i % n]), device)
@@ -124,18 +194,40 @@ def bench_tensor_stats(device: str, sizes: list[int], rows: list[dict]) -> None:
             r["vs_sum_throughput"] = r["sum_s"] / r["gapmon_s"]
             if "read_GBps_copy" in r:
                 r["of_copy_bandwidth"] = r["gapmon_GBps"] / r["read_GBps_copy"]
+            single = ""
+            if device == "cuda":  # back-to-back calls hide the host cost of one call: time single calls too
+                r["gapmon_single_s"] = single_call_time(lambda i: gapmon.tensor_stats(xs[i % n]), device)
+                r["sum_single_s"] = single_call_time(lambda i: xs[i % n].sum(**sum_kwargs(device)), device)
+                r["vs_sum_single"] = r["sum_single_s"] / r["gapmon_single_s"]
+                single = f"  single call {r['gapmon_single_s']*1e3:.3f} ms ({r['vs_sum_single']:.2f}x sum)"
+            judge(r, device, "large" if exp >= 26 else "2^20" if exp == 20 else "")
             rows.append(r)
             bw = f"  {r['of_copy_bandwidth']:.0%} of copy bandwidth" if "of_copy_bandwidth" in r else ""
             print(f"tensor_stats {r['dtype']:>8} 2^{exp:<2}: {r['gapmon_s']*1e3:8.3f} ms  "
                   f"{r['x_seed_baseline']:6.1f}x seed  {r['x_reference']:6.1f}x ref  "
-                  f"{r['vs_sum_throughput']:.2f}x sum throughput  {r['gapmon_GBps']:.1f} GB/s{bw}", flush=True)
+                  f"{r['vs_sum_throughput']:.2f}x sum throughput  {r['gapmon_GBps']:.1f} GB/s{bw}{single}"
+                  f"  {targets_text(r)}", flush=True)
 
 
-def bench_multi(device: str, name: str, shapes, rows: list[dict]) -> None:
-    params = [torch.randn(s, device=device) for s in shapes]
+def bench_host_cost(device: str, rows: list[dict]) -> None:
+    """Host cost of one small call (1,000 elements) against x.sum()."""
+    x = torch.randn(1000, device=device)
+    r = {"case": "host cost of one call", "dtype": "float32", "numel": x.numel(), "bytes": x.numel() * 4}
+    r["gapmon_s"] = host_time(lambda i: gapmon.tensor_stats(x), device)
+    r["sum_host_s"] = host_time(lambda i: x.sum(), device)
+    r["host_vs_sum"] = r["sum_host_s"] / r["gapmon_s"]
+    r["gapmon_GBps"] = r["bytes"] / r["gapmon_s"] / 1e9
+    judge(r, device)
+    rows.append(r)
+    print(f"host cost of one call (1,000 elements): gapmon {r['gapmon_s']*1e6:.1f} us, x.sum {r['sum_host_s']*1e6:.1f} us "
+          f"({1 / r['host_vs_sum']:.2f}x)  {targets_text(r)}", flush=True)
+
+
+def bench_multi(device: str, name: str, shapes, rows: list[dict], dtype: torch.dtype = torch.float32) -> None:
+    params = [torch.randn(s, device=device).to(dtype) for s in shapes]
     total = sum(p.numel() for p in params)
-    r = {"case": f"multi_tensor_stats {name}", "dtype": "float32", "tensors": len(params), "numel": total,
-         "bytes": total * 4}
+    r = {"case": f"multi_tensor_stats {name}", "dtype": str(dtype).replace("torch.", ""), "tensors": len(params),
+         "numel": total, "bytes": total * params[0].element_size()}
     r["gapmon_s"] = timeit(lambda i: gapmon.multi_tensor_stats(params), device)
     r["seed_loop_s"] = timeit(lambda i: [seed_baseline(p) for p in params], device, min_time=0.1, max_reps=5)
     r["gapmon_per_tensor_loop_s"] = timeit(lambda i: [gapmon.tensor_stats(p) for p in params], device)
@@ -146,29 +238,37 @@ def bench_multi(device: str, name: str, shapes, rows: list[dict]) -> None:
     r["seed_loop_vs_sum_loop"] = r["seed_loop_s"] / r["sum_s"]  # the most any one-read kernel could gain
     r["x_foreach_norm"] = r["foreach_norm_s"] / r["gapmon_s"]
     r["gapmon_GBps"] = r["bytes"] / r["gapmon_s"] / 1e9
+    single = ""
+    if device == "cuda":
+        r["gapmon_single_s"] = single_call_time(lambda i: gapmon.multi_tensor_stats(params), device)
+        r["foreach_norm_single_s"] = single_call_time(lambda i: torch._foreach_norm(params), device)
+        r["x_foreach_norm_single"] = r["foreach_norm_single_s"] / r["gapmon_single_s"]
+        single = f"  single call {r['gapmon_single_s']*1e3:.3f} ms ({r['x_foreach_norm_single']:.2f}x _foreach_norm)"
+    judge(r, device)
     rows.append(r)
-    print(f"multi_tensor_stats {name} ({len(params)} tensors, {total/1e6:.0f}M): {r['gapmon_s']*1e3:.2f} ms  "
+    print(f"multi_tensor_stats {name} {r['dtype']} ({len(params)} tensors, {total/1e6:.0f}M): {r['gapmon_s']*1e3:.2f} ms  "
           f"{r['x_seed_loop']:.1f}x seed loop (a sum loop: {r['seed_loop_vs_sum_loop']:.1f}x)  "
-          f"{r['x_foreach_norm']:.2f}x _foreach_norm  {r['gapmon_GBps']:.1f} GB/s",
+          f"{r['x_foreach_norm']:.2f}x _foreach_norm  {r['gapmon_GBps']:.1f} GB/s{single}  {targets_text(r)}",
           flush=True)
 
 
-def bench_instance(device: str, shape, rows: list[dict]) -> None:
-    xs = rotation(torch.randn(*shape, device=device), device)
+def bench_instance(device: str, shape, rows: list[dict], dtype: torch.dtype = torch.float32) -> None:
+    xs = rotation(torch.randn(*shape, device=device).to(dtype), device)
     n, x = len(xs), xs[0]
-    r = {"case": f"instance_stats {list(shape)}", "dtype": "float32", "numel": x.numel(), "bytes": x.numel() * 4,
-         "rotated_inputs": n}
+    r = {"case": f"instance_stats {list(shape)}", "dtype": str(dtype).replace("torch.", ""), "numel": x.numel(),
+         "bytes": x.numel() * x.element_size(), "rotated_inputs": n}
     r["gapmon_s"] = timeit(lambda i: gapmon.instance_stats(xs[i % n]), device)
     r["seed_baseline_s"] = timeit(lambda i: (torch.var_mean(xs[i % n], dim=-1), xs[i % n].abs().amax(dim=-1)), device)
     r["reference_s"] = timeit(lambda i: gapmon.reference.instance_stats(xs[i % n]), device)
-    r["sum_s"] = timeit(lambda i: xs[i % n].sum(dim=-1), device)
+    r["sum_s"] = timeit(lambda i: xs[i % n].sum(dim=-1, **sum_kwargs(device)), device)
     r["x_seed_baseline"] = r["seed_baseline_s"] / r["gapmon_s"]
     r["x_reference"] = r["reference_s"] / r["gapmon_s"]
     r["vs_sum_throughput"] = r["sum_s"] / r["gapmon_s"]
     r["gapmon_GBps"] = r["bytes"] / r["gapmon_s"] / 1e9
+    judge(r, device)
     rows.append(r)
-    print(f"instance_stats {list(shape)}: {r['gapmon_s']*1e3:.2f} ms  {r['x_seed_baseline']:.1f}x var_mean+amax  "
-          f"{r['x_reference']:.1f}x ref  {r['vs_sum_throughput']:.2f}x sum throughput", flush=True)
+    print(f"instance_stats {list(shape)} {r['dtype']}: {r['gapmon_s']*1e3:.2f} ms  {r['x_seed_baseline']:.1f}x var_mean+amax  "
+          f"{r['x_reference']:.1f}x ref  {r['vs_sum_throughput']:.2f}x row sum throughput  {targets_text(r)}", flush=True)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -180,14 +280,14 @@ def markdown(rows: list[dict]) -> str:
 
     head = ["case", "dtype", "elements", "gapmon", "vs seed baseline", "vs full reference", "vs `x.sum()` throughput"]
     head += ["of copy bandwidth"] if gpu else []
-    head += ["vs `_foreach_norm`", "GB/s"]
-    out = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
+    head += ["vs `_foreach_norm`", "GB/s", "targets"]
+    out = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 3) + " --- |"]
     for r in rows:
         cells = [r["case"], r["dtype"], f"{r['numel']:,}", f"{r['gapmon_s']*1e3:.3f} ms",
                  ratio(r.get("x_seed_baseline", r.get("x_seed_loop"))), ratio(r.get("x_reference")),
                  ratio(r.get("vs_sum_throughput"), "{:.2f}x")]
         cells += [ratio(r.get("of_copy_bandwidth"), "{:.0%}")] if gpu else []
-        cells += [ratio(r.get("x_foreach_norm"), "{:.2f}x"), f"{r['gapmon_GBps']:.1f}"]
+        cells += [ratio(r.get("x_foreach_norm"), "{:.2f}x"), f"{r['gapmon_GBps']:.1f}", targets_text(r)]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -202,18 +302,23 @@ def main() -> None:
     if gapmon.backend() == "torch":
         raise SystemExit("gapmon._C is not built: nothing to benchmark (pip install --no-build-isolation -e .)")
     device = args.device
-    default_sizes = "10,14,18,22,26" + (",28" if device == "cuda" else "")
+    default_sizes = "10,14,18,22,26" if device == "cpu" else "10,14,18,20,22,26,28"
     sizes = [int(s) for s in (args.sizes or default_sizes).split(",")]
     info = machine(device)
     print(f"# gapmon benchmark on {info['device']} / {info['cpu']}, torch {info['torch']}, ISA {info['cpu_isa']}")
     rows: list[dict] = []
     bench_tensor_stats(device, sizes, rows)
+    bench_host_cost(device, rows)
     bench_multi(device, "GPT-2 small", gpt2_small_shapes(), rows)
     if device == "cuda" and not args.skip_llama:
-        bench_multi(device, "LLaMA 1B", llama_1b_shapes(), rows)
+        bench_multi(device, "LLaMA 1B", llama_1b_shapes(), rows, torch.bfloat16)
     bench_instance(device, (64, 2**20), rows)
     if device == "cuda":
-        bench_instance(device, (8192, 4096), rows)
+        bench_instance(device, (64, 2**20), rows, torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16):
+            bench_instance(device, (8192, 4096), rows, dtype)
+    missed = [f"{r['case']} {r['dtype']}: {t['target']}" for r in rows for t in r.get("targets", []) if not t["met"]]
+    print("\ntargets not met:" + "".join(f"\n  {m}" for m in missed) if missed else "\nall targets met")
     table = markdown(rows)
     print("\n" + table)
     name = info["device"].replace(" ", "-").replace("(", "").replace(")", "").lower()
