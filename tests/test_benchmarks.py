@@ -1,0 +1,38 @@
+"""The benchmark scripts run end to end (on the CPU, tiny sizes): a GPU session must not lose its
+device time to a script that fails; their JSON carries the targets beside the figures."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gapmon
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled ops")]
+
+
+def _run(script: str, *args: str, out: Path) -> dict:
+    done = subprocess.run([sys.executable, str(BENCH / script), *args, "--out", str(out)], capture_output=True,
+                          text=True, timeout=600, cwd=BENCH)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_monitor_reports_floor_and_targets(tmp_path):
+    result = _run("bench_monitor.py", "--small", "--steps", "2", "--rounds", "1", "--blocks", "1",
+                  out=tmp_path / "monitor.json")
+    modes = result["modes"]
+    assert set(modes) == {"torch", "all four", "params+grads", "interval=10"}
+    assert modes["all four"]["floor_s"] > modes["params+grads"]["floor_s"] > 0
+    assert modes["all four"]["target"] and isinstance(modes["all four"]["met"], bool)
+
+
+def test_bench_stats_reports_targets(tmp_path):
+    result = _run("bench_stats.py", "--sizes", "10", out=tmp_path / "stats.json")
+    cases = {r["case"] for r in result["results"]}
+    assert {"tensor_stats", "host cost of one call", "multi_tensor_stats GPT-2 small"} <= cases
+    multi = next(r for r in result["results"] if r["case"].startswith("multi_tensor_stats"))
+    assert multi["targets"] and all(isinstance(t["met"], bool) for t in multi["targets"])
