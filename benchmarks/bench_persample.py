@@ -5,6 +5,7 @@ The cost of gapmon's norms is also measured paired: one process alternates plain
 with the norms attached, so that a shared machine's drift hits both alike.
 
     python benchmarks/bench_persample.py [--device cuda]
+    python benchmarks/bench_persample.py --device cuda --gpt2 128 1024   # SPEC's GPU configuration
 """
 from __future__ import annotations
 
@@ -65,6 +66,60 @@ def measure_paired(device: str, steps: int, d_model: int) -> dict:
     return {"mode": "paired", "plain_s": plain, "gapmon_s": norms, "ratio": norms / plain}
 
 
+def measure_training_step(device: str, steps: int, seq_len: int, small: bool = False) -> dict:
+    """The GPU configuration of SPEC.md section 8: GPT-2 small (B=8), bf16 autocast, TF32, SDPA, fused
+    AdamW, full training steps. Three kinds of step rotate in one process (drift hits all alike):
+    plain (no monitor attached), with per-sample norms (GAPMonitor, norms only), and skipped (the same
+    monitor attached, on a step it does not monitor)."""
+    import contextlib
+
+    import gapmon
+    from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+
+    if small:  # a smoke test of the script
+        cfg, batch = GPTConfig(vocab_size=64, seq_len=seq_len, d_model=32, n_heads=2, n_layers=2), 4
+    else:
+        cfg, batch = GPTConfig(vocab_size=50257, seq_len=seq_len, d_model=768, n_heads=12, n_layers=12), 8
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+    times: dict[str, list[float]] = {"plain": [], "norms": [], "skipped": []}
+    for i in range(3 * (steps + 1)):
+        kind = ("plain", "norms", "skipped")[i % 3]
+        mon = None
+        if kind != "plain":
+            mon = gapmon.GAPMonitor(model, params=False, grads=False, activations=False, activation_grads=False,
+                                    per_sample_grad_norms=True, sinks=[])
+        x, y = synthetic_batch(cfg, batch, i, device=device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if kind == "norms":
+            mon.begin_step(i, batch_size=batch)
+        with autocast():
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        if kind == "norms":
+            mon.end_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:  # one warm-up step of each kind
+            times[kind].append(time.perf_counter() - t0)
+        if mon is not None:
+            mon.close()
+    med = {kind: statistics.median(v) for kind, v in times.items()}
+    target = 1.10 if seq_len <= 128 else 1.40
+    return {"mode": "training-step", "seq_len": seq_len, "batch": batch, "config": cfg.__dict__,
+            "plain_s": med["plain"], "norms_s": med["norms"], "skipped_s": med["skipped"],
+            "norms_ratio": med["norms"] / med["plain"], "skipped_ratio": med["skipped"] / med["plain"],
+            "target": f"with norms <= {target:.2f}x a plain step", "met": med["norms"] / med["plain"] <= target}
+
+
 def measure(mode: str, device: str, steps: int, d_model: int) -> dict:
     """Runs one mode in this process: median seconds per step and peak memory beyond the model."""
     from common import vmap_norms
@@ -120,8 +175,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--d-model", type=int, default=256, help="model width (GPT-style, 4 layers)")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # internal: run one mode
+    parser.add_argument("--gpt2", type=int, nargs="*", metavar="T",
+                        help="instead: full GPT-2 small training steps (B=8; on CUDA bf16 autocast, TF32, fused "
+                             "AdamW) at these sequence lengths (default 128 1024), plain / with norms / skipped")
+    parser.add_argument("--small", action="store_true", help=argparse.SUPPRESS)  # with --gpt2: a smoke test
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.gpt2 is not None:
+        from common import machine
+
+        info = machine(args.device)
+        print(f"# per-sample norms in GPT-2 small training steps on {info['device']}, torch {info['torch']}")
+        rows, results = ["| T | plain step | with norms | skipped step | target |", "| ---: | ---: | ---: | ---: | --- |"], []
+        for seq_len in args.gpt2 or [128, 1024]:
+            r = measure_training_step(args.device, args.steps, seq_len, args.small)
+            results.append(r)
+            rows.append(f"| {seq_len} | {r['plain_s']*1e3:.1f} ms | {r['norms_s']*1e3:.1f} ms ({r['norms_ratio']:.2f}x) | "
+                        f"{r['skipped_s']*1e3:.1f} ms ({r['skipped_ratio']:.2f}x) | {r['target']}: "
+                        f"{'met' if r['met'] else 'NOT met'} |")
+            print(rows[-1], flush=True)
+        table = "\n".join(rows)
+        print("\n" + table)
+        name = "cpu-" + info["host"] if args.device == "cpu" else info["device"].replace(" ", "-").lower()
+        out = Path(args.out or Path(__file__).parent / "results" / f"persample-gpt2-{name}.json")
+        out.write_text(json.dumps({"machine": info, "results": results, "table": table}, indent=2))
+        print(f"wrote {out}")
+        return
     if args.mode == "paired":
         print(json.dumps(measure_paired(args.device, 2 * args.steps, args.d_model)))
         return

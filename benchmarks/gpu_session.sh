@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session measures, in one command (the device tool allows few, long calls):
 # builds the CUDA extension in place, runs the CUDA tests, then the GPU benchmarks. Logs and
-# JSON results go to OUT_DIR (default $OUT, else /tmp/gapmon-gpu): at most 8 files (session.log,
-# build.log, stats.json, monitor.json, persample.json, variants.txt, ncu.txt).
+# JSON results go to OUT_DIR (default $OUT, else /tmp/gapmon-gpu): at most 9 files (session.log,
+# build.log, stats.json, monitor.json, persample-gpt2.json, persample.json, variants.txt, ncu.txt).
 #
 #   bash benchmarks/gpu_session.sh [OUT_DIR [PHASE ...]]
 #
@@ -86,6 +86,7 @@ fi
 
 if want persample; then
 section "per-sample benchmark"
+timeout 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 1024 --steps 6 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
 timeout 120 $py benchmarks/bench_persample.py --device cuda --d-model 768 --out "$out/persample.json" 2>&1 | tee -a "$log"
 fi
 

@@ -36,3 +36,9 @@ def test_bench_stats_reports_targets(tmp_path):
     assert {"tensor_stats", "host cost of one call", "multi_tensor_stats GPT-2 small"} <= cases
     multi = next(r for r in result["results"] if r["case"].startswith("multi_tensor_stats"))
     assert multi["targets"] and all(isinstance(t["met"], bool) for t in multi["targets"])
+
+
+def test_bench_persample_training_steps(tmp_path):
+    result = _run("bench_persample.py", "--gpt2", "16", "--small", "--steps", "2", out=tmp_path / "persample.json")
+    (r,) = result["results"]
+    assert r["seq_len"] == 16 and r["norms_s"] > 0 and r["skipped_s"] > 0 and isinstance(r["met"], bool)
