@@ -16,7 +16,7 @@ namespace gapmon {
 inline core::DType checked_dtype(const at::Tensor& t, const char* op) {
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, "gapmon.", op, ": expected a dense (strided) tensor, got layout ",
                    t.layout(), "; call .to_dense() first");
-  TORCH_CHECK_TYPE(!t.is_quantized(), "gapmon.", op, ": quantized tensors (", t.scalar_type(),
+  TORCH_CHECK_TYPE(!t.is_quantized(), "gapmon.", op, ": quantized tensors (torch.", c10::getDtypeNames(t.scalar_type()).first,
                    ") are not supported; call .dequantize() first");
   switch (t.scalar_type()) {
     case at::kFloat: return core::DType::kFloat32;
@@ -25,7 +25,7 @@ inline core::DType checked_dtype(const at::Tensor& t, const char* op) {
     case at::kBFloat16: return core::DType::kBFloat16;
     default:
       TORCH_CHECK_TYPE(false, "gapmon.", op, ": expected a floating-point tensor (float16, bfloat16, float32 or ",
-                       "float64), got dtype ", t.scalar_type());
+                       "float64), got dtype torch.", c10::getDtypeNames(t.scalar_type()).first);
   }
   return core::DType::kFloat32;
 }

@@ -34,14 +34,14 @@ class Stats(NamedTuple):
     @classmethod
     def from_rows(cls, rows: torch.Tensor) -> "Stats":
         """Views the columns of a [..., 7] statistics buffer as fields (no copy)."""
-        return cls(*rows.unbind(-1))
+        return cls._make(rows.unbind(-1))
 
     def rows(self) -> torch.Tensor:
         """The fields stacked back into a [..., 7] buffer."""
         return torch.stack(tuple(self), dim=-1)
 
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_same_device(xs, op: str) -> None:
@@ -73,7 +73,7 @@ def check_tensor_list(xs: list, op: str) -> set[type]:
     except AttributeError:  # not a tensor: the per-tensor check names it
         kinds = None
     if kinds is None or len({device for *_, device in kinds}) > 1 or not all(
-            issubclass(kind, torch.Tensor) and dtype in _FLOAT_DTYPES and layout == torch.strided and device.type != "meta"
+            issubclass(kind, torch.Tensor) and dtype in FLOAT_DTYPES and layout == torch.strided and device.type != "meta"
             for kind, dtype, layout, device in kinds):
         for x in xs:
             check_tensor(x, op)
@@ -92,7 +92,7 @@ def check_tensor(x: torch.Tensor, op: str) -> None:
         raise TypeError(f"gapmon.{op}: expected a dense (strided) tensor, got layout {x.layout}; call .to_dense() first")
     if x.is_quantized:
         raise TypeError(f"gapmon.{op}: quantized tensors ({x.dtype}) are not supported; call .dequantize() first")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"gapmon.{op}: expected a floating-point tensor (float16, bfloat16, float32 or float64), got dtype {x.dtype}"
         )
