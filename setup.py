@@ -28,10 +28,22 @@ def want_cuda() -> bool:
     flag = os.environ.get("GAPMON_CUDA")
     if flag == "0":
         return False
-    available = cpp_extension.CUDA_HOME is not None and torch.version.cuda is not None
-    if flag == "1" and not available:
-        raise RuntimeError("GAPMON_CUDA=1 but torch has no CUDA or nvcc was not found (set CUDA_HOME)")
-    return available
+    home = cpp_extension.CUDA_HOME
+    if torch.version.cuda is None:
+        problem = f"torch {torch.__version__} has no CUDA"
+    elif home is None:
+        problem = "nvcc was not found (set CUDA_HOME to the CUDA toolkit's root)"
+    elif not os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+        # torch guesses CUDA_HOME from nvcc's place; a wrapper script (/usr/local/bin/nvcc) misleads it.
+        problem = (f"CUDA_HOME={home} has no include/cuda_runtime_api.h (is nvcc a wrapper script?); "
+                   "set CUDA_HOME to the CUDA toolkit's root, e.g. CUDA_HOME=/usr/local/cuda")
+    else:
+        return True
+    if flag == "1":
+        raise RuntimeError(f"GAPMON_CUDA=1 but {problem}")
+    if torch.version.cuda is not None:
+        print(f"gapmon: building the CPU kernels only: {problem}", file=sys.stderr)
+    return False
 
 
 def rel(paths):
