@@ -117,6 +117,7 @@ class GAPMonitor:
         self._step: int | None = None
         self._active = False
         self._acc: torch.Tensor | None = None
+        self._grad_rows: list[torch.Tensor] = []
         self._batch_size = 0
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
         self._order = [0, 0]
@@ -157,19 +158,35 @@ class GAPMonitor:
     def _fold(self, x: torch.Tensor, index: int, kind: int) -> None:
         if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
             x = x.to_local()
-        if self._acc is None or self._acc.device != x.device:
-            self._acc = self._new_acc(x.device, self._acc)
-        # Order bookkeeping is plain Python state: skipped inside torch.compile'd regions (it would
-        # force recompiles); NaN localisation then falls back to module order.
+        backward = kind == 1
+        # Under torch.compile the gradient hooks run in the traced backward, where only their own row
+        # of the accumulator is touched (see _set_acc); the device check and order bookkeeping are
+        # plain Python state and stay in eager (they would force recompiles). NaN localisation then
+        # falls back to module order.
+        if not (backward and torch.compiler.is_compiling()):
+            if self._acc is None or self._acc.device != x.device:
+                self._set_acc(self._new_acc(x.device, self._acc))
         if not torch.compiler.is_compiling() and self._first_seen[kind][index] < 0:
             self._first_seen[kind][index] = self._order[kind]
             self._order[kind] += 1
-        ops.accumulate_instance_stats(x, self._acc, kind * len(self._modules) + index, self.correction)
+        if backward:
+            ops.accumulate_instance_stats(x, self._grad_rows[index], 0, self.correction)
+        else:
+            ops.accumulate_instance_stats(x, self._acc, index, self.correction)
 
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:
             raise RuntimeError(f"GAPMonitor: activations of one step on two devices ({old.device} and {device})")
         return torch.zeros(2 * len(self._modules), len(ACC_NAMES), dtype=torch.float64, device=device)
+
+    def _set_acc(self, acc: torch.Tensor | None) -> None:
+        """Rows [0, M) of the accumulator take the activations, rows [M, 2M) their gradients. Each
+        gradient hook writes through a one-row view of its own: a traced backward (torch.compile) then
+        has one input per hook, none shared with the forward graph. (torch 2.11's Dynamo breaks on a
+        backward hook whose tensor the forward graph also uses.)"""
+        self._acc = acc
+        m = len(self._modules)
+        self._grad_rows = [] if acc is None else [acc[m + i: m + i + 1] for i in range(m)]
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, step: int, batch_size: int | None = None) -> None:
@@ -187,7 +204,7 @@ class GAPMonitor:
         if self._acc is None and (self._kinds["activations"] or self._kinds["activation_grads"]):
             first = next(self.model.parameters(), None)
             device = first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
-            self._acc = self._new_acc(device, None)
+            self._set_acc(self._new_acc(device, None))
         if self._acc is not None:
             self._acc.zero_()
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]
@@ -360,7 +377,7 @@ class GAPMonitor:
             self.per_sample.close()
         for sink in self.sinks:
             sink.close()
-        self._acc = None
+        self._set_acc(None)
         self._active = False
         self.closed = True
 

@@ -269,9 +269,15 @@ def test_activation_checkpointing_counts_once(monkeypatch, reentrant):
 def test_a_tensor_several_modules_output_is_read_once(monkeypatch):
     """An MLP returns its `down` projection's output, an Attention its `proj`'s: each such tensor
     (and its gradient) is folded once and reported under every name."""
-    folded = []
+    folded = []  # rows of the monitor's accumulator (gradient hooks write through one-row views)
     real = gapmon.ops.accumulate_instance_stats
-    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats", lambda *a, **k: (folded.append(a[2]), real(*a, **k)))
+
+    def spy(x, acc, row, *args, **kwargs):
+        base = acc if acc._base is None else acc._base
+        folded.append(row + (acc.data_ptr() - base.data_ptr()) // (acc.element_size() * acc.stride(0)))
+        return real(x, acc, row, *args, **kwargs)
+
+    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats", spy)
     model = _model()
     with gapmon.GAPMonitor(model, sinks=[]) as mon:
         mon.begin_step(0, batch_size=2)
