@@ -12,6 +12,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "cuda/stats_cuda.h"
@@ -49,10 +52,37 @@ cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at
   return table;
 }
 
+// `n` zeroed kernel counters on `stream`, without a launch: every launch leaves the counters it used
+// at zero (the group that counts an item's last piece resets it), so one buffer per (device, stream),
+// zeroed when it is allocated or grown, serves every later call on that stream in order. While the
+// stream is captured into a CUDA graph the graph gets counters of its own, zeroed by a recorded
+// memset (`keep` holds them until the launch is queued), so replays never share counters with eager
+// calls or with another graph.
+unsigned* zeroed_counters(int64_t n, const at::Device& device, cudaStream_t stream, at::Tensor& keep, const char* op) {
+  const int64_t bytes = n * int64_t(sizeof(unsigned));
+  const auto opts = at::TensorOptions().dtype(at::kByte).device(device);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    keep = at::empty({bytes}, opts);
+    check_launch(cudaMemsetAsync(keep.data_ptr(), 0, bytes, stream), op);
+    return static_cast<unsigned*>(keep.data_ptr());
+  }
+  static std::mutex mutex;
+  // Never destroyed: the buffers must outlive every kernel queued before the process exits.
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buffer = (*buffers)[{device.index(), stream}];
+  if (!buffer.defined() || buffer.numel() < bytes) {
+    // The old buffer goes back to the caching allocator, which reuses it on this stream only
+    // after the kernels queued on it: no launch can see the new buffer's zeroing out of order.
+    buffer = at::zeros({std::max<int64_t>(bytes, 4096)}, opts);
+  }
+  return static_cast<unsigned*>(buffer.data_ptr());
+}
+
 // Runs the statistics kernel over `views`: float64 statistics rows, or float64 states if `as_states`.
-// With `acc_row`, the rows are also folded into that accumulator row in the same launch. One
-// allocation holds the scratch (chunk states for items of several chunks, zeroed counters); an item
-// of one chunk needs neither, so a small tensor costs one output allocation and one launch.
+// With `acc_row`, the rows are also folded into that accumulator row in the same launch. Items of
+// several chunks need chunk states (one allocation, no memset) and counters (zeroed_counters); an
+// item of one chunk needs neither. Every call is one launch.
 at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::Device& device, int64_t correction,
                bool as_states, const char* op, double* acc_row = nullptr) {
   const c10::cuda::CUDAGuard guard(device);
@@ -73,16 +103,13 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
   (as_states ? targets.out_states : targets.out_stats) = out.data_ptr<double>();
   targets.correction = correction;
   targets.acc_row = acc_row;
-  at::Tensor scratch;
+  at::Tensor chunk_states, captured_counters;
+  if (cuda::needs_chunk_states(max_chunks_per_item)) {
+    chunk_states = at::empty({total_chunks * int64_t(core::kNumStateColumns)}, opts.dtype(at::kDouble));
+    targets.chunk_states = chunk_states.data_ptr<double>();
+  }
   if (cuda::needs_counters(max_chunks_per_item, acc_row != nullptr)) {
-    const int64_t state_bytes =
-        cuda::needs_chunk_states(max_chunks_per_item) ? total_chunks * core::kNumStateColumns * int64_t(sizeof(double)) : 0;
-    const int64_t counter_bytes = (rows + 1) * int64_t(sizeof(unsigned));
-    scratch = at::empty({state_bytes + counter_bytes}, opts.dtype(at::kByte));
-    auto* base = static_cast<char*>(scratch.data_ptr());
-    if (state_bytes > 0) targets.chunk_states = reinterpret_cast<double*>(base);
-    targets.counters = reinterpret_cast<unsigned*>(base + state_bytes);
-    check_launch(cudaMemsetAsync(targets.counters, 0, counter_bytes, stream), op);
+    targets.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
   }
   check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, max_item_numel, targets, stream), op);
   return out;

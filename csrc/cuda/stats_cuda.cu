@@ -270,11 +270,15 @@ __device__ __forceinline__ State<double> published_chunk(const double* chunk_sta
 
 // Counts one more finished piece at `counter` (after a fence, so that what this thread wrote before
 // is visible to whoever counts last); true for the thread whose count completes `total`. That
-// thread fences again before it reads the other pieces.
+// thread resets the counter (every piece is counted, nobody else touches it in this launch), so the
+// counters are zero again for the next launch, and fences before it reads the other pieces.
 __device__ __forceinline__ bool count_and_check_last(unsigned* counter, int64_t total) {
   __threadfence();
   const bool last = atomicAdd(counter, 1u) == static_cast<unsigned>(total - 1);
-  if (last) __threadfence();
+  if (last) {
+    *counter = 0u;
+    __threadfence();
+  }
   return last;
 }
 

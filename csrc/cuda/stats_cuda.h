@@ -31,7 +31,8 @@ struct StatsTargets {
   double* acc_row = nullptr;       // if set, out_stats' rows are folded into this accumulator row
                                    // (core::InstanceAccColumn), in row order, by the last chunk to finish
   double* chunk_states = nullptr;  // [total_chunks, 7] scratch; needed when an item has > 1 chunk
-  unsigned* counters = nullptr;    // [rows + 1] zeroed scratch; needed when an item has > 1 chunk or acc_row
+  unsigned* counters = nullptr;    // [rows + 1] zeroed; needed when an item has > 1 chunk or acc_row.
+                                   // The launch leaves them zeroed: they can serve the next launch.
 };
 
 // Whether launch_stats needs StatsTargets::chunk_states and ::counters for this plan.
