@@ -29,6 +29,7 @@ def test_missing_framework_names_the_package():
 # ------------------------------------------------------------------ Hugging Face
 def test_huggingface_trainer_with_gradient_accumulation(tmp_path):
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
     from gapmon.integrations.huggingface import attach
 
     torch.manual_seed(0)
