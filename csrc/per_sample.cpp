@@ -1,9 +1,9 @@
 // Per-sample squared gradient norms of Linear and Embedding weights without materialising
 // per-sample gradients. Composite ops built on ATen batched matmuls (so they run on CPU and
 // CUDA alike), summed in float32 or wider whatever the input dtype (16-bit inputs: wide_bmm).
-// The ghost forms build the [B, T, T] Grams whole when they are small enough (one batched product
-// per layer: O(1) launches), and otherwise tile over the sequence so that only [B, tile, tile]
-// blocks exist.
+// The ghost forms build the [T, T] Grams whole, for chunks of samples whose Grams fit 64 MiB (one
+// batched product pair per chunk), and tile over the sequence only when one sample's Gram is larger,
+// so that only [B, tile, tile] blocks exist.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -12,16 +12,19 @@
 namespace gapmon {
 namespace {
 
-// A Gram of at most this many elements (64 MiB in float32) is built whole by the default tile.
+// Grams are built whole, for as many samples at a time as keep a chunk's Grams within this many
+// elements (64 MiB in float32): one batched product pair per chunk, O(B * T^2 / 2^24) launches per
+// layer. Only a sequence whose one Gram is larger is tiled, into kDefaultTile x kDefaultTile blocks.
 constexpr int64_t kWholeGramElems = int64_t(1) << 24;
 constexpr int64_t kDefaultTile = 256;
 
-// tile == 0 (the default) picks the whole sequence when B * T * T fits kWholeGramElems, else
-// kDefaultTile; a positive tile is used as given (tests pass small ones to exercise the tiling).
-int64_t pick_tile(int64_t tile, int64_t b, int64_t t, const char* op) {
+// Samples per chunk of whole Grams, or 0 when the sequence must be tiled: tile == 0 (the default)
+// picks whole Grams when one sample's fits kWholeGramElems; a positive tile always tiles (tests pass
+// small ones to exercise the tiling).
+int64_t samples_per_chunk(int64_t tile, int64_t t, const char* op) {
   TORCH_CHECK_VALUE(tile >= 0, "gapmon.", op, ": tile must be 0 (automatic) or positive, got ", tile);
-  if (tile > 0) return tile;
-  return b * t * t <= kWholeGramElems ? std::max<int64_t>(t, 1) : kDefaultTile;
+  if (tile > 0 || t * t > kWholeGramElems) return 0;
+  return std::max<int64_t>(1, kWholeGramElems / std::max<int64_t>(1, t * t));
 }
 
 bool is_16bit(const at::Tensor& x) { return x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16; }
@@ -44,22 +47,37 @@ void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
                     ": expected [B, T, d] and [B, T, p] tensors, got ", a.sizes(), " and ", g.sizes());
 }
 
+// Sums block(s, n, i, ni, j, nj) -> [n], the sum over rows [i, i + ni) and columns [j, j + nj) of the
+// [T, T] Gram products of samples [s, s + n), over whole Grams: chunks of samples whose Grams are built
+// whole, or (a positive tile, or a sequence too long) tile pairs of the upper triangle, off-diagonal
+// pairs counted twice (the Grams are symmetric).
+template <typename Block>
+void sum_gram_blocks(at::Tensor& out, int64_t t, int64_t tile, const char* op, const Block& block) {
+  const int64_t b = out.size(0);
+  if (const int64_t step = samples_per_chunk(tile, t, op); step > 0) {
+    for (int64_t s = 0; s < b; s += step) {
+      const int64_t n = std::min(step, b - s);
+      out.narrow(0, s, n).copy_(block(s, n, 0, t, 0, t));
+    }
+    return;
+  }
+  tile = tile > 0 ? tile : kDefaultTile;
+  for (int64_t i = 0; i < t; i += tile) {
+    for (int64_t j = i; j < t; j += tile) {
+      out.add_(block(0, b, i, std::min(tile, t - i), j, std::min(tile, t - j)), i == j ? 1.0 : 2.0);
+    }
+  }
+}
+
 // sum_{t,s} (a_t . a_s)(g_t . g_s) per sample: the squared Frobenius norm of g^T a, via Grams.
 at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t tile) {
   check_pair(a, g, "ghost_norm_sq");
-  const int64_t t = a.size(1);
-  tile = pick_tile(tile, a.size(0), t, "ghost_norm_sq");
   at::Tensor out = at::zeros({a.size(0)}, a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))));
-  for (int64_t i = 0; i < t; i += tile) {
-    const at::Tensor ai = a.narrow(1, i, std::min(tile, t - i));
-    const at::Tensor gi = g.narrow(1, i, std::min(tile, t - i));
-    for (int64_t j = i; j < t; j += tile) {  // the Grams are symmetric: off-diagonal tiles count twice
-      const at::Tensor aj = a.narrow(1, j, std::min(tile, t - j));
-      const at::Tensor gj = g.narrow(1, j, std::min(tile, t - j));
-      const at::Tensor block = wide_bmm(ai, aj.transpose(1, 2)).mul_(wide_bmm(gi, gj.transpose(1, 2)));
-      out.add_(block.sum({1, 2}), i == j ? 1.0 : 2.0);
-    }
-  }
+  sum_gram_blocks(out, a.size(1), tile, "ghost_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
+    const at::Tensor as = a.narrow(0, s, n), gs = g.narrow(0, s, n);
+    const at::Tensor a_gram = wide_bmm(as.narrow(1, i, ni), as.narrow(1, j, nj).transpose(1, 2));
+    return a_gram.mul_(wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2))).sum({1, 2});
+  });
   return out;
 }
 
@@ -85,22 +103,16 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
   TORCH_CHECK_VALUE(ids.dim() == 2 && g.dim() == 3 && ids.size(0) == g.size(0) && ids.size(1) == g.size(1),
                     "gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(), " and ",
                     g.sizes());
-  const int64_t t = ids.size(1);
-  tile = pick_tile(tile, ids.size(0), t, "embedding_norm_sq");
   const at::Tensor valid = padding_idx >= 0 ? ids.ne(padding_idx) : at::ones_like(ids, ids.options().dtype(at::kBool));
   at::Tensor out = at::zeros({g.size(0)}, g.options().dtype(sum_dtype(g)));
-  for (int64_t i = 0; i < t; i += tile) {
-    const int64_t ni = std::min(tile, t - i);
-    const at::Tensor idi = ids.narrow(1, i, ni), vi = valid.narrow(1, i, ni), gi = g.narrow(1, i, ni);
-    for (int64_t j = i; j < t; j += tile) {
-      const int64_t nj = std::min(tile, t - j);
-      const at::Tensor same = idi.unsqueeze(2).eq(ids.narrow(1, j, nj).unsqueeze(1))
-                                  .logical_and_(vi.unsqueeze(2))
-                                  .logical_and_(valid.narrow(1, j, nj).unsqueeze(1));
-      const at::Tensor block = wide_bmm(gi, g.narrow(1, j, nj).transpose(1, 2)).mul_(same);
-      out.add_(block.sum({1, 2}), i == j ? 1.0 : 2.0);
-    }
-  }
+  sum_gram_blocks(out, ids.size(1), tile, "embedding_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j,
+                                                                    int64_t nj) {
+    const at::Tensor id = ids.narrow(0, s, n), ok = valid.narrow(0, s, n), gs = g.narrow(0, s, n);
+    const at::Tensor same = id.narrow(1, i, ni).unsqueeze(2).eq(id.narrow(1, j, nj).unsqueeze(1))
+                                .logical_and_(ok.narrow(1, i, ni).unsqueeze(2))
+                                .logical_and_(ok.narrow(1, j, nj).unsqueeze(1));
+    return wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)).mul_(same).sum({1, 2});
+  });
   return out;
 }
 

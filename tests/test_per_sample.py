@@ -120,24 +120,46 @@ def test_second_backward_through_same_graph_is_refused():
     psn.close()
 
 
+def _bmm_calls(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+
+
 def test_ghost_norm_is_one_product_per_layer_when_the_grams_fit():
     """The default tile builds small Grams whole: O(1) batched matmuls per layer (counted by the
     profiler), with the same result as the tiled form."""
     if gapmon.backend() == "torch":
         pytest.skip("needs the compiled ops")
     a, g = torch.randn(2, 300, 8, dtype=torch.float64), torch.randn(2, 300, 5, dtype=torch.float64)
-
-    def bmm_calls(tile):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = torch.ops.gapmon.ghost_norm_sq(a, g, tile)
-        return out, sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
-
-    whole, n_whole = bmm_calls(0)
-    tiled, n_tiled = bmm_calls(64)
+    whole, n_whole = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g, 0))
+    tiled, n_tiled = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g, 64))
     assert n_whole == 2 and n_tiled == 2 * 15  # 5 tiles: 15 tile pairs
     want = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
     torch.testing.assert_close(whole, want)
     torch.testing.assert_close(tiled, want)
+
+
+@pytest.mark.slow
+def test_grams_too_large_for_one_product_are_built_whole_in_chunks_of_samples():
+    """B * T^2 above 2^24 with one sample's Gram below it: whole Grams for 4 samples at a time (2
+    chunks of 5 samples: 2 products each, not 36 tile pairs), for Linear and Embedding alike."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator().manual_seed(0)
+    b, t = 5, 2048  # T^2 = 2^22: 4 samples per chunk
+    a, g = torch.randn(b, t, 4, generator=gen), torch.randn(b, t, 3, generator=gen)
+    got, calls = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g))
+    assert calls == 2 * 2
+    want = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+    ids = torch.randint(0, 50, (b, t), generator=gen)
+    ids[0, :7] = 3  # the padding id
+    got, calls = _bmm_calls(lambda: torch.ops.gapmon.embedding_norm_sq(ids, g, 3))
+    assert calls == 2
+    one_hot = torch.nn.functional.one_hot(ids, 50).double() * ids.ne(3).unsqueeze(-1)
+    want = torch.bmm(one_hot.transpose(1, 2), g.double()).square().sum((1, 2))  # per-sample [vocab, d] grads
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
