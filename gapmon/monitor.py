@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import weakref
 from typing import Any, Sequence
 
@@ -35,6 +36,14 @@ _ACC_MAX = ACC_NAMES.index("max_abs")
 _ACC_SUMS = tuple(i for i in range(len(ACC_NAMES)) if i != _ACC_MAX)
 # (metric name, column of a statistics row)
 _STAT_FIELDS = tuple((field, STAT_NAMES.index(column)) for field, column in FIELD_COLUMNS.items())
+_COUNT = STAT_NAMES.index("count")
+
+
+def _picker(indices: list[int]):
+    """A function that returns [values[i] for i in indices] as a tuple, in C."""
+    if len(indices) == 1:
+        return lambda values: (values[indices[0]],)
+    return operator.itemgetter(*indices)
 
 
 class GAPMonitor:
@@ -118,6 +127,8 @@ class GAPMonitor:
         self._active = False
         self._acc: torch.Tensor | None = None
         self._grad_rows: list[torch.Tensor] = []
+        self._keys: dict[tuple[str, str], tuple[str, ...]] = {}  # see _metric_keys
+        self._layout: tuple | None = None  # see _row_layout
         self._batch_size = 0
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
         self._order = [0, 0]
@@ -277,13 +288,13 @@ class GAPMonitor:
             dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=self._group)
         host = torch.cat([rows.reshape(-1).double().to(dev), sums_t, maxes_t]).cpu().tolist()  # the one D2H copy
 
-        metrics: dict[str, float] = {}
-        for i, (kind, name) in enumerate(names):
-            row = host[i * _ROW:(i + 1) * _ROW]
-            if kind == "grads" and row[0] == 0:  # no rank had a gradient for it
-                continue
-            for field, col in _STAT_FIELDS:
-                metrics[metric_name(kind, name, field)] = row[col]
+        keys, picks, grad_counts = self._row_layout(tuple(names))
+        metrics: dict[str, float] = dict(zip(keys, picks(host))) if keys else {}
+        if grad_counts is not None and 0.0 in grad_counts(host):  # no rank had a gradient for some
+            for i, (kind, name) in enumerate(names):
+                if kind == "grads" and host[i * _ROW + _COUNT] == 0:
+                    for key in self._metric_keys(kind, name):
+                        del metrics[key]
         m = len(self._modules)
         offset = len(names) * _ROW
         width = len(_ACC_SUMS) * 2 * m
@@ -306,7 +317,7 @@ class GAPMonitor:
                 values = {"max": math.nan if math.isnan(acc_row["sum_norm"]) else act_max[r],
                           "mean": acc_row["sum_mean"] / instances, "var": acc_row["sum_var"] / instances,
                           "norm": acc_row["sum_norm"] / instances, "nonfinite": acc_row["nonfinite"]}
-                metrics.update({metric_name(kind, name, field): v for field, v in values.items()})
+                metrics.update(zip(self._metric_keys(kind, name), [values[field] for field, _ in _STAT_FIELDS]))
         for index, source in self._aliases.items():  # modules that output the same tensor as another
             name, source_name = self._modules[index][0], self._modules[source][0]
             for kind in ("activations", "activation_grads"):
@@ -325,12 +336,34 @@ class GAPMonitor:
         info = self._localise_nonfinite(metrics, step)
         return metrics, info
 
+    def _row_layout(self, names: tuple[tuple[str, str], ...]) -> tuple[list[str], Any, Any]:
+        """For statistics rows of `names` ((kind, name) each): the metric names in row order, a
+        function picking their values out of the host list, and one picking the gradient rows'
+        counts (None without gradient rows). Built once per set of rows: end_step then makes no
+        Python loop over thousands of metrics."""
+        if self._layout is None or self._layout[0] != names:
+            keys = [key for kind, name in names for key in self._metric_keys(kind, name)]
+            cols = [i * _ROW + col for i in range(len(names)) for _, col in _STAT_FIELDS]
+            counts = [i * _ROW + _COUNT for i, (kind, _) in enumerate(names) if kind == "grads"]
+            self._layout = (names, keys, _picker(cols), _picker(counts) if counts else None)
+        return self._layout[1:]
+
+    def _metric_keys(self, kind: str, name: str) -> tuple[str, ...]:
+        """The metric names of (kind, name), one per field of _STAT_FIELDS, built once (end_step
+        runs every monitored step and reports thousands of metrics)."""
+        keys = self._keys.get((kind, name))
+        if keys is None:
+            keys = self._keys[(kind, name)] = tuple(metric_name(kind, name, field) for field, _ in _STAT_FIELDS)
+        return keys
+
     def _localise_nonfinite(self, metrics: dict[str, float], step: int) -> dict[str, Any]:
         """Names the first module (forward, then backward order) and the tensors with non-finite values."""
         self.nonfinite_report = {}
         # Fast path, every healthy step: a NaN or Inf element makes its mean or max non-finite, so
         # all-finite metrics mean nothing to localise (and no metric name needs parsing).
-        if all(math.isfinite(v) for v in metrics.values()):
+        # One sum in C checks them all: it is finite only if every metric is (a sum that overflows
+        # takes the exact path below, which then finds nothing).
+        if math.isfinite(sum(metrics.values())):
             return {}
         bad: dict[str, list[str]] = {}
         for key, value in metrics.items():

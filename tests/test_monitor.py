@@ -292,3 +292,29 @@ def test_a_tensor_several_modules_output_is_read_once(monkeypatch):
         for outer, inner in (("blocks.0.mlp", "blocks.0.mlp.down"), ("blocks.1.attn", "blocks.1.attn.proj")):
             for field in ("max", "mean", "var", "norm", "nonfinite"):
                 assert metrics[f"gap/{kind}/{outer}/{field}"] == metrics[f"gap/{kind}/{inner}/{field}"]
+
+
+def test_gradient_rows_with_no_elements_are_not_reported():
+    """A gradient with no elements anywhere (count 0) gives no grads metrics; its parameter's and
+    every other tensor's metrics are reported, with the values of the tensors themselves."""
+
+    class WithEmpty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.empty = nn.Parameter(torch.zeros(0, 5))
+
+        def forward(self, x):
+            return self.lin(x) + self.empty.sum()
+
+    model = WithEmpty()
+    with gapmon.GAPMonitor(model, sinks=[], activations=False, activation_grads=False) as mon:
+        for step in range(2):  # the second step reuses the cached layout of the rows
+            mon.begin_step(step, batch_size=2)
+            model(torch.randn(2, 4)).square().sum().backward()
+            metrics = mon.end_step()
+            assert model.empty.grad is not None and "gap/grads/empty/mean" not in metrics
+            assert metrics["gap/params/empty/norm"] == 0.0
+            assert metrics["gap/grads/lin.weight/norm"] == pytest.approx(model.lin.weight.grad.norm().item(), rel=1e-6)
+            assert metrics["gap/params/lin.bias/max"] == pytest.approx(model.lin.bias.abs().max().item(), rel=1e-6)
+            model.zero_grad(set_to_none=True)
