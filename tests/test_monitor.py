@@ -68,6 +68,27 @@ def test_interval_skips_steps_and_hooks_return_at_once(monkeypatch):
                 assert metrics and calls
 
 
+def test_skipped_steps_run_no_gapmon_op_and_keep_nothing():
+    """With per-sample norms and all four kinds, a step that `interval` skips runs no gapmon op
+    (profiler) and records no micro-batch; a monitored step does both (so the check can fail)."""
+    model = _model()
+    with gapmon.GAPMonitor(model, interval=2, sinks=[], per_sample_grad_norms=True) as mon:
+        for step in range(2):
+            mon.begin_step(step, batch_size=2)
+            before = len(mon.per_sample._micro)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                _train_step(model, [synthetic_batch(CFG, 2, step)])
+            ops = {e.key for e in prof.key_averages() if e.key.startswith("gapmon::")}
+            kept = len(mon.per_sample._micro) - before
+            metrics = mon.end_step()
+            model.zero_grad()
+            if step == 0:
+                assert {"gapmon::accumulate_instance_stats", "gapmon::ghost_norm_sq"} <= ops and kept == 1
+                assert "gap/per_sample_grad_norm/mean" in metrics
+            else:
+                assert ops == set() and kept == 0 and metrics == {}
+
+
 def test_close_removes_every_hook():
     model = _model()
     before = sum(len(m._forward_hooks) for m in model.modules())
