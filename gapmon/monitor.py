@@ -37,6 +37,9 @@ _ACC_SUMS = tuple(i for i in range(len(ACC_NAMES)) if i != _ACC_MAX)
 # (metric name, column of a statistics row)
 _STAT_FIELDS = tuple((field, STAT_NAMES.index(column)) for field, column in FIELD_COLUMNS.items())
 _COUNT = STAT_NAMES.index("count")
+_SUM = {ACC_NAMES[i]: k for k, i in enumerate(_ACC_SUMS)}  # column of each sum in the reduced sums
+_MODULE_WIDTH = len(_STAT_FIELDS) + 1  # a per-module row: the fields, then the instance count
+_INSTANCES = len(_STAT_FIELDS)
 
 
 def _picker(indices: list[int]):
@@ -129,6 +132,7 @@ class GAPMonitor:
         self._grad_rows: list[torch.Tensor] = []
         self._keys: dict[tuple[str, str], tuple[str, ...]] = {}  # see _metric_keys
         self._layout: tuple | None = None  # see _row_layout
+        self._module_keys: tuple | None = None  # see _module_layout
         self._batch_size = 0
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
         self._order = [0, 0]
@@ -286,7 +290,11 @@ class GAPMonitor:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
             dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=self._group)
             dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=self._group)
-        host = torch.cat([rows.reshape(-1).double().to(dev), sums_t, maxes_t]).cpu().tolist()  # the one D2H copy
+        m = len(self._modules)
+        width = len(_ACC_SUMS) * 2 * m
+        per_module = self._module_values(sums_t[:width].view(2 * m, len(_ACC_SUMS)), maxes_t[:2 * m])
+        host = torch.cat([rows.reshape(-1).double().to(dev), per_module.reshape(-1), sums_t[width:],
+                          maxes_t[2 * m:]]).cpu().tolist()  # the one D2H copy
 
         keys, picks, grad_counts = self._row_layout(tuple(names))
         metrics: dict[str, float] = dict(zip(keys, picks(host))) if keys else {}
@@ -295,29 +303,17 @@ class GAPMonitor:
                 if kind == "grads" and host[i * _ROW + _COUNT] == 0:
                     for key in self._metric_keys(kind, name):
                         del metrics[key]
-        m = len(self._modules)
         offset = len(names) * _ROW
-        width = len(_ACC_SUMS) * 2 * m
-        act_sums, host = host[offset:offset + width], host[offset + width:]
+        module_host, host = host[offset:offset + per_module.numel()], host[offset + per_module.numel():]
+        instances = module_host[_INSTANCES::_MODULE_WIDTH]
+        kinds = [self._kinds["activations"]] * m + [self._kinds["activation_grads"]] * m
+        seen = tuple(r for r, (n, on) in enumerate(zip(instances, kinds)) if n and on)
+        keys, picks = self._module_layout(seen)
+        if keys:
+            metrics.update(zip(keys, picks(module_host)))
         global_batch, host = host[0], host[1:]
         if self.per_sample is not None:
             (ps_sum, ps_count), host = host[:2], host[2:]
-        act_max, host = host[:2 * m], host[2 * m:]
-        sum_names = [ACC_NAMES[i] for i in _ACC_SUMS]
-        for kind_index, kind in enumerate(("activations", "activation_grads")):
-            if not self._kinds[kind]:
-                continue
-            for index, (name, _) in enumerate(self._modules):
-                r = kind_index * m + index
-                acc_row = dict(zip(sum_names, act_sums[len(_ACC_SUMS) * r:len(_ACC_SUMS) * (r + 1)]))
-                instances = acc_row["instances"]
-                if instances == 0:
-                    continue
-                # A NaN element makes the instance norm NaN; a MAX all-reduce need not propagate NaN.
-                values = {"max": math.nan if math.isnan(acc_row["sum_norm"]) else act_max[r],
-                          "mean": acc_row["sum_mean"] / instances, "var": acc_row["sum_var"] / instances,
-                          "norm": acc_row["sum_norm"] / instances, "nonfinite": acc_row["nonfinite"]}
-                metrics.update(zip(self._metric_keys(kind, name), [values[field] for field, _ in _STAT_FIELDS]))
         for index, source in self._aliases.items():  # modules that output the same tensor as another
             name, source_name = self._modules[index][0], self._modules[source][0]
             for kind in ("activations", "activation_grads"):
@@ -347,6 +343,29 @@ class GAPMonitor:
             counts = [i * _ROW + _COUNT for i, (kind, _) in enumerate(names) if kind == "grads"]
             self._layout = (names, keys, _picker(cols), _picker(counts) if counts else None)
         return self._layout[1:]
+
+    @staticmethod
+    def _module_values(sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+        """[2M, 6] per-module values from the (reduced) accumulator sums [2M, 5] and maxima [2M]:
+        the fields of _STAT_FIELDS (averages over instances), then the instance count."""
+        instances = sums[:, _SUM["instances"]]
+        # A NaN element makes the instance norm NaN; a MAX all-reduce need not propagate NaN.
+        values = {"max": maxes.masked_fill(sums[:, _SUM["sum_norm"]].isnan(), math.nan),
+                  "mean": sums[:, _SUM["sum_mean"]] / instances, "var": sums[:, _SUM["sum_var"]] / instances,
+                  "norm": sums[:, _SUM["sum_norm"]] / instances, "nonfinite": sums[:, _SUM["nonfinite"]]}
+        return torch.stack([values[field] for field, _ in _STAT_FIELDS] + [instances], dim=1)
+
+    def _module_layout(self, seen: tuple[int, ...]) -> tuple[list[str], Any]:
+        """Metric names of the module rows `seen` (r < M: activations of module r, else gradients of
+        module r - M) and a function picking their values out of the module part of the host list;
+        built once per set of rows."""
+        if self._module_keys is None or self._module_keys[0] != seen:
+            m = len(self._modules)
+            keys = [key for r in seen
+                    for key in self._metric_keys(("activations", "activation_grads")[r // m], self._modules[r % m][0])]
+            cols = [r * _MODULE_WIDTH + j for r in seen for j in range(len(_STAT_FIELDS))]
+            self._module_keys = (seen, keys, _picker(cols) if cols else None)
+        return self._module_keys[1:]
 
     def _metric_keys(self, kind: str, name: str) -> tuple[str, ...]:
         """The metric names of (kind, name), one per field of _STAT_FIELDS, built once (end_step
