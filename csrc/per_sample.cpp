@@ -9,6 +9,8 @@
 
 #include <algorithm>
 
+#include "core/stats_state.h"
+
 namespace gapmon {
 namespace {
 
@@ -81,6 +83,16 @@ at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t tile)
   return out;
 }
 
+// Sum of the squares of each x[b], by gapmon's own statistics kernel: one read of x, float64 sums
+// (x.square().sum() writes and reads x once more; ATen's float32 vector_norm is off by ~1e-4 at 10^6
+// elements on the CPU).
+at::Tensor sum_of_squares(const at::Tensor& x) {
+  static const auto instance_stats = c10::Dispatcher::singleton()
+                                         .findSchemaOrThrow("gapmon::instance_stats", "")
+                                         .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return instance_stats.call(x, 1).select(1, core::kNorm).square();
+}
+
 // ||g_b^T a_b||_F^2 per sample, forming the per-sample gradients in batches that stay under
 // `max_elements` elements.
 at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_elements) {
@@ -92,7 +104,7 @@ at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_
   for (int64_t s = 0; s < b; s += step) {
     const int64_t n = std::min(step, b - s);
     const at::Tensor grads = wide_bmm(g.narrow(0, s, n).transpose(1, 2), a.narrow(0, s, n));  // [n, p, d]
-    out.narrow(0, s, n).copy_(grads.square().sum({1, 2}));
+    out.narrow(0, s, n).copy_(sum_of_squares(grads));
   }
   return out;
 }

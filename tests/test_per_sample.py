@@ -201,3 +201,17 @@ def test_16bit_linear_operands_are_not_copied_to_float32():
     # The reference runs the bfloat16 weights in float64 while the model's forward and backward ran
     # in bfloat16: the gradients themselves differ by bfloat16 rounding (2^-8 relative), not the norms' math.
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0)
+
+
+def test_direct_form_sums_squares_in_float64():
+    """The direct form reduces the per-sample gradients with gapmon's own statistics kernel (float64
+    sums, one read): float32 norms within 1e-6 of float64 at 2.4 million elements per sample (ATen's
+    float32 vector_norm is off by ~1e-4 there)."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator().manual_seed(1)
+    a, g = torch.randn(3, 16, 1536, generator=gen), torch.randn(3, 16, 1536, generator=gen) + 0.5
+    got = torch.ops.gapmon.direct_norm_sq(a, g)
+    want = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
