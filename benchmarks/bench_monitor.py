@@ -12,7 +12,9 @@ per step is the difference of the blocks' mean step times.
 The floor of a mode is the bytes its monitor reads in one step (counted at the statistics ops during
 a probe step; a tensor several modules output is read once) divided by the device's memory bandwidth
 (a device copy's read + write traffic per second on CUDA, `x.sum()` reads on the CPU). Each added
-time is printed as a multiple of its floor, beside the SPEC target.
+time is printed as a multiple of its floor, beside the SPEC target. A profiled step of each mode
+counts the gapmon ops it runs and, on CUDA, the kernels, memsets and copies it adds to a plain step
+(interval=10: a step the monitor skips, which should run none).
 
     python benchmarks/bench_monitor.py                      # CPU: 4 layers, d=256, T=128, B=8
     python benchmarks/bench_monitor.py --device cuda --gpt2 # GPU: GPT-2 small, T=1024, B=8, bf16 autocast,
@@ -163,6 +165,31 @@ def bandwidth(device: str) -> tuple[float, str]:
     return x.numel() * 4 / min(times), "x.sum() (bytes read per second)"
 
 
+def work_per_step(tr: Trainer, make_monitor, active_step: bool = True) -> dict:
+    """gapmon op calls in one step with a monitor attached, and on CUDA the kernels, memsets and
+    copies that step queues beyond a plain step's (profiler). With `active_step=False` the step is
+    one that the monitor's interval skips."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if tr.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def profiled(mon) -> tuple[int, int]:
+        with torch.profiler.profile(activities=activities) as prof:
+            tr.step(mon, active=mon is not None)
+        events = prof.events()
+        ops = sum(1 for e in events if e.name.startswith("gapmon::"))
+        return ops, sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    mon = make_monitor(tr.model)
+    tr.step(mon, active=True)  # warm-up: buffers, counters
+    while active_step != (tr.step_count % mon.interval == 0):
+        tr.step(mon, active=True)
+    ops, device_on = profiled(mon)
+    mon.close()
+    _, device_off = profiled(None)
+    return {"gapmon_ops": ops, "device_work_added": device_on - device_off if tr.device == "cuda" else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -203,6 +230,9 @@ def main() -> None:
     t_int, t_plain = interval_blocks(tr, 10, args.blocks)
     rows = {mode: {"added_s": statistics.median(v), "floor_s": floors.get(mode)} for mode, v in added.items()}
     rows["interval=10"] = {"added_s": t_int - t_plain, "floor_s": None, "block_step_s": t_int, "plain_block_step_s": t_plain}
+    for mode, kinds in GAPMON_MODES.items():
+        rows[mode]["work"] = work_per_step(tr, lambda m: gap_monitor(m, **kinds))
+    rows["interval=10"]["work"] = work_per_step(tr, lambda m: gap_monitor(m, interval=10), active_step=False)
 
     # SPEC targets (GPU: floor multiples; CPU: a share of the pure-PyTorch monitor's added time).
     def target(mode: str) -> tuple[str, bool] | None:
@@ -218,15 +248,20 @@ def main() -> None:
             return "<= 25% of the pure-PyTorch monitor's", r["added_s"] <= 0.25 * rows["torch"]["added_s"]
         return None
 
-    lines = ["| monitor | added time | % of step | floor | added / floor | target |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| monitor | added time | % of step | floor | added / floor | target | gapmon ops / step | "
+             "GPU launches added / step |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for mode, r in rows.items():
         t = target(mode)
         r["target"], r["met"] = (t if t else (None, None))
         floor = f"{r['floor_s']*1e3:.2f} ms" if r["floor_s"] else ""
         ratio = f"{r['added_s']/r['floor_s']:.1f}x" if r["floor_s"] else ""
         met = f"{t[0]}: {'met' if t[1] else 'NOT met'}" if t else ""
-        lines.append(f"| {mode} | {r['added_s']*1e3:.2f} ms | {100*r['added_s']/step:.1f}% | {floor} | {ratio} | {met} |")
+        work = r.get("work") or {}
+        ops = "" if not work else str(work["gapmon_ops"]) + (" (a skipped step)" if mode == "interval=10" else "")
+        launches = "" if work.get("device_work_added") is None else str(work["device_work_added"])
+        lines.append(f"| {mode} | {r['added_s']*1e3:.2f} ms | {100*r['added_s']/step:.1f}% | {floor} | {ratio} | {met} | "
+                     f"{ops} | {launches} |")
     table = "\n".join(lines)
     print(f"\nplain step {step*1e3:.1f} ms; bandwidth {bw/1e9:.0f} GB/s ({bw_how})")
     print(table)

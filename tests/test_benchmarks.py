@@ -28,6 +28,9 @@ def test_bench_monitor_reports_floor_and_targets(tmp_path):
     assert set(modes) == {"torch", "all four", "params+grads", "interval=10"}
     assert modes["all four"]["floor_s"] > modes["params+grads"]["floor_s"] > 0
     assert modes["all four"]["target"] and isinstance(modes["all four"]["met"], bool)
+    # Profiled op counts: a hook per module output and gradient plus end_step's list op; none when skipped.
+    assert modes["all four"]["work"]["gapmon_ops"] > modes["params+grads"]["work"]["gapmon_ops"] >= 1
+    assert modes["interval=10"]["work"]["gapmon_ops"] == 0
 
 
 def test_bench_stats_reports_targets(tmp_path):
