@@ -44,6 +44,8 @@ _INSTANCES = len(_STAT_FIELDS)
 
 def _picker(indices: list[int]):
     """A function that returns [values[i] for i in indices] as a tuple, in C."""
+    if not indices:
+        return lambda values: ()
     if len(indices) == 1:
         return lambda values: (values[indices[0]],)
     return operator.itemgetter(*indices)
@@ -364,7 +366,7 @@ class GAPMonitor:
             keys = [key for r in seen
                     for key in self._metric_keys(("activations", "activation_grads")[r // m], self._modules[r % m][0])]
             cols = [r * _MODULE_WIDTH + j for r in seen for j in range(len(_STAT_FIELDS))]
-            self._module_keys = (seen, keys, _picker(cols) if cols else None)
+            self._module_keys = (seen, keys, _picker(cols))
         return self._module_keys[1:]
 
     def _metric_keys(self, kind: str, name: str) -> tuple[str, ...]:

@@ -339,3 +339,19 @@ def test_gradient_rows_with_no_elements_are_not_reported():
             assert metrics["gap/grads/lin.weight/norm"] == pytest.approx(model.lin.weight.grad.norm().item(), rel=1e-6)
             assert metrics["gap/params/lin.bias/max"] == pytest.approx(model.lin.bias.abs().max().item(), rel=1e-6)
             model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kinds", [dict(params=False, grads=False), dict(activations=False, activation_grads=False),
+                                   dict(params=False, grads=False, activations=False, activation_grads=False)])
+def test_any_subset_of_kinds(kinds):
+    """Each subset of the four kinds reports exactly its kinds (none at all: per-sample norms only)."""
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[], per_sample_grad_norms=True, **kinds) as mon:
+        for step in range(2):
+            mon.begin_step(step, batch_size=2)
+            _train_step(model, [synthetic_batch(CFG, 2, step)])
+            metrics = mon.end_step()
+            model.zero_grad()
+    reported = {key.split("/")[1] for key in metrics}
+    wanted = {kind for kind in gapmon.metric_names.KINDS if kinds.get(kind, True)}
+    assert reported == wanted | {"global_batch_size", "per_sample_grad_norm"}
