@@ -142,7 +142,9 @@ class PerSampleGradNorms:
         # checkpointing recorded the calls in the forward pass already (their outputs get the
         # gradients); reentrant checkpointing ran that pass without grad, so the recomputed calls
         # are the ones whose outputs get gradients.
-        if torch._C._current_graph_task_id() == -1:
+        # (Inside a torch.compile'd region this is the forward pass: Dynamo cannot trace the check, and
+        # the compiled region is not recomputed by checkpointing.)
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             calls["in_forward"] += 1
         elif calls["in_forward"]:
             return

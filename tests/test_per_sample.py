@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import loop_per_sample_norms, vmap_per_sample_norms
+from helpers import loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
 
 import gapmon
 import gapmon.norm_rules as norm_rules
@@ -215,3 +215,25 @@ def test_direct_form_sums_squares_in_float64():
     want = torch.bmm(g.double().transpose(1, 2), a.double()).square().sum((1, 2))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow
+def test_norms_under_torch_compile_match_eager():
+    """A torch.compile'd model gives the eager per-sample norms, step after step (Dynamo graph-breaks
+    where a hook's Python bookkeeping cannot be traced; the numbers stay exact)."""
+    import torch._dynamo
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    model = seeded_gpt(cfg)
+    x, y = synthetic_batch(cfg, 3, 0)
+    psn = gapmon.PerSampleGradNorms(model)
+    lm_loss(model(x), y).backward()
+    want = psn.local_norms()
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    for _ in range(3):
+        lm_loss(compiled(x), y).backward()
+        torch.testing.assert_close(psn.local_norms(), want, rtol=1e-5, atol=0)
+        model.zero_grad()
+    psn.close()
