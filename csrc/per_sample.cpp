@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "core/stats_state.h"
 
@@ -109,6 +110,28 @@ at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_
   return out;
 }
 
+// Book-keeping: the squared norms of the per-sample gradients g_b^T a_b ([B]) and their sum over the
+// batch ([p, d], the layer's weight gradient), from one formation of the per-sample gradients in
+// batches under `max_elements` elements. Sums in float32 or wider (16-bit inputs: wide_bmm).
+std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, const at::Tensor& g,
+                                                           int64_t max_elements) {
+  check_pair(a, g, "direct_norm_sq_and_grad");
+  TORCH_CHECK_VALUE(max_elements > 0, "gapmon.direct_norm_sq_and_grad: max_elements must be positive, got ",
+                    max_elements);
+  const int64_t b = a.size(0), per_sample = a.size(2) * g.size(2);
+  const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, per_sample));
+  const auto wide = a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g)));
+  at::Tensor sq = at::empty({b}, wide);
+  at::Tensor grad = at::zeros({g.size(2), a.size(2)}, wide);
+  for (int64_t s = 0; s < b; s += step) {
+    const int64_t n = std::min(step, b - s);
+    const at::Tensor grads = wide_bmm(g.narrow(0, s, n).transpose(1, 2), a.narrow(0, s, n));  // [n, p, d]
+    sq.narrow(0, s, n).copy_(sum_of_squares(grads));
+    grad.add_(grads.sum(0));
+  }
+  return {sq, grad};
+}
+
 // Embedding: per-sample gradient rows are sums of g_t over positions with the same id (rows of
 // padding_idx get no gradient), so ||grad||^2 = sum_{t,s: id_t == id_s != pad} g_t . g_s.
 at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx, int64_t tile) {
@@ -133,12 +156,14 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
 TORCH_LIBRARY_FRAGMENT(gapmon, m) {
   m.def("ghost_norm_sq(Tensor a, Tensor g, int tile=0) -> Tensor");
   m.def("direct_norm_sq(Tensor a, Tensor g, int max_elements=67108864) -> Tensor");
+  m.def("direct_norm_sq_and_grad(Tensor a, Tensor g, int max_elements=67108864) -> (Tensor, Tensor)");
   m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int tile=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gapmon, CompositeExplicitAutograd, m) {
   m.impl("ghost_norm_sq", &ghost_norm_sq);
   m.impl("direct_norm_sq", &direct_norm_sq);
+  m.impl("direct_norm_sq_and_grad", &direct_norm_sq_and_grad);
   m.impl("embedding_norm_sq", &embedding_norm_sq);
 }
 

@@ -215,6 +215,17 @@ def direct_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.bmm(g.transpose(1, 2).to(dtype), a.to(dtype)).square().sum((1, 2))
 
 
+def direct_norm_sq_and_grad(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||g_bᵀ a_b||²_F per sample [B], Σ_b g_bᵀ a_b [p, d]): book-keeping's norms and weight
+    gradient from one formation of the per-sample products, in bounded batches."""
+    if COMPILED:
+        return torch.ops.gapmon.direct_norm_sq_and_grad(a, g)
+    a, g = _wide(a), _wide(g)
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    grads = torch.bmm(g.transpose(1, 2).to(dtype), a.to(dtype))
+    return grads.square().sum((1, 2)), grads.sum(0)
+
+
 def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
     """Σ over positions t, s with equal ids (not padding_idx) of g_t·g_s, per sample."""
     if COMPILED:

@@ -70,6 +70,8 @@ class GAPMonitor:
         interval: measure every `interval` steps (steps where step % interval == 0).
         params, grads, activations, activation_grads: which kinds to measure.
         per_sample_grad_norms: also compute per-sample gradient norms (see gapmon.PerSampleGradNorms).
+        bookkeeping: with per_sample_grad_norms, form the weight gradients of direct-form Linear layers
+            from their per-sample gradients (see gapmon.bookkeeping): the norms cost no extra GEMM.
         sinks: where metrics go: gapmon sinks or callables fn(step, metrics). Default: none (the
             metrics are returned by end_step; nothing is written unless a sink is given).
         process_group: the data-parallel group over which activations are averaged (default: world).
@@ -85,6 +87,7 @@ class GAPMonitor:
         activations: bool = True,
         activation_grads: bool = True,
         per_sample_grad_norms: bool = False,
+        bookkeeping: bool = False,
         sinks: Sequence[Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         correction: int = 1,
@@ -98,6 +101,11 @@ class GAPMonitor:
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"GAPMonitor: {key} must be True or False, got {value!r}")
+        if not isinstance(bookkeeping, bool):
+            raise TypeError(f"GAPMonitor: bookkeeping must be True or False, got {bookkeeping!r}")
+        if bookkeeping and not per_sample_grad_norms:
+            raise ValueError("GAPMonitor: bookkeeping=True is a way to compute per-sample gradient norms; "
+                             "pass per_sample_grad_norms=True with it")
         if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
             raise ValueError(f"GAPMonitor: correction must be a non-negative int (1: Bessel's correction), got {correction!r}")
         if not any(flags.values()):
@@ -125,7 +133,7 @@ class GAPMonitor:
         if per_sample_grad_norms:
             from .per_sample import PerSampleGradNorms
 
-            self.per_sample = PerSampleGradNorms(model)
+            self.per_sample = PerSampleGradNorms(model, bookkeeping=bookkeeping)
             self.per_sample.active = False  # on from begin_step to end_step of monitored steps
 
         self._step: int | None = None

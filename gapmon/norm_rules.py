@@ -136,6 +136,10 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 class LinearRule(NormRule):
     def positions(self, module, call, g, acc):
         a, b = call.arg(0, "input"), g.shape[0]
+        if g.dtype in (torch.float16, torch.bfloat16) and a.dtype != g.dtype:
+            # Autocast ran F.linear on this 16-bit cast of the input: the exact operand of the weight
+            # gradient (and a 16-bit pair keeps the products on tensor cores, with float32 sums).
+            a = a.to(g.dtype)
         return _operand(a, acc).reshape(b, -1, a.shape[-1]), _operand(g, acc).reshape(b, -1, g.shape[-1])
 
     def norm_sq(self, module, pos):
@@ -144,6 +148,16 @@ class LinearRule(NormRule):
         out = torch.zeros(g.shape[0], dtype=dtype, device=g.device)
         if _trainable(module.weight):
             out = out + product_norm_sq(a, g)
+        if _trainable(module.bias):
+            out = out + _bias_sq(g)
+        return out
+
+    def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None) -> torch.Tensor:
+        """Squared norms of a book-kept call (gapmon.bookkeeping): the weight part formed with the
+        weight gradient, plus the bias part from the output gradient g [B, T, p]."""
+        out = torch.zeros(g.shape[0], dtype=_backend.product_dtype(g), device=g.device)
+        if weight_sq is not None:
+            out = out + weight_sq
         if _trainable(module.bias):
             out = out + _bias_sq(g)
         return out

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from .norm_rules import Call, rule_for
+from . import bookkeeping
+from .norm_rules import Call, rule_for, use_ghost
 from .utils import clean_named, first_tensor, name_cleaner
 
 
@@ -45,12 +46,15 @@ class PerSampleGradNorms:
     """
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = False,
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, bookkeeping: bool = False):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"PerSampleGradNorms: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleGradNorms: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(bookkeeping, bool):
+            raise TypeError(f"PerSampleGradNorms: bookkeeping must be True or False, got {bookkeeping!r}")
         self.loss_reduction = loss_reduction
+        self.bookkeeping = bookkeeping
         self.strict = strict
         self._group = process_group
         owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
@@ -101,7 +105,10 @@ class PerSampleGradNorms:
             if strict:
                 raise ValueError(message + " (strict=True)")
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-        self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True)
+        # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
+        # so that they (a GAPMonitor's among them) see the output that gets the gradient.
+        self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
+                                                 prepend=bookkeeping)
                          for i, (_, m, _) in enumerate(self._layers)]
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
@@ -124,7 +131,7 @@ class PerSampleGradNorms:
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         self._micro.append({"batch": x.shape[0], "inputs": storages, "sq": None, "dtype": None, "calls": {}})
 
-    def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> None:
+    def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
         if not self.active or not self._micro or output is None or not output.requires_grad:
             return
@@ -150,7 +157,13 @@ class PerSampleGradNorms:
             return
         calls["calls"].append(call)
         calls["g"].append(None)
+        x = args[0] if args else kwargs.get("input")
+        if self.bookkeeping and bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
+                x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
+            report = functools.partial(self._bookkept, index, mb, len(calls["calls"]) - 1)
+            return bookkeeping.BookkeepingLinear.apply(output.detach(), x, module.weight, module.bias, report)
         output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["calls"]) - 1))
+        return None
 
     def _backward_hook(self, index: int, mb: dict, call: int, g: torch.Tensor) -> None:
         calls = mb["calls"].get(index)
@@ -164,6 +177,23 @@ class PerSampleGradNorms:
         if all(x is not None for x in calls["g"]):
             self._finish(index, mb)
 
+    def _bookkept(self, index: int, mb: dict, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None) -> None:
+        """BookkeepingLinear's backward of call `call` of layer `index`: g is the output gradient
+        [B, T, p], weight_sq the weight part of the squared norms (formed with the weight gradient)."""
+        calls = mb["calls"].get(index)
+        if calls is not None and len(calls["calls"]) > 1:
+            # The layer ran several times: its per-sample gradient is the sum over the calls, whose
+            # norm needs all their gradients together (the weight gradient itself is exact).
+            self._backward_hook(index, mb, call, g)
+            return
+        if calls is None or calls["g"][call] is not None:
+            self._backward_hook(index, mb, call, g)  # raises: a second backward through this call
+        mb["calls"].pop(index)
+        _, module, rule = self._layers[index]
+        with torch.no_grad():
+            sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
+        self._add(mb, sq, torch.float64 if g.dtype == torch.float64 else torch.float32)
+
     def _finish(self, index: int, mb: dict) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
         calls = mb["calls"].pop(index)
@@ -176,6 +206,11 @@ class PerSampleGradNorms:
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
+        self._add(mb, sq, acc)
+
+    @staticmethod
+    def _add(mb: dict, sq: torch.Tensor, acc: torch.dtype) -> None:
+        """Adds a layer's squared norms (float64, summed in `acc`) to its micro-batch."""
         mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq
         mb["dtype"] = acc if mb["dtype"] is None else torch.promote_types(mb["dtype"], acc)
 

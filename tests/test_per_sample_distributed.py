@@ -1,5 +1,6 @@
-"""Per-sample norms under FSDP2 with 2 gloo processes: ranks that see different samples and ranks
-that see the same samples both give the single-process norms (no sqrt(world) inflation)."""
+"""Per-sample norms under FSDP2 and DDP with 2 gloo processes: ranks that see different samples and
+ranks that see the same samples both give the single-process norms (no sqrt(world) inflation), with
+and without book-keeping (which then also gives the same gradients)."""
 import pytest
 import torch
 from helpers import run_distributed, seeded_gpt, vmap_per_sample_norms
@@ -9,7 +10,8 @@ from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess]
 
-CFG = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
+# T = 24 >= d p / (d + p) for every Linear layer: all take the direct form, so book-keeping covers them.
+CFG = GPTConfig(vocab_size=37, seq_len=24, d_model=24, n_heads=2, n_layers=2)
 GLOBAL = 6
 
 
@@ -26,27 +28,43 @@ def _worker(rank: int, world: int):
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    fsdp = _model()
     mesh = init_device_mesh("cpu", (world,))
-    for block in fsdp.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(fsdp, mesh=mesh)
+
+    def fsdp2():
+        model = _model()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def full(grad):
+        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
     ids = torch.arange(GLOBAL)
     layouts = {
         "different samples": ids[rank::world],  # DistributedSampler-style interleaving
         "same samples": ids,
     }
-    for wrapper, model in (("fsdp2", fsdp), ("ddp", DDP(_model()))):
-        psn = gapmon.PerSampleGradNorms(model, strict=True)
-        for layout, local_ids in layouts.items():
-            lm_loss(model(x[local_ids]), y[local_ids]).backward()
-            local = psn.local_norms()
-            torch.testing.assert_close(local, want[local_ids], rtol=1e-4, atol=1e-6)
-            got_ids, got = psn.global_norms(local_ids)
-            assert got_ids.tolist() == list(range(GLOBAL)), (wrapper, layout, got_ids)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, where=f"{wrapper} {layout}": f"{where}: {m}")
-            model.zero_grad()
-        psn.close()
+    for wrapper, make in (("fsdp2", fsdp2), ("ddp", lambda: DDP(_model()))):
+        grads = {}
+        for bookkeeping in (False, True):
+            model = make()
+            psn = gapmon.PerSampleGradNorms(model, strict=True, bookkeeping=bookkeeping)
+            for layout, local_ids in layouts.items():
+                where = f"{wrapper} {layout} bookkeeping={bookkeeping}"
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    lm_loss(model(x[local_ids]), y[local_ids]).backward()
+                bookkept = sum(e.count for e in prof.key_averages() if e.key == "gapmon::direct_norm_sq_and_grad")
+                assert (bookkept > 0) == bookkeeping, (where, bookkept)
+                local = psn.local_norms()
+                torch.testing.assert_close(local, want[local_ids], rtol=1e-4, atol=1e-6)
+                got_ids, got = psn.global_norms(local_ids)
+                assert got_ids.tolist() == list(range(GLOBAL)), (where, got_ids)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, where=where: f"{where}: {m}")
+                step_grads = {n: full(p.grad) for n, p in model.named_parameters()}
+                for name, grad in grads.setdefault(layout, step_grads).items():
+                    torch.testing.assert_close(step_grads[name], grad, rtol=1e-5, atol=1e-7, msg=f"{where} {name}")
+                model.zero_grad()
+            psn.close()
 
 
 def test_fsdp2_and_ddp_global_norms():

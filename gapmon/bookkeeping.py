@@ -1,0 +1,62 @@
+"""Book-keeping: per-sample gradients of a Linear layer that also form its weight gradient.
+
+Where a layer's per-sample norms take the direct form they form every per-sample gradient
+g_bᵀ a_b, the very products that autograd's weight-gradient GEMM sums. With book-keeping on
+(`PerSampleGradNorms(model, bookkeeping=True)`), such a layer's output passes through
+`BookkeepingLinear`: its backward computes the input gradient as nn.Linear's backward does, forms
+the per-sample gradients once, takes their squared norms and sums them into the weight gradient.
+The norms then cost no extra GEMM, only a read of the per-sample gradients.
+
+The weight gradient is summed in float32 or wider: under bf16 autocast it is more precise than
+autograd's (a bf16 GEMM result), so its bits differ from a plain step's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import _backend
+
+
+class BookkeepingLinear(torch.autograd.Function):
+    """Identity on `out` = F.linear(x, weight, bias) (passed detached); its backward is Linear's,
+    with the weight gradient summed from per-sample gradients whose squared norms ([B], or None
+    for a frozen weight) go to `report(g, sq)` with g the output gradient as [B, T, p]."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.report = report
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        compute = grad_out.dtype  # the dtype F.linear ran in (bfloat16 under bf16 autocast)
+        grad_x = grad_w = grad_b = sq = None
+        if ctx.needs_input_grad[1]:
+            grad_x = (grad_out @ weight.to(compute)).to(x.dtype)
+        b = grad_out.shape[0]
+        g = grad_out.reshape(b, -1, grad_out.shape[-1])
+        if ctx.needs_input_grad[2]:
+            sq, grad_w = _backend.direct_norm_sq_and_grad(x.to(compute).reshape(b, -1, x.shape[-1]), g)
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_b = g.sum((0, 1), dtype=_backend.product_dtype(g)).to(ctx.bias_dtype)
+        ctx.report(g, sq)
+        return None, grad_x, grad_w, grad_b, None
+
+
+def can_bookkeep(module: torch.nn.Module, x, output) -> bool:
+    """Whether this call of `module` may run through BookkeepingLinear: a plain nn.Linear with a
+    trainable, non-distributed weight called on a plain tensor with a batch dim, in an eager
+    forward pass (not traced by torch.compile, not recomputed by activation checkpointing, and with
+    no saved-tensor hooks, which checkpointing and offloading install)."""
+    weight = module.weight
+    return (type(module) is torch.nn.Linear and weight.requires_grad and type(weight) is torch.nn.Parameter
+            and type(x) is torch.Tensor and x.dim() >= 2 and type(output) is torch.Tensor
+            and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)

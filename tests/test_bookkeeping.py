@@ -1,0 +1,209 @@
+"""Book-keeping (gapmon.bookkeeping): weight gradients formed from the per-sample gradients equal
+autograd's, and the per-sample norms stay exact, against independent references."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
+
+import gapmon
+from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
+
+# T = 16 against d = 16: every Linear layer of this model takes the direct form (T (d + p) >= d p),
+# so every one is book-kept.
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=2)
+BOOKKEEPING_OP = "gapmon::direct_norm_sq_and_grad"
+
+
+def _linears(model: nn.Module) -> int:
+    return sum(type(m) is nn.Linear for m in model.modules())
+
+
+def _run(model: nn.Module, batches, loss=lm_loss, **kwargs):
+    """(norms, gradients, book-kept calls, weight-gradient matmuls) of one step with the norms on."""
+    psn = gapmon.PerSampleGradNorms(model, **kwargs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for x, y in batches:
+            loss(model(x), y).backward()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    norms = psn.local_norms()
+    psn.close()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return norms, grads, counts.get(BOOKKEEPING_OP, 0), counts.get("aten::mm", 0)
+
+
+def _plain_grads(model: nn.Module, batches, loss=lm_loss) -> dict[str, torch.Tensor]:
+    for x, y in batches:
+        loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_float64_gradients_are_autograds_and_norms_exact():
+    model = seeded_gpt(CFG).double()
+    batch = synthetic_batch(CFG, 4, 0)
+    want_grads = _plain_grads(copy.deepcopy(model), [batch])
+    norms, grads, bookkept, mm = _run(copy.deepcopy(model), [batch], bookkeeping=True)
+    _, _, plain_bookkept, plain_mm = _run(copy.deepcopy(model), [batch])
+    assert bookkept == _linears(model) and plain_bookkept == 0
+    assert mm < plain_mm  # autograd's weight-gradient matmuls of the book-kept layers are gone
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    torch.testing.assert_close(norms, loop_per_sample_norms(model, lm_loss, *batch), rtol=1e-10, atol=0)
+
+
+def test_micro_batches_accumulate_gradients_and_norms():
+    model = seeded_gpt(CFG).double()
+    x, y = synthetic_batch(CFG, 5, 1)
+    batches = [(x[:2], y[:2]), (x[2:], y[2:])]
+    want_grads = _plain_grads(copy.deepcopy(model), batches)
+    norms, grads, bookkept, _ = _run(copy.deepcopy(model), batches, bookkeeping=True)
+    assert bookkept == 2 * _linears(model)
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    want = torch.cat([loop_per_sample_norms(model, lm_loss, xb, yb) for xb, yb in batches])
+    torch.testing.assert_close(norms, want, rtol=1e-10, atol=0)
+
+
+class _Reused(nn.Module):
+    """One Linear called twice: its per-sample gradient is the sum over both calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3, bias=False)
+
+    def forward(self, x):
+        return self.head(self.lin(torch.tanh(self.lin(x))))
+
+
+def test_a_layer_called_twice_keeps_exact_norms():
+    torch.manual_seed(0)
+    model = _Reused().double()
+    x, y = torch.randn(4, 20, 6, dtype=torch.float64), torch.randn(4, 20, 3, dtype=torch.float64)
+
+    def loss(out, target):
+        return (out - target).square().mean()
+
+    want_grads = _plain_grads(copy.deepcopy(model), [(x, y)], loss)
+    norms, grads, bookkept, _ = _run(copy.deepcopy(model), [(x, y)], loss, bookkeeping=True)
+    assert bookkept == 3
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    torch.testing.assert_close(norms, loop_per_sample_norms(model, loss, x, y), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_falls_back_to_the_hooks(use_reentrant):
+    """Checkpointed layers are not book-kept (their forward is recomputed); the norms stay exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    head = nn.Linear(6, 2).double()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.head = inner, head
+            self.checkpointed = True
+
+        def forward(self, x):
+            if not self.checkpointed:
+                return self.head(self.inner(x))
+            return self.head(checkpoint(self.inner, x, use_reentrant=use_reentrant))
+
+    model = Model()
+    x, y = torch.randn(3, 24, 6, dtype=torch.float64, requires_grad=True), torch.randn(3, 24, 2, dtype=torch.float64)
+
+    def loss(out, target):
+        return (out - target).square().mean()
+
+    want_grads = _plain_grads(copy.deepcopy(model), [(x, y)], loss)
+    norms, grads, bookkept, _ = _run(copy.deepcopy(model), [(x, y)], loss, bookkeeping=True)
+    assert bookkept == 1  # the head only
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    model.checkpointed = False  # the brute-force reference runs without checkpointing
+    torch.testing.assert_close(norms, loop_per_sample_norms(model, loss, x.detach(), y), rtol=1e-10, atol=0)
+
+
+def test_ghost_form_layers_are_not_book_kept():
+    """Short sequences take the ghost form, which needs no per-sample gradient: nothing is book-kept."""
+    model = seeded_gpt(GPTConfig(vocab_size=64, seq_len=4, d_model=32, n_heads=2, n_layers=1))
+    x, y = synthetic_batch(model.cfg, 3, 0)
+    _, _, bookkept, _ = _run(model, [(x, y)], bookkeeping=True)
+    assert bookkept == 0
+
+
+def test_bf16_autocast_matches_the_hooks_and_autograd():
+    """Under bf16 autocast the book-kept layers see the bf16 operands F.linear used: norms equal those
+    of the hook path (same products, float32 sums), gradients autocast's up to its bf16 rounding."""
+    model = seeded_gpt(CFG)
+    batch = synthetic_batch(CFG, 4, 2)
+
+    def loss(out, target):
+        return lm_loss(out.float(), target)
+
+    def autocast_model(m):
+        class Autocast(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = m
+
+            def forward(self, x):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return self.m(x)
+        return Autocast()
+
+    want_grads = _plain_grads(autocast_model(copy.deepcopy(model)), [batch], loss)
+    hooks, _, _, _ = _run(autocast_model(copy.deepcopy(model)), [batch], loss)
+    norms, grads, bookkept, _ = _run(autocast_model(copy.deepcopy(model)), [batch], loss, bookkeeping=True)
+    assert bookkept == _linears(model) and norms.dtype == torch.float32
+    torch.testing.assert_close(norms, hooks, rtol=1e-5, atol=0)
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=2e-2, atol=1e-4, msg=name)
+
+
+def test_gapmonitor_with_bookkeeping_reports_the_same_metrics():
+    """GAPMonitor(bookkeeping=True): every metric (Linear activation gradients included, whose hooks
+    must see the output that gets the gradient) equals the hook path's, and the norms the reference."""
+    model = seeded_gpt(CFG).double()
+    x, y = synthetic_batch(CFG, 4, 3)
+    metrics = {}
+    for bookkeeping in (False, True):
+        m = copy.deepcopy(model)
+        with gapmon.GAPMonitor(m, sinks=[], per_sample_grad_norms=True, bookkeeping=bookkeeping) as mon:
+            mon.begin_step(0, batch_size=4)
+            lm_loss(m(x), y).backward()
+            metrics[bookkeeping] = mon.end_step()
+    assert metrics[True].keys() == metrics[False].keys()
+    assert "gap/activation_grads/blocks.0.mlp.up/norm" in metrics[True]
+    for key, want in metrics[False].items():
+        assert metrics[True][key] == pytest.approx(want, rel=1e-9, abs=1e-12), key
+    want = loop_per_sample_norms(model, lm_loss, x, y)
+    assert metrics[True]["gap/per_sample_grad_norm/max"] == pytest.approx(want.max().item(), rel=1e-10)
+
+
+def test_flags_and_second_backward_are_refused():
+    model = seeded_gpt(CFG)
+    with pytest.raises(ValueError, match="per_sample_grad_norms=True"):
+        gapmon.GAPMonitor(model, bookkeeping=True)
+    with pytest.raises(TypeError, match="bookkeeping"):
+        gapmon.PerSampleGradNorms(model, bookkeeping="yes")
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=True)
+    x, y = synthetic_batch(CFG, 2, 0)
+    loss = lm_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    psn.close()
+
+
+def test_vmap_reference_in_float32():
+    """float32 norms equal torch.func's per-sample gradients' (the reference the hook path meets)."""
+    model = seeded_gpt(CFG)
+    x, y = synthetic_batch(CFG, 6, 4)
+    norms, _, bookkept, _ = _run(model, [(x, y)], bookkeeping=True)
+    assert bookkept == _linears(model)
+    torch.testing.assert_close(norms, vmap_per_sample_norms(model, lm_loss, x, y), rtol=1e-4, atol=1e-6)
