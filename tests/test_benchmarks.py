@@ -45,3 +45,4 @@ def test_bench_persample_training_steps(tmp_path):
     result = _run("bench_persample.py", "--gpt2", "16", "--small", "--steps", "2", out=tmp_path / "persample.json")
     (r,) = result["results"]
     assert r["seq_len"] == 16 and r["norms_s"] > 0 and r["skipped_s"] > 0 and isinstance(r["met"], bool)
+    assert r["bookkeeping_s"] > 0 and isinstance(r["moonshot_met"], bool)
