@@ -122,14 +122,14 @@ std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, 
   const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, per_sample));
   const auto wide = a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g)));
   at::Tensor sq = at::empty({b}, wide);
-  at::Tensor grad = at::zeros({g.size(2), a.size(2)}, wide);
+  at::Tensor grad;  // the first batch's sum, then accumulated
   for (int64_t s = 0; s < b; s += step) {
     const int64_t n = std::min(step, b - s);
     const at::Tensor grads = wide_bmm(g.narrow(0, s, n).transpose(1, 2), a.narrow(0, s, n));  // [n, p, d]
     sq.narrow(0, s, n).copy_(sum_of_squares(grads));
-    grad.add_(grads.sum(0));
+    grad = grad.defined() ? grad.add_(grads.sum(0)) : grads.sum(0);
   }
-  return {sq, grad};
+  return {sq, grad.defined() ? grad : at::zeros({g.size(2), a.size(2)}, wide)};
 }
 
 // Embedding: per-sample gradient rows are sums of g_t over positions with the same id (rows of

@@ -276,3 +276,44 @@ def test_16bit_norm_products_on_tensor_cores_without_copies():
         copies = [e.key for e in prof.key_averages() if e.key == "aten::_to_copy"]  # a widening .to()
         assert got.dtype == torch.float32 and not copies, (op, copies)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+
+
+def test_bookkeeping_under_bf16_autocast_on_cuda():
+    """Book-keeping on CUDA under bf16 autocast: the norms of the hook path and torch.func's within
+    4e-3 (see test_per_sample's autocast test), the gradients autocast's up to its bf16 rounding."""
+    import copy
+
+    from helpers import seeded_gpt, vmap_per_sample_norms
+
+    from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=2)
+
+    class Autocast(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self.model(x)
+
+    def loss(out, target):
+        return lm_loss(out.float(), target)
+
+    base = Autocast(seeded_gpt(cfg).cuda())
+    x, y = synthetic_batch(cfg, 4, 0, device="cuda")
+    plain = copy.deepcopy(base)
+    loss(plain(x), y).backward()
+    runs = {}
+    for bookkeeping in (False, True):
+        model = copy.deepcopy(base)
+        psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping)
+        loss(model(x), y).backward()
+        runs[bookkeeping] = (psn.local_norms(), model)
+        psn.close()
+    want = vmap_per_sample_norms(base, loss, x, y)
+    for bookkeeping, (norms, model) in runs.items():
+        torch.testing.assert_close(norms, want.float(), rtol=4e-3, atol=0, msg=f"bookkeeping={bookkeeping}")
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-4, msg=f"bookkeeping={bookkeeping} {name}")
