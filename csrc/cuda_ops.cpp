@@ -67,16 +67,18 @@ unsigned* zeroed_counters(int64_t n, const at::Device& device, cudaStream_t stre
     return static_cast<unsigned*>(keep.data_ptr());
   }
   static std::mutex mutex;
-  // Never destroyed: the buffers must outlive every kernel queued before the process exits.
-  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  // Never destroyed, nor freed when outgrown (another host thread may still be about to launch on
+  // an old one): they must outlive every kernel queued before the process exits. Sizes double, so
+  // the outgrown ones add up to less than the current one.
+  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, std::vector<at::Tensor>>();
   const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& buffer = (*buffers)[{device.index(), stream}];
-  if (!buffer.defined() || buffer.numel() < bytes) {
-    // The old buffer goes back to the caching allocator, which reuses it on this stream only
-    // after the kernels queued on it: no launch can see the new buffer's zeroing out of order.
-    buffer = at::zeros({std::max<int64_t>(bytes, 4096)}, opts);
+  std::vector<at::Tensor>& held = (*buffers)[{device.index(), stream}];
+  if (held.empty() || held.back().numel() < bytes) {
+    int64_t size = 4096;
+    while (size < bytes) size *= 2;
+    held.push_back(at::zeros({size}, opts));
   }
-  return static_cast<unsigned*>(buffer.data_ptr());
+  return static_cast<unsigned*>(held.back().data_ptr());
 }
 
 // Runs the statistics kernel over `views`: float64 statistics rows, or float64 states if `as_states`.
