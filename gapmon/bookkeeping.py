@@ -19,18 +19,27 @@ import torch
 from . import _backend
 
 
+class _Output:
+    """Carries the layer's output into BookkeepingLinear.forward as a non-tensor argument: returned
+    from there, it is a fresh output of the Function, not a view of one of its inputs, so that a
+    model may still modify it in place (`h = proj(x); h += x`)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class BookkeepingLinear(torch.autograd.Function):
-    """Identity on `out` = F.linear(x, weight, bias) (passed detached); its backward is Linear's,
-    with the weight gradient summed from per-sample gradients whose squared norms ([B], or None
-    for a frozen weight) go to `report(g, sq)` with g the output gradient as [B, T, p]."""
+    """Identity on the output of F.linear(x, weight, bias) (carried detached in an _Output); its
+    backward is Linear's, with the weight gradient summed from per-sample gradients whose squared
+    norms ([B], or None for a frozen weight) go to `report(g, sq)`, g the output gradient as [B, T, p]."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx, out: _Output, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.report = report
-        return out.view_as(out)
+        return out.tensor
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -48,6 +57,13 @@ class BookkeepingLinear(torch.autograd.Function):
             grad_b = g.sum((0, 1), dtype=_backend.product_dtype(g)).to(ctx.bias_dtype)
         ctx.report(g, sq)
         return None, grad_x, grad_w, grad_b, None
+
+
+def bookkeep(output: torch.Tensor, x: torch.Tensor, module: torch.nn.Linear,
+             report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
+    """The output of `module`(x) to return from its forward hook: the same values, whose backward
+    runs through BookkeepingLinear (the original output's graph is dropped with it)."""
+    return BookkeepingLinear.apply(_Output(output.detach()), x, module.weight, module.bias, report)
 
 
 def can_bookkeep(module: torch.nn.Module, x, output) -> bool:

@@ -161,7 +161,7 @@ class PerSampleGradNorms:
         if self.bookkeeping and bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
                 x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
             report = functools.partial(self._bookkept, index, mb, len(calls["calls"]) - 1)
-            return bookkeeping.BookkeepingLinear.apply(output.detach(), x, module.weight, module.bias, report)
+            return bookkeeping.bookkeep(output, x, module, report)
         output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["calls"]) - 1))
         return None
 

@@ -207,3 +207,33 @@ def test_vmap_reference_in_float32():
     norms, _, bookkept, _ = _run(model, [(x, y)], bookkeeping=True)
     assert bookkept == _linears(model)
     torch.testing.assert_close(norms, vmap_per_sample_norms(model, lm_loss, x, y), rtol=1e-4, atol=1e-6)
+
+
+def test_book_kept_output_can_be_modified_in_place():
+    """`h = proj(x); h += x`: the book-kept output is a fresh output, not a view, so an in-place
+    residual works as with a plain Linear, with exact gradients and norms."""
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = self.proj(x)
+            h += x
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Residual().double()
+    x, y = torch.randn(3, 20, 8, dtype=torch.float64), torch.randn(3, 20, 2, dtype=torch.float64)
+
+    def loss(out, target):
+        return (out - target).square().mean()
+
+    want_grads = _plain_grads(copy.deepcopy(model), [(x, y)], loss)
+    norms, grads, bookkept, _ = _run(copy.deepcopy(model), [(x, y)], loss, bookkeeping=True)
+    assert bookkept == 2
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    torch.testing.assert_close(norms, loop_per_sample_norms(model, loss, x, y), rtol=1e-10, atol=0)
