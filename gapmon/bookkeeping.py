@@ -19,39 +19,40 @@ import torch
 from . import _backend
 
 
-class _Output:
-    """Carries the layer's output into BookkeepingLinear.forward as a non-tensor argument: returned
+class _Carried:
+    """Tensors BookkeepingLinear.forward gets as a non-tensor argument: the layer's output (returned
     from there, it is a fresh output of the Function, not a view of one of its inputs, so that a
-    model may still modify it in place (`h = proj(x); h += x`)."""
+    model may still modify it in place: `h = proj(x); h += x`) and the input operand to save."""
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, output: torch.Tensor, operand: torch.Tensor):
+        self.output, self.operand = output, operand
 
 
 class BookkeepingLinear(torch.autograd.Function):
-    """Identity on the output of F.linear(x, weight, bias) (carried detached in an _Output); its
-    backward is Linear's, with the weight gradient summed from per-sample gradients whose squared
-    norms ([B], or None for a frozen weight) go to `report(g, sq)`, g the output gradient as [B, T, p]."""
+    """Identity on the output of F.linear(x, weight, bias) (carried detached); its backward is
+    Linear's, with the weight gradient summed from per-sample gradients whose squared norms ([B], or
+    None for a frozen weight) go to `report(g, sq)`, g the output gradient as [B, T, p]."""
 
     @staticmethod
-    def forward(ctx, out: _Output, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx, carried: _Carried, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(carried.operand, weight)
+        ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.report = report
-        return out.tensor
+        return carried.output
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        a, weight = ctx.saved_tensors
         compute = grad_out.dtype  # the dtype F.linear ran in (bfloat16 under bf16 autocast)
         grad_x = grad_w = grad_b = sq = None
         if ctx.needs_input_grad[1]:
-            grad_x = (grad_out @ weight.to(compute)).to(x.dtype)
+            grad_x = (grad_out @ weight.to(compute)).to(ctx.x_dtype)
         b = grad_out.shape[0]
         g = grad_out.reshape(b, -1, grad_out.shape[-1])
         if ctx.needs_input_grad[2]:
-            sq, grad_w = _backend.direct_norm_sq_and_grad(x.to(compute).reshape(b, -1, x.shape[-1]), g)
+            sq, grad_w = _backend.direct_norm_sq_and_grad(a.reshape(b, -1, a.shape[-1]), g)
             grad_w = grad_w.to(weight.dtype)
         if ctx.needs_input_grad[3]:
             grad_b = g.sum((0, 1), dtype=_backend.product_dtype(g)).to(ctx.bias_dtype)
@@ -62,8 +63,10 @@ class BookkeepingLinear(torch.autograd.Function):
 def bookkeep(output: torch.Tensor, x: torch.Tensor, module: torch.nn.Linear,
              report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
     """The output of `module`(x) to return from its forward hook: the same values, whose backward
-    runs through BookkeepingLinear (the original output's graph is dropped with it)."""
-    return BookkeepingLinear.apply(_Output(output.detach()), x, module.weight, module.bias, report)
+    runs through BookkeepingLinear (the original output's graph is dropped with it). It saves the
+    input as F.linear used it: under autocast its 16-bit cast, as autocast itself saves."""
+    operand = x.detach().to(output.dtype)
+    return BookkeepingLinear.apply(_Carried(output.detach(), operand), x, module.weight, module.bias, report)
 
 
 def can_bookkeep(module: torch.nn.Module, x, output) -> bool:
