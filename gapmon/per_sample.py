@@ -157,11 +157,12 @@ class PerSampleGradNorms:
             return
         calls["calls"].append(call)
         calls["g"].append(None)
-        x = args[0] if args else kwargs.get("input")
-        if self.bookkeeping and bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
-                x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
-            report = functools.partial(self._bookkept, index, mb, len(calls["calls"]) - 1)
-            return bookkeeping.bookkeep(output, x, module, report)
+        if self.bookkeeping:
+            x = args[0] if args else kwargs.get("input")
+            if bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
+                    x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
+                report = functools.partial(self._bookkept, index, mb, len(calls["calls"]) - 1)
+                return bookkeeping.bookkeep(output, x, module, report)
         output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["calls"]) - 1))
         return None
 

@@ -173,3 +173,16 @@ def loop_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets, para
         grads = torch.autograd.grad(loss_fn(ref(x), y), [p for _, p in named], allow_unused=True)
         norms.append(torch.sqrt(sum(g.double().square().sum() for g in grads if g is not None)))
     return torch.stack(norms)
+
+
+class Autocast(torch.nn.Module):
+    """Runs the wrapped model under bf16 autocast on `device_type`, as a training loop's
+    `with torch.autocast(...)` around the forward pass does."""
+
+    def __init__(self, model: torch.nn.Module, device_type: str):
+        super().__init__()
+        self.model, self.device_type = model, device_type
+
+    def forward(self, x):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.model(x)

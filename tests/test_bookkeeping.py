@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from helpers import loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
+from helpers import Autocast, loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
 
 import gapmon
 from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
@@ -39,30 +39,38 @@ def _plain_grads(model: nn.Module, batches, loss=lm_loss) -> dict[str, torch.Ten
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _mse(out, target):
+    return (out - target).square().mean()
+
+
+def _check_exact(model: nn.Module, batches, loss, bookkept: int, reference: nn.Module | None = None) -> int:
+    """One float64 step with book-keeping: `bookkept` layer calls run through it, the gradients are
+    autograd's (a plain step) and the norms the brute-force loop's on `reference` (default: model).
+    Returns the weight-gradient matmuls of the step."""
+    want_grads = _plain_grads(copy.deepcopy(model), batches, loss)
+    norms, grads, calls, mm = _run(copy.deepcopy(model), batches, loss, bookkeeping=True)
+    assert calls == bookkept
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    reference = reference or model
+    want = torch.cat([loop_per_sample_norms(reference, loss, x.detach(), y) for x, y in batches])
+    torch.testing.assert_close(norms, want, rtol=1e-10, atol=0)
+    return mm
+
+
 def test_float64_gradients_are_autograds_and_norms_exact():
     model = seeded_gpt(CFG).double()
     batch = synthetic_batch(CFG, 4, 0)
-    want_grads = _plain_grads(copy.deepcopy(model), [batch])
-    norms, grads, bookkept, mm = _run(copy.deepcopy(model), [batch], bookkeeping=True)
+    mm = _check_exact(model, [batch], lm_loss, bookkept=_linears(model))
     _, _, plain_bookkept, plain_mm = _run(copy.deepcopy(model), [batch])
-    assert bookkept == _linears(model) and plain_bookkept == 0
+    assert plain_bookkept == 0
     assert mm < plain_mm  # autograd's weight-gradient matmuls of the book-kept layers are gone
-    for name, want in want_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
-    torch.testing.assert_close(norms, loop_per_sample_norms(model, lm_loss, *batch), rtol=1e-10, atol=0)
 
 
 def test_micro_batches_accumulate_gradients_and_norms():
     model = seeded_gpt(CFG).double()
     x, y = synthetic_batch(CFG, 5, 1)
-    batches = [(x[:2], y[:2]), (x[2:], y[2:])]
-    want_grads = _plain_grads(copy.deepcopy(model), batches)
-    norms, grads, bookkept, _ = _run(copy.deepcopy(model), batches, bookkeeping=True)
-    assert bookkept == 2 * _linears(model)
-    for name, want in want_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
-    want = torch.cat([loop_per_sample_norms(model, lm_loss, xb, yb) for xb, yb in batches])
-    torch.testing.assert_close(norms, want, rtol=1e-10, atol=0)
+    _check_exact(model, [(x[:2], y[:2]), (x[2:], y[2:])], lm_loss, bookkept=2 * _linears(model))
 
 
 class _Reused(nn.Module):
@@ -81,16 +89,7 @@ def test_a_layer_called_twice_keeps_exact_norms():
     torch.manual_seed(0)
     model = _Reused().double()
     x, y = torch.randn(4, 20, 6, dtype=torch.float64), torch.randn(4, 20, 3, dtype=torch.float64)
-
-    def loss(out, target):
-        return (out - target).square().mean()
-
-    want_grads = _plain_grads(copy.deepcopy(model), [(x, y)], loss)
-    norms, grads, bookkept, _ = _run(copy.deepcopy(model), [(x, y)], loss, bookkeeping=True)
-    assert bookkept == 3
-    for name, want in want_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
-    torch.testing.assert_close(norms, loop_per_sample_norms(model, loss, x, y), rtol=1e-10, atol=0)
+    _check_exact(model, [(x, y)], _mse, bookkept=3)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -115,17 +114,9 @@ def test_activation_checkpointing_falls_back_to_the_hooks(use_reentrant):
 
     model = Model()
     x, y = torch.randn(3, 24, 6, dtype=torch.float64, requires_grad=True), torch.randn(3, 24, 2, dtype=torch.float64)
-
-    def loss(out, target):
-        return (out - target).square().mean()
-
-    want_grads = _plain_grads(copy.deepcopy(model), [(x, y)], loss)
-    norms, grads, bookkept, _ = _run(copy.deepcopy(model), [(x, y)], loss, bookkeeping=True)
-    assert bookkept == 1  # the head only
-    for name, want in want_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
-    model.checkpointed = False  # the brute-force reference runs without checkpointing
-    torch.testing.assert_close(norms, loop_per_sample_norms(model, loss, x.detach(), y), rtol=1e-10, atol=0)
+    reference = copy.deepcopy(model)
+    reference.checkpointed = False  # the brute-force reference runs without checkpointing
+    _check_exact(model, [(x, y)], _mse, bookkept=1, reference=reference)  # the head only
 
 
 def test_ghost_form_layers_are_not_book_kept():
@@ -145,20 +136,9 @@ def test_bf16_autocast_matches_the_hooks_and_autograd():
     def loss(out, target):
         return lm_loss(out.float(), target)
 
-    def autocast_model(m):
-        class Autocast(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.m = m
-
-            def forward(self, x):
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    return self.m(x)
-        return Autocast()
-
-    want_grads = _plain_grads(autocast_model(copy.deepcopy(model)), [batch], loss)
-    hooks, _, _, _ = _run(autocast_model(copy.deepcopy(model)), [batch], loss)
-    norms, grads, bookkept, _ = _run(autocast_model(copy.deepcopy(model)), [batch], loss, bookkeeping=True)
+    want_grads = _plain_grads(Autocast(copy.deepcopy(model), "cpu"), [batch], loss)
+    hooks, _, _, _ = _run(Autocast(copy.deepcopy(model), "cpu"), [batch], loss)
+    norms, grads, bookkept, _ = _run(Autocast(copy.deepcopy(model), "cpu"), [batch], loss, bookkeeping=True)
     assert bookkept == _linears(model) and norms.dtype == torch.float32
     torch.testing.assert_close(norms, hooks, rtol=1e-5, atol=0)
     for name, want in want_grads.items():
@@ -227,13 +207,4 @@ def test_book_kept_output_can_be_modified_in_place():
     torch.manual_seed(0)
     model = Residual().double()
     x, y = torch.randn(3, 20, 8, dtype=torch.float64), torch.randn(3, 20, 2, dtype=torch.float64)
-
-    def loss(out, target):
-        return (out - target).square().mean()
-
-    want_grads = _plain_grads(copy.deepcopy(model), [(x, y)], loss)
-    norms, grads, bookkept, _ = _run(copy.deepcopy(model), [(x, y)], loss, bookkeeping=True)
-    assert bookkept == 2
-    for name, want in want_grads.items():
-        torch.testing.assert_close(grads[name], want, rtol=1e-12, atol=1e-15, msg=name)
-    torch.testing.assert_close(norms, loop_per_sample_norms(model, loss, x, y), rtol=1e-10, atol=0)
+    _check_exact(model, [(x, y)], _mse, bookkept=2)

@@ -283,25 +283,15 @@ def test_bookkeeping_under_bf16_autocast_on_cuda():
     4e-3 (see test_per_sample's autocast test), the gradients autocast's up to its bf16 rounding."""
     import copy
 
-    from helpers import seeded_gpt, vmap_per_sample_norms
+    from helpers import Autocast, seeded_gpt, vmap_per_sample_norms
 
     from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
 
     cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=2, n_layers=2)
-
-    class Autocast(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, x):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return self.model(x)
-
     def loss(out, target):
         return lm_loss(out.float(), target)
 
-    base = Autocast(seeded_gpt(cfg).cuda())
+    base = Autocast(seeded_gpt(cfg).cuda(), "cuda")
     x, y = synthetic_batch(cfg, 4, 0, device="cuda")
     plain = copy.deepcopy(base)
     loss(plain(x), y).backward()

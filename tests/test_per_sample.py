@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
+from helpers import Autocast, loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
 
 import gapmon
 import gapmon.norm_rules as norm_rules
@@ -239,18 +239,6 @@ def test_norms_under_torch_compile_match_eager():
     psn.close()
 
 
-class _Autocast(nn.Module):
-    """Runs the wrapped model under CPU bf16 autocast (as a training loop's `with torch.autocast`)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return self.model(x)
-
-
 @pytest.mark.parametrize("bookkeeping", [False, True])
 def test_bf16_autocast_norms_match_torch_func(bookkeeping):
     """Under bf16 autocast the norms equal torch.func's per-sample gradients of the same autocast
@@ -259,7 +247,7 @@ def test_bf16_autocast_norms_match_torch_func(bookkeeping):
     products of the same bf16 operands in float32. T=16 >= d p / (d + p): Linear layers take the
     direct form (book-kept with bookkeeping=True)."""
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=2)
-    model = _Autocast(seeded_gpt(cfg))
+    model = Autocast(seeded_gpt(cfg), "cpu")
     x, y = synthetic_batch(cfg, 4, 5)
 
     def loss(out, target):
