@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import operator
+import sys
 import weakref
 from typing import Any, Sequence
 
@@ -40,6 +41,24 @@ _COUNT = STAT_NAMES.index("count")
 _SUM = {ACC_NAMES[i]: k for k, i in enumerate(_ACC_SUMS)}  # column of each sum in the reduced sums
 _MODULE_WIDTH = len(_STAT_FIELDS) + 1  # a per-module row: the fields, then the instance count
 _INSTANCES = len(_STAT_FIELDS)
+
+
+def _untraced_grad_hook():
+    """GAPMonitor._grad_hook, kept out of Dynamo's trace, where the running torch needs it (else
+    None). torch 2.11's Dynamo rewrites a hook on an intermediate tensor into an autograd Function
+    and fails once the tensor has a symbolic size (dynamic shapes, also those Dynamo turns on by
+    itself after a batch of another size: "referenced nonexistent value s95"). A hook it may not
+    trace is registered eagerly at a graph break instead, and is exact; the compiled model is then
+    split at every module whose output gradient is measured (on that torch only).
+    Looked up from begin_step, outside any compiled region, once Dynamo is loaded (torch.compile
+    loads it; gapmon never imports it)."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    import torch._dynamo.external_utils as utils  # cheap once Dynamo is loaded
+
+    if not hasattr(utils, "_ApplyBackwardHook"):
+        return False  # this torch's Dynamo traces such hooks correctly
+    return torch._dynamo.disable(GAPMonitor._grad_hook)
 
 
 def _picker(indices: list[int]):
@@ -141,6 +160,7 @@ class GAPMonitor:
         self._acc: torch.Tensor | None = None
         self._grad_rows: list[torch.Tensor] = []
         self._keys: dict[tuple[str, str], tuple[str, ...]] = {}  # see _metric_keys
+        self._untraced_grad_hook = None  # see _untraced_grad_hook
         self._layout: tuple | None = None  # see _row_layout
         self._module_keys: tuple | None = None  # see _module_layout
         self._batch_size = 0
@@ -174,7 +194,10 @@ class GAPMonitor:
         if self._kinds["activations"] and not recomputing:
             self._fold(out, index, 0)
         if self._kinds["activation_grads"] and out.requires_grad:
-            out.register_hook(functools.partial(self._grad_hook, index))
+            hook = self._grad_hook
+            if self._untraced_grad_hook and torch.compiler.is_compiling():
+                hook = functools.partial(self._untraced_grad_hook, self)
+            out.register_hook(functools.partial(hook, index))
 
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         if self._active and grad is not None and grad.dim() > 1 and grad.numel() > 0:
@@ -217,6 +240,8 @@ class GAPMonitor:
     def begin_step(self, step: int, batch_size: int | None = None) -> None:
         """Starts step `step`; `batch_size` is this rank's number of samples in the step (all micro-batches)."""
         self._check_open()
+        if self._untraced_grad_hook is None:
+            self._untraced_grad_hook = _untraced_grad_hook()
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
             raise ValueError(f"GAPMonitor.begin_step: batch_size must be a non-negative int, got {batch_size!r}")
         self._step = step

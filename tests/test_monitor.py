@@ -243,6 +243,7 @@ def test_monitor_under_torch_compile():
     """Hooks on a torch.compile'd model give the eager metrics, without recompiling every step."""
     import torch._dynamo
 
+    torch._dynamo.reset()  # no dynamic shapes marked by earlier tests' compilations
     model = _model()
     x, y = synthetic_batch(CFG, 4, 0)
     with gapmon.GAPMonitor(model, sinks=[]) as mon:
@@ -252,13 +253,39 @@ def test_monitor_under_torch_compile():
         model.zero_grad()
         compiled = torch.compile(model, backend="aot_eager")
         torch._dynamo.utils.counters.clear()
+        graphs = []
         for step in range(1, 4):
             mon.begin_step(step, batch_size=4)
             lm_loss(compiled(x), y, reduction="sum").backward()
             got = mon.end_step()
             model.zero_grad()
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert_metrics_close(got, want, rtol=1e-4, atol=1e-6)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4, dict(torch._dynamo.utils.counters["stats"])
+    assert graphs[0] == graphs[-1], graphs  # compiled once, not every step
+    if not hasattr(torch._dynamo.external_utils, "_ApplyBackwardHook"):  # torch 2.11 splits it per module
+        assert graphs[0] <= 4, graphs
+
+
+@pytest.mark.slow
+def test_monitor_under_torch_compile_with_dynamic_shapes():
+    """Batches of changing size through a torch.compile(dynamic=True) model give the eager metrics
+    (torch 2.11's Dynamo failed on the gradient hooks there: "referenced nonexistent value s95")."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+        for step, batch in enumerate((3, 5, 4)):
+            x, y = synthetic_batch(CFG, batch, step)
+            got = {}
+            for run in (compiled, model):
+                mon.begin_step(step, batch_size=batch)
+                lm_loss(run(x), y, reduction="sum").backward()
+                got[run is model] = mon.end_step()
+                model.zero_grad()
+            assert "gap/activation_grads/blocks.0.mlp.up/norm" in got[False]
+            assert_metrics_close(got[False], got[True], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
