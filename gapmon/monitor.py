@@ -161,8 +161,7 @@ class GAPMonitor:
         self._grad_rows: list[torch.Tensor] = []
         self._keys: dict[tuple[str, str], tuple[str, ...]] = {}  # see _metric_keys
         self._untraced_grad_hook = None  # see _untraced_grad_hook
-        self._layout: tuple | None = None  # see _row_layout
-        self._module_keys: tuple | None = None  # see _module_layout
+        self._pickers: dict[str, tuple] = {}  # see _picked
         self._batch_size = 0
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
         self._order = [0, 0]
@@ -331,21 +330,23 @@ class GAPMonitor:
         host = torch.cat([rows.reshape(-1).double().to(dev), per_module.reshape(-1), sums_t[width:],
                           maxes_t[2 * m:]]).cpu().tolist()  # the one D2H copy
 
-        keys, picks, grad_counts = self._row_layout(tuple(names))
-        metrics: dict[str, float] = dict(zip(keys, picks(host))) if keys else {}
-        if grad_counts is not None and 0.0 in grad_counts(host):  # no rank had a gradient for some
-            for i, (kind, name) in enumerate(names):
-                if kind == "grads" and host[i * _ROW + _COUNT] == 0:
+        rows_at = tuple((kind, name, i * _ROW) for i, (kind, name) in enumerate(names))
+        keys, picks = self._picked("tensors", rows_at, [col for _, col in _STAT_FIELDS])
+        metrics: dict[str, float] = dict(zip(keys, picks(host)))
+        grad_rows = tuple(row for row in rows_at if row[0] == "grads")
+        if grad_rows and 0.0 in self._picked("grad counts", grad_rows, [_COUNT])[1](host):
+            for kind, name, offset in grad_rows:  # no rank had a gradient for it
+                if host[offset + _COUNT] == 0:
                     for key in self._metric_keys(kind, name):
                         del metrics[key]
         offset = len(names) * _ROW
-        module_host, host = host[offset:offset + per_module.numel()], host[offset + per_module.numel():]
-        instances = module_host[_INSTANCES::_MODULE_WIDTH]
+        instances = host[offset + _INSTANCES:offset + per_module.numel():_MODULE_WIDTH]
         kinds = [self._kinds["activations"]] * m + [self._kinds["activation_grads"]] * m
-        seen = tuple(r for r, (n, on) in enumerate(zip(instances, kinds)) if n and on)
-        keys, picks = self._module_layout(seen)
-        if keys:
-            metrics.update(zip(keys, picks(module_host)))
+        module_rows = tuple((("activations", "activation_grads")[r // m], self._modules[r % m][0], offset + r * _MODULE_WIDTH)
+                            for r, (n, on) in enumerate(zip(instances, kinds)) if n and on)
+        keys, picks = self._picked("modules", module_rows, range(len(_STAT_FIELDS)))
+        metrics.update(zip(keys, picks(host)))
+        host = host[offset + per_module.numel():]
         global_batch, host = host[0], host[1:]
         if self.per_sample is not None:
             (ps_sum, ps_count), host = host[:2], host[2:]
@@ -367,17 +368,15 @@ class GAPMonitor:
         info = self._localise_nonfinite(metrics, step)
         return metrics, info
 
-    def _row_layout(self, names: tuple[tuple[str, str], ...]) -> tuple[list[str], Any, Any]:
-        """For statistics rows of `names` ((kind, name) each): the metric names in row order, a
-        function picking their values out of the host list, and one picking the gradient rows'
-        counts (None without gradient rows). Built once per set of rows: end_step then makes no
-        Python loop over thousands of metrics."""
-        if self._layout is None or self._layout[0] != names:
-            keys = [key for kind, name in names for key in self._metric_keys(kind, name)]
-            cols = [i * _ROW + col for i in range(len(names)) for _, col in _STAT_FIELDS]
-            counts = [i * _ROW + _COUNT for i, (kind, _) in enumerate(names) if kind == "grads"]
-            self._layout = (names, keys, _picker(cols), _picker(counts) if counts else None)
-        return self._layout[1:]
+    def _picked(self, slot: str, rows: tuple[tuple[str, str, int], ...], columns) -> tuple[list[str], Any]:
+        """Metric names of `rows` ((kind, name, offset of its values in the host list) each) and a
+        function picking the values at offset + `columns` out of that list, in C. Built once per set
+        of rows (`slot` names the cache): end_step then makes no Python loop over thousands of metrics."""
+        cached = self._pickers.get(slot)
+        if cached is None or cached[0] != rows:
+            keys = [key for kind, name, _ in rows for key in self._metric_keys(kind, name)]
+            cached = self._pickers[slot] = (rows, keys, _picker([at + col for *_, at in rows for col in columns]))
+        return cached[1], cached[2]
 
     @staticmethod
     def _module_values(sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
@@ -389,18 +388,6 @@ class GAPMonitor:
                   "mean": sums[:, _SUM["sum_mean"]] / instances, "var": sums[:, _SUM["sum_var"]] / instances,
                   "norm": sums[:, _SUM["sum_norm"]] / instances, "nonfinite": sums[:, _SUM["nonfinite"]]}
         return torch.stack([values[field] for field, _ in _STAT_FIELDS] + [instances], dim=1)
-
-    def _module_layout(self, seen: tuple[int, ...]) -> tuple[list[str], Any]:
-        """Metric names of the module rows `seen` (r < M: activations of module r, else gradients of
-        module r - M) and a function picking their values out of the module part of the host list;
-        built once per set of rows."""
-        if self._module_keys is None or self._module_keys[0] != seen:
-            m = len(self._modules)
-            keys = [key for r in seen
-                    for key in self._metric_keys(("activations", "activation_grads")[r // m], self._modules[r % m][0])]
-            cols = [r * _MODULE_WIDTH + j for r in seen for j in range(len(_STAT_FIELDS))]
-            self._module_keys = (seen, keys, _picker(cols))
-        return self._module_keys[1:]
 
     def _metric_keys(self, kind: str, name: str) -> tuple[str, ...]:
         """The metric names of (kind, name), one per field of _STAT_FIELDS, built once (end_step
