@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 
 #include "core/stats_state.h"
@@ -21,12 +22,13 @@ namespace {
 constexpr int64_t kWholeGramElems = int64_t(1) << 24;
 constexpr int64_t kDefaultTile = 256;
 
-// Samples per chunk of whole Grams, or 0 when the sequence must be tiled: tile == 0 (the default)
-// picks whole Grams when one sample's fits kWholeGramElems; a positive tile always tiles (tests pass
-// small ones to exercise the tiling).
-int64_t samples_per_chunk(int64_t tile, int64_t t, const char* op) {
-  TORCH_CHECK_VALUE(tile >= 0, "gapmon.", op, ": tile must be 0 (automatic) or positive, got ", tile);
-  if (tile > 0 || t * t > kWholeGramElems) return 0;
+// Samples per chunk of whole Grams, or 0 when the sequence must be tiled: no tile (the default)
+// picks whole Grams when one sample's fits kWholeGramElems; a given tile, which must be positive,
+// always tiles (tests pass small ones to exercise the tiling).
+int64_t samples_per_chunk(std::optional<int64_t> tile, int64_t t, const char* op) {
+  TORCH_CHECK_VALUE(!tile || *tile > 0, "gapmon.", op, ": tile must be a positive number of positions (or None: "
+                    "automatic), got ", tile.value_or(0));
+  if (tile || t * t > kWholeGramElems) return 0;
   return std::max<int64_t>(1, kWholeGramElems / std::max<int64_t>(1, t * t));
 }
 
@@ -55,16 +57,16 @@ void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
 // whole, or (a positive tile, or a sequence too long) tile pairs of the upper triangle, off-diagonal
 // pairs counted twice (the Grams are symmetric).
 template <typename Block>
-void sum_gram_blocks(at::Tensor& out, int64_t t, int64_t tile, const char* op, const Block& block) {
+void sum_gram_blocks(at::Tensor& out, int64_t t, std::optional<int64_t> given_tile, const char* op, const Block& block) {
   const int64_t b = out.size(0);
-  if (const int64_t step = samples_per_chunk(tile, t, op); step > 0) {
+  if (const int64_t step = samples_per_chunk(given_tile, t, op); step > 0) {
     for (int64_t s = 0; s < b; s += step) {
       const int64_t n = std::min(step, b - s);
       out.narrow(0, s, n).copy_(block(s, n, 0, t, 0, t));
     }
     return;
   }
-  tile = tile > 0 ? tile : kDefaultTile;
+  const int64_t tile = given_tile.value_or(kDefaultTile);
   for (int64_t i = 0; i < t; i += tile) {
     for (int64_t j = i; j < t; j += tile) {
       out.add_(block(0, b, i, std::min(tile, t - i), j, std::min(tile, t - j)), i == j ? 1.0 : 2.0);
@@ -73,7 +75,7 @@ void sum_gram_blocks(at::Tensor& out, int64_t t, int64_t tile, const char* op, c
 }
 
 // sum_{t,s} (a_t . a_s)(g_t . g_s) per sample: the squared Frobenius norm of g^T a, via Grams.
-at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t tile) {
+at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, std::optional<int64_t> tile) {
   check_pair(a, g, "ghost_norm_sq");
   at::Tensor out = at::zeros({a.size(0)}, a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))));
   sum_gram_blocks(out, a.size(1), tile, "ghost_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
@@ -134,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, 
 
 // Embedding: per-sample gradient rows are sums of g_t over positions with the same id (rows of
 // padding_idx get no gradient), so ||grad||^2 = sum_{t,s: id_t == id_s != pad} g_t . g_s.
-at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx, int64_t tile) {
+at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx, std::optional<int64_t> tile) {
   TORCH_CHECK_VALUE(ids.dim() == 2 && g.dim() == 3 && ids.size(0) == g.size(0) && ids.size(1) == g.size(1),
                     "gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(), " and ",
                     g.sizes());
@@ -154,10 +156,10 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gapmon, m) {
-  m.def("ghost_norm_sq(Tensor a, Tensor g, int tile=0) -> Tensor");
+  m.def("ghost_norm_sq(Tensor a, Tensor g, int? tile=None) -> Tensor");
   m.def("direct_norm_sq(Tensor a, Tensor g, int max_elements=67108864) -> Tensor");
   m.def("direct_norm_sq_and_grad(Tensor a, Tensor g, int max_elements=67108864) -> (Tensor, Tensor)");
-  m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int tile=0) -> Tensor");
+  m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int? tile=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gapmon, CompositeExplicitAutograd, m) {

@@ -9,7 +9,9 @@
 - ``sampled``: the first ``save_first_n`` elements along every dim of every gradient, gathered to
   rank 0 one parameter at a time, in ``step{S}/sampled.safetensors``.
 
-Every file is written atomically (temp file, fsync, rename) and no format uses pickle. With
+Every file is written atomically (temp file, fsync, rename) and no format uses pickle. Each dump of
+a step is a generation (gapmon.dump_format): a re-dump withdraws the step's COMPLETE first, and
+COMPLETE names exactly one generation's files with their checksums. With
 ``async_write=True`` the gradients are copied during ``maybe_dump`` into one of two reusable host
 staging sets (pinned for GPU tensors) and written by a background thread; a third dump waits for a
 free set. ``full`` dumps stage through ``dcp.async_save`` instead, whose collectives run on a
@@ -22,11 +24,14 @@ import atexit
 import json
 import os
 import queue
+import shutil
+import socket
 import threading
 import time
 import uuid
 import warnings
 import weakref
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .dump_format import (
+    CHECKSUM,
     COMPLETE,
     CONFIG,
     FORMAT_VERSION,
@@ -44,30 +50,50 @@ from .dump_format import (
     HEADER_KEY,
     SAMPLED,
     STEP_PREFIX,
+    file_crc32,
+    generation_id,
     rank_file,
+    sealed,
     step_dir,
-    step_of,
+    tensor_crc32,
 )
-from .safe_io import read_safetensors_metadata, write_json, write_safetensors
-from .utils import clean_named, is_dtensor, rank_and_world
+from .safe_io import process_alive, read_safetensors_header, remove_stale_temps, write_json, write_safetensors
+from .utils import check_step, clean_named, is_dtensor, rank_and_world
 
 MODES = ("shards", "full", "sampled")
+_FAILED = ".{}.failed"  # step{S}/.rank{R}.failed: a rank's write of the step failed (its error inside)
 
 
-def rank_file_run_id(path: Path) -> str | None:
-    """The run id recorded in a rank file's header, or None if it cannot be read (yet)."""
+def header_generation(path: Path) -> tuple[str | None, bytes]:
+    """(the generation a gapmon safetensors file's header names, the raw header bytes), or
+    (None, b"") if it cannot be read (yet)."""
     try:
-        return json.loads(read_safetensors_metadata(path)[HEADER_KEY]).get("run_id")
+        raw, meta = read_safetensors_header(path)
+        return json.loads(meta[HEADER_KEY]).get("generation"), raw
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return None, b""
 
 
-def _new_run_id() -> str:
-    """A fresh id shared by every rank (rank 0 draws it; a collective when world > 1)."""
-    run_id = [uuid.uuid4().hex]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
+def _collective_device() -> torch.device:
+    backend = str(dist.get_backend())
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _share_identity(run_id: str) -> tuple[str, list[tuple[str, int]]]:
+    """Rank 0's run id, and (host, pid) of every rank: one all-gather of fixed-size byte tensors
+    (no pickling, no numpy). The pids let rank 0 see a rank of its host die instead of waiting."""
+    me = f"{run_id}\n{socket.gethostname()}\n{os.getpid()}".encode()[:255]
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return run_id, [(socket.gethostname(), os.getpid())]
+    device = _collective_device()
+    mine = torch.zeros(256, dtype=torch.uint8, device=device)
+    mine[:len(me)] = torch.tensor(list(me), dtype=torch.uint8, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    fields = [bytes(t.cpu().tolist()).rstrip(b"\0").decode().split("\n") for t in everyone]
+    return fields[0][0], [(host, int(pid)) for _, host, pid in fields]
 
 
 def _close_at_exit(ref: "weakref.ref[GradientDumper]") -> None:
@@ -102,6 +128,13 @@ def parallel_layout(model: nn.Module) -> dict[str, Any]:
                 "mesh_shape": [world], "mesh_dim_names": []}
     return {"parallel_type": "single", "world_size": 1, "shard_degree": 1, "num_replicas": 1, "mesh_shape": [1],
             "mesh_dim_names": []}
+
+
+def _refuse_complex(params: list[tuple[str, torch.Tensor]]) -> None:
+    complex_params = [f"'{n}' ({p.dtype})" for n, p in params if p.is_complex()]
+    if complex_params:
+        raise TypeError(f"GradientDumper: parameter {', '.join(complex_params)} is complex; dumps hold real gradients. "
+                        "Store it as real and imaginary parts (torch.view_as_real)")
 
 
 def _placement_str(p) -> str:
@@ -145,6 +178,43 @@ def _with_layout_of(g: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride())
 
 
+def _supersedes(found: str, generation: str) -> bool:
+    """Whether generation id `found` is a later dump of the same run and step than `generation`."""
+    head, _, count = found.rpartition(".")
+    mine, _, my_count = generation.rpartition(".")
+    return head == mine and count.isdigit() and my_count.isdigit() and int(count) > int(my_count)
+
+
+def _remove_unlisted(directory: Path, listed: dict[str, Any]) -> None:
+    """Removes the files an earlier generation of a step left that its new COMPLETE does not list
+    (rank files of a larger world, another mode's files)."""
+    tops = {name.split("/")[0] for name in listed}
+    for path in directory.iterdir():
+        name = path.name
+        if name in tops:
+            continue
+        try:
+            if name == FULL_DIR and path.is_dir():
+                shutil.rmtree(path)
+            elif name in (SAMPLED, FULL_INDEX) or (name.startswith("rank") and name.endswith(".safetensors")):
+                path.unlink()
+        except OSError:
+            pass
+
+
+def _checkpoint_failure(step: int, error: BaseException) -> BaseException:
+    """DCP's CheckpointException (a BaseException with a traceback per rank) as one clear error:
+    an OSError with the first failing rank's errno where it has one."""
+    failures = getattr(error, "failures", None) or {}
+    rank, cause = next(iter(failures.items()), (None, error))
+    cause = cause[0] if isinstance(cause, tuple) else cause
+    where = f" on rank {rank}" if rank is not None else ""
+    message = f"GradientDumper: the distributed checkpoint of step {step} failed{where}: {type(cause).__name__}: {cause}"
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return OSError(cause.errno, message)
+    return RuntimeError(message)
+
+
 class _AlreadyStaged:
     """A dcp.async_save stager for a state dict that is already a host copy: nothing to do."""
 
@@ -180,13 +250,13 @@ class GradientDumper:
             raise TypeError(f"GradientDumper: model must be a torch.nn.Module, got {type(model).__name__}")
         if mode not in MODES:
             raise ValueError(f"GradientDumper: mode must be one of {', '.join(MODES)}, got {mode!r}")
-        for key, value in (("start_step", start_step), ("step_interval", step_interval)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"GradientDumper: {key} must be an int, got {value!r}")
-        if start_step < 0:
-            raise ValueError(f"GradientDumper: start_step must be non-negative, got {start_step}")
+        start_step = check_step(start_step, "GradientDumper: start_step")
+        if isinstance(step_interval, bool) or not isinstance(step_interval, int):
+            raise TypeError(f"GradientDumper: step_interval must be an int, got {step_interval!r}")
         if step_interval <= 0:
             raise ValueError(f"GradientDumper: step_interval must be positive, got {step_interval}")
+        if end_step is not None:
+            end_step = check_step(end_step, "GradientDumper: end_step")
         if end_step is not None and end_step < start_step:
             raise ValueError(f"GradientDumper: end_step ({end_step}) is before start_step ({start_step})")
         if mode == "sampled":
@@ -202,6 +272,7 @@ class GradientDumper:
         self.start_step, self.step_interval, self.end_step = start_step, step_interval, end_step
         self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
         self._params = clean_named(model, model.named_parameters(), "parameters")
+        _refuse_complex(self._params)
         self.rank, self.world = rank_and_world()
         self._layout = parallel_layout(model)
         self._queue: queue.Queue | None = None
@@ -214,52 +285,54 @@ class GradientDumper:
         if mode == "full" and async_write and self.world > 1:
             self._full_group = dist.new_group(backend="gloo")  # collective: every rank builds the dumper
         self.closed = False
-        self.run_id = _new_run_id()
+        self.run_id, self._peers = _share_identity(uuid.uuid4().hex)
+        self._dumps: dict[int, int] = {}  # step -> how many times this run dumped it (generations)
+        # What every step records in its COMPLETE: each step reads back with the layout it was written with.
+        self._config = {**self._layout, "mode": mode, "save_first_n": save_first_n}
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_temps()
-            write_json(self.save_dir / CONFIG, {**self._layout, "mode": mode, "save_first_n": save_first_n,
-                                                       "format_version": FORMAT_VERSION, "run_id": self.run_id})
+            # Temp files of killed writers (this host: their process is gone; others: older than timeout).
+            remove_stale_temps([*self.save_dir.glob(".*.tmp"), *self.save_dir.glob(f"{STEP_PREFIX}*/.*.tmp")],
+                               self.timeout)
+            write_json(self.save_dir / CONFIG, {**self._config, "format_version": FORMAT_VERSION, "run_id": self.run_id})
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def _remove_stale_temps(self) -> None:
-        """Removes temp files (safe_io's `.name.*.tmp`) that killed writers left in save_dir and its
-        step directories, if older than `timeout`: no live writer of a run keeps one that long."""
-        cutoff = time.time() - self.timeout
-        for tmp in [*self.save_dir.glob(".*.tmp"), *self.save_dir.glob(f"{STEP_PREFIX}*/.*.tmp")]:
-            try:
-                if tmp.is_file() and tmp.stat().st_mtime < cutoff:
-                    tmp.unlink()
-            except OSError:
-                pass  # another process removed it first
-
     def should_dump(self, step: int) -> bool:
+        step = check_step(step, "GradientDumper.should_dump")
         if step < self.start_step or (self.end_step is not None and step > self.end_step):
             return False
         return (step - self.start_step) % self.step_interval == 0
 
     def maybe_dump(self, step: int) -> bool:
-        """Dumps the gradients of `step` if the schedule says so; returns whether it did."""
+        """Dumps the gradients of `step` (a non-negative integer) if the schedule says so; returns
+        whether it did. Dumping a step again (here, or in a resumed run) replaces it: its COMPLETE is
+        withdrawn first, and written again only for the new generation's files."""
+        step = check_step(step, "GradientDumper.maybe_dump")
         if self.closed:
             raise RuntimeError("GradientDumper: the dumper is closed")
         self._raise_background_error()
         if not self.should_dump(step):
             return False
-        grads = [(n, p.grad) for n, p in self._params if p.grad is not None]
+        # Sparse gradients (nn.Embedding(sparse=True)) are dumped as the dense tensors they stand for.
+        grads = [(n, p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in self._params if p.grad is not None]
         if not grads:
             warnings.warn(f"GradientDumper: step {step} has no gradients to dump (was maybe_dump called after "
                           "zero_grad, or before backward?)", RuntimeWarning, stacklevel=2)
-        if self.rank == 0:  # a COMPLETE left by an earlier run must not vouch for this run's files
-            (step_dir(self.save_dir, step) / COMPLETE).unlink(missing_ok=True)
+        count = self._dumps[step] = self._dumps.get(step, -1) + 1
+        generation = generation_id(self.run_id, step, count)
+        directory = step_dir(self.save_dir, step)
+        if self.rank == 0:  # the step's earlier generation stops being complete before any new file lands
+            (directory / COMPLETE).unlink(missing_ok=True)
+        (directory / _FAILED.format(f"rank{self.rank}")).unlink(missing_ok=True)
         if self.mode == "full":
-            self._dump_full(step, grads)
+            self._dump_full(step, generation, grads)
         elif self.mode == "shards":
             local, records = {}, {}
             for name, g in grads:
                 local[name], records[name] = shard_record(name, g.detach(), self.rank)
-            self._submit(self._write_shards, step, self._stage(local), records)
+            self._submit(step, self._write_shards, step, generation, self._stage(local), records)
         else:
-            self._submit(self._write_sampled, step, *self._gather_sampled(grads))
+            self._submit(step, self._write_sampled, step, generation, *self._gather_sampled(grads))
         return True
 
     # ----------------------------------------------------------------- modes
@@ -290,17 +363,18 @@ class GradientDumper:
             torch.cuda.current_stream().synchronize()
         return staging
 
-    def _write_shards(self, step: int, tensors: dict[str, torch.Tensor], records: dict[str, Any]) -> None:
+    def _write_shards(self, step: int, generation: str, tensors: dict[str, torch.Tensor], records: dict[str, Any]) -> None:
         directory = step_dir(self.save_dir, step)
-        header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
-                  "run_id": self.run_id, "tensors": records}
         try:
+            records = {name: {**record, CHECKSUM: tensor_crc32(tensors[name])} for name, record in records.items()}
+            header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
+                      "run_id": self.run_id, "generation": generation, "tensors": records}
             write_safetensors(directory / rank_file(self.rank), tensors, {HEADER_KEY: json.dumps(header)})
         finally:
             if self.async_write:
                 self._free_staging.put(tensors)  # the staging set may be filled again
         if self.rank == 0:
-            self._complete(directory, [rank_file(r) for r in range(self.world)])
+            self._complete(directory, step, generation, [rank_file(r) for r in range(self.world)])
 
     def _gather_sampled(self, grads) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         n = self.save_first_n
@@ -314,31 +388,39 @@ class GradientDumper:
             del full
         return tensors, shapes
 
-    def _write_sampled(self, step: int, tensors: dict[str, torch.Tensor], shapes: dict[str, Any]) -> None:
+    def _write_sampled(self, step: int, generation: str, tensors: dict[str, torch.Tensor], shapes: dict[str, Any]) -> None:
         if self.rank != 0:
             return
         directory = step_dir(self.save_dir, step)
         header = {"format_version": FORMAT_VERSION, "step": step, "save_first_n": self.save_first_n,
-                  "run_id": self.run_id, "global_shapes": shapes}
+                  "run_id": self.run_id, "generation": generation, "global_shapes": shapes,
+                  "checksums": {name: tensor_crc32(t) for name, t in tensors.items()}}
         write_safetensors(directory / SAMPLED, tensors, {HEADER_KEY: json.dumps(header)})
-        self._complete(directory, [SAMPLED])
+        self._complete(directory, step, generation, [SAMPLED])
 
-    def _dump_full(self, step: int, grads) -> None:
+    def _dump_full(self, step: int, generation: str, grads) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         self._wait()  # one full dump in flight: bounded host memory, and DCP plans never overlap
         directory = step_dir(self.save_dir, step)
+        staging = directory / FULL_STAGING
         if self.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
+            # Left by an interrupted dump of this step: none of its files may join this one. No rank
+            # writes before DCP's first collective, which needs rank 0 past this point.
+            shutil.rmtree(staging, ignore_errors=True)
         state = {name: g.detach() for name, g in grads}
         index = {name: {"shape": list(g.shape), "dtype": str(g.dtype)} for name, g in grads}
-        writer = dcp.HuggingFaceStorageWriter(str(directory / FULL_STAGING), save_distributed=True,
-                                              enable_consolidation=False)
+        writer = dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True, enable_consolidation=False)
         if not self.async_write:
-            dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
+            try:
+                dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
+            except CheckpointException as e:
+                raise _checkpoint_failure(step, e) from None
             if self.world > 1:
                 dist.barrier()
-            self._finish_full(directory, index)
+            self._run(step, self._finish_full, step, generation, index)
             return
         # Local shards go to a staging set (as for shards mode) and are wrapped back into DTensors,
         # so DCP writes host copies in its thread and need not copy again (its own staging also
@@ -348,60 +430,103 @@ class GradientDumper:
         state = {name: _with_layout_of(g, staged[name]) for name, g in grads}
         future = dcp.async_save(state, storage_writer=writer, process_group=self._full_group,
                                 async_stager=_AlreadyStaged(), no_dist=self.world == 1)
-        self._submit(self._await_full, future, staged, directory, index)
+        self._submit(step, self._await_full, future, staged, step, generation, index)
 
-    def _await_full(self, future, staged: dict[str, torch.Tensor], directory: Path, index: dict[str, Any]) -> None:
+    def _await_full(self, future, staged: dict[str, torch.Tensor], step: int, generation: str, index: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             future.result()  # DCP's coordinator (rank 0) finishes only after every rank reported its writes
+        except CheckpointException as e:
+            raise _checkpoint_failure(step, e) from None
         finally:
             self._free_staging.put(staged)
-        self._finish_full(directory, index)
+        self._finish_full(step, generation, index)
 
-    def _finish_full(self, directory: Path, index: dict[str, Any]) -> None:
-        if self.rank == 0:
-            os.replace(directory / FULL_STAGING, directory / FULL_DIR)
-            write_json(directory / FULL_INDEX, index)
-            self._complete(directory, [FULL_DIR, FULL_INDEX])
+    def _finish_full(self, step: int, generation: str, index: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        directory = step_dir(self.save_dir, step)
+        full = directory / FULL_DIR
+        old = directory / f".{FULL_DIR}.old.{uuid.uuid4().hex}"
+        if full.exists():  # an earlier generation's checkpoint (its COMPLETE is withdrawn already)
+            os.replace(full, old)
+        os.replace(directory / FULL_STAGING, full)
+        shutil.rmtree(old, ignore_errors=True)
+        write_json(directory / FULL_INDEX, index)
+        files = [f"{FULL_DIR}/{p.relative_to(full).as_posix()}" for p in sorted(full.rglob("*")) if p.is_file()]
+        self._complete(directory, step, generation, [*files, FULL_INDEX], gapmon_files=False)
 
-    def _complete(self, directory: Path, expected: list[str]) -> None:
-        """Writes COMPLETE once every expected file is in place and, for rank files, was written by
-        this run (rank 0). Files that an earlier run left under the same names do not count."""
+    def _complete(self, directory: Path, step: int, generation: str, expected: list[str], gapmon_files: bool = True) -> None:
+        """Writes COMPLETE (rank 0) once every expected file of `generation` is in place, naming
+        them with their sizes and checksums. A gapmon safetensors file counts once its header names
+        this generation (a file an earlier dump left under the same name does not): its tensors'
+        checksums are in that header, and COMPLETE records the header's. Other files (DCP's) are
+        checksummed whole. Fails fast when a rank of this host died or reported a failed write."""
+        records: dict[str, dict[str, int]] = {}
+        if not gapmon_files:
+            for name in expected:
+                path = directory / name
+                records[name] = {"bytes": path.stat().st_size, CHECKSUM: file_crc32(path)}
         deadline = time.monotonic() + self.timeout
-        missing = list(expected)
-        while True:
-            # A file once confirmed stays confirmed: each rank file's header is read until it is this run's.
-            missing = [f for f in missing if not self._written_by_this_run(directory / f)]
+        missing = [name for name in expected if name not in records]
+        while missing:
+            for name in list(missing):
+                found, raw = header_generation(directory / name)
+                if found == generation:
+                    records[name] = {"bytes": (directory / name).stat().st_size, f"header_{CHECKSUM}": zlib.crc32(raw)}
+                    missing.remove(name)
+                elif found is not None and _supersedes(found, generation):
+                    return  # this step was dumped again meanwhile: that newer generation completes it
             if not missing:
                 break
+            self._check_writers(directory, step, missing)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"GradientDumper: {directory} still lacks {missing} from this run after "
+                raise TimeoutError(f"GradientDumper: {directory} still lacks {missing} of this dump after "
                                    f"{self.timeout:.0f}s (a rank died or is stuck?); step left incomplete")
             time.sleep(0.01)
-        write_json(directory / COMPLETE, {"files": expected, "format_version": FORMAT_VERSION,
-                                          "run_id": self.run_id, "step": step_of(directory),
-                                          "world_size": self.world})
+        write_json(directory / COMPLETE, sealed({
+            "format_version": FORMAT_VERSION, "step": step, "run_id": self.run_id, "generation": generation,
+            "world_size": self.world, "config": self._config, "checksum": CHECKSUM, "files": records}))
+        _remove_unlisted(directory, records)
 
-    def _written_by_this_run(self, path: Path) -> bool:
-        if path.suffix != ".safetensors":
-            return path.exists()
-        return rank_file_run_id(path) == self.run_id
+    def _check_writers(self, directory: Path, step: int, missing: list[str]) -> None:
+        """Raises at once, naming the rank, if a rank whose file is missing reported a failed write
+        or (a process of this host) is no longer running. Ranks on other hosts are waited for."""
+        host = socket.gethostname()
+        for name in missing:
+            rank = int(name[len("rank"):-len(".safetensors")]) if name.startswith("rank") else 0
+            marker = directory / _FAILED.format(f"rank{rank}")
+            if marker.exists():
+                raise RuntimeError(f"GradientDumper: rank {rank} failed to write step {step}: "
+                                   f"{marker.read_text(errors='replace').strip()}; step left incomplete")
+            peer_host, pid = self._peers[rank] if rank < len(self._peers) else (None, 0)
+            if peer_host == host and pid != os.getpid() and not process_alive(pid):
+                raise RuntimeError(f"GradientDumper: rank {rank} (pid {pid}) exited without writing {directory / name}; "
+                                   "step left incomplete")
 
     # ----------------------------------------------------------------- background writes
-    def _submit(self, fn, *args) -> None:
+    def _submit(self, step: int, fn, *args) -> None:
         if not self.async_write:
-            self._run(fn, *args)
+            self._run(step, fn, *args)
             return
         if self._thread is None:
             self._queue = queue.Queue(maxsize=1)  # at most one step waiting: bounded host memory
             self._thread = threading.Thread(target=self._worker, name="gapmon-dump", daemon=True)
             self._thread.start()
-        self._queue.put((fn, args))
+        self._queue.put((step, fn, args))
 
-    def _run(self, fn, *args) -> None:
+    def _run(self, step: int, fn, *args) -> None:
         try:
             fn(*args)
-        except OSError as e:
-            if e.errno is None:  # TimeoutError and other errors without an errno: raised as they are
+        except BaseException as e:
+            # Tell rank 0, which may be waiting for this rank's file, so that it fails fast.
+            try:
+                marker = step_dir(self.save_dir, step) / _FAILED.format(f"rank{self.rank}")
+                write_json(marker, {"error": f"{type(e).__name__}: {e}"})
+            except OSError:
+                pass
+            if not isinstance(e, OSError) or e.errno is None:  # TimeoutError and others: raised as they are
                 raise
             raise OSError(e.errno, f"GradientDumper: writing gradients under {self.save_dir} failed: {e.strerror or e}; "
                                    "earlier steps are intact") from e
@@ -412,10 +537,10 @@ class GradientDumper:
             if item is None:
                 self._queue.task_done()
                 return
-            fn, args = item
+            step, fn, args = item
             try:
                 if self._error is None:
-                    self._run(fn, *args)
+                    self._run(step, fn, *args)
             except BaseException as e:  # re-raised on the training thread
                 self._error = e
             finally:

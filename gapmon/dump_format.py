@@ -1,19 +1,33 @@
-"""The on-disk format of gradient dumps: every file name, the header key and the format version,
-named once here and used by the writer (gapmon.dump) and the reader (gapmon.reconstruct).
+"""The on-disk format of gradient dumps: every file name, the header key, the format version and
+the checksums, named once here and used by the writer (gapmon.dump) and the reader (gapmon.reconstruct).
 
-    GRAD_DIR/config.json                    the run: layout, mode, run_id, format_version
+    GRAD_DIR/config.json                    the latest run: layout, mode, run_id, format_version
     GRAD_DIR/step{S}/rank{R}.safetensors    shards mode: rank R's local shards, header under "gapmon"
     GRAD_DIR/step{S}/sampled.safetensors    sampled mode
     GRAD_DIR/step{S}/full/ + full_index.json  full mode (torch.distributed.checkpoint)
-    GRAD_DIR/step{S}/COMPLETE               written last: files, run_id, step, world_size
+    GRAD_DIR/step{S}/COMPLETE               written last, by rank 0: the step's generation
+
+A *generation* is one dump of one step: `{run_id}.{step}.{n}` for the n-th dump of the step by a
+run. Every gapmon header names its generation. COMPLETE (format 2) names the generation, the
+configuration it was written with (layout, mode), and exactly its files, each with its size and
+checksum; it carries a checksum of its own. Checksums are CRC-32 (zlib): of each tensor's bytes in
+a gapmon safetensors header, of that header's bytes in COMPLETE; of whole files for files gapmon
+did not lay out (DCP's). A re-dump withdraws COMPLETE first, so a step is either complete with one
+generation's files or not complete; format 1 steps (no generations, no checksums) stay readable.
 """
 from __future__ import annotations
 
+import ctypes
+import json
+import zlib
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+import torch
+
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+CHECKSUM = "crc32"
 
 CONFIG = "config.json"
 COMPLETE = "COMPLETE"
@@ -34,9 +48,56 @@ def step_dir(grad_dir: str | Path, step: int) -> Path:
 
 
 def step_of(directory: Path) -> int | None:
-    """The step of a `step{S}` directory name, else None."""
+    """The step of a `step{S}` directory name as the writer spells it (decimal, no leading zero),
+    else None: `step007` or `step5.0` are not steps (reconstruct could not find them)."""
     digits = directory.name[len(STEP_PREFIX):]
-    return int(digits) if directory.name.startswith(STEP_PREFIX) and digits.isdigit() else None
+    if not directory.name.startswith(STEP_PREFIX) or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits) if str(int(digits)) == digits else None
+
+
+def generation_id(run_id: str, step: int, count: int) -> str:
+    """The id of the `count`-th dump (from 0) of `step` by run `run_id`."""
+    return f"{run_id}.{step}.{count}"
+
+
+def tensor_crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes in its contiguous layout (as safetensors stores them)."""
+    t = t.contiguous()
+    size = t.numel() * t.element_size()
+    if size == 0:
+        return 0
+    return zlib.crc32((ctypes.c_char * size).from_address(t.data_ptr()))
+
+
+def file_crc32(path: str | Path, limit: int | None = None, chunk: int = 16 << 20) -> int:
+    """CRC-32 of a file's bytes (of its first `limit` bytes if given)."""
+    crc, left = 0, limit
+    with open(path, "rb") as f:
+        while left is None or left > 0:
+            block = f.read(chunk if left is None else min(chunk, left))
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            if left is not None:
+                left -= len(block)
+    return crc
+
+
+def _record_crc32(record: dict[str, Any]) -> int:
+    body = {k: v for k, v in record.items() if k != "record_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def sealed(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with a checksum of its own content (key "record_crc32")."""
+    return {**record, "record_crc32": _record_crc32(record)}
+
+
+def check_sealed(record: dict[str, Any], where: str | Path) -> None:
+    """Raises DumpError if a sealed record's content no longer matches its checksum."""
+    if "record_crc32" in record and record["record_crc32"] != _record_crc32(record):
+        raise DumpError(f"{where} is corrupt: its content does not match its checksum")
 
 
 def rank_file(rank: int) -> str:

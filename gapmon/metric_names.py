@@ -33,9 +33,11 @@ def per_sample_norm_name(field: str) -> str:
 
 
 def parse_metric_name(key: str) -> MetricName | None:
-    """(kind, name, field) of a per-tensor metric name, else None. Module and parameter names
-    contain no "/" (they are dotted), so the split is unambiguous."""
-    parts = key.split("/")
-    if len(parts) != 4 or parts[0] != PREFIX or parts[1] not in KINDS or parts[3] not in FIELDS:
+    """(kind, name, field) of a per-tensor metric name, else None. Kind and field contain no "/",
+    so every name round-trips, also one that contains "/" (a ModuleDict key may)."""
+    head, _, rest = key.partition("/")
+    kind, _, rest = rest.partition("/")
+    name, _, field = rest.rpartition("/")
+    if head != PREFIX or kind not in KINDS or field not in FIELDS or not name:
         return None
-    return MetricName(parts[1], parts[2], parts[3])
+    return MetricName(kind, name, field)

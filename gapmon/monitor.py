@@ -25,8 +25,8 @@ from . import ops
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, metric_name, parse_metric_name, per_sample_norm_name
 from .sinks import Sink, as_sink
-from .stats import ACC_NAMES, STAT_NAMES
-from .utils import clean_named, first_tensor, is_dtensor, rank_and_world
+from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES
+from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world
 
 logger = logging.getLogger("gapmon")
 
@@ -68,6 +68,29 @@ def _picker(indices: list[int]):
     if len(indices) == 1:
         return lambda values: (values[indices[0]],)
     return operator.itemgetter(*indices)
+
+
+def _refuse_complex(params: list[tuple[str, torch.Tensor]]) -> None:
+    complex_params = [f"'{n}' ({p.dtype})" for n, p in params if p.is_complex()]
+    if complex_params:
+        raise TypeError(f"GAPMonitor: parameter {', '.join(complex_params)} is complex; the statistics are of real "
+                        "tensors. Store it as real and imaginary parts (torch.view_as_real) or pass params=False, "
+                        "grads=False")
+
+
+def _rows_with_sparse(tensors: list[torch.Tensor], correction: int) -> torch.Tensor:
+    """Statistics rows of tensors some of which are sparse COO (nn.Embedding(sparse=True)
+    gradients): each sparse one's are those of the dense tensor it stands for, without densifying
+    it: the state of its coalesced values merged with the state of its implicit zeros."""
+    values = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    states = ops.multi_tensor_states(values)
+    implicit = states.new_zeros(states.shape)
+    for i, t in enumerate(tensors):
+        if t.is_sparse:
+            zeros = float(t.numel() - values[i].numel())
+            implicit[i, STATE_NAMES.index("count")] = zeros
+            implicit[i, STATE_NAMES.index("zeros")] = zeros
+    return ops.finalize_rows(ops.merge_states(torch.stack((states, implicit))), correction)
 
 
 class GAPMonitor:
@@ -142,6 +165,8 @@ class GAPMonitor:
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         self._modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
         self._params = clean_named(model, model.named_parameters(), "parameters")
+        if params or grads:
+            _refuse_complex(self._params)
         shard_groups = fsdp1_shard_groups(model)
         self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -166,8 +191,9 @@ class GAPMonitor:
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]  # forward, backward order
         self._order = [0, 0]
         # A tensor that several modules output (an MLP and its `down` projection) is read once: the
-        # outer module's hook finds the inner one's output and reports the inner module's statistics.
-        self._last_output: tuple[weakref.ref, int] | None = None
+        # outer module's hook finds the inner one's output and reports the inner module's statistics,
+        # provided it is unchanged (same version counter: an in-place ReLU after a Linear is not).
+        self._last_output: tuple[weakref.ref, int, int] | None = None
         self._aliases: dict[int, int] = {}  # module index -> the module whose statistics it shares
         self.nonfinite_report: dict[str, Any] = {}
         self.closed = False
@@ -180,12 +206,13 @@ class GAPMonitor:
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return
         if not torch.compiler.is_compiling():  # eager-only bookkeeping (as the order tracking below)
+            version = -1 if out.is_inference() else out._version  # inference tensors have no version counter
             last = self._last_output
-            if last is not None and last[0]() is out:
+            if last is not None and last[0]() is out and last[2] == version >= 0:
                 if last[1] != index:
                     self._aliases.setdefault(index, last[1])
                 return
-            self._last_output = (weakref.ref(out), index)
+            self._last_output = (weakref.ref(out), index, version)
         # A forward pass inside backward is activation checkpointing recomputing this module: its
         # activations were counted already (the gradient hooks of exactly one of the passes fire).
         # The check is eager-only: Dynamo cannot trace it (compiled regions are not recomputed by it).
@@ -224,7 +251,10 @@ class GAPMonitor:
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:
             raise RuntimeError(f"GAPMonitor: activations of one step on two devices ({old.device} and {device})")
-        return torch.zeros(2 * len(self._modules), len(ACC_NAMES), dtype=torch.float64, device=device)
+        # A normal tensor even when the first step begins under torch.inference_mode (an inference
+        # tensor could not be updated by the training steps that follow).
+        with torch.inference_mode(False):
+            return torch.zeros(2 * len(self._modules), len(ACC_NAMES), dtype=torch.float64, device=device)
 
     def _set_acc(self, acc: torch.Tensor | None) -> None:
         """Rows [0, M) of the accumulator take the activations, rows [M, 2M) their gradients. Each
@@ -237,8 +267,10 @@ class GAPMonitor:
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, step: int, batch_size: int | None = None) -> None:
-        """Starts step `step`; `batch_size` is this rank's number of samples in the step (all micro-batches)."""
+        """Starts step `step` (a non-negative integer); `batch_size` is this rank's number of samples
+        in the step (all micro-batches)."""
         self._check_open()
+        step = check_step(step, "GAPMonitor.begin_step")
         if self._untraced_grad_hook is None:
             self._untraced_grad_hook = _untraced_grad_hook()
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
@@ -308,7 +340,12 @@ class GAPMonitor:
         elif any(g is not None for g in groups):  # FSDP1 flat shards: merge pieces over their groups
             rows = ops.finalize_rows(dtensor_multi_states(tensors, groups), self.correction)
         else:
-            rows = ops.multi_tensor_rows(tensors, self.correction)
+            try:
+                rows = ops.multi_tensor_rows(tensors, self.correction)
+            except TypeError:
+                if not any(t.is_sparse for t in tensors):
+                    raise
+                rows = _rows_with_sparse(tensors, self.correction)
 
         acc = self._acc if self._acc is not None else self._new_acc(device, None)
         dev = acc.device
@@ -333,9 +370,10 @@ class GAPMonitor:
         rows_at = tuple((kind, name, i * _ROW) for i, (kind, name) in enumerate(names))
         keys, picks = self._picked("tensors", rows_at, [col for _, col in _STAT_FIELDS])
         metrics: dict[str, float] = dict(zip(keys, picks(host)))
-        grad_rows = tuple(row for row in rows_at if row[0] == "grads")
-        if grad_rows and 0.0 in self._picked("grad counts", grad_rows, [_COUNT])[1](host):
-            for kind, name, offset in grad_rows:  # no rank had a gradient for it
+        # A tensor with no elements (a 0-element parameter, or a gradient no rank had) has nothing
+        # to report: its mean and var would be NaN, and empty is not non-finite.
+        if rows_at and 0.0 in self._picked("counts", rows_at, [_COUNT])[1](host):
+            for kind, name, offset in rows_at:
                 if host[offset + _COUNT] == 0:
                     for key in self._metric_keys(kind, name):
                         del metrics[key]

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .dump_format import (
+    CHECKSUM,
     COMPLETE,
     CONFIG,
     FULL_DIR,
@@ -25,16 +28,25 @@ from .dump_format import (
     SAMPLED,
     STEP_PREFIX,
     DumpError,
+    check_sealed,
     check_version,
+    file_crc32,
     rank_file,
     step_dir,
     step_of,
+    tensor_crc32,
 )
-from .safe_io import write_json
+from .safe_io import FILE_MODE, read_safetensors_header, write_json
+from .utils import check_step
+
+_MAX_WORLD = 1 << 20
+_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
 def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
-    """(complete steps, incomplete steps) found under grad_dir, sorted."""
+    """(complete steps, incomplete steps) found under grad_dir, sorted. A step is complete when its
+    COMPLETE record is readable and every file it names is present (checksums are checked when
+    the step is read)."""
     grad_dir = Path(grad_dir)
     if not grad_dir.is_dir():
         raise DumpError(f"gradient directory {grad_dir} does not exist")
@@ -42,11 +54,21 @@ def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
     for d in grad_dir.glob(f"{STEP_PREFIX}*"):
         step = step_of(d)
         if d.is_dir() and step is not None:
-            (complete if (d / COMPLETE).exists() else incomplete).append(step)
+            (complete if _looks_complete(d) else incomplete).append(step)
     return sorted(complete), sorted(incomplete)
 
 
-_MAX_WORLD = 1 << 20
+def _looks_complete(directory: Path) -> bool:
+    try:
+        record = read_complete(directory)
+    except (DumpError, OSError):
+        return False
+    return all((directory / name).exists() for name in _listed_files(record))
+
+
+def _listed_files(record: dict[str, Any]) -> list[str]:
+    files = record.get("files", [])
+    return list(files) if isinstance(files, (dict, list)) else []
 
 
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
@@ -66,7 +88,8 @@ def _world_size(value: Any, path: Path) -> int:
 
 
 def read_config(grad_dir: str | Path) -> dict[str, Any]:
-    """The validated config.json of a gradient dump (raises DumpError naming what is wrong)."""
+    """The validated config.json of a gradient dump (raises DumpError naming what is wrong). It
+    describes the run that last wrote there; each step's own configuration is in its COMPLETE."""
     grad_dir = Path(grad_dir)
     if not grad_dir.is_dir():
         raise DumpError(f"gradient directory {grad_dir} does not exist")
@@ -77,6 +100,37 @@ def read_config(grad_dir: str | Path) -> dict[str, Any]:
     check_version(config, path)
     _world_size(config.get("world_size", 1), path)
     return config
+
+
+def read_complete(directory: Path) -> dict[str, Any]:
+    """The validated COMPLETE record of a step directory."""
+    path = directory / COMPLETE
+    record = _read_json_object(path, "the step's completion record")
+    check_version(record, path)
+    check_sealed(record, path)
+    files = record.get("files", [])
+    if isinstance(files, dict):  # format 2: {name: {"bytes": n, checksum: c}}
+        for name, info in files.items():
+            if not isinstance(info, dict) or not _is_count(info.get("bytes")) or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise DumpError(f"{path}: bad entry for file {name!r}: {info!r}")
+    elif not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise DumpError(f"{path}: field 'files' must list the step's files, got {files!r}")
+    if "config" in record and not isinstance(record["config"], dict):
+        raise DumpError(f"{path}: field 'config' must be an object, got {record['config']!r}")
+    return record
+
+
+def step_config(grad_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """The configuration a step was written with: its COMPLETE's (format 2), else config.json's."""
+    return record["config"] if "config" in record else read_config(grad_dir)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _int_list(value: Any, positive: bool = False) -> bool:
+    return isinstance(value, list) and all(_is_count(v) and (v > 0 or not positive) for v in value)
 
 
 def _field(record: dict[str, Any], key: str, path: Path, what: str) -> Any:
@@ -106,6 +160,102 @@ def _header(handle, path: Path) -> dict[str, Any]:
         raise DumpError(f"{path}: the gapmon metadata is not a JSON object")
     check_version(header, path)
     return header
+
+
+class _Checked:
+    """Checks the files of one step against its COMPLETE record: sizes and header checksums when a
+    file is opened, each tensor's checksum when it is read, the generation every header names."""
+
+    def __init__(self, directory: Path, record: dict[str, Any]):
+        self.directory = directory
+        self.record = record
+        self.files = record.get("files") if isinstance(record.get("files"), dict) else None
+        self.generation = record.get("generation")
+
+    @property
+    def has_checksums(self) -> bool:
+        return self.files is not None
+
+    def open(self, name: str, step: int):
+        """A safetensors handle on a gapmon file of the step, and its header: first checked to be of
+        the run, step and dump that COMPLETE vouches for, then against COMPLETE's checksums."""
+        path = self.directory / name
+        handle = _open_safetensors(path)
+        header = _header(handle, path)
+        complete = self.record
+        if "run_id" in complete and header.get("run_id") != complete["run_id"]:
+            raise DumpError(f"{path} was written by another run ({header.get('run_id')!r}) than the one that marked "
+                            f"step {step} complete ({complete['run_id']!r}): the directory mixes runs")
+        if header.get("step", step) != step:
+            raise DumpError(f"{path} holds step {header.get('step')!r}, not step {step}")
+        if self.generation is not None and header.get("generation") != self.generation:
+            raise DumpError(f"{path} belongs to dump {header.get('generation')!r} of this step, not to the dump "
+                            f"{self.generation!r} its {COMPLETE} vouches for: the step mixes two dumps")
+        if self.files is not None:
+            info = self.files.get(name)
+            if info is None:
+                raise DumpError(f"{path} is not one of the files {self.directory / COMPLETE} names")
+            if path.stat().st_size != info["bytes"]:
+                raise DumpError(f"{path} is corrupt: {path.stat().st_size} bytes, {info['bytes']} when it was written")
+            try:
+                raw, _ = read_safetensors_header(path)
+            except ValueError as e:
+                raise DumpError(str(e)) from e
+            if zlib.crc32(raw) != info.get(f"header_{CHECKSUM}"):
+                raise DumpError(f"{path} is corrupt: its header does not match the checksum {COMPLETE} records")
+        return handle, header
+
+    def check_whole(self, name: str) -> None:
+        """Size and checksum of a file recorded whole (DCP's files, the full-mode index)."""
+        path = self.directory / name
+        info = (self.files or {}).get(name)
+        if info is None:
+            return
+        if not path.is_file():
+            raise DumpError(f"{path} is missing ({self.directory / COMPLETE} names it)")
+        if path.stat().st_size != info["bytes"] or file_crc32(path) != info.get(CHECKSUM):
+            raise DumpError(f"{path} is corrupt: it does not match the size and checksum {COMPLETE} records")
+
+
+def _tensor(handle, name: str, path: Path) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except Exception as e:  # safetensors' own error types
+        raise DumpError(f"{path}: tensor '{name}' that the header lists cannot be read: {e}") from e
+
+
+def _check_checksum(t: torch.Tensor, checksum: Any, name: str, path: Path) -> torch.Tensor:
+    """`t` if its bytes match the checksum recorded for it (None: format 1, none recorded)."""
+    if checksum is not None and tensor_crc32(t) != checksum:
+        raise DumpError(f"{path} is corrupt: tensor '{name}' does not match its checksum")
+    return t
+
+
+def _check_record(rec: Any, name: str, path: Path) -> None:
+    """Raises DumpError naming the file, tensor and field of a malformed shard record."""
+    what = f"the record of '{name}'"
+    if not isinstance(rec, dict):
+        raise DumpError(f"{path}: {what} is not an object")
+    for key in ("global_shape", "local_shape", "offsets", "placements", "mesh_shape", "coordinate", "dtype"):
+        _field(rec, key, path, what)
+    for key in ("global_shape", "local_shape", "offsets", "coordinate"):
+        if not _int_list(rec[key]):
+            raise DumpError(f"{path}: {what}: field '{key}' must be a list of non-negative ints, got {rec[key]!r}")
+    if not _int_list(rec["mesh_shape"], positive=True):
+        raise DumpError(f"{path}: {what}: field 'mesh_shape' must be a list of positive ints, got {rec['mesh_shape']!r}")
+    placements = rec["placements"]
+    if not isinstance(placements, list) or not all(isinstance(p, str) and (p in ("R", "P") or (
+            p.startswith("S(") and p.endswith(")") and p[2:-1].isdigit())) for p in placements):
+        raise DumpError(f"{path}: {what}: field 'placements' must list S(d), R or P, got {placements!r}")
+    dims = len(rec["global_shape"])
+    if len(rec["local_shape"]) != dims or len(rec["offsets"]) != dims:
+        raise DumpError(f"{path}: {what}: global_shape, local_shape and offsets must have the same length")
+    if not (len(placements) == len(rec["mesh_shape"]) == len(rec["coordinate"])):
+        raise DumpError(f"{path}: {what}: placements, mesh_shape and coordinate must have the same length")
+    if rec["dtype"] not in _DTYPES:
+        raise DumpError(f"{path}: {what}: field 'dtype' must be one of {sorted(_DTYPES)}, got {rec['dtype']!r}")
+    if CHECKSUM in rec and not _is_count(rec[CHECKSUM]):
+        raise DumpError(f"{path}: {what}: field '{CHECKSUM}' must be a non-negative int, got {rec[CHECKSUM]!r}")
 
 
 def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[int], dtype, where: str) -> torch.Tensor:
@@ -151,19 +301,20 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
     odd = [p.name for p in paths if not p.is_file()]
     if odd:
         raise DumpError(f"{directory}: {', '.join(odd)} is not a regular file")
+    checked = _Checked(directory, complete)
     handles, headers = [], []
     for path in paths:
-        h = _open_safetensors(path)
+        h, header = checked.open(path.name, step)
         handles.append(h)
-        header = _header(h, path)
-        # Every rank file must come from the run and step that COMPLETE vouches for.
-        if "run_id" in complete and header.get("run_id") != complete["run_id"]:
-            raise DumpError(f"{path} was written by another run ({header.get('run_id')!r}) than the one that marked "
-                            f"step {step} complete ({complete['run_id']!r}): the directory mixes runs")
-        if header.get("step", step) != step:
-            raise DumpError(f"{path} holds step {header.get('step')!r}, not step {step}")
-        if not isinstance(_field(header, "tensors", path, "the gapmon header"), dict):
+        tensors = _field(header, "tensors", path, "the gapmon header")
+        if not isinstance(tensors, dict):
             raise DumpError(f"{path}: the gapmon header's 'tensors' is not an object")
+        for name, rec in tensors.items():
+            _check_record(rec, name, path)
+        absent = sorted(set(tensors) - set(h.keys()))
+        if absent:
+            raise DumpError(f"{path}: the header lists tensor(s) {', '.join(repr(n) for n in absent)} that the file "
+                            "does not hold")
         headers.append(header)
     names = list(headers[0]["tensors"])
     for r, header in enumerate(headers):
@@ -175,66 +326,91 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
         rec0 = headers[0]["tensors"][name]
         for r in range(world):
             rec = headers[r]["tensors"][name]
-            what = f"the record of '{name}'"
-            for key in ("global_shape", "local_shape", "offsets", "placements", "mesh_shape", "coordinate", "dtype"):
-                _field(rec, key, paths[r], what)
             if rec["global_shape"] != rec0["global_shape"]:
                 raise DumpError(f"{directory}: rank {r} records shape {rec['global_shape']} for '{name}', rank 0 "
                                 f"{rec0['global_shape']}")
-            piece = handles[r].get_tensor(name)
+            replica = _replica_of(rec)
+            if not verify and replica != 0:
+                continue  # only replica 0 is rebuilt (every replica with verify)
+            piece = _tensor(handles[r], name, paths[r])
             if list(piece.shape) != rec["local_shape"]:
                 raise DumpError(f"{directory}: rank {r} stores '{name}' with shape {list(piece.shape)}, its header says "
                                 f"{rec['local_shape']}")
             if str(piece.dtype).replace("torch.", "") != rec["dtype"] or rec["dtype"] != rec0["dtype"]:
                 raise DumpError(f"{paths[r]}: '{name}' is stored as {piece.dtype}, its header says {rec['dtype']} "
                                 f"(rank 0: {rec0['dtype']})")
-            by_replica.setdefault(_replica_of(rec), []).append((rec["offsets"], piece))
+            _check_checksum(piece, rec.get(CHECKSUM), name, paths[r])
+            by_replica.setdefault(replica, []).append((rec["offsets"], piece))
         replicas = sorted(by_replica)
+        if not replicas or replicas[0] != 0:
+            raise DumpError(f"{directory}: no rank holds replica 0 of '{name}'")
         where = str(directory)
-        full = _place(name, by_replica[replicas[0]], rec0["global_shape"], by_replica[replicas[0]][0][1].dtype, where)
-        if verify:
-            for rep in replicas[1:]:
-                other = _place(name, by_replica[rep], rec0["global_shape"], full.dtype, where)
-                if not torch.equal(other, full):
-                    diff = (other.double() - full.double()).abs().max().item()
-                    raise DumpError(f"{directory}: replica {rep} of '{name}' differs from replica {replicas[0]} "
-                                    f"(max abs difference {diff:.3g})")
+        dtype = getattr(torch, rec0["dtype"])
+        full = _place(name, by_replica[0], rec0["global_shape"], dtype, where)
+        for rep in replicas[1:]:
+            other = _place(name, by_replica[rep], rec0["global_shape"], full.dtype, where)
+            if not torch.equal(other, full):
+                diff = (other.double() - full.double()).abs().max().item()
+                raise DumpError(f"{directory}: replica {rep} of '{name}' differs from replica 0 "
+                                f"(max abs difference {diff:.3g})")
         out[name] = full
         if progress:
             progress(i + 1, len(names))
     return out
 
 
-def _load_sampled(directory: Path) -> dict[str, torch.Tensor]:
+def _load_sampled(directory: Path, complete: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
     path = directory / SAMPLED
     if not path.exists():
         raise DumpError(f"{directory}: {SAMPLED} is missing")
-    h = _open_safetensors(path)
-    _header(h, path)
-    return {name: h.get_tensor(name) for name in h.keys()}
+    h, header = _Checked(directory, complete).open(SAMPLED, step)
+    checksums = header.get("checksums", {})
+    if not isinstance(checksums, dict):
+        raise DumpError(f"{path}: the gapmon header's 'checksums' is not an object")
+    return {name: _check_checksum(_tensor(h, name, path), checksums.get(name), name, path) for name in h.keys()}
 
 
-def _load_full(directory: Path) -> dict[str, torch.Tensor]:
+def _load_full(directory: Path, complete: dict[str, Any]) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     index_path = directory / FULL_INDEX
     if not (directory / FULL_DIR).is_dir() or not index_path.exists():
         raise DumpError(f"{directory}: the distributed checkpoint ({FULL_DIR}/ and {FULL_INDEX}) is missing")
-    index = json.loads(index_path.read_text())
-    state = {name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"].replace("torch.", "")))
-             for name, info in index.items()}
+    checked = _Checked(directory, complete)
+    for name in checked.files or {}:
+        checked.check_whole(name)
+    index = _read_json_object(index_path, "the gradients' shapes and dtypes")
+    state = {}
+    for name, info in index.items():
+        dtype = info.get("dtype", "").replace("torch.", "") if isinstance(info, dict) else None
+        if dtype not in _DTYPES or not _int_list(info.get("shape")):
+            raise DumpError(f"{index_path}: bad entry for '{name}': {info!r}")
+        state[name] = torch.empty(info["shape"], dtype=getattr(torch, dtype))
+    reader = dcp.HuggingFaceStorageReader(str(directory / FULL_DIR))
     try:
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory / FULL_DIR)), no_dist=True)
-    except Exception as e:
-        raise DumpError(f"{directory}/full cannot be loaded: {e}") from e
+        stored = set(reader.read_metadata().state_dict_metadata)
+        if stored != set(state):
+            raise DumpError(f"{directory}: {FULL_INDEX} and the checkpoint disagree: only in the index: "
+                            f"{sorted(set(state) - stored) or 'none'}, only in the checkpoint: {sorted(stored - set(state)) or 'none'}")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except DumpError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise DumpError(f"{directory}/{FULL_DIR} cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     return state
 
 
 def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
                           progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
-    """The full gradients of `step` from a GradientDumper directory (any mode)."""
+    """The full gradients of `step` from a GradientDumper directory (any mode).
+
+    Every file is checked against the checksums its step recorded; the files of one step must all
+    belong to the dump its COMPLETE names. `verify=True` also rebuilds every replica (HSDP/DDP)
+    and compares them, and refuses a step that has no checksums (written by gapmon's format 1)."""
     grad_dir = Path(grad_dir)
-    config = read_config(grad_dir)
+    step = check_step(step, "reconstruct_gradients")
+    read_config(grad_dir)  # refuses a folder that is not a gradient dump
     directory = step_dir(grad_dir, step)
     if not directory.is_dir():
         complete, _ = list_steps(grad_dir)
@@ -242,13 +418,15 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
     if not (directory / COMPLETE).exists():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
         raise DumpError(f"step {step} is incomplete: {directory}/{COMPLETE} is missing (present: {present or 'nothing'})")
-    complete = _read_json_object(directory / COMPLETE, "the step's completion record")
-    check_version(complete, directory / COMPLETE)
+    complete = read_complete(directory)
+    if verify and not isinstance(complete.get("files"), dict):
+        raise DumpError(f"step {step} under {grad_dir} was written without checksums (format 1): it cannot be verified")
+    config = step_config(grad_dir, complete)
     mode = config.get("mode", "shards")
     loaders = {"shards": lambda: _load_shards(directory, config, complete, step, verify, progress),
-               "sampled": lambda: _load_sampled(directory), "full": lambda: _load_full(directory)}
+               "sampled": lambda: _load_sampled(directory, complete, step), "full": lambda: _load_full(directory, complete)}
     if mode not in loaders:
-        raise DumpError(f"{grad_dir}/{CONFIG} names an unknown mode {mode!r}")
+        raise DumpError(f"{directory / COMPLETE} names an unknown mode {mode!r}")
     grads = loaders[mode]()
     if not grads:
         raise DumpError(f"step {step} under {grad_dir} holds no gradients: the model had none when it was dumped "
@@ -272,7 +450,8 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
                          skip_individual: bool = False, fmt: str = "safetensors") -> list[Path]:
     """Writes step{N}_{param}.safetensors, step{N}_all_gradients.safetensors (.pt with fmt="pt") and
     step{N}_metadata.json. Files are staged in a temporary directory and moved into output_dir only
-    once all are written, so a failure leaves output_dir as it was."""
+    once all are written; a target name taken by anything but a file is refused before any move,
+    and a move that fails puts back what was there, so a failure leaves output_dir as it was."""
     from safetensors.torch import save_file
 
     from .ops import multi_tensor_rows
@@ -292,6 +471,8 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
     params = {}
     for name, row in zip(names, rows):
         stats = dict(zip(STAT_NAMES, row))
+        if grads[name].is_complex():
+            raise DumpError(f"gradient '{name}' is {grads[name].dtype}: gapmon reconstructs real gradients only")
         params[name] = {"shape": list(grads[name].shape), "dtype": str(grads[name].dtype).replace("torch.", ""),
                         **{key: stats[key] for key in ("norm", "max_abs", "mean", "var")}}
     metadata = {"step": step, "parallel_type": config.get("parallel_type", "single"),
@@ -312,10 +493,33 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
             torch.save(contiguous, staging / written[-1])
         written.append(f"step{step}_metadata.json")
         write_json(staging / written[-1], metadata)
-        final = []
+        taken = [name for name in written if (output_dir / name).exists() and not (output_dir / name).is_file()]
+        if taken:
+            raise DumpError(f"{output_dir / taken[0]} exists and is not a file; nothing was written")
         for name in written:
-            (staging / name).replace(output_dir / name)
-            final.append(output_dir / name)
-        return final
+            os.chmod(staging / name, FILE_MODE)  # safetensors' save_file makes 0600 files
+        _move_all(staging, output_dir, written)
+        return [output_dir / name for name in written]
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_all(staging: Path, output_dir: Path, names: list[str]) -> None:
+    """Moves staging/name to output_dir/name for every name, or none: files they replace are set
+    aside first and put back if a move fails."""
+    aside = staging / ".replaced"
+    aside.mkdir()
+    moved: list[str] = []
+    try:
+        for name in names:
+            if (output_dir / name).exists():
+                os.replace(output_dir / name, aside / name)
+            os.replace(staging / name, output_dir / name)
+            moved.append(name)
+    except BaseException:
+        for name in moved:
+            (output_dir / name).unlink(missing_ok=True)
+        for name in names:
+            if (aside / name).exists():
+                os.replace(aside / name, output_dir / name)
+        raise

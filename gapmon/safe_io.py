@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import stat
 import struct
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -33,18 +35,58 @@ def _umask() -> int:
 
 
 # Files get the mode the user's umask gives new files (mkstemp alone would make them 0600).
-_FILE_MODE = 0o666 & ~_umask()
+FILE_MODE = 0o666 & ~_umask()
+
+# A temp file's name says who writes it (host and pid), so that one left by a killed writer can be
+# told from one a live writer is still filling: `.{name}.@{host}@{pid}@.{random}.tmp`.
+_HOST = socket.gethostname()
+_OWNER = re.compile(r"\.@([^@/]*)@(\d+)@\.")
+
+
+def _temp_prefix(name: str) -> str:
+    return f".{name}.@{_HOST}@{os.getpid()}@."
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (an exited process its parent has not reaped
+    yet, a zombie, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):  # no /proc (not Linux): kill's answer stands
+        return True
+
+
+def remove_stale_temps(paths: Iterable[Path], max_age: float) -> None:
+    """Removes temp files of writers that are gone: written by a process of this host that no longer
+    runs, or (other hosts, whose processes cannot be asked) untouched for `max_age` seconds."""
+    cutoff = time.time() - max_age
+    for tmp in paths:
+        owner = _OWNER.search(tmp.name)
+        try:
+            dead = owner is not None and owner.group(1) == _HOST and not process_alive(int(owner.group(2)))
+            if tmp.is_file() and (dead or tmp.stat().st_mtime < cutoff):
+                tmp.unlink()
+        except OSError:
+            pass  # another process removed it first
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Calls write(tmp_path), then fsyncs and renames tmp_path to `path`; cleans up on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, _FILE_MODE)  # after writing: a writer may replace the file it was given
+        os.chmod(tmp, FILE_MODE)  # after writing: a writer may replace the file it was given
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
@@ -80,8 +122,9 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     atomic_write(path, write)
 
 
-def read_safetensors_metadata(path: str | Path, limit: int = 100 << 20) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file, read from its header alone (no tensor data).
+def read_safetensors_header(path: str | Path, limit: int = 100 << 20) -> tuple[bytes, dict[str, str]]:
+    """The raw header bytes (length prefix included) and the `__metadata__` of a safetensors file,
+    read from its header alone (no tensor data).
 
     Raises ValueError for anything that is not a regular file with a well-formed header."""
     path = Path(path)
@@ -104,4 +147,9 @@ def read_safetensors_metadata(path: str | Path, limit: int = 100 << 20) -> dict[
     meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(meta, dict):
         raise ValueError(f"{path} has a corrupt safetensors header")
-    return meta
+    return size_bytes + raw, meta
+
+
+def read_safetensors_metadata(path: str | Path, limit: int = 100 << 20) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file (see read_safetensors_header)."""
+    return read_safetensors_header(path, limit)[1]

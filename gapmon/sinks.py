@@ -1,7 +1,9 @@
 """Where GAPMonitor metrics go. Only rank 0 writes; every sink gets one call per monitored step."""
 from __future__ import annotations
 
+import errno
 import json
+import numbers
 import os
 import warnings
 from pathlib import Path
@@ -16,33 +18,87 @@ class Sink(Protocol):
 
 
 class JSONLSink:
-    """One JSON object per step, flushed at once: {"step": S, "<metric>": value, ..., "nonfinite": {...}}.
+    """One JSON object per step: {"step": S, "<metric>": value, ..., "nonfinite": {...}}.
+
+    Each line reaches the file whole or not at all: a write that fails (a full disk) is cut back to
+    the last whole line, kept, and written again before the next step's line (a warning says so,
+    once per outage), so a disk that fills briefly loses nothing. Lines still unwritten at
+    `close()`, or more than `max_pending` of them, raise OSError naming the file.
 
     NaN and Inf are written as the JSON extensions NaN/Infinity, which Python and pandas read back.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, max_pending: int = 10_000):
         self.path = Path(path)
-        self._file = None
+        self.max_pending = max_pending
+        self._fd: int | None = None
+        self._pending: list[bytes] = []  # whole lines not yet in the file, oldest first
+        self._outage = False  # a write failed and none has succeeded since
 
     def write(self, step: int, metrics: Mapping[str, float], info: Mapping[str, Any]) -> None:
-        if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+        record = {"step": int(step) if isinstance(step, numbers.Integral) else step, **metrics, **info}
+        self._pending.append((json.dumps(record) + "\n").encode("utf-8"))
+        self._drain()
+        if len(self._pending) > self.max_pending:
+            raise OSError(errno.ENOSPC, f"gapmon.JSONLSink: {len(self._pending)} steps' metrics could not be written "
+                                        f"to {self.path} (kept in memory so far); free space there", str(self.path))
+
+    def _open(self) -> int:
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
             # The file was deleted while open: writing on would go nowhere. Start a new one.
             warnings.warn(f"gapmon: {self.path} was deleted during the run; metrics continue in a new file there",
-                          RuntimeWarning, stacklevel=2)
-            self._file.close()
-            self._file = None
-        if self._file is None:
+                          RuntimeWarning, stacklevel=3)
+            os.close(self._fd)
+            self._fd = None
+        if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
-        record = {"step": step, **metrics, **info}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        return self._fd
+
+    def _drain(self) -> None:
+        """Writes the pending lines in order, each whole or not at all."""
+        try:
+            fd = self._open()
+        except OSError as e:
+            self._failed(e)
+            return
+        while self._pending:
+            line = self._pending[0]
+            end = os.fstat(fd).st_size
+            try:
+                written = os.write(fd, line)
+                if written != len(line):  # a short write: the disk filled in the middle of the line
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, end)  # no partial line stays behind
+                except OSError:
+                    pass
+                self._failed(e)
+                return
+            self._pending.pop(0)
+            if self._outage:
+                warnings.warn(f"gapmon: {self.path} is writable again; the metrics held back were written",
+                              RuntimeWarning, stacklevel=3)
+                self._outage = False
+
+    def _failed(self, error: OSError) -> None:
+        if not self._outage:
+            warnings.warn(f"gapmon: cannot write metrics to {self.path} ({error.strerror or error}); "
+                          f"the lines are kept and written once it is writable again", RuntimeWarning, stacklevel=4)
+            self._outage = True
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Writes what is pending and closes the file; raises OSError if lines remain unwritten."""
+        if self._pending:
+            self._drain()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._pending:
+            lost, self._pending = len(self._pending), []
+            raise OSError(errno.ENOSPC, f"gapmon.JSONLSink: the metrics of {lost} step(s) could not be written to "
+                                        f"{self.path}", str(self.path))
 
 
 class TensorBoardSink:

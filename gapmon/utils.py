@@ -1,6 +1,7 @@
 """Small helpers shared by the monitor, per-sample norms and the dumper."""
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -84,3 +85,13 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     else:
         return None
     return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+def check_step(step: Any, who: str) -> int:
+    """`step` as an int: any non-negative integral number (int, numpy.int64, a 0-dim integer tensor's
+    item), never a float or bool. Raises TypeError/ValueError naming `who` (e.g. "GradientDumper.maybe_dump")."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"{who}: step must be a non-negative integer, got {step!r} ({type(step).__name__})")
+    if step < 0:
+        raise ValueError(f"{who}: step must be a non-negative integer, got {step}")
+    return int(step)

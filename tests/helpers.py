@@ -186,3 +186,27 @@ class Autocast(torch.nn.Module):
     def forward(self, x):
         with torch.autocast(self.device_type, dtype=torch.bfloat16):
             return self.model(x)
+
+
+def reseal_complete(step_dir) -> None:
+    """Recomputes the sizes and checksums that step_dir/COMPLETE records for its files (and its own
+    seal), as if the files had been written as they are now: lets a test reach the checks behind
+    the checksums (a writer that wrote a malformed header with consistent checksums)."""
+    import json
+    import struct
+    import zlib
+    from pathlib import Path
+
+    path = Path(step_dir) / "COMPLETE"
+    record = json.loads(path.read_text())
+    for name, info in record["files"].items():
+        data = (Path(step_dir) / name).read_bytes()
+        info["bytes"] = len(data)
+        if "header_crc32" in info:
+            (size,) = struct.unpack("<Q", data[:8])
+            info["header_crc32"] = zlib.crc32(data[:8 + size])
+        else:
+            info["crc32"] = zlib.crc32(data)
+    record.pop("record_crc32", None)
+    record["record_crc32"] = zlib.crc32(json.dumps(record, sort_keys=True).encode())
+    path.write_text(json.dumps(record))

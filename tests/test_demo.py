@@ -130,7 +130,7 @@ def test_compare_reads_the_pt_files_reconstruct_writes(tmp_path):
             f"d = gapmon.GradientDumper(m, {str(tmp_path / 'g')!r}, async_write=False); d.maybe_dump(0); d.close()")
     subprocess.run([sys.executable, "-c", code], check=True)
     proc = _cli("reconstruct", tmp_path / "g", tmp_path / "r", "--step", 0, "--format", "pt", "--verify")
-    assert proc.returncode == 0 and "one replica: nothing to compare" in proc.stdout, proc.stderr + proc.stdout
+    assert proc.returncode == 0 and "checksums of 1 file verified; one replica" in proc.stdout, proc.stderr + proc.stdout
     pt = tmp_path / "r" / "step0_all_gradients.pt"
     proc = _cli("compare", pt, tmp_path / "r" / "step0_all_gradients.safetensors")
     assert proc.returncode == 0 and "weight" in proc.stdout and "1.00000" in proc.stdout, proc.stderr

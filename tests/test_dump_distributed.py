@@ -63,6 +63,8 @@ def _worker(rank: int, world: int, root: str):
                     assert config["num_replicas"] == 2 and config["shard_degree"] == 2
             dist.barrier()
         dist.barrier()
+        if layout == "hsdp":
+            _diverged_replicas_are_caught(model, f"{root}/hsdp-diverged", rank)
         if layout == "hsdp" and rank == 0:
             _corrupt_replica_is_caught(f"{root}/hsdp-shards")
         if layout == "fsdp" and rank == 0:
@@ -75,6 +77,8 @@ def _worker(rank: int, world: int, root: str):
 
 
 def _corrupt_replica_is_caught(save: str):
+    """A file of replica 1 changed on disk: its checksum fails under --verify; replica 0, which a
+    plain reconstruction reads, is intact."""
     path = f"{save}/step3/rank3.safetensors"  # rank 3 = replica 1, shard 1
     with safe_open(path, framework="pt") as f:
         meta = f.metadata()
@@ -82,11 +86,29 @@ def _corrupt_replica_is_caught(save: str):
     tensors["blocks.1.mlp.up.weight"] = tensors["blocks.1.mlp.up.weight"] + 1e-3
     save_file(tensors, path, metadata=meta)
     reconstruct_gradients(save, 3)  # replica 0 is intact: reconstruction without --verify succeeds
-    with pytest.raises(DumpError, match=r"replica 1 of 'blocks.1.mlp.up.weight'"):
+    with pytest.raises(DumpError, match=r"rank3.safetensors is corrupt: tensor 'blocks.1.mlp.up.weight'"):
         reconstruct_gradients(save, 3, verify=True)
     proc = subprocess.run([sys.executable, "-m", "gapmon", "reconstruct", save, f"{save}-out", "--step", "3", "--verify"],
                           capture_output=True, text=True)
-    assert proc.returncode != 0 and "replica 1" in proc.stderr
+    assert proc.returncode != 0 and "rank3.safetensors is corrupt" in proc.stderr
+
+
+def _diverged_replicas_are_caught(model, save: str, rank: int):
+    """Replicas whose gradients differ in memory (a data-parallel bug) are written with consistent
+    checksums: --verify's comparison of the replicas is what catches them."""
+    grad = model.get_parameter("blocks.1.mlp.up.weight").grad
+    if rank == 3:  # replica 1, shard 1
+        grad.to_local().add_(1e-3)
+    with gapmon.GradientDumper(model, save, async_write=False) as dumper:
+        dumper.maybe_dump(3)
+    if rank == 3:
+        grad.to_local().sub_(1e-3)
+    dist.barrier()
+    if rank == 0:
+        reconstruct_gradients(save, 3)
+        with pytest.raises(DumpError, match=r"replica 1 of 'blocks.1.mlp.up.weight' differs"):
+            reconstruct_gradients(save, 3, verify=True)
+    dist.barrier()
 
 
 def test_dumps_under_fsdp_and_hsdp(tmp_path):

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
+from helpers import reseal_complete
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -79,6 +80,7 @@ def test_shard_dtype_must_match_its_header(tmp_path):
         meta = f.metadata()
         tensors = {k: f.get_tensor(k).double() for k in f.keys()}
     save_file(tensors, str(path), metadata=meta)
+    reseal_complete(path.parent)
     with pytest.raises(DumpError, match="stored as torch.float64"):
         reconstruct_gradients(tmp_path, 0)
 
@@ -186,6 +188,7 @@ def test_missing_header_field_names_file_and_field(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     del header["tensors"]["weight"]["local_shape"]
     save_file(tensors, str(path), metadata={"gapmon": json.dumps(header)})
+    reseal_complete(path.parent)
     with pytest.raises(DumpError, match="rank0.safetensors.*local_shape"):
         reconstruct_gradients(tmp_path, 0)
 
@@ -213,9 +216,12 @@ def test_bad_monitor_correction_and_norm_tile():
         gapmon.GAPMonitor(nn.Linear(2, 2), correction="x", sinks=[])
     if gapmon.backend() != "torch":
         ids, g = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, 2)
-        with pytest.raises(ValueError, match="tile"):
-            torch.ops.gapmon.embedding_norm_sq(ids, g, -1, -4)
-        assert torch.ops.gapmon.embedding_norm_sq(ids, g, -1, 0).item() == 18.0  # 0: automatic, never a hang; 3 x 3 pairs of g_t . g_s = 2
+        for tile in (0, -4):
+            with pytest.raises(ValueError, match="tile must be a positive"):
+                torch.ops.gapmon.embedding_norm_sq(ids, g, -1, tile)
+            with pytest.raises(ValueError, match="tile must be a positive"):
+                torch.ops.gapmon.ghost_norm_sq(g, g, tile)
+        assert torch.ops.gapmon.embedding_norm_sq(ids, g, -1, None).item() == 18.0  # None: automatic; 3 x 3 pairs of g_t . g_s = 2
 
 
 def test_stale_temp_files_are_removed_on_start(tmp_path):

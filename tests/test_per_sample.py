@@ -132,7 +132,7 @@ def test_ghost_norm_is_one_product_per_layer_when_the_grams_fit():
     if gapmon.backend() == "torch":
         pytest.skip("needs the compiled ops")
     a, g = torch.randn(2, 300, 8, dtype=torch.float64), torch.randn(2, 300, 5, dtype=torch.float64)
-    whole, n_whole = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g, 0))
+    whole, n_whole = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g, None))
     tiled, n_tiled = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g, 64))
     assert n_whole == 2 and n_tiled == 2 * 15  # 5 tiles: 15 tile pairs
     want = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))

@@ -76,18 +76,23 @@ def _demo(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from .report import make_report
 
-    path = make_report(args.run_dir)
+    skipped: list[str] = []
+    path = make_report(args.run_dir, skipped)
+    for line in skipped:
+        print(f"gapmon report: left out {line}", file=sys.stderr)
     print(f"report written to {path}")
     return 0
 
 
 def _reconstruct(args: argparse.Namespace) -> int:
-    from ..reconstruct import read_config, reconstruct_gradients, write_reconstruction
+    from ..dump_format import step_dir
+    from ..reconstruct import read_complete, reconstruct_gradients, step_config, write_reconstruction
     from .progress import Progress
 
     progress = Progress(f"step {args.step}", quiet=args.quiet)
     grads = reconstruct_gradients(args.grad_dir, args.step, verify=args.verify, progress=progress)
-    config = read_config(Path(args.grad_dir))
+    record = read_complete(step_dir(args.grad_dir, args.step))
+    config = step_config(Path(args.grad_dir), record)
     files = write_reconstruction(grads, args.output_dir, args.step, config, skip_individual=args.skip_individual,
                                  fmt=args.format)
     if not args.quiet:
@@ -95,7 +100,9 @@ def _reconstruct(args: argparse.Namespace) -> int:
         replicas = int(config.get("num_replicas", 1))
         verified = ""
         if args.verify:
-            verified = f" ({replicas} replicas verified)" if replicas > 1 else " (one replica: nothing to compare)"
+            checked = len(record["files"])
+            compared = f"{replicas} replicas compared" if replicas > 1 else "one replica"
+            verified = f" (checksums of {checked} file{'s' if checked != 1 else ''} verified; {compared})"
         print(f"step {args.step}: {len(grads)} gradients, {total:,} elements{verified} -> {args.output_dir}")
         if args.verbose:
             for f in files:
@@ -116,7 +123,12 @@ def _steps(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from ..analysis import compare, load_gradients
 
-    rows = compare(load_gradients(args.a), load_gradients(args.b))
+    a, b = load_gradients(args.a), load_gradients(args.b)
+    rows = compare(a, b)
+    for side, mine, other in (("A", a, b), ("B", b, a)):
+        only = [name for name in mine if name not in other]
+        if only:
+            print(f"only in {side} ({len(only)}): {', '.join(only)}")
     if not rows:
         raise ValueError("the two dumps share no gradient names")
     width = max(len(r.name) for r in rows)

@@ -15,11 +15,31 @@ from typing import Any
 from ..metric_names import parse_metric_name
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, skipped: list[str] | None = None, required: tuple[str, ...] = ("step",)) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one per line. A line that is not a JSON object with the
+    `required` keys (a torn or corrupt record) is left out and named, as "file:line: why", in
+    `skipped`; the other lines are read."""
     if not path.exists():
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    records = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+                why = None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                why = f"not valid JSON ({e})"
+            if why is None:
+                lacking = [key for key in required if key not in record]
+                if lacking or not isinstance(record.get("step", 0), int):
+                    why = f"lacks {', '.join(lacking)}" if lacking else f"step is {record['step']!r}, not an integer"
+            if why is None:
+                records.append(record)
+            elif skipped is not None:
+                skipped.append(f"{path}:{number}: {why}")
+    return records
 
 
 def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:
@@ -61,8 +81,9 @@ def anomalies(records: list[dict[str, Any]], spike: float = 10.0) -> list[tuple[
     return sorted(found)
 
 
-def make_report(run_dir: str | Path) -> Path:
-    """Writes the plots and report.md under RUN_DIR/report; returns the markdown path."""
+def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
+    """Writes the plots and report.md under RUN_DIR/report; returns the markdown path. Records that
+    cannot be read are left out and named ("file:line: why") in `skipped` and in the report."""
     try:
         import matplotlib
         import numpy as np
@@ -73,7 +94,8 @@ def make_report(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    skipped = [] if skipped is None else skipped
+    records = read_jsonl(run_dir / "metrics.jsonl", skipped)
     if not records:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl is missing or empty: not a GAPMonitor run directory")
     out = run_dir / "report"
@@ -119,7 +141,7 @@ def make_report(run_dir: str | Path) -> Path:
     images.append(("Activation max", "activation_max.png"))
 
     # 3. Loss and global gradient norm.
-    train = read_jsonl(run_dir / "train.jsonl")
+    train = read_jsonl(run_dir / "train.jsonl", skipped, ("step", "loss"))
     fig, ax = plt.subplots(figsize=(8, 4))
     gn = global_grad_norms(records)
     if gn:
@@ -138,7 +160,7 @@ def make_report(run_dir: str | Path) -> Path:
     images.append(("Loss and global gradient norm", "loss_grad_norm.png"))
 
     # 4. Per-sample gradient norms.
-    per_sample = read_jsonl(run_dir / "per_sample_norms.jsonl")
+    per_sample = read_jsonl(run_dir / "per_sample_norms.jsonl", skipped, ("step", "norms"))
     if per_sample:
         values = [v for r in per_sample for v in r["norms"] if math.isfinite(v)]
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -167,6 +189,8 @@ def make_report(run_dir: str | Path) -> Path:
     else:
         lines.append("None: no non-finite values, no gradient-norm spikes (> 10x a parameter's median).")
     lines.append("")
+    if skipped:
+        lines += ["## Records left out", "", *[f"- `{line}`" for line in skipped], ""]
     for title, image in images:
         lines += [f"## {title}", "", f"![{title}]({image})", ""]
     path = out / "report.md"
