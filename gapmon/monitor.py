@@ -41,6 +41,7 @@ _COUNT = STAT_NAMES.index("count")
 _SUM = {ACC_NAMES[i]: k for k, i in enumerate(_ACC_SUMS)}  # column of each sum in the reduced sums
 _MODULE_WIDTH = len(_STAT_FIELDS) + 1  # a per-module row: the fields, then the instance count
 _INSTANCES = len(_STAT_FIELDS)
+_UNDEFINED_WHEN_EMPTY = ("/mean", "/var")  # metrics a tensor with no elements does not have
 
 
 def _untraced_grad_hook():
@@ -370,13 +371,15 @@ class GAPMonitor:
         rows_at = tuple((kind, name, i * _ROW) for i, (kind, name) in enumerate(names))
         keys, picks = self._picked("tensors", rows_at, [col for _, col in _STAT_FIELDS])
         metrics: dict[str, float] = dict(zip(keys, picks(host)))
-        # A tensor with no elements (a 0-element parameter, or a gradient no rank had) has nothing
-        # to report: its mean and var would be NaN, and empty is not non-finite.
+        # A tensor with no elements has no mean or var (they would be NaN, and empty is not
+        # non-finite): a 0-element parameter reports max, norm and nonfinite (all 0) only; a gradient
+        # row with no elements (a 0-element gradient, or one no rank had) reports nothing.
         if rows_at and 0.0 in self._picked("counts", rows_at, [_COUNT])[1](host):
             for kind, name, offset in rows_at:
                 if host[offset + _COUNT] == 0:
                     for key in self._metric_keys(kind, name):
-                        del metrics[key]
+                        if kind == "grads" or key.endswith(_UNDEFINED_WHEN_EMPTY):
+                            del metrics[key]
         offset = len(names) * _ROW
         instances = host[offset + _INSTANCES:offset + per_module.numel():_MODULE_WIDTH]
         kinds = [self._kinds["activations"]] * m + [self._kinds["activation_grads"]] * m

@@ -92,7 +92,7 @@ def test_dump_format_versions_are_checked(tmp_path):
     with gapmon.GradientDumper(model, tmp_path, async_write=False) as d:
         d.maybe_dump(0)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "format_version": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "format_version": FORMAT_VERSION + 1}))
     with pytest.raises(DumpError, match="upgrade gapmon"):
         gapmon.reconstruct_gradients(tmp_path, 0)
 

@@ -18,10 +18,14 @@ def test_demo_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = _cli("demo", "--nproc", 2, "--steps", 3, "--dump-every", 2, "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "monitor cost" in proc.stdout and "median of 3 paired steps" in proc.stdout
+    cost = next(line for line in proc.stdout.splitlines() if "monitor cost" in line)
+    # The figure says what it measures: which monitoring, paired how, on which model.
+    assert "four kinds " in cost and "four kinds + per-sample norms " in cost
+    assert "median of 3 paired steps" in cost and "2 layers, d=128" in cost
     assert str(out / "report" / "report.md") in proc.stdout
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2, 4, 6, 8]  # 3 training steps, then 3 timing pairs
+    # 3 training steps, then 3 timing groups (plain, four kinds, + per-sample norms): the sink's monitor is the last
+    assert [m["step"] for m in metrics] == [0, 1, 2, 5, 8, 11]
     for key in ("gap/params/head.weight/var", "gap/grads/blocks.0.mlp.up.weight/norm",
                 "gap/activations/blocks.1.attn/max", "gap/activation_grads/blocks.0.norm1/mean",
                 "gap/per_sample_grad_norm/mean", "gap/global_batch_size"):
@@ -30,7 +34,8 @@ def test_demo_end_to_end(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dumped_steps"] == [0, 2] and summary["reconstructed_step"] == 2
     # One final loss: the summary's and the report's are the same step's.
-    assert f"-> {summary['loss_last']:.4f} at step 8" in (out / "report" / "report.md").read_text()
+    assert f"-> {summary['loss_last']:.4f} at step 11" in (out / "report" / "report.md").read_text()
+    assert set(summary["monitor_overhead"]) == {"four kinds", "four kinds + per-sample norms"}
     # The reconstructed gradients are the ones the monitor measured at that step.
     meta = json.loads((out / "reconstructed" / "step2_metadata.json").read_text())
     for name, norm in meta["parameter_norms"].items():
@@ -96,20 +101,58 @@ def test_hsdp_with_odd_processes_fails_before_spawning(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_ctrl_c_during_the_demo_is_one_line(tmp_path):
+@pytest.mark.parametrize("moment", ["importing", "workers starting", "training"])
+def test_ctrl_c_at_any_moment_of_the_demo_is_one_line(tmp_path, moment):
+    """Ctrl-C (SIGINT to the whole process group) while the console script imports torch, while
+    the workers start, and while they train: one line, exit code 130, no traceback."""
     import os
     import signal
     import time
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "gapmon", "demo", "--out", str(out), "--steps", "500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    console_script = "import sys, gapmon_launcher; sys.exit(gapmon_launcher.main())"  # what `gapmon` runs
+    # As a terminal starts a program: SIGINT at its default action, even if this test runs where it is
+    # ignored (a shell's background job), which the demo would inherit.
+    proc = subprocess.Popen([sys.executable, "-c", console_script, "demo", "--out", str(out), "--steps", "500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    ready = {"importing": lambda: True,
+             "workers starting": lambda: (out / ".gapmon-demo").exists(),
+             "training": lambda: (out / "train.jsonl").exists() and (out / "train.jsonl").stat().st_size > 0}[moment]
     deadline = time.monotonic() + 120
-    while not ((out / "train.jsonl").exists() and (out / "train.jsonl").stat().st_size) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    time.sleep(0.3)
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole process group
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and err == "gapmon demo: interrupted\n", err[-2000:]
+    assert proc.returncode == 130 and err in ("gapmon demo: interrupted\n", "gapmon: interrupted\n"), err[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_a_failing_worker_is_one_line_and_stops_the_others(tmp_path):
+    from gapmon.apps.demo import DemoConfig, WorkerError, _spawn
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(WorkerError, match=r"^rank \d: NotADirectoryError: .*a-file"):
+        _spawn(DemoConfig(nproc=2, steps=2, out=str(blocker), quiet=True))
+
+
+def test_a_demo_directory_can_be_run_again_and_others_are_refused(tmp_path):
+    from gapmon.apps.demo import MARKER, _prepare_run_dir
+
+    run = tmp_path / "run"
+    _prepare_run_dir(run)
+    (run / "gradients" / "step0").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}")
+    _prepare_run_dir(run)  # an earlier (here: interrupted) demo's directory is replaced
+    assert sorted(p.name for p in run.iterdir()) == [MARKER]
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not a gapmon demo's"):
+        _prepare_run_dir(other)
+    assert (other / "notes.txt").read_text() == "keep"
 
 
 def test_steps_refuses_a_folder_that_is_not_a_dump(tmp_path):

@@ -305,7 +305,11 @@ def test_a_rank_that_dies_during_a_re_dump(tmp_path):
     script.write_text(_TWO_RANKS)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    out = [p.communicate(timeout=120) for p in procs]
+    try:
+        out = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert procs[1].returncode == 0, out[1][1]
     line = next((x for x in out[0][0].splitlines() if x.startswith(("ERROR", "NO ERROR"))), out[0][0] + out[0][1])
     assert line.startswith("ERROR after") and "rank 1" in line and "exited" in line, line

@@ -243,3 +243,13 @@ def test_jsonl_sink_reopens_a_deleted_file(tmp_path):
         sink.write(1, {"a": 2.0}, {})
     sink.close()
     assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize("pieces", [4, 100])  # box arithmetic, and the per-element count past 64 pieces
+def test_coverage_check_with_many_pieces(pieces):
+    full = torch.arange(pieces * 6.0).reshape(pieces * 2, 3)
+    exact = [([2 * i, 0], full[2 * i:2 * i + 2]) for i in range(pieces)]
+    assert torch.equal(_place("w", exact, [pieces * 2, 3], torch.float32, "x"), full)
+    shifted = exact[:-1] + [([2 * pieces - 3, 0], full[-3:-1])]  # overlaps its neighbour, leaves the last row
+    with pytest.raises(DumpError, match="leave 3 elements uncovered and cover 3 more than once"):
+        _place("w", shifted, [pieces * 2, 3], torch.float32, "x")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,8 @@ def _time(fn, device: str, reps: int = 5) -> float:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
+    if args.verbose:  # the workers print their tracebacks too
+        os.environ["GAPMON_VERBOSE"] = "1"
     nproc = args.nproc
     if nproc is None:  # two processes; on GPUs one per GPU (NCCL), at most two
         nproc = 2 if args.device == "cpu" else max(1, min(2, torch.cuda.device_count()))
@@ -192,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("gapmon: interrupted", file=sys.stderr)
+        return 130
     try:
         return args.func(args)
     except KeyboardInterrupt:

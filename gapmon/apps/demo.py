@@ -3,14 +3,21 @@
 Spawns N workers itself (gloo on CPU, NCCL on GPU) or runs under torchrun. Every step is
 monitored (params, grads, activations, activation grads, per-sample gradient norms); gradients
 are dumped every K steps; after training rank 0 reconstructs the last dumped step, writes the
-report and prints a summary. The monitor's cost is measured at the end on paired steps: plain and
-monitored steps alternate (`timing_pairs` pairs, labelled as such by the progress bar), so that both
-see the same machine load; the summary gives their median and range, a rough figure on a busy CPU.
+report and prints a summary. The monitor's cost is measured at the end on paired steps: a plain
+step, a step with the four kinds, and one with per-sample norms too, in turn (`timing_pairs` such
+groups, labelled as such by the progress bar), so that all see the same machine load; the summary
+gives the medians and ranges, rough figures on a busy CPU, for this small model.
+
+The run directory is marked as the demo's (MARKER): a later `gapmon demo` replaces a directory so
+marked, also one a failed or interrupted run left, and refuses any other non-empty directory.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..metric_names import parse_metric_name
+
+MARKER = ".gapmon-demo"  # in a run directory the demo made (and may replace)
+TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms")
 
 
 @dataclass
@@ -31,7 +41,7 @@ class DemoConfig:
     dump_every: int = 5
     hsdp: bool = False
     batch_per_rank: int = 8
-    timing_pairs: int = 3  # (plain, monitored) step pairs after training: the cost of monitoring, paired
+    timing_pairs: int = 3  # groups of TIMING_KINDS steps after training: the cost of monitoring, paired
     quiet: bool = False
 
     def check(self) -> None:
@@ -91,68 +101,71 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sinks = [JSONLSink(out / "metrics.jsonl")]
     mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks)
+    four_kinds = GAPMonitor(model)  # timing only: the four kinds without per-sample norms, no sink
     dumper = GradientDumper(model, out / "gradients", step_interval=cfg.dump_every, mode="shards", async_write=True)
-    progress = Progress("training", quiet=cfg.quiet or rank != 0)  # then the timing pairs, labelled
+    progress = Progress("training", quiet=cfg.quiet or rank != 0)  # then the timing groups, labelled
     b = cfg.batch_per_rank
-    monitored_times, plain_times, last_metrics, nonfinite = [], [], {}, {}
-    train_log = open(out / "train.jsonl", "w") if rank == 0 else None
-    norms_log = open(out / "per_sample_norms.jsonl", "w") if rank == 0 else None
-    dumped = []
-    total = cfg.steps + 2 * cfg.timing_pairs
-    for step in range(total):
-        # Training steps are all monitored; the timing pairs that follow alternate plain, monitored.
-        timing = step >= cfg.steps
-        monitored = not timing or (step - cfg.steps) % 2 == 1
-        x, y = synthetic_batch(mcfg, b * world, step, device=device)
-        ids = torch.arange(step * b * world, (step + 1) * b * world)[rank * b:(rank + 1) * b]
-        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if monitored:
-            mon.begin_step(step, batch_size=b)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        if monitored:
-            metrics = mon.end_step()
-            sample_ids, norms = mon.per_sample.global_norms(ids)
-            if not timing:
-                last_metrics = metrics
-                nonfinite = mon.nonfinite_report or nonfinite
-                if dumper.maybe_dump(step):
-                    dumped.append(step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_avg = loss.detach().clone()
-        dist.all_reduce(loss_avg)
-        loss_avg = loss_avg.item() / world
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        if timing:
-            (monitored_times if monitored else plain_times).append(elapsed)
-        if rank == 0:
-            tokens = b * world * mcfg.seq_len
-            train_log.write(json.dumps({"step": step, "loss": loss_avg, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
-                                        "monitored": monitored, "timing_pair": timing}) + "\n")
-            train_log.flush()
-            if monitored:
-                norms_log.write(json.dumps({"step": step, "ids": sample_ids.tolist(), "norms": norms.tolist()}) + "\n")
-                norms_log.flush()
+    times: dict[str, list[float]] = {kind: [] for kind in TIMING_KINDS}
+    last_metrics, nonfinite, dumped = {}, {}, []
+    n_timing = len(TIMING_KINDS) * cfg.timing_pairs
+    with contextlib.ExitStack() as files:
+        train_log = files.enter_context(open(out / "train.jsonl", "w")) if rank == 0 else None
+        norms_log = files.enter_context(open(out / "per_sample_norms.jsonl", "w")) if rank == 0 else None
+        for step in range(cfg.steps + n_timing):
+            # Training steps are all monitored; the timing steps that follow cycle through TIMING_KINDS.
+            timing = step >= cfg.steps
+            kind = TIMING_KINDS[(step - cfg.steps) % len(TIMING_KINDS)] if timing else TIMING_KINDS[-1]
+            monitor = {"plain": None, "four kinds": four_kinds}.get(kind, mon)
+            x, y = synthetic_batch(mcfg, b * world, step, device=device)
+            ids = torch.arange(step * b * world, (step + 1) * b * world)[rank * b:(rank + 1) * b]
+            x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if monitor is not None:
+                monitor.begin_step(step, batch_size=b)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            if monitor is not None:
+                metrics = monitor.end_step()
+            if monitor is mon:
+                sample_ids, norms = mon.per_sample.global_norms(ids)
+                if not timing:
+                    last_metrics = metrics
+                    nonfinite = mon.nonfinite_report or nonfinite
+                    if dumper.maybe_dump(step):
+                        dumped.append(step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss_avg = loss.detach().clone()
+            dist.all_reduce(loss_avg)
+            loss_avg = loss_avg.item() / world
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
             if timing:
-                progress(step - cfg.steps + 1, 2 * cfg.timing_pairs, f"timing: plain/monitored pairs, loss {loss_avg:.3f}")
-            else:
-                progress(step + 1, cfg.steps, f"loss {loss_avg:.3f}")
+                times[kind].append(elapsed)
+            if rank == 0:
+                tokens = b * world * mcfg.seq_len
+                train_log.write(json.dumps({"step": step, "loss": loss_avg, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
+                                            "monitored": kind, "timing": timing}) + "\n")
+                train_log.flush()
+                if monitor is mon:
+                    norms_log.write(json.dumps({"step": step, "ids": sample_ids.tolist(), "norms": norms.tolist()}) + "\n")
+                    norms_log.flush()
+                if timing:
+                    progress(step - cfg.steps + 1, n_timing, f"timing: plain / four kinds / + per-sample norms, loss {loss_avg:.3f}")
+                else:
+                    progress(step + 1, cfg.steps, f"loss {loss_avg:.3f}")
     dumper.close()
     mon.close()
+    four_kinds.close()
     if rank == 0:
-        train_log.close()
-        norms_log.close()
-        _finish(out, cfg, world, mcfg, monitored_times, plain_times, last_metrics, nonfinite, dumped)
+        _finish(out, cfg, world, mcfg, times, last_metrics, nonfinite, dumped)
     dist.barrier()
 
 
-def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, monitored_times, plain_times, last_metrics, nonfinite,
+def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[float]], last_metrics, nonfinite,
             dumped) -> None:
     from ..reconstruct import read_config, reconstruct_gradients, write_reconstruction
     from .report import make_report
@@ -165,11 +178,13 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, monitored_times, plain
         report = make_report(out)
     except ImportError as e:  # the plotting extra is optional
         report = f"not written: {e}"
-    # Paired timing: each pair is a plain step and the monitored step right after it.
-    ratios = [m / p - 1 for p, m in zip(plain_times, monitored_times)]
-    mon_t = statistics.median(monitored_times) if monitored_times else float("nan")
+    # Paired timing: each monitored step against the plain step of its group.
+    plain_times = times["plain"]
+    ratios = {kind: [t / p - 1 for p, t in zip(plain_times, times[kind])] for kind in TIMING_KINDS[1:]}
+    mon_t = statistics.median(times[TIMING_KINDS[-1]]) if plain_times else float("nan")
     plain_t = statistics.median(plain_times) if plain_times else float("nan")
-    train = [json.loads(line) for line in open(out / "train.jsonl")]
+    with open(out / "train.jsonl") as f:
+        train = [json.loads(line) for line in f]
     tokens = cfg.batch_per_rank * world * mcfg.seq_len
     parsed = ((parse_metric_name(k), v) for k, v in last_metrics.items())
     grad_norms = sorted(((m.name, v) for m, v in parsed if m is not None and m.kind == "grads" and m.field == "norm"),
@@ -178,8 +193,8 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, monitored_times, plain
         "config": asdict(cfg), "world_size": world, "model": mcfg.__dict__,
         "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"], "steps_trained": len(train),
         "tokens_per_s_monitored": tokens / mon_t, "tokens_per_s_plain": tokens / plain_t,
-        "monitor_overhead": statistics.median(ratios) if ratios else None,
-        "monitor_overhead_range": [min(ratios), max(ratios)] if ratios else None,
+        "monitor_overhead": {kind: statistics.median(r) if r else None for kind, r in ratios.items()},
+        "monitor_overhead_range": {kind: [min(r), max(r)] if r else None for kind, r in ratios.items()},
         "top_grad_norms": grad_norms[:5], "nonfinite": nonfinite, "dumped_steps": dumped,
         "reconstructed_step": recon_step,
         "files": {"metrics": str(out / "metrics.jsonl"), "train_log": str(out / "train.jsonl"),
@@ -194,11 +209,12 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, monitored_times, plain
     print(f"  loss            {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} "
           f"({len(train)} steps: {cfg.steps} training + {2 * cfg.timing_pairs} timing)")
     print(f"  tokens/s        {summary['tokens_per_s_monitored']:.0f} monitored, {summary['tokens_per_s_plain']:.0f} plain")
-    if summary["monitor_overhead"] is not None:
-        low, high = summary["monitor_overhead_range"]
-        print(f"  monitor cost    {100 * summary['monitor_overhead']:+.0f}% step time, median of {len(ratios)} paired "
-              f"steps (range {100 * low:+.0f}% to {100 * high:+.0f}%; rough on a shared CPU; all four kinds + "
-              "per-sample norms)")
+    if plain_times:
+        costs = "; ".join(f"{kind} {100 * statistics.median(r):+.0f}% (range {100 * min(r):+.0f}% to {100 * max(r):+.0f}%)"
+                          for kind, r in ratios.items())
+        print(f"  monitor cost    {costs}: added step time, median of {len(plain_times)} paired steps, on this small "
+              f"model ({mcfg.n_layers} layers, d={mcfg.d_model}, {cfg.batch_per_rank}x{mcfg.seq_len} tokens per rank), "
+              "where per-call costs weigh more than on the README's benchmark model; rough on a shared CPU")
     print("  top grad norms  " + ", ".join(f"{n} {v:.3g}" for n, v in grad_norms[:3]))
     print(f"  non-finite      {nonfinite or 'none'}")
     verified = " and its 2 replicas compared" if cfg.hsdp else ""
@@ -218,17 +234,107 @@ def run_demo(cfg: DemoConfig) -> None:
         raise ValueError(f"--device cuda runs one process per GPU (NCCL): {cfg.nproc} processes asked for, "
                          f"{torch.cuda.device_count()} GPU(s) visible; pass --nproc {torch.cuda.device_count()}")
     out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; pass --out to a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not torchrun or os.environ["RANK"] == "0":
+        _prepare_run_dir(out)
+    if torchrun:
         _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, None)
         return
-    import socket
+    _spawn(cfg)
 
-    import torch.multiprocessing as mp
+
+def _prepare_run_dir(out: Path) -> None:
+    """An empty run directory marked as the demo's: a new or empty one, or one an earlier demo made
+    (finished or not), emptied; any other non-empty directory is refused."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise FileExistsError(f"{out} exists, is not empty and is not a gapmon demo's; pass --out to a new directory")
+        for path in out.iterdir():
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by gapmon demo: a later `gapmon demo --out` here replaces this directory\n")
+
+
+def _spawn(cfg: DemoConfig) -> None:
+    """Runs cfg.nproc workers as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each in a
+    session of its own: a Ctrl-C in the terminal, at any moment (their start-up, importing torch,
+    included), reaches only this process, which stops them (one line, exit code 130). A worker that
+    fails reports its error through a pipe; the others are stopped and it becomes one line."""
+    import socket
+    import subprocess
+    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(cfg.nproc, cfg, port), nprocs=cfg.nproc, join=True)
+    read_end, write_end = os.pipe()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(cfg.nproc),
+           _CONFIG_ENV: json.dumps(asdict(cfg)), _ERROR_FD_ENV: str(write_end)}
+    command = [sys.executable, "-c", "from gapmon.apps.demo import _worker_main; _worker_main()"]
+    workers: list[subprocess.Popen] = []
+    try:
+        for rank in range(cfg.nproc):
+            # A Ctrl-C inside Popen would leave a started worker unlisted (and, in its own session, running
+            # on): it is held back until the worker is listed, then stops them all like any other.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                workers.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                                pass_fds=(write_end,), start_new_session=True))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(write_end)
+        write_end = -1
+        while True:
+            codes = [w.poll() for w in workers]
+            if all(code == 0 for code in codes):
+                return
+            if any(code not in (None, 0) for code in codes):
+                failed = next(r for r, code in enumerate(codes) if code not in (None, 0))
+                _stop(workers)
+                with os.fdopen(read_end, "r", errors="replace") as errors:
+                    read_end = -1
+                    reports = [line.strip() for line in errors.read().splitlines() if line.strip()]
+                raise WorkerError(reports[0] if reports else f"rank {failed} exited with code {codes[failed]}")
+            time.sleep(0.05)
+    except BaseException:
+        _stop(workers)
+        raise
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _stop(workers) -> None:
+    for w in workers:
+        if w.poll() is None:
+            w.terminate()
+    for w in workers:
+        w.wait()
+
+
+_CONFIG_ENV = "GAPMON_DEMO_CONFIG"
+_ERROR_FD_ENV = "GAPMON_DEMO_ERROR_FD"
+
+
+def _worker_main() -> None:
+    """A worker that _spawn started: runs the demo's rank; an error is written to the parent's pipe
+    as one line ("rank R: Type: message"; the traceback too with GAPMON_VERBOSE=1) and exits 1."""
+    import sys
+    import traceback
+
+    rank = int(os.environ["RANK"])
+    cfg = DemoConfig(**json.loads(os.environ[_CONFIG_ENV]))
+    try:
+        _worker(rank, int(os.environ["WORLD_SIZE"]), cfg, None)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        with os.fdopen(int(os.environ[_ERROR_FD_ENV]), "w") as report:
+            report.write(f"rank {rank}: {type(e).__name__}: {first}\n")
+        if os.environ.get("GAPMON_VERBOSE"):
+            traceback.print_exc()
+        sys.exit(1)
+
+
+class WorkerError(RuntimeError):
+    """A demo worker failed: the message names its rank and its exception."""
