@@ -330,3 +330,17 @@ def test_dump_timings_do_not_regress_a_small_model(tmp_path):
             dumper.maybe_dump(step)
     assert time.perf_counter() - start < 5
     assert list_steps(tmp_path)[0] == list(range(20))
+
+
+def test_a_checkpoint_dcp_cannot_load_is_one_clear_error(tmp_path):
+    """Full mode's reader: DCP's own failure (its CheckpointException is a BaseException) becomes
+    one DumpError line, also behind consistent checksums (a checkpoint written broken)."""
+    with gapmon.GradientDumper(_model(), tmp_path, mode="full", async_write=False) as dumper:
+        dumper.maybe_dump(0)
+    data = max((tmp_path / "step0" / "full").rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    reseal_complete(tmp_path / "step0")
+    with pytest.raises(DumpError, match="full cannot be loaded") as caught:
+        reconstruct_gradients(tmp_path, 0)
+    assert "\n" not in str(caught.value)
