@@ -74,8 +74,10 @@ def can_bookkeep(module: torch.nn.Module, x, output) -> bool:
     trainable, non-distributed weight called on a plain tensor with a batch dim, in an eager
     forward pass (not traced by torch.compile, not recomputed by activation checkpointing, and with
     no saved-tensor hooks, which checkpointing and offloading install)."""
+    if type(module) is not torch.nn.Linear:  # checked first: other layers (MultiheadAttention) have no weight
+        return False
     weight = module.weight
-    return (type(module) is torch.nn.Linear and weight.requires_grad and type(weight) is torch.nn.Parameter
+    return (weight.requires_grad and type(weight) is torch.nn.Parameter
             and type(x) is torch.Tensor and x.dim() >= 2 and type(output) is torch.Tensor
             and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)

@@ -32,7 +32,9 @@ _RULES: dict[type, "NormRule"] = {}
 
 
 def register_norm_rule(*module_types: type) -> Callable[[type], type]:
-    """Class decorator: the decorated NormRule handles these module types (and their subclasses)."""
+    """Class decorator: the decorated NormRule handles these module types, and their subclasses that
+    do not override `forward`. A subclass whose forward computes what its base's does (gapmon cannot
+    tell) is registered by its user: ``register_norm_rule(MyLinear)(gapmon.norm_rules.LinearRule)``."""
 
     def register(cls: type) -> type:
         rule = cls()
@@ -44,11 +46,28 @@ def register_norm_rule(*module_types: type) -> Callable[[type], type]:
 
 
 def rule_for(module: nn.Module) -> "NormRule | None":
-    """The rule of the most specific registered type that `module` is an instance of, or None."""
-    for t in type(module).__mro__:
-        if t in _RULES:
-            return _RULES[t]
-    return None
+    """The rule registered for `module`'s type; for a subclass of a registered type, that type's rule
+    only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
+    scaled Embedding). None when no rule holds."""
+    kind = type(module)
+    if kind in _RULES:
+        return _RULES[kind]
+    base = _registered_base(kind)
+    return _RULES[base] if base is not None and kind.forward is base.forward else None
+
+
+def _registered_base(kind: type) -> type | None:
+    return next((t for t in kind.__mro__[1:] if t in _RULES), None)
+
+
+def why_no_rule(module: nn.Module) -> str:
+    """Why `module` has no rule (rule_for gave None), for coverage() and the warnings."""
+    kind = type(module)
+    base = _registered_base(kind)
+    if base is not None:
+        return (f"{kind.__name__} subclasses {base.__name__} but overrides forward, so {base.__name__}'s rule may not "
+                f"hold; if its math is {base.__name__}'s, register it: register_norm_rule({kind.__name__})(...)")
+    return f"no per-sample rule for {kind.__name__}"
 
 
 class Call(NamedTuple):
@@ -67,9 +86,26 @@ class NormRule:
 
     # True: the rule covers the parameters of the module's submodules too (they are not called).
     owns_submodules = False
+    # The module's own parameters the rule's math is about (None: not checked).
+    param_names: tuple[str, ...] | None = ("weight", "bias")
+
+    def why_not(self, module: nn.Module) -> str | None:
+        """Why this module's per-sample norms cannot be computed exactly (None: they can): its
+        parameters are not the ones the rule's math is about, or `unsupported` says why."""
+        if self.param_names is not None:
+            own = dict(module.named_parameters(recurse=False))
+            extra = sorted(set(own) - set(self.param_names))
+            computed = [n for n in self.param_names if n not in own and isinstance(getattr(module, n, None), torch.Tensor)]
+            if computed:
+                return (f"its {', '.join(computed)} is computed from other parameters (weight_norm or a parametrization), "
+                        f"not a parameter of its own")
+            if extra:
+                return f"it has parameters {extra} that {type(module).__name__}'s rule does not know"
+        return self.unsupported(module)
 
     def unsupported(self, module: nn.Module) -> str | None:
-        """Why this module's per-sample norms cannot be computed exactly (None: they can)."""
+        """Why this module's per-sample norms cannot be computed exactly, for a layer family's own
+        reasons (None: they can)."""
         return None
 
     def params(self, module: nn.Module) -> list[nn.Parameter]:
@@ -223,6 +259,8 @@ class ConvRule(NormRule):
 # -------------------------------------------------------------------- embeddings
 @register_norm_rule(nn.Embedding)
 class EmbeddingRule(NormRule):
+    param_names = ("weight",)
+
     def not_per_sample(self, module, call, output, batch, model_inputs):
         ids = call.arg(0, "input")
         if isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.untyped_storage().data_ptr() not in model_inputs:
@@ -309,6 +347,8 @@ class EmbeddingBagRule(NormRule):
     in "sum" mode, 1 / the bag's size in "mean" mode; 0 for padding_idx). As positions: ids [B, L] and
     per-entry gradients c_t·g_b, which the Embedding product then pairs by equal id."""
 
+    param_names = ("weight",)
+
     def unsupported(self, module):
         if module.mode == "max":
             return "mode='max' (its gradient follows the arg max of each dimension)"
@@ -366,6 +406,7 @@ class MultiheadAttentionRule(NormRule):
     rows of q, k and v are disjoint, so their squared norms add."""
 
     owns_submodules = True
+    param_names = None
 
     def unsupported(self, module):
         if not module._qkv_same_embed_dim:

@@ -10,9 +10,13 @@ Which samples: the batch size B is dim 0 of the model's first tensor input (the 
 forward). A layer whose input or output has no dim 0 of size B, or an Embedding fed ids that
 are not taken from the model input and carry no batch dim (position ids of shape [T]), is not
 per-sample: it is excluded, with a warning naming it (strict=True raises). Parameters of layers
-without a rule are reported by coverage() as uncovered. A rule may cover its module's submodules
-(nn.MultiheadAttention's out_proj, which it never calls). A parameter shared by several modules
-(tied weights) is refused; one module reused under several names is fine.
+without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
+subclasses that do not override forward, and only for the parameters its math is about (no
+weight_norm, no parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
+out_proj, which it never calls). A parameter shared by several modules (tied weights) is refused;
+one module reused under several names is fine. Every layer a rule holds for is watched, frozen or
+not: coverage follows requires_grad at each step. A layer that mixes the samples of a batch
+(BatchNorm using batch statistics) leaves no layer with per-sample gradients: norms are refused.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from . import bookkeeping
-from .norm_rules import Call, rule_for, use_ghost
+from .norm_rules import Call, rule_for, use_ghost, why_no_rule
 from .utils import clean_named, first_tensor, name_cleaner
 
 
@@ -75,18 +79,18 @@ class PerSampleGradNorms:
             for p in module.parameters(recurse=False):
                 owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
         for name, module in model.named_modules():
-            own = list(module.parameters(recurse=False))
             if id(module) in owned:
                 continue
             rule = rule_for(module)
-            trainable = rule.params(module) if rule is not None else [p for p in own if p.requires_grad]
-            if not trainable:
+            # Every parameter, trainable or not: a layer frozen now may be unfrozen later.
+            params = list(module.parameters(recurse=rule is not None and rule.owns_submodules))
+            if not params:
                 continue
-            why = f"no per-sample rule for {type(module).__name__}" if rule is None else rule.unsupported(module)
+            why = why_no_rule(module) if rule is None else rule.why_not(module)
             if why is None:
                 self._layers.append((clean_name(name), module, rule))
             else:
-                reasons.update({names[id(p)]: why for p in trainable})
+                reasons.update({names[id(p)]: why for p in params})
         tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
         if tied:
             raise ValueError(
@@ -94,17 +98,15 @@ class PerSampleGradNorms:
                 f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
             )
         self._param_names = names
-        self._covered = {names[id(p)]: p.numel() for _, m, rule in self._layers for p in rule.params(m)}
-        self._uncovered = {names[id(p)]: p.numel() for p in model.parameters()
-                           if p.requires_grad and names[id(p)] not in self._covered}
-        self._reasons = {n: reasons.get(n, "not covered") for n in self._uncovered}
-        if self._uncovered:
-            listed = [f"{n} ({self._reasons[n]})" for n in list(self._uncovered)[:8]]
-            message = (f"PerSampleGradNorms: {len(self._uncovered)} parameters ({sum(self._uncovered.values()):,} "
-                       f"elements) are excluded from the norms: {listed}{' ...' if len(self._uncovered) > 8 else ''}")
-            if strict:
-                raise ValueError(message + " (strict=True)")
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self._params = [(names[id(p)], p) for p in model.parameters()]
+        self._reasons = reasons  # parameter -> why no rule holds for it
+        self._warned: set[str] = set()  # uncovered parameters already warned about
+        self._checked_state: tuple | None = None  # what _warn_uncovered last looked at
+        self.skipped: set[str] = set()  # layers found not to be per-sample at run time
+        self._warn_uncovered(ValueError, stacklevel=3)
+        # Layers that mix the samples of a batch when they use batch statistics.
+        self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
+                        for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
@@ -114,7 +116,6 @@ class PerSampleGradNorms:
         self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
         self._read = False
         self.active = True  # GAPMonitor turns the hooks off on the steps it skips
-        self.skipped: set[str] = set()
 
     # ------------------------------------------------------------------ hooks
     def _new_micro_batch(self, module, args, kwargs) -> None:
@@ -129,7 +130,14 @@ class PerSampleGradNorms:
             raise ValueError("PerSampleGradNorms: the model's first tensor input gives the batch size (dim 0), "
                              "but this forward call has no tensor input with a batch dim")
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
-        self._micro.append({"batch": x.shape[0], "inputs": storages, "sq": None, "dtype": None, "calls": {}})
+        self._micro.append({"batch": x.shape[0], "inputs": storages, "sq": None, "dtype": None, "calls": {},
+                            "mixing": set()})
+
+    def _mixing_hook(self, name: str, module: nn.Module, args) -> None:
+        # As F.batch_norm decides: batch statistics in training mode, or without running statistics.
+        uses_batch = module.training or (module.running_mean is None and module.running_var is None)
+        if uses_batch and self.active and self._micro and not torch._C._are_functorch_transforms_active():
+            self._micro[-1]["mixing"].add(f"{name} ({type(module).__name__})")
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
@@ -138,6 +146,8 @@ class PerSampleGradNorms:
         if torch._C._are_functorch_transforms_active():  # e.g. the model run under torch.func.vmap
             return
         name, _, rule = self._layers[index]
+        if not rule.params(module):  # frozen now: nothing to measure (watched in case it is unfrozen)
+            return
         mb = self._micro[-1]
         call = Call(*tree_map_only(torch.Tensor, torch.Tensor.detach, (tuple(args), dict(kwargs))))
         why = rule.not_per_sample(module, call, output, mb["batch"], mb["inputs"])
@@ -231,8 +241,16 @@ class PerSampleGradNorms:
 
     def local_norms(self) -> torch.Tensor:
         """[B_local] per-sample gradient norms of this rank's samples since the last reset: float64
-        when the layers saw float64 gradients, else float32."""
+        when the layers saw float64 gradients, else float32. Raises RuntimeError when a layer mixed
+        the samples of the batch (BatchNorm using batch statistics)."""
         self._read = True
+        mixing = sorted({name for mb in self._micro for name in mb["mixing"]})
+        if mixing:
+            raise RuntimeError(
+                f"PerSampleGradNorms: {', '.join(mixing)} normalises with statistics of the whole batch, which mixes "
+                "the samples: no layer has per-sample gradients of the form gapmon computes, so no norms are "
+                "returned. Put it in eval mode (running statistics), or replace it (GroupNorm, LayerNorm).")
+        self._warn_uncovered(RuntimeError, stacklevel=3)
         parts = []
         for mb in self._micro:
             for index in list(mb["calls"]):  # calls whose output got no gradient add nothing
@@ -266,16 +284,20 @@ class PerSampleGradNorms:
         return ids[keep], norms[keep]
 
     def coverage(self) -> dict[str, Any]:
-        """Covered and uncovered parameters (name -> numel), why each uncovered one is, and the
-        layers found not to be per-sample at run time (their parameters count as uncovered)."""
-        covered, uncovered, reasons = dict(self._covered), dict(self._uncovered), dict(self._reasons)
+        """Covered and uncovered parameters (name -> numel) as of now (requires_grad is read at each
+        call), why each uncovered one is, and the layers found not to be per-sample at run time
+        (their parameters count as uncovered)."""
+        covered: dict[str, int] = {}
+        reasons: dict[str, str] = {}
         for name, module, rule in self._layers:
-            if name in self.skipped:
-                for p in rule.params(module):
-                    full = self._param_names[id(p)]
-                    if full in covered:
-                        uncovered[full] = covered.pop(full)
-                        reasons[full] = "layer is not per-sample (see skipped_layers)"
+            for p in rule.params(module):
+                full = self._param_names[id(p)]
+                if name in self.skipped:
+                    reasons[full] = "layer is not per-sample (see skipped_layers)"
+                else:
+                    covered[full] = p.numel()
+        uncovered = {n: p.numel() for n, p in self._params if p.requires_grad and n not in covered}
+        reasons = {n: reasons.get(n) or self._reasons.get(n, "not covered") for n in uncovered}
         return {
             "covered": covered,
             "uncovered": uncovered,
@@ -285,11 +307,37 @@ class PerSampleGradNorms:
             "skipped_layers": sorted(self.skipped),
         }
 
+    def _warn_uncovered(self, error: type, stacklevel: int) -> None:
+        """Warns (strict: raises `error`) about trainable parameters left out of the norms that were
+        not warned about yet: at construction, and again when unfreezing adds some. Checked again
+        only when some parameter's requires_grad (or the set of skipped layers) changed."""
+        state = (tuple(p.requires_grad for _, p in self._params), len(self.skipped))
+        if state == self._checked_state:
+            return
+        self._checked_state = state
+        cov = self.coverage()
+        new = [n for n in cov["uncovered"] if n not in self._warned and n not in self._skipped_params()]
+        if not new:
+            return
+        self._warned.update(new)
+        listed = [f"{n} ({cov['uncovered_reasons'][n]})" for n in new[:8]]
+        message = (f"PerSampleGradNorms: {len(new)} parameters ({sum(cov['uncovered'][n] for n in new):,} elements) "
+                   f"are excluded from the norms: {listed}{' ...' if len(new) > 8 else ''}")
+        if self.strict:
+            raise error(message + " (strict=True)")
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+    def _skipped_params(self) -> set[str]:
+        """Parameters of layers found not to be per-sample at run time (warned about by _skip)."""
+        return {self._param_names[id(p)] for name, module, rule in self._layers if name in self.skipped
+                for p in module.parameters(recurse=rule.owns_submodules)}
+
     def close(self) -> None:
         """Removes the hooks."""
-        for h in self._handles:
+        for h in (*self._handles, *self._mixing):
             h.remove()
         self._handles.clear()
+        self._mixing.clear()
         self._root.remove()
         self.reset()
 

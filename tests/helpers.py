@@ -163,7 +163,9 @@ def loop_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets, para
     `params` restricts the norm to those parameter names (default: every trainable parameter)."""
     import copy
 
-    ref = copy.deepcopy(model).double()
+    # A float64 model is used as it is (autograd.grad leaves its .grad alone; weight_norm'd modules
+    # cannot be deep-copied); any other is copied to float64.
+    ref = model if all(p.dtype == torch.float64 for p in model.parameters()) else copy.deepcopy(model).double()
     named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad and (params is None or n in params)]
     norms = []
     for i in range(len(inputs)):

@@ -273,15 +273,23 @@ def _spawn(cfg: DemoConfig) -> None:
     command = [sys.executable, "-c", "from gapmon.apps.demo import _worker_main; _worker_main()"]
     workers: list[subprocess.Popen] = []
     try:
+        # A Ctrl-C inside Popen would leave a started worker unlisted (and, in its own session, running
+        # on): while Popen runs it is only recorded (Python runs signal handlers in the main thread,
+        # whichever thread the signal reached), and raised once the worker is listed.
+        pending: list[int] = []
+
+        def hold(signum, frame):
+            pending.append(signum)
+
         for rank in range(cfg.nproc):
-            # A Ctrl-C inside Popen would leave a started worker unlisted (and, in its own session, running
-            # on): it is held back until the worker is listed, then stops them all like any other.
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            previous = signal.signal(signal.SIGINT, hold)
             try:
                 workers.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                                 pass_fds=(write_end,), start_new_session=True))
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                signal.signal(signal.SIGINT, previous)
+            if pending:
+                raise KeyboardInterrupt
         os.close(write_end)
         write_end = -1
         while True:

@@ -1,0 +1,228 @@
+"""Per-sample norms are exact or refused, round 2 (issue 22): subclasses of covered layers,
+weight_norm and parametrizations, batch-mixing layers, layers unfrozen or frozen after
+construction, MultiheadAttention with book-keeping. Reference: a float64 loop, one backward per
+sample, over the parameters coverage() lists."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import loop_per_sample_norms
+
+import gapmon
+from gapmon.norm_rules import LinearRule, register_norm_rule
+
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+
+
+def _loss(out, t):
+    return ((out - t) ** 2).flatten(1).sum(1).mean()
+
+
+def _norms(model, x, y, bookkeeping, **kwargs):
+    """(gapmon's norms, the loop's norms over the parameters coverage() lists, coverage)."""
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, **kwargs)
+    try:
+        model.zero_grad()
+        _loss(model(x), y).backward()
+        got = psn.local_norms()
+        cov = psn.coverage()
+    finally:
+        psn.close()
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    return got, want, cov
+
+
+def _assert_exact(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class LoRALinear(nn.Linear):
+    """A Linear with a low-rank update in its forward: the Linear rule does not see lora_A/lora_B."""
+
+    def __init__(self, d, p, r=2):
+        super().__init__(d, p)
+        self.lora_A = nn.Parameter(torch.randn(r, d) * 0.3)
+        self.lora_B = nn.Parameter(torch.randn(p, r) * 0.3)
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_A.T @ self.lora_B.T
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Hugging Face's scaled word embeddings: the output is scaled after the lookup."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 3.0
+
+
+class PlainSubclass(nn.Linear):
+    """A subclass that does not override forward: Linear's math holds."""
+
+
+class SameMathLinear(nn.Linear):
+    """Overrides forward with Linear's own math: covered only once its user registers it."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def _mlp(first: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(6, 3)).double()
+    return model
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("make, covered", [
+    (lambda: LoRALinear(5, 6), False),
+    (lambda: torch.nn.utils.weight_norm(nn.Linear(5, 6)), False),
+    (lambda: torch.nn.utils.parametrizations.orthogonal(nn.Linear(6, 6)), False),
+    (lambda: PlainSubclass(5, 6), True),
+], ids=["lora-subclass", "weight_norm", "parametrization", "plain-subclass"])
+def test_a_rule_applies_only_where_its_math_holds(make, covered, bookkeeping):
+    torch.manual_seed(1)
+    first = make()
+    if isinstance(first, nn.Linear) and hasattr(first, "weight_g"):
+        with torch.no_grad():
+            first.weight_g.mul_(1.7)  # weight_g no longer equals ||v||: the derived weight is not v
+    model = _mlp(first)
+    x, y = torch.randn(7, 4, first.in_features, dtype=torch.float64), torch.randn(7, 4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="excluded") if not covered else _no_warning():
+        got, want, cov = _norms(model, x, y, bookkeeping)
+    _assert_exact(got, want)
+    first_params = {f"0.{n}" for n, _ in first.named_parameters()}
+    assert (first_params <= set(cov["covered"])) == covered, cov
+    if not covered:
+        assert first_params <= set(cov["uncovered"])
+        assert not first_params & set(cov["covered"])
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+
+
+@BOOKKEEPING
+def test_scaled_embedding_subclass_is_left_out_and_named(bookkeeping):
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = ScaledEmbedding(11, 6)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, ids):
+            return self.head(self.tok(ids))
+
+    model = Model().double()
+    ids, y = torch.randint(0, 11, (5, 4)), torch.randn(5, 4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="ScaledEmbedding subclasses Embedding but overrides forward"):
+        got, want, cov = _norms(model, ids, y, bookkeeping)
+    _assert_exact(got, want)
+    assert "tok.weight" in cov["uncovered"] and "head.weight" in cov["covered"]
+
+
+@BOOKKEEPING
+def test_a_registered_subclass_is_covered_and_exact(bookkeeping):
+    register_norm_rule(SameMathLinear)(LinearRule)
+    model = _mlp(SameMathLinear(5, 6))
+    x, y = torch.randn(6, 3, 5, dtype=torch.float64), torch.randn(6, 3, 3, dtype=torch.float64)
+    got, want, cov = _norms(model, x, y, bookkeeping, strict=True)
+    _assert_exact(got, want)
+    assert {"0.weight", "0.bias"} <= set(cov["covered"])
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("affine", [False, True])
+def test_batch_norm_in_training_mode_is_refused_and_fine_in_eval(affine, bookkeeping):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6, affine=affine), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping)
+    _loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"1 \(BatchNorm1d\) normalises with statistics of the whole batch"):
+        psn.local_norms()
+    psn.close()
+    model.eval()  # running statistics: every sample on its own
+    got, want, cov = _norms(model, x, y, bookkeeping)
+    _assert_exact(got, want)
+    assert {"0.weight", "2.weight"} <= set(cov["covered"])
+
+
+@BOOKKEEPING
+def test_coverage_follows_requires_grad_at_each_step(bookkeeping):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    x, y = torch.randn(6, 4, 5, dtype=torch.float64), torch.randn(6, 4, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, strict=True)
+    try:
+        for step, trainable in enumerate([("2",), ("0", "2"), ("0",)]):
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.split(".")[0] in trainable)
+            model.zero_grad()
+            _loss(model(x), y).backward()
+            got = psn.local_norms()
+            cov = psn.coverage()
+            expected = {f"{layer}.{kind}" for layer in trainable for kind in ("weight", "bias")}
+            assert set(cov["covered"]) == expected and not cov["uncovered"], (step, cov)
+            psn.active = False  # the reference loop's forward passes are not samples of the next step
+            _assert_exact(got, loop_per_sample_norms(model, _loss, x, y, params=expected))
+            psn.active = True
+    finally:
+        psn.close()
+
+
+def test_unfreezing_a_parameter_no_rule_covers_is_warned_at_the_next_step():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+
+        def forward(self, x):
+            return x * self.s
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), Scale()).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model)
+    model[1].s.requires_grad_(True)
+    _loss(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match=r"1.s \(no per-sample rule for Scale\)"):
+        got = psn.local_norms()
+    cov = psn.coverage()
+    assert cov["uncovered"] == {"1.s": 3} and set(cov["covered"]) == {"0.weight", "0.bias"}
+    _assert_exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))
+    psn.close()
+
+
+@BOOKKEEPING
+def test_multihead_attention_model(bookkeeping):
+    """Book-keeping on a model with nn.MultiheadAttention: it crashed reading MHA's `weight`."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+    model = Model().double()
+    x, y = torch.randn(5, 6, 4, dtype=torch.float64), torch.randn(5, 6, 3, dtype=torch.float64)
+    got, want, cov = _norms(model, x, y, bookkeeping, strict=True)
+    _assert_exact(got, want)
+    assert "attn.in_proj_weight" in cov["covered"]
