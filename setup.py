@@ -1,6 +1,7 @@
 """Builds gapmon._C: C++ CPU kernels always; CUDA kernels when torch has CUDA and nvcc is found.
 
-GAPMON_CUDA=1 forces the CUDA build (and fails if it cannot be done), GAPMON_CUDA=0 skips it.
+GAPMON_CUDA=1 forces the CUDA build (and fails if it cannot be done), GAPMON_CUDA=0 skips it;
+GAPMON_PTXAS_VERBOSE=1 makes ptxas print each kernel's registers and spills.
 """
 import glob
 import os
@@ -72,6 +73,8 @@ def extension():
         print("gapmon: no GPU visible, building the CUDA kernels for TORCH_CUDA_ARCH_LIST=8.0;9.0", file=sys.stderr)
     sources += rel([os.path.join(ROOT, "csrc", "cuda_ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    if os.environ.get("GAPMON_PTXAS_VERBOSE") == "1":  # registers and spills per kernel in the build log
+        nvcc.append("-Xptxas=-v")
     return cpp_extension.CUDAExtension(
         "gapmon._C",
         sources,

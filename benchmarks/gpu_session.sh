@@ -1,94 +1,153 @@
 #!/usr/bin/env bash
-# Everything a GPU session measures, in one command (the device tool allows few, long calls):
-# builds the CUDA extension in place, runs the CUDA tests, then the GPU benchmarks. Logs and
-# JSON results go to OUT_DIR (default $OUT, else /tmp/gapmon-gpu): at most 9 files (session.log,
-# build.log, stats.json, monitor.json, persample-gpt2.json, persample.json, variants.txt, ncu.txt).
+# Everything a GPU session measures, split into device calls that fit the device tool's limits
+# (10 minutes a command, a bare machine unless the last call ended < 30 s before, at most 8 files back
+# from $OUT per call, 30 minutes of device time in all). Logs and JSON results go to OUT_DIR.
 #
-#   bash benchmarks/gpu_session.sh [OUT_DIR [PHASE ...]]
+#   bash benchmarks/gpu_session.sh OUT_DIR call1|call2|call3|call4     (one device call each)
+#   bash benchmarks/gpu_session.sh OUT_DIR PHASE ...                  (phases by name)
+#   GAPMON_GPU_DRY_RUN=1 bash benchmarks/gpu_session.sh OUT_DIR ...   (no GPU: prints what each phase
+#                                                                      runs; tests/test_gpu_session.py)
 #
-# PHASEs (default: all but suite, in this order): build tests demo stats variants ncu monitor persample;
-# "suite" runs the whole test suite on the GPU machine (about 6 minutes: a call of its own).
-# A device call is limited to 10 minutes: split them over two calls when needed, e.g.
-# "build tests demo stats" then "build variants ncu monitor persample" (build is quick when done).
-#
-# Then copy OUT_DIR/stats.json to benchmarks/results/<gpu>.json (and monitor/persample likewise).
+# The plan. Each phase has a time limit (seconds, below); a call's limits add up to at most 570 s.
+# Expected times: build ~30 s and the whole suite ~6 min were measured on an H100 by an earlier session;
+# the others are not measured yet (their limits are generous), so replace these figures once they are.
+#   call1  build tests demo        limits 180 + 60 + 180 + 120 = 540 s (build, its register check, the
+#                                   CUDA tests, the demo). Returns gapmon/_C*.so in OUT_DIR: copy it to
+#                                   .gpu-build/ (git-ignored) here and name .gpu-build in every later
+#                                   call's carry; their "reuse" phase installs it (no rebuild).
+#   call2  reuse stats ncu         limits 300 + 60 + 180 = 540 s   (#11's kernel targets; ncu per case)
+#   call3  reuse monitor persample limits 150 + 150 + 120 = 420 s  (#12's step targets)
+#   call4  reuse suite             limit 560 s: the whole test suite (~6 min), a call of its own
+#   then, if device time is left:  variants (limit 240 s)
+# Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
+# ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json; call4 session.log.
+# Afterwards copy stats.json to benchmarks/results/<gpu>.json (monitor/persample likewise) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-/tmp/gapmon-gpu}}
-shift || true
-phases=${*:-build tests demo stats variants ncu monitor persample}
+out=${1:?usage: gpu_session.sh OUT_DIR call1|call2|call3|call4|PHASE ...}
+shift
+case "${1:-}" in
+  call1) phases="build tests demo" ;;
+  call2) phases="reuse stats ncu" ;;
+  call3) phases="reuse monitor persample" ;;
+  call4) phases="reuse suite" ;;
+  "") echo "name a call (call1..call4) or phases: build reuse tests demo stats ncu monitor persample suite variants" >&2
+      exit 2 ;;
+  *) phases="$*" ;;
+esac
 want() { [[ " $phases " == *" $1 "* ]]; }
+dry=${GAPMON_GPU_DRY_RUN:-0}
 mkdir -p "$out"
 log="$out/session.log"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 section() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
+# run LIMIT CMD...: the command under a time limit, so that a hang cannot eat the call; in a dry run,
+# the command is printed instead.
+run() {
+  local limit=$1
+  shift
+  if [ "$dry" = 1 ]; then
+    echo "+ timeout $limit $*" >>"$log"
+    return 0
+  fi
+  timeout "$limit" "$@"
+}
 
-section "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv 2>&1 | tee -a "$log"
-$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
-
-arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-tests_rc=0
-if want build; then
-section "build"
-if ! TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} GAPMON_CUDA=1 $py setup.py build_ext --inplace >"$out/build.log" 2>&1; then
-  tail -40 "$out/build.log"
-  exit 1
+section "machine (phases: $phases)"
+if [ "$dry" = 1 ]; then
+  arch=9.0
+  nvcc_bin=nvcc
+else
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv 2>&1 | tee -a "$log"
+  $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
+  arch=$($py -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  nvcc_bin=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  # torch guesses CUDA_HOME from nvcc's place; where nvcc is a wrapper script (/usr/local/bin/nvcc),
+  # point it at a directory that has the toolkit's headers.
+  if [ -z "${CUDA_HOME:-}" ] || [ ! -f "$CUDA_HOME/include/cuda_runtime_api.h" ]; then
+    for home in "$(dirname "$(dirname "$(readlink -f "$nvcc_bin")")")" /usr/local/cuda /usr/local/cuda-*; do
+      if [ -f "$home/include/cuda_runtime_api.h" ]; then export CUDA_HOME=$home; break; fi
+    done
+  fi
+  echo "CUDA_HOME=${CUDA_HOME:-not found}" | tee -a "$log"
 fi
-grep -E "registers|spill" "$out/build.log" | tail -20 | tee -a "$log"
-$py tests/cpp/check_kernels.py "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" . 2>&1 | tee -a "$log"
-$py -c "import gapmon; b = gapmon.backend(); print('backend', b); assert b == 'cuda', b" 2>&1 | tee -a "$log" || exit 1
+sm=sm_${arch/./}
+tests_rc=0
+
+if want build; then
+  section "build"
+  if ! GAPMON_PTXAS_VERBOSE=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} GAPMON_CUDA=1 \
+      run 180 $py setup.py build_ext --inplace >"$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"
+    exit 1
+  fi
+  grep -E "registers|spill" "$out/build.log" | tail -20 | tee -a "$log"  # ptxas -v: registers and spills per kernel
+  [ "$dry" = 1 ] || cp gapmon/_C*.so "$out/"  # back to this machine: carry it in the later calls
+  run 60 $py tests/cpp/check_kernels.py "$nvcc_bin" . 2>&1 | tee -a "$log"
+fi
+
+if want reuse; then
+  section "reuse the extension built by call1"
+  so=$(ls .gpu-build/_C*.so 2>/dev/null | head -n 1)
+  if [ "$dry" != 1 ]; then
+    [ -n "$so" ] || { echo "no .gpu-build/_C*.so: run call1, copy its _C*.so to .gpu-build/, carry .gpu-build" | tee -a "$log"; exit 1; }
+    cp "$so" gapmon/
+  fi
+  echo "reusing ${so:-.gpu-build/_C*.so}" | tee -a "$log"
+fi
+
+if { want build || want reuse; } && [ "$dry" != 1 ]; then
+  $py -c "import gapmon; b = gapmon.backend(); print('backend', b); assert b == 'cuda', b" 2>&1 | tee -a "$log" || exit 1
 fi
 
 if want tests; then
-section "CUDA tests"
-$py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee -a "$log"
-tests_rc=${PIPESTATUS[0]}
-fi
-
-if want suite; then
-section "whole test suite"
-timeout 560 $py -m pytest -q -p no:cacheprovider tests 2>&1 | tail -30 | tee -a "$log"
-tests_rc=${PIPESTATUS[0]}
+  section "CUDA tests"
+  run 180 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee -a "$log"
+  tests_rc=${PIPESTATUS[0]}
 fi
 
 if want demo; then
-section "demo on one GPU"
-rm -rf /tmp/gapmon-demo-gpu
-timeout 120 $py -m gapmon demo --device cuda --out /tmp/gapmon-demo-gpu 2>&1 | tail -25 | tee -a "$log"
+  section "demo on one GPU"
+  rm -rf /tmp/gapmon-demo-gpu
+  run 120 $py -m gapmon demo --device cuda --out /tmp/gapmon-demo-gpu 2>&1 | tail -25 | tee -a "$log"
 fi
 
 if want stats; then
-section "statistics benchmark"
-timeout 300 $py benchmarks/bench_stats.py --device cuda --out "$out/stats.json" 2>&1 | tee -a "$log"
-fi
-
-if want variants; then
-section "kernel variants (benchmarks/cuda/tune.sh)"
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc) CUDA_ARCH=sm_${arch/./} timeout 240 \
-  bash benchmarks/cuda/tune.sh "$out/variants.txt" 2>&1 | tee -a "$log"
+  section "statistics benchmark"
+  run 300 $py benchmarks/bench_stats.py --device cuda --out "$out/stats.json" 2>&1 | tee -a "$log"
 fi
 
 if want ncu; then
-section "ncu: the statistics kernels on the default variant"
-nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_${arch/./} -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
-  csrc/cuda/stats_cuda.cu -o /tmp/gapmon_kernel_bench && \
-  timeout 180 ncu --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
-    --kernel-name regex:stats_kernel --launch-skip 3 --launch-count 3 /tmp/gapmon_kernel_bench > "$out/ncu.txt" 2>&1
-tail -60 "$out/ncu.txt" | tee -a "$log"
+  section "ncu: one launch of every kernel_bench case a target names (clocks left as they are)"
+  run 60 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
+    csrc/cuda/stats_cuda.cu -o /tmp/gapmon_kernel_bench &&
+    run 180 ncu --clock-control none --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+      --kernel-name regex:stats_kernel /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
+  tail -80 "$out/ncu.txt" | tee -a "$log"
 fi
 
 if want monitor; then
-section "monitor benchmark"
-timeout 150 $py benchmarks/bench_monitor.py --device cuda --gpt2 --steps 6 --rounds 2 --out "$out/monitor.json" 2>&1 | tee -a "$log"
+  section "monitor benchmark"
+  run 150 $py benchmarks/bench_monitor.py --device cuda --gpt2 --steps 6 --rounds 2 --out "$out/monitor.json" 2>&1 | tee -a "$log"
 fi
 
 if want persample; then
-section "per-sample benchmark"
-timeout 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 1024 --steps 6 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
-timeout 120 $py benchmarks/bench_persample.py --device cuda --d-model 768 --out "$out/persample.json" 2>&1 | tee -a "$log"
+  section "per-sample benchmark"
+  run 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 1024 --steps 6 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
+  run 120 $py benchmarks/bench_persample.py --device cuda --d-model 768 --out "$out/persample.json" 2>&1 | tee -a "$log"
 fi
 
-section "done (CUDA tests exit code $tests_rc)"
+if want suite; then
+  section "whole test suite"
+  run 560 $py -m pytest -q -p no:cacheprovider tests 2>&1 | tail -30 | tee -a "$log"
+  tests_rc=${PIPESTATUS[0]}
+fi
+
+if want variants; then
+  section "kernel variants (benchmarks/cuda/tune.sh)"
+  NVCC=$nvcc_bin CUDA_ARCH=$sm run 240 bash benchmarks/cuda/tune.sh "$out/variants.txt" 2>&1 | tee -a "$log"
+fi
+
+section "done (tests exit code $tests_rc)"
 exit "$tests_rc"
