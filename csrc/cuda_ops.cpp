@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -58,27 +59,41 @@ cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at
 // stream is captured into a CUDA graph the graph gets counters of its own, zeroed by a recorded
 // memset (`keep` holds them until the launch is queued), so replays never share counters with eager
 // calls or with another graph.
+//
+// The per-stream buffers come from cudaMalloc, outside torch's caching allocator: a buffer first made
+// while torch.compile's cudagraph trees route allocations into a private pool (their warm-up runs)
+// would be handed to other tensors when that pool is rewound. They are keyed by cudaStreamGetId, which
+// is unique for the life of the process: a stream created after another was destroyed may get the
+// same handle, and must not share a buffer that the destroyed stream's last kernels may still use.
 unsigned* zeroed_counters(int64_t n, const at::Device& device, cudaStream_t stream, at::Tensor& keep, const char* op) {
   const int64_t bytes = n * int64_t(sizeof(unsigned));
-  const auto opts = at::TensorOptions().dtype(at::kByte).device(device);
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    keep = at::empty({bytes}, opts);
+    keep = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
     check_launch(cudaMemsetAsync(keep.data_ptr(), 0, bytes, stream), op);
     return static_cast<unsigned*>(keep.data_ptr());
   }
+  struct Buffer {
+    void* data;
+    int64_t bytes;
+  };
   static std::mutex mutex;
-  // Never destroyed, nor freed when outgrown (another host thread may still be about to launch on
-  // an old one): they must outlive every kernel queued before the process exits. Sizes double, so
-  // the outgrown ones add up to less than the current one.
-  static auto* buffers = new std::map<std::pair<int, cudaStream_t>, std::vector<at::Tensor>>();
+  // Never freed, also when outgrown (another host thread may still be about to launch on an old
+  // one): they must outlive every kernel queued before the process exits. Sizes double, so the
+  // outgrown ones add up to less than the current one.
+  static auto* buffers = new std::map<std::pair<int, unsigned long long>, std::vector<Buffer>>();
+  unsigned long long stream_id = 0;
+  check_launch(cudaStreamGetId(stream, &stream_id), op);
   const std::lock_guard<std::mutex> lock(mutex);
-  std::vector<at::Tensor>& held = (*buffers)[{device.index(), stream}];
-  if (held.empty() || held.back().numel() < bytes) {
+  std::vector<Buffer>& held = (*buffers)[{device.index(), stream_id}];
+  if (held.empty() || held.back().bytes < bytes) {
     int64_t size = 4096;
     while (size < bytes) size *= 2;
-    held.push_back(at::zeros({size}, opts));
+    void* data = nullptr;
+    check_launch(cudaMalloc(&data, size), op);
+    check_launch(cudaMemsetAsync(data, 0, size, stream), op);  // ordered before this call's launch
+    held.push_back({data, size});
   }
-  return static_cast<unsigned*>(held.back().data_ptr());
+  return static_cast<unsigned*>(held.back().data);
 }
 
 // Runs the statistics kernel over `views`: float64 statistics rows, or float64 states if `as_states`.

@@ -307,3 +307,32 @@ def test_bookkeeping_under_bf16_autocast_on_cuda():
         torch.testing.assert_close(norms, want.float(), rtol=4e-3, atol=0, msg=f"bookkeeping={bookkeeping}")
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-4, msg=f"bookkeeping={bookkeeping} {name}")
+
+
+def test_counters_outlive_cudagraph_tree_pools():
+    """torch.compile(mode="reduce-overhead"): cudagraph trees route warm-up allocations into a private
+    pool and rewind it. Counters first made during warm-up come from cudaMalloc, outside that pool, so
+    tensors the pool hands out later never overlap them: eager calls after many compiled steps (new
+    shapes: new warm-ups and recordings) still match the float64 oracle, also on a stream made after
+    another was destroyed (its handle may be reused: the counters are keyed by stream id)."""
+    torch._dynamo.reset()
+
+    def step(x):
+        return gapmon.instance_stats(x * 2.0).norm
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for rows in (3, 5, 7):  # each new shape warms up and records again
+        x = torch.randn(rows, 300_000, device="cuda")
+        for _ in range(3):
+            got = compiled(x).clone()
+            torch.testing.assert_close(got, (x.double() * 2).norm(dim=1), rtol=1e-5, atol=1e-6)
+    for _ in range(2):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            y = torch.randn(9, 250_000, device="cuda")
+            stats = gapmon.instance_stats(y)
+            filler = torch.full((1 << 20,), 7.0, device="cuda")  # reuses whatever memory the pools free
+        stream.synchronize()
+        torch.testing.assert_close(stats.norm, y.double().norm(dim=1), rtol=1e-5, atol=1e-6)
+        assert bool((filler == 7.0).all())
+        del stream

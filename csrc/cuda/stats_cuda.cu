@@ -102,12 +102,16 @@ struct ChunkGroup {
   static constexpr int kPerBlock = kThreads / kLanes;
   __device__ static int lane() { return threadIdx.x % kLanes; }
   __device__ static int index() { return threadIdx.x / kLanes; }
-  // Whether any thread of the group has `v` set (a barrier for the group).
+  // Whether any thread of the group has `v` set (a barrier for the group). A warp vote converges the
+  // lanes but does not order their memory accesses: __syncwarp does (shared memory written before
+  // the vote is visible to every lane after it).
   __device__ static bool any(bool v) {
     if constexpr (kLanes == kThreads) {
       return __syncthreads_or(v);
     } else {
-      return __any_sync(0xffffffffu, v);
+      const bool found = __any_sync(0xffffffffu, v);
+      __syncwarp();
+      return found;
     }
   }
   // The group's merged state, in lane 0.
@@ -120,7 +124,11 @@ struct ChunkGroup {
   }
   // Orders the group's reuse of shared memory before its next chunk.
   __device__ static void sync() {
-    if constexpr (kLanes == kThreads) __syncthreads();
+    if constexpr (kLanes == kThreads) {
+      __syncthreads();
+    } else {
+      __syncwarp();
+    }
   }
 };
 

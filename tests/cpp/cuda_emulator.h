@@ -8,7 +8,7 @@
 // order at every barrier round: a result that depends on which block or thread runs first shows
 // up as a difference between schedules. Shared memory is per OS thread, hence per running block.
 // It emulates what the kernels use: threadIdx/blockIdx/blockDim/gridDim, __syncthreads,
-// __syncthreads_or, per-warp __shfl_down_sync and __any_sync, __ldg/__ldcg, __threadfence, atomicAdd
+// __syncthreads_or, per-warp __shfl_down_sync, __any_sync and __syncwarp, __ldg/__ldcg, __threadfence, atomicAdd
 // on counters, static __shared__ arrays and kernel launches. Device memory is host memory. It
 // checks the kernels' logic (indexing, chunking, barriers, merge order, independence of the
 // schedule), not their speed.
@@ -246,6 +246,9 @@ inline int __any_sync(unsigned, int predicate) {
   gapmon_emu::warp_barrier();
   return any;
 }
+
+// A barrier (and memory fence) of the calling thread's warp.
+inline void __syncwarp(unsigned = 0xffffffffu) { gapmon_emu::warp_barrier(); }
 
 inline double __shfl_down_sync(unsigned, double value, unsigned delta) {
   auto& b = *gapmon_emu::running;
