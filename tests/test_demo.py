@@ -187,3 +187,40 @@ def test_isolated_build_stops_at_once_with_one_line(tmp_path):
     code = f"import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; exec(open({str(setup)!r}).read())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode != 0 and "--no-build-isolation" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_workers_end_when_the_demo_is_killed_outright(tmp_path):
+    """The workers run in sessions of their own (out of the terminal's reach): a parent killed with
+    SIGKILL must not leave them running (PR_SET_PDEATHSIG sends them SIGTERM)."""
+    import os
+    import signal
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gapmon", "demo", "--out", str(out), "--steps", "500"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "train.jsonl").exists() and (out / "train.jsonl").stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(running(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [w for w in workers if running(w)]
+    for w in left:
+        os.kill(int(w), signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed parent"

@@ -269,7 +269,7 @@ def _spawn(cfg: DemoConfig) -> None:
         port = s.getsockname()[1]
     read_end, write_end = os.pipe()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(cfg.nproc),
-           _CONFIG_ENV: json.dumps(asdict(cfg)), _ERROR_FD_ENV: str(write_end)}
+           _CONFIG_ENV: json.dumps(asdict(cfg)), _ERROR_FD_ENV: str(write_end), _PARENT_ENV: str(os.getpid())}
     command = [sys.executable, "-c", "from gapmon.apps.demo import _worker_main; _worker_main()"]
     workers: list[subprocess.Popen] = []
     try:
@@ -323,6 +323,22 @@ def _stop(workers) -> None:
 
 _CONFIG_ENV = "GAPMON_DEMO_CONFIG"
 _ERROR_FD_ENV = "GAPMON_DEMO_ERROR_FD"
+_PARENT_ENV = "GAPMON_DEMO_PARENT"
+
+
+def _end_with_parent(parent: int) -> None:
+    """A worker is in a session of its own, out of reach of the terminal: if its parent is killed
+    outright (SIGKILL), Linux sends the worker SIGTERM (PR_SET_PDEATHSIG) rather than leave it running."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the request: end now
+        sys.exit(1)
 
 
 def _worker_main() -> None:
@@ -331,6 +347,7 @@ def _worker_main() -> None:
     import sys
     import traceback
 
+    _end_with_parent(int(os.environ[_PARENT_ENV]))
     rank = int(os.environ["RANK"])
     cfg = DemoConfig(**json.loads(os.environ[_CONFIG_ENV]))
     try:
