@@ -25,7 +25,6 @@ import json
 import os
 import queue
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -57,8 +56,8 @@ from .dump_format import (
     step_dir,
     tensor_crc32,
 )
-from .safe_io import process_alive, read_safetensors_header, remove_stale_temps, write_json, write_safetensors
-from .utils import check_step, clean_named, is_dtensor, rank_and_world
+from .safe_io import HOST, process_alive, read_safetensors_header, remove_stale_temps, write_json, write_safetensors
+from .utils import check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
 
 MODES = ("shards", "full", "sampled")
 _FAILED = ".{}.failed"  # step{S}/.rank{R}.failed: a rank's write of the step failed (its error inside)
@@ -84,9 +83,9 @@ def _collective_device() -> torch.device:
 def _share_identity(run_id: str) -> tuple[str, list[tuple[str, int]]]:
     """Rank 0's run id, and (host, pid) of every rank: one all-gather of fixed-size byte tensors
     (no pickling, no numpy). The pids let rank 0 see a rank of its host die instead of waiting."""
-    me = f"{run_id}\n{socket.gethostname()}\n{os.getpid()}".encode()[:255]
+    me = f"{run_id}\n{HOST}\n{os.getpid()}".encode()[:255]
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return run_id, [(socket.gethostname(), os.getpid())]
+        return run_id, [(HOST, os.getpid())]
     device = _collective_device()
     mine = torch.zeros(256, dtype=torch.uint8, device=device)
     mine[:len(me)] = torch.tensor(list(me), dtype=torch.uint8, device=device)
@@ -128,13 +127,6 @@ def parallel_layout(model: nn.Module) -> dict[str, Any]:
                 "mesh_shape": [world], "mesh_dim_names": []}
     return {"parallel_type": "single", "world_size": 1, "shard_degree": 1, "num_replicas": 1, "mesh_shape": [1],
             "mesh_dim_names": []}
-
-
-def _refuse_complex(params: list[tuple[str, torch.Tensor]]) -> None:
-    complex_params = [f"'{n}' ({p.dtype})" for n, p in params if p.is_complex()]
-    if complex_params:
-        raise TypeError(f"GradientDumper: parameter {', '.join(complex_params)} is complex; dumps hold real gradients. "
-                        "Store it as real and imaginary parts (torch.view_as_real)")
 
 
 def _placement_str(p) -> str:
@@ -272,7 +264,8 @@ class GradientDumper:
         self.start_step, self.step_interval, self.end_step = start_step, step_interval, end_step
         self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
         self._params = clean_named(model, model.named_parameters(), "parameters")
-        _refuse_complex(self._params)
+        refuse_complex(self._params, "GradientDumper",
+                       "dumps hold real gradients. Store it as real and imaginary parts (torch.view_as_real)")
         self.rank, self.world = rank_and_world()
         self._layout = parallel_layout(model)
         self._queue: queue.Queue | None = None
@@ -493,7 +486,6 @@ class GradientDumper:
     def _check_writers(self, directory: Path, step: int, missing: list[str]) -> None:
         """Raises at once, naming the rank, if a rank whose file is missing reported a failed write
         or (a process of this host) is no longer running. Ranks on other hosts are waited for."""
-        host = socket.gethostname()
         for name in missing:
             rank = int(name[len("rank"):-len(".safetensors")]) if name.startswith("rank") else 0
             marker = directory / _FAILED.format(f"rank{rank}")
@@ -501,7 +493,7 @@ class GradientDumper:
                 raise RuntimeError(f"GradientDumper: rank {rank} failed to write step {step}: "
                                    f"{marker.read_text(errors='replace').strip()}; step left incomplete")
             peer_host, pid = self._peers[rank] if rank < len(self._peers) else (None, 0)
-            if peer_host == host and pid != os.getpid() and not process_alive(pid):
+            if peer_host == HOST and pid != os.getpid() and not process_alive(pid):
                 raise RuntimeError(f"GradientDumper: rank {rank} (pid {pid}) exited without writing {directory / name}; "
                                    "step left incomplete")
 

@@ -70,17 +70,12 @@ def tensor_crc32(t: torch.Tensor) -> int:
     return zlib.crc32((ctypes.c_char * size).from_address(t.data_ptr()))
 
 
-def file_crc32(path: str | Path, limit: int | None = None, chunk: int = 16 << 20) -> int:
-    """CRC-32 of a file's bytes (of its first `limit` bytes if given)."""
-    crc, left = 0, limit
+def file_crc32(path: str | Path, chunk: int = 16 << 20) -> int:
+    """CRC-32 of a file's bytes, read in chunks."""
+    crc = 0
     with open(path, "rb") as f:
-        while left is None or left > 0:
-            block = f.read(chunk if left is None else min(chunk, left))
-            if not block:
-                break
+        while block := f.read(chunk):
             crc = zlib.crc32(block, crc)
-            if left is not None:
-                left -= len(block)
     return crc
 
 

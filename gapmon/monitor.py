@@ -26,7 +26,7 @@ from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, metric_name, parse_metric_name, per_sample_norm_name
 from .sinks import Sink, as_sink
 from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES
-from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world
+from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
 
 logger = logging.getLogger("gapmon")
 
@@ -69,14 +69,6 @@ def _picker(indices: list[int]):
     if len(indices) == 1:
         return lambda values: (values[indices[0]],)
     return operator.itemgetter(*indices)
-
-
-def _refuse_complex(params: list[tuple[str, torch.Tensor]]) -> None:
-    complex_params = [f"'{n}' ({p.dtype})" for n, p in params if p.is_complex()]
-    if complex_params:
-        raise TypeError(f"GAPMonitor: parameter {', '.join(complex_params)} is complex; the statistics are of real "
-                        "tensors. Store it as real and imaginary parts (torch.view_as_real) or pass params=False, "
-                        "grads=False")
 
 
 def _rows_with_sparse(tensors: list[torch.Tensor], correction: int) -> torch.Tensor:
@@ -167,7 +159,8 @@ class GAPMonitor:
         self._modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
         self._params = clean_named(model, model.named_parameters(), "parameters")
         if params or grads:
-            _refuse_complex(self._params)
+            refuse_complex(self._params, "GAPMonitor", "the statistics are of real tensors. Store it as real and "
+                           "imaginary parts (torch.view_as_real) or pass params=False, grads=False")
         shard_groups = fsdp1_shard_groups(model)
         self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []

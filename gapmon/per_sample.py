@@ -33,6 +33,8 @@ from . import bookkeeping
 from .norm_rules import Call, rule_for, use_ghost, why_no_rule
 from .utils import clean_named, first_tensor, name_cleaner
 
+_SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
+
 
 def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     found = first_tensor(args)
@@ -293,7 +295,7 @@ class PerSampleGradNorms:
             for p in rule.params(module):
                 full = self._param_names[id(p)]
                 if name in self.skipped:
-                    reasons[full] = "layer is not per-sample (see skipped_layers)"
+                    reasons[full] = _SKIPPED
                 else:
                     covered[full] = p.numel()
         uncovered = {n: p.numel() for n, p in self._params if p.requires_grad and n not in covered}
@@ -316,7 +318,8 @@ class PerSampleGradNorms:
             return
         self._checked_state = state
         cov = self.coverage()
-        new = [n for n in cov["uncovered"] if n not in self._warned and n not in self._skipped_params()]
+        # Parameters of layers found not to be per-sample at run time were warned about by _skip.
+        new = [n for n in cov["uncovered"] if n not in self._warned and cov["uncovered_reasons"][n] != _SKIPPED]
         if not new:
             return
         self._warned.update(new)
@@ -326,11 +329,6 @@ class PerSampleGradNorms:
         if self.strict:
             raise error(message + " (strict=True)")
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
-
-    def _skipped_params(self) -> set[str]:
-        """Parameters of layers found not to be per-sample at run time (warned about by _skip)."""
-        return {self._param_names[id(p)] for name, module, rule in self._layers if name in self.skipped
-                for p in module.parameters(recurse=rule.owns_submodules)}
 
     def close(self) -> None:
         """Removes the hooks."""

@@ -39,12 +39,12 @@ FILE_MODE = 0o666 & ~_umask()
 
 # A temp file's name says who writes it (host and pid), so that one left by a killed writer can be
 # told from one a live writer is still filling: `.{name}.@{host}@{pid}@.{random}.tmp`.
-_HOST = socket.gethostname()
+HOST = socket.gethostname()  # this host, as temp names and the dumper's peers record it
 _OWNER = re.compile(r"\.@([^@/]*)@(\d+)@\.")
 
 
 def _temp_prefix(name: str) -> str:
-    return f".{name}.@{_HOST}@{os.getpid()}@."
+    return f".{name}.@{HOST}@{os.getpid()}@."
 
 
 def process_alive(pid: int) -> bool:
@@ -71,7 +71,7 @@ def remove_stale_temps(paths: Iterable[Path], max_age: float) -> None:
     for tmp in paths:
         owner = _OWNER.search(tmp.name)
         try:
-            dead = owner is not None and owner.group(1) == _HOST and not process_alive(int(owner.group(2)))
+            dead = owner is not None and owner.group(1) == HOST and not process_alive(int(owner.group(2)))
             if tmp.is_file() and (dead or tmp.stat().st_mtime < cutoff):
                 tmp.unlink()
         except OSError:

@@ -95,3 +95,11 @@ def check_step(step: Any, who: str) -> int:
     if step < 0:
         raise ValueError(f"{who}: step must be a non-negative integer, got {step}")
     return int(step)
+
+
+def refuse_complex(params: list[tuple[str, torch.Tensor]], who: str, advice: str) -> None:
+    """TypeError naming the complex parameters among (name, parameter) pairs, if any: gapmon's
+    statistics and dumps are of real tensors."""
+    found = [f"'{n}' ({p.dtype})" for n, p in params if p.is_complex()]
+    if found:
+        raise TypeError(f"{who}: parameter {', '.join(found)} is complex; {advice}")
