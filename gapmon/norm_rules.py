@@ -16,6 +16,11 @@ Rules never materialise per-sample gradients where a cheaper exact form exists:
 - LayerNorm / RMSNorm / GroupNorm / InstanceNorm: weight ||Σ_t G_t ⊙ x̂_t||², bias ||Σ_t G_t||².
 - EmbeddingBag: the entries of each bag, weighted, paired by id as for Embedding.
 - MultiheadAttention: its projections as Linear products, from a recomputed attention.
+
+Each rule also gives `grad_sketch`: the sum over samples of its per-sample gradients (what autograd
+accumulates from the calls the rule saw), projected on a random probe per parameter. A parameter
+whose accumulated gradient differs from it got contributions no rule saw (gapmon.per_sample
+refuses it): a Freivalds check that costs a matrix-vector product, not a gradient.
 """
 from __future__ import annotations
 
@@ -130,6 +135,58 @@ class NormRule:
     def norm_sq(self, module: nn.Module, pos: Sequence[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def grad_sketch(self, module: nn.Module, pos: Sequence[torch.Tensor],
+                    probe: Callable[[torch.Tensor], torch.Tensor]) -> list["Sketch"] | None:
+        """A Sketch per trainable parameter: the sum over samples of the per-sample gradients of one
+        call's positions, as a [rows, -1] matrix times `probe(parameter)` (float64 [rows]; see
+        `sketch`). None: the rule cannot say (its parameters go unchecked)."""
+        return None
+
+
+class Sketch(NamedTuple):
+    """A parameter's gradient sketch from one call. `repeats`: the most terms autograd adds into one
+    gradient element outside a GEMM (an embedding row looked up n times), whose rounding in a 16-bit
+    gradient grows with it."""
+
+    param: torch.Tensor
+    value: torch.Tensor
+    repeats: int = 1
+
+
+def sketch_rows(p: torch.Tensor) -> int:
+    """Rows of a parameter's gradient as the sketch sees it: dim 0 (1 for a 0-dim parameter)."""
+    return p.shape[0] if p.dim() else 1
+
+
+def sketch(grad: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A gradient (any shape, its parameter's) as a [rows, -1] matrix times the probe r, float64."""
+    rows = grad.shape[0] if grad.dim() else 1
+    return (grad.reshape(rows, -1).to(r.dtype) @ r).double()
+
+
+def _product_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """sketch(Σ_{b,t} g_bt a_btᵀ, r) = Gᵀ(A r) for a [..., d], g [..., p]: no [p, d] product formed."""
+    ar = a.reshape(-1, a.shape[-1]).to(r.dtype) @ r
+    return (g.reshape(-1, g.shape[-1]).to(r.dtype).T @ ar).double()
+
+
+def _ids_sketch(ids: torch.Tensor, g: torch.Tensor, r: torch.Tensor, rows: int,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """sketch of an embedding table's gradient: row ids[t] gets g_t (times scale[t])."""
+    ids = ids.reshape(-1)
+    vals = g.reshape(ids.shape[0], -1).to(r.dtype) @ r
+    if scale is not None:
+        vals = vals * scale
+    return torch.zeros(rows, dtype=r.dtype, device=vals.device).index_add_(0, ids, vals).double()
+
+
+def _repeats(ids: torch.Tensor, table: torch.Tensor) -> int:
+    """How often the most frequent id occurs, where a 16-bit table's gradient rounds each add (one
+    host read); 1 otherwise."""
+    if table.dtype not in (torch.float16, torch.bfloat16) or not ids.numel():
+        return 1
+    return int(torch.unique(ids.reshape(-1), return_counts=True)[1].max())
+
 
 def _trainable(p: torch.Tensor | None) -> bool:
     return p is not None and p.requires_grad
@@ -186,6 +243,15 @@ class LinearRule(NormRule):
             out = out + product_norm_sq(a, g)
         if _trainable(module.bias):
             out = out + _bias_sq(g)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        a, g = pos
+        out = []
+        if _trainable(module.weight):
+            out.append(Sketch(module.weight, _product_sketch(a, g, probe(module.weight))))
+        if _trainable(module.bias):
+            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
         return out
 
     def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None) -> torch.Tensor:
@@ -255,6 +321,20 @@ class ConvRule(NormRule):
             out = out + _bias_sq(grads).reshape(b, groups).sum(1)
         return out
 
+    def grad_sketch(self, module, pos, probe):
+        cols, grads = pos
+        groups = module.groups
+        b, length = grads.shape[0] // groups, grads.shape[1]
+        grads = grads.reshape(b, groups, length, -1)
+        out = []
+        if _trainable(module.weight):  # weight [out, C/G, k...]: group j's rows pair with group j's columns
+            r = probe(module.weight)
+            ar = cols.reshape(b, groups, length, -1).to(r.dtype) @ r  # [B, G, L]
+            out.append(Sketch(module.weight, torch.einsum("bglo,bgl->go", grads.to(r.dtype), ar).reshape(-1).double()))
+        if _trainable(module.bias):
+            out.append(Sketch(module.bias, sketch(grads.sum((0, 2)).reshape(-1), probe(module.bias))))
+        return out
+
 
 # -------------------------------------------------------------------- embeddings
 @register_norm_rule(nn.Embedding)
@@ -285,6 +365,19 @@ class EmbeddingRule(NormRule):
         padding = -1 if module.padding_idx is None else module.padding_idx
         return _backend.embedding_norm_sq(ids, g, padding)
 
+    def grad_sketch(self, module, pos, probe):
+        if not _trainable(module.weight):
+            return []
+        ids, g = pos
+        flat = ids.reshape(-1)
+        scale = torch.ones(flat.shape, dtype=torch.float64, device=g.device)
+        if module.padding_idx is not None:  # autograd leaves the padding row's gradient alone
+            scale = scale.masked_fill(flat == module.padding_idx % module.num_embeddings, 0.0)
+        if module.scale_grad_by_freq:  # autograd divides by the id's count in the whole call, not per sample
+            scale = scale / torch.bincount(flat, minlength=module.num_embeddings)[flat].double()
+        r = probe(module.weight)
+        return [Sketch(module.weight, _ids_sketch(flat, g, r, module.num_embeddings, scale.to(r.dtype)), _repeats(flat, module.weight))]
+
 
 # -------------------------------------------------------------------- normalisation layers
 class _AffineNormRule(NormRule):
@@ -300,6 +393,15 @@ class _AffineNormRule(NormRule):
             out = out + (g * xhat).sum(1).square().sum(1)
         if _trainable(getattr(module, "bias", None)):
             out = out + _bias_sq(g)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        xhat, g = pos
+        out = []
+        for name, total in (("weight", lambda: (g * xhat).sum((0, 1))), ("bias", lambda: g.sum((0, 1)))):
+            p = getattr(module, name, None)
+            if _trainable(p):
+                out.append(Sketch(p, sketch(total(), probe(p))))
         return out
 
 
@@ -394,6 +496,12 @@ class EmbeddingBagRule(NormRule):
             return torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
         return _backend.embedding_norm_sq(ids, g, -1)  # padding entries already have zero coefficients
 
+    def grad_sketch(self, module, pos, probe):
+        if not _trainable(module.weight):
+            return []
+        ids, g = pos
+        return [Sketch(module.weight, _ids_sketch(ids, g, probe(module.weight), module.num_embeddings), _repeats(ids, module.weight))]
+
 
 # -------------------------------------------------------------------- attention
 @register_norm_rule(nn.MultiheadAttention)
@@ -460,6 +568,21 @@ class MultiheadAttentionRule(NormRule):
             out = out + product_norm_sq(ctx, g)
         if _trainable(module.out_proj.bias):
             out = out + _bias_sq(g)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        xq, xk, xv, gq, gk, gv, ctx, g = pos
+        out = []
+        w, bias, w_out, b_out = module.in_proj_weight, module.in_proj_bias, module.out_proj.weight, module.out_proj.bias
+        if _trainable(w):  # rows [q; k; v]
+            r = probe(w)
+            out.append(Sketch(w, torch.cat([_product_sketch(x, gx, r) for x, gx in ((xq, gq), (xk, gk), (xv, gv))])))
+        if _trainable(bias):
+            out.append(Sketch(bias, sketch(torch.cat([gx.sum((0, 1)) for gx in (gq, gk, gv)]), probe(bias))))
+        if _trainable(w_out):
+            out.append(Sketch(w_out, _product_sketch(ctx, g, probe(w_out))))
+        if _trainable(b_out):
+            out.append(Sketch(b_out, sketch(g.sum((0, 1)), probe(b_out))))
         return out
 
 

@@ -17,11 +17,19 @@ out_proj, which it never calls). A parameter shared by several modules (tied wei
 one module reused under several names is fine. Every layer a rule holds for is watched, frozen or
 not: coverage follows requires_grad at each step. A layer that mixes the samples of a batch
 (BatchNorm using batch statistics) leaves no layer with per-sample gradients: norms are refused.
+
+Uses of a parameter outside its layer's forward (`F.linear(h, self.tok.weight)`, a layer's weight
+read by another module): a hook on every covered parameter sketches the gradient autograd
+accumulates for it, and each rule sketches the sum of the per-sample gradients it saw (the same
+random probe, gapmon.norm_rules.grad_sketch). Norms are refused when the two differ by more than
+the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rule saw.
 """
 from __future__ import annotations
 
 import functools
+import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -30,10 +38,37 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from . import bookkeeping
-from .norm_rules import Call, rule_for, use_ghost, why_no_rule
-from .utils import clean_named, first_tensor, name_cleaner
+from .norm_rules import Call, rule_for, sketch, sketch_rows, use_ghost, why_no_rule
+from .utils import clean_named, first_tensor, is_dtensor, name_cleaner
 
 _SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
+
+# Relative difference between a parameter's accumulated gradient and the sum of the per-sample
+# gradients the rules saw (both sketched) above which the parameter had uses no rule saw; by the
+# least precise dtype involved (bf16 autocast rounds the weight-gradient GEMM to 2^-9, whose
+# sketches then differ by ~2e-3). A missed contribution smaller than this passes unseen.
+USE_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+class _UseCheck:
+    """Sketches of one parameter's gradient: accumulated by autograd, and explained by the rules."""
+
+    def __init__(self, name: str, layer: str, rows: int, device: torch.device):
+        self.name, self.layer = name, layer
+        self.total = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.explained = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.rtol = USE_CHECK_RTOL[torch.float64]
+        self.repeats = 1
+        self.unchecked: str | None = None  # why it cannot be checked (a rule without a sketch, a DTensor gradient)
+
+    def widen(self, dtype: torch.dtype, repeats: int = 1) -> None:
+        """Allows the rounding of `dtype`; a 16-bit gradient that adds `repeats` terms into one
+        element outside a GEMM (an embedding row) rounds each add: its error grows as sqrt(repeats)."""
+        rtol = USE_CHECK_RTOL.get(dtype, USE_CHECK_RTOL[torch.float32])
+        if dtype in (torch.float16, torch.bfloat16):
+            rtol *= max(1.0, math.sqrt(repeats))
+        self.rtol = max(self.rtol, rtol)
+        self.repeats = max(self.repeats, repeats)
 
 
 def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -118,6 +153,11 @@ class PerSampleGradNorms:
         self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
         self._read = False
         self.active = True  # GAPMonitor turns the hooks off on the steps it skips
+        self._probes: dict[int, torch.Tensor] = {}  # id(parameter) -> its random probe
+        self._checks: dict[int, _UseCheck] = {}  # id(parameter) -> sketches since the last reset
+        self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> handle of its gradient hook
+        self._hooked_state: tuple | None = None
+        self._hook_covered()
 
     # ------------------------------------------------------------------ hooks
     def _new_micro_batch(self, module, args, kwargs) -> None:
@@ -127,6 +167,7 @@ class PerSampleGradNorms:
             return
         if self._read:
             self.reset()
+        self._hook_covered()
         x = _root_input(args, kwargs)
         if x is None or x.dim() == 0:
             raise ValueError("PerSampleGradNorms: the model's first tensor input gives the batch size (dim 0), "
@@ -148,8 +189,12 @@ class PerSampleGradNorms:
         if torch._C._are_functorch_transforms_active():  # e.g. the model run under torch.func.vmap
             return
         name, _, rule = self._layers[index]
-        if not rule.params(module):  # frozen now: nothing to measure (watched in case it is unfrozen)
+        params = rule.params(module)
+        if not params:  # frozen now: nothing to measure (watched in case it is unfrozen)
             return
+        for p in params:  # under FSDP2, the unsharded parameters the forward uses
+            if id(p) not in self._grad_hooks:
+                self._hook(p, name)
         mb = self._micro[-1]
         call = Call(*tree_map_only(torch.Tensor, torch.Tensor.detach, (tuple(args), dict(kwargs))))
         why = rule.not_per_sample(module, call, output, mb["batch"], mb["inputs"])
@@ -201,11 +246,13 @@ class PerSampleGradNorms:
             return
         if calls is None or calls["g"][call] is not None:
             self._backward_hook(index, mb, call, g)  # raises: a second backward through this call
-        mb["calls"].pop(index)
+        record = mb["calls"].pop(index)
         _, module, rule = self._layers[index]
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
-        self._add(mb, sq, torch.float64 if g.dtype == torch.float64 else torch.float32)
+            self._explain(index, rule.positions(module, record["calls"][call], g, acc), g.dtype)
+        self._add(mb, sq, acc)
 
     def _finish(self, index: int, mb: dict) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
@@ -217,6 +264,8 @@ class PerSampleGradNorms:
         with torch.no_grad():
             acc = torch.float64 if any(g.dtype == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
+            for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
+                self._explain(index, piece, g.dtype)
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
         self._add(mb, sq, acc)
@@ -226,6 +275,97 @@ class PerSampleGradNorms:
         """Adds a layer's squared norms (float64, summed in `acc`) to its micro-batch."""
         mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq
         mb["dtype"] = acc if mb["dtype"] is None else torch.promote_types(mb["dtype"], acc)
+
+    # ------------------------------------------------------------------ uses outside the rules
+    def _hook_covered(self) -> None:
+        """Hooks the gradient of every covered trainable parameter, so that a use the rules never see
+        (its layer's forward never ran) is counted too. Looked at again only when requires_grad changed."""
+        state = tuple(p.requires_grad for _, p in self._params)
+        if state == self._hooked_state:
+            return
+        self._hooked_state = state
+        for name, module, rule in self._layers:
+            for p in rule.params(module):
+                if id(p) not in self._grad_hooks:
+                    self._hook(p, name)
+
+    def _hook(self, p: torch.Tensor, layer: str) -> None:
+        # A weak reference: the hook lives on the parameter and must not keep it alive.
+        self._grad_hooks[id(p)] = p.register_hook(functools.partial(self._accumulated, weakref.ref(p), layer))
+
+    def _probe(self, p: torch.Tensor) -> torch.Tensor:
+        """The fixed random probe of parameter p (one per parameter, drawn once, seeded)."""
+        r = self._probes.get(id(p))
+        if r is None:
+            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            gen = torch.Generator(device=p.device).manual_seed(0x9E3779B9 + len(self._probes))
+            width = p.numel() // max(sketch_rows(p), 1) if p.numel() else 0
+            r = self._probes[id(p)] = torch.randn(width, generator=gen, dtype=dtype, device=p.device)
+        return r
+
+    def _check(self, p: torch.Tensor, layer: str) -> _UseCheck:
+        check = self._checks.get(id(p))
+        if check is None:
+            name = self._param_names.get(id(p), f"{layer} parameter {list(p.shape)}")  # FSDP2: unsharded parameters
+            check = self._checks[id(p)] = _UseCheck(name, layer, sketch_rows(p), p.device)
+            check.widen(p.dtype)
+        return check
+
+    def _accumulated(self, ref: weakref.ref, layer: str, grad: torch.Tensor) -> None:
+        """Gradient hook of a covered parameter: sketches what autograd accumulates for it."""
+        p = ref()
+        if (not self.active or grad is None or p is None or p.numel() == 0
+                or torch._C._are_functorch_transforms_active()):
+            return
+        check = self._check(p, layer)
+        if is_dtensor(grad):
+            check.unchecked = "its gradient is a DTensor"
+            return
+        with torch.no_grad():
+            if grad.layout == torch.sparse_coo:  # Embedding(sparse=True)
+                grad = grad.coalesce()
+                r = self._probe(p)
+                vals = grad.values().reshape(grad.values().shape[0], -1).to(r.dtype) @ r
+                check.total += torch.zeros_like(check.total).index_add_(0, grad.indices()[0], vals.double())
+            else:
+                check.total += sketch(grad, self._probe(p))
+        check.widen(grad.dtype, check.repeats)
+
+    def _explain(self, index: int, piece: tuple, dtype: torch.dtype) -> None:
+        """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters."""
+        name, module, rule = self._layers[index]
+        sketches = rule.grad_sketch(module, piece, self._probe)
+        if sketches is None:
+            for p in rule.params(module):
+                self._check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"
+            return
+        for p, s, repeats in sketches:
+            check = self._check(p, name)
+            check.explained += s
+            check.widen(dtype, repeats)
+
+    def _refuse_unseen_uses(self) -> None:
+        """Raises RuntimeError naming the covered parameters whose gradient got contributions that no
+        rule saw (the parameter was used outside its layer's forward): their norms would be wrong."""
+        # Parameters of layers found not to be per-sample are out of the norms already.
+        checks = [c for c in self._checks.values() if c.unchecked is None and c.layer not in self.skipped]
+        if not checks:
+            return
+        with torch.no_grad():
+            diff = torch.stack([(c.total - c.explained).norm() for c in checks])
+            size = torch.stack([torch.maximum(c.total.norm(), c.explained.norm()) for c in checks])
+            bad = (diff > size * torch.tensor([c.rtol for c in checks], dtype=torch.float64, device=diff.device))
+            bad = bad.cpu().tolist()  # one device-to-host read
+        if not any(bad):
+            return
+        rel = (diff / size.clamp(min=torch.finfo(torch.float64).tiny)).cpu().tolist()
+        named = [f"{c.name} (relative difference {r:.2g})" for c, r, b in zip(checks, rel, bad) if b]
+        raise RuntimeError(
+            f"PerSampleGradNorms: the gradient of {', '.join(named)} has contributions that "
+            "no per-sample rule saw: the parameter is used outside its layer's forward (e.g. F.linear(h, "
+            "self.tok.weight), or a layer's weight read by another module), so its per-sample norms would be wrong "
+            "and none are returned. Call the layer itself (tie weights by sharing the module), or freeze the "
+            "parameter.")
 
     def _skip(self, name: str, why: str) -> None:
         message = f"PerSampleGradNorms: layer '{name}' is not per-sample ({why}); excluded from the norms"
@@ -240,6 +380,7 @@ class PerSampleGradNorms:
         """Forgets the samples seen so far."""
         self._micro = []
         self._read = False
+        self._checks = {}
 
     def local_norms(self) -> torch.Tensor:
         """[B_local] per-sample gradient norms of this rank's samples since the last reset: float64
@@ -257,6 +398,8 @@ class PerSampleGradNorms:
         for mb in self._micro:
             for index in list(mb["calls"]):  # calls whose output got no gradient add nothing
                 self._finish(index, mb)
+        self._refuse_unseen_uses()
+        for mb in self._micro:
             if mb["sq"] is None:
                 continue
             sq = mb["sq"] * (mb["batch"] ** 2 if self.loss_reduction == "mean" else 1)
@@ -332,10 +475,11 @@ class PerSampleGradNorms:
 
     def close(self) -> None:
         """Removes the hooks."""
-        for h in (*self._handles, *self._mixing):
+        for h in (*self._handles, *self._mixing, *self._grad_hooks.values()):
             h.remove()
         self._handles.clear()
         self._mixing.clear()
+        self._grad_hooks.clear()
         self._root.remove()
         self.reset()
 

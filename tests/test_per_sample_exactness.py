@@ -226,3 +226,124 @@ def test_multihead_attention_model(bookkeeping):
     got, want, cov = _norms(model, x, y, bookkeeping, strict=True)
     _assert_exact(got, want)
     assert "attn.in_proj_weight" in cov["covered"]
+
+
+# ---------------------------------------------------------------- uses of a parameter outside its layer
+class OutputHeadTiedByFunction(nn.Module):
+    """OLMo-style output head: the embedding table read by F.linear, not by a shared module."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.mid(self.tok(ids))), self.tok.weight)
+
+
+class LayerBypassed(nn.Module):
+    """A Linear whose parameters are used through F.linear: its forward (and hook) never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(F.linear(x, self.a.weight, self.a.bias)))
+
+
+class UsedTwice(nn.Module):
+    """A Linear called once and its weight read once more outside it (a small share of the gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h) + 1e-2 * F.linear(h, self.a.weight))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("make, inputs, named", [
+    (OutputHeadTiedByFunction, lambda: (torch.randint(0, 11, (5, 4)), torch.randn(5, 4, 11)), ["tok.weight"]),
+    (LayerBypassed, lambda: (torch.randn(5, 4, 5), torch.randn(5, 4, 3)), ["a.bias", "a.weight"]),
+    (UsedTwice, lambda: (torch.randn(5, 4, 5), torch.randn(5, 4, 3)), ["a.weight"]),
+], ids=["head-tied-by-F.linear", "layer-bypassed", "weight-used-twice"])
+def test_a_parameter_used_outside_its_layer_is_refused_by_name(make, inputs, named, bookkeeping):
+    torch.manual_seed(0)
+    model = make().double()
+    x, y = inputs()
+    x = x.double() if x.is_floating_point() else x
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping)
+    for _ in range(2):  # two micro-batches
+        _loss(model(x), y.double()).backward()
+    with pytest.raises(RuntimeError, match="no per-sample rule saw") as info:
+        psn.local_norms()
+    psn.close()
+    message = str(info.value)
+    assert all(f"{n} (relative difference" in message for n in named), message
+    others = {n for n, _ in model.named_parameters()} - set(named)
+    assert not any(f"{n} (relative" in message for n in others), message
+
+
+def test_a_parameter_unfrozen_after_construction_and_used_outside_its_layer_is_refused():
+    torch.manual_seed(0)
+    model = LayerBypassed().double()
+    for p in model.a.parameters():
+        p.requires_grad_(False)
+    psn = gapmon.PerSampleGradNorms(model)
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    _loss(model(x), y).backward()
+    _assert_exact(psn.local_norms(), loop_per_sample_norms(model, _loss, x, y))  # a is frozen: exact
+    for p in model.a.parameters():
+        p.requires_grad_(True)
+    _loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"a\.weight \(relative difference"):
+        psn.local_norms()
+    psn.close()
+
+
+@pytest.mark.parametrize("dtype, autocast", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+                         ids=["float32", "bf16-autocast", "bf16"])
+@BOOKKEEPING
+def test_the_use_check_raises_no_false_alarm_in_low_precision(dtype, autocast, bookkeeping):
+    """A GPT whose every parameter is used inside its layer: the check passes where the gradients are
+    rounded (bf16 GEMM results, bf16 embedding rows summed 64 times), over two micro-batches."""
+    from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=32, n_heads=2, n_layers=2)
+    model = TinyGPT(cfg).to(dtype)
+    x, y = synthetic_batch(cfg, 64, 0)
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        lm_loss(out, y).backward()
+    norms = psn.local_norms()
+    psn.close()
+    assert norms.shape == (128,) and torch.isfinite(norms).all()
+
+
+def test_sparse_embedding_gradients_are_checked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 6, sparse=True), nn.Linear(6, 3)).double()
+    ids, y = torch.randint(0, 11, (5, 4)), torch.randn(5, 4, 3, dtype=torch.float64)
+    got, want, cov = _norms(model, ids, y, False, strict=True)
+    _assert_exact(got, want)
+
+    class SparseTied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(11, 6, sparse=True)
+
+        def forward(self, ids):
+            return self.tok(ids) + F.embedding(ids.flip(0), self.tok.weight, sparse=True)
+
+    model = SparseTied().double()
+    psn = gapmon.PerSampleGradNorms(model)
+    _loss(model(ids), torch.randn(5, 4, 6, dtype=torch.float64)).backward()
+    with pytest.raises(RuntimeError, match=r"tok\.weight \(relative difference"):
+        psn.local_norms()
+    psn.close()
