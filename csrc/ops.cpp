@@ -1,6 +1,6 @@
 // Schemas of the gapmon ops (TORCH_LIBRARY) and the Python module gapmon._C that loads them.
-// Kernels: csrc/cpu/stats_cpu.cpp (CPU) and csrc/cuda_ops.cpp (CUDA); fake kernels for
-// tracing live in gapmon/ops.py.
+// Kernels: csrc/cpu/stats_cpu.cpp and csrc/cpu/numerics_cpu.cpp (CPU), csrc/cuda_ops.cpp (CUDA);
+// fake kernels for tracing live in gapmon/_backend.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/numerics.h"
 #include "core/stats_state.h"
 #include "cpu/stats_kernels.h"
 
@@ -33,11 +34,18 @@ std::string joined(const char* const* names, int count) {
   return out;
 }
 
-// The column layouts of statistics rows, partial states and activation accumulators, each as
-// comma-separated names in column order (csrc/core/stats_state.h is their one definition).
+// Names of a numerics row's columns: zero, subnormal, e-125 .. e128, inf, nan, then the moments.
+std::string numerics_names() {
+  std::string out = "zero,subnormal";
+  for (int e = core::kExpMin; e <= core::kExpMax; ++e) out += ",e" + std::to_string(e);
+  return out + ",inf,nan," + joined(core::kMomentNames, 5);
+}
+
+// The column layouts of statistics rows, partial states, activation accumulators and numerics rows,
+// each as comma-separated names in column order (csrc/core is their one definition).
 std::vector<std::string> layout() {
   return {joined(core::kStatNames, core::kNumStats), joined(core::kStateNames, core::kNumStateColumns),
-          joined(core::kAccNames, core::kNumAccColumns)};
+          joined(core::kAccNames, core::kNumAccColumns), numerics_names()};
 }
 
 }  // namespace
@@ -55,6 +63,10 @@ TORCH_LIBRARY(gapmon, m) {
   // Per-instance statistics of x (dim 0 = instances) folded into row `row` of a float64
   // [modules, 6] accumulator (columns: instances, sum mean, sum var, sum norm, nonfinite, max).
   m.def("accumulate_instance_stats(Tensor x, Tensor(a!) acc, int row, int correction=1) -> ()");
+  // Numerics rows (csrc/core/numerics.h): exponent-histogram bins of |x| (exact integer counts), then
+  // count, mean and the central moments M2, M3, M4, all float64; mergeable across pieces of a tensor.
+  m.def("numerics_states(Tensor[] xs) -> Tensor");
+  m.def("merge_numerics_states(Tensor states) -> Tensor");
   m.def("_cpu_isa(str request) -> str", &cpu_isa);
   m.def("_layout() -> str[]", &layout);
 }
@@ -64,7 +76,8 @@ TORCH_LIBRARY(gapmon, m) {
 // rows never require grad.
 TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
   for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
-                         "finalize_states", "accumulate_instance_stats"}) {
+                         "finalize_states", "accumulate_instance_stats", "numerics_states",
+                         "merge_numerics_states"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -1,7 +1,8 @@
 """gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
-from . import analysis, reference
+from . import analysis, numerics, reference
 from .dump import GradientDumper
 from .monitor import GAPMonitor
+from .numerics import FORMATS, Numerics, exponent_histogram, multi_tensor_numerics, numerics_states
 from .ops import (
     accumulate_instance_stats,
     backend,
@@ -31,6 +32,12 @@ __all__ = [
     "finalize_states",
     "accumulate_instance_stats",
     "reference",
+    "numerics",
+    "Numerics",
+    "FORMATS",
+    "exponent_histogram",
+    "multi_tensor_numerics",
+    "numerics_states",
     "GAPMonitor",
     "PerSampleGradNorms",
     "GradientDumper",

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from . import reference
-from .stats import ACC_NAMES, FLOAT_DTYPES, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
+from .stats import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
 
 _LIB = "gapmon"
 
@@ -39,10 +39,10 @@ CUDA_KERNELS = COMPILED and torch._C._dispatch_has_kernel_for_dispatch_key(f"{_L
 
 
 def _check_layout() -> None:
-    """The column layouts are defined once, in csrc/core/stats_state.h; stats.py names them. A build
+    """The column layouts are defined once, in csrc/core; stats.py and numerics.py name them. A build
     whose layout differs (a stale gapmon._C) is refused rather than misread."""
     built = [names.split(",") for names in torch.ops.gapmon._layout()]
-    named = [list(STAT_NAMES), list(STATE_NAMES), list(ACC_NAMES)]
+    named = [list(STAT_NAMES), list(STATE_NAMES), list(ACC_NAMES), list(NUMERICS_COLUMNS)]
     if built != named:
         raise ImportError(f"gapmon._C reports column layouts {built}, the Python package expects {named}: "
                           "rebuild the extension (pip install --no-build-isolation -e .)")
@@ -107,6 +107,14 @@ if COMPILED:
     @torch.library.register_fake(f"{_LIB}::accumulate_instance_stats")
     def _(x, acc, row, correction=1):
         return None
+
+    @torch.library.register_fake(f"{_LIB}::numerics_states")
+    def _(xs):
+            return xs[0].new_empty((len(xs), len(NUMERICS_COLUMNS)), dtype=torch.float64)
+
+    @torch.library.register_fake(f"{_LIB}::merge_numerics_states")
+    def _(states):
+        return states.new_empty((states.shape[1], states.shape[2]), dtype=torch.float64)
 
 
 # ------------------------------------------------------------------ statistics of local tensors
@@ -175,6 +183,23 @@ def finalize_rows(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
     if not _compiled_for(states.device):
         return reference.finalize_states(states, correction)
     return torch.ops.gapmon.finalize_states(states, correction)
+
+
+def numerics_rows(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, C] float64 numerics rows (gapmon.numerics) of N local tensors on one device. CUDA tensors
+    take the pure-PyTorch reference: the numerics kernels are CPU-only so far."""
+    xs = list(xs)
+    check_tensor_list(xs, "numerics_states")
+    if not xs or not (COMPILED and xs[0].device.type == "cpu"):
+        return reference.numerics_states(xs)
+    return torch.ops.gapmon.numerics_states(xs)
+
+
+def merge_numerics_rows(states: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, C] numerics rows over R (in order) into [N, C]."""
+    if not (COMPILED and states.device.type == "cpu"):
+        return reference.merge_numerics_states(states)
+    return torch.ops.gapmon.merge_numerics_states(states)
 
 
 def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int = 1) -> None:

@@ -32,21 +32,22 @@ def _shard_mesh_dims(x) -> tuple[int, ...]:
     return tuple(d for d, p in enumerate(x.placements) if p.is_shard())
 
 
-def gather_states(states: torch.Tensor, mesh, mesh_dims: Sequence[int]) -> torch.Tensor:
-    """Merges [N, 7] local partial states over the given mesh dims; same result on every rank."""
+def gather_states(states: torch.Tensor, mesh, mesh_dims: Sequence[int], merge=None) -> torch.Tensor:
+    """Merges [N, C] local partial states over the given mesh dims; same result on every rank."""
     for dim in mesh_dims:
-        states = gather_states_over_group(states, mesh.get_group(dim))
+        states = gather_states_over_group(states, mesh.get_group(dim), merge)
     return states
 
 
-def gather_states_over_group(states: torch.Tensor, group) -> torch.Tensor:
-    """Merges [N, 7] partial states over all ranks of a process group, in rank order."""
+def gather_states_over_group(states: torch.Tensor, group, merge=None) -> torch.Tensor:
+    """Merges [N, C] partial states over all ranks of a process group, in rank order, with `merge`
+    ([R, N, C] -> [N, C]; default: the statistics states' merge_states)."""
     world = dist.get_world_size(group)
     if world == 1:
         return states
     parts = [torch.empty_like(states) for _ in range(world)]
     dist.all_gather(parts, states.contiguous(), group=group)
-    return _backend.merge_states(torch.stack(parts))
+    return (merge or _backend.merge_states)(torch.stack(parts))
 
 
 def fsdp1_shard_groups(model: torch.nn.Module) -> dict[int, Any]:
@@ -75,15 +76,17 @@ def fsdp1_shard_groups(model: torch.nn.Module) -> dict[int, Any]:
     return out
 
 
-def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] | None = None) -> torch.Tensor:
-    """[N, 7] partial states of the full tensors behind a mix of DTensors and plain tensors.
+def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] | None = None,
+                         local_states=None, merge=None) -> torch.Tensor:
+    """[N, C] partial states of the full tensors behind a mix of DTensors and plain tensors.
 
     `flat_groups[i]`, when given and not None, is the process group over which plain tensor i is
-    split into pieces (FSDP1 flat shards); its pieces are merged over that group.
+    split into pieces (FSDP1 flat shards); its pieces are merged over that group. `local_states`
+    and `merge` give another kind of mergeable row (gapmon.numerics); default: the statistics states.
     """
     xs = [_materialize_partial(x) if is_dtensor(x) else x for x in xs]
     local = [x.to_local() if is_dtensor(x) else x for x in xs]
-    states = _backend.multi_states(local)
+    states = (local_states or _backend.multi_states)(local)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, x in enumerate(xs):
         if is_dtensor(x) and _shard_mesh_dims(x):
@@ -93,7 +96,8 @@ def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] 
     for key, idx in groups.items():
         index = torch.tensor(idx, device=states.device)
         rows = states.index_select(0, index)
-        merged = gather_states(rows, key[1], key[2]) if key[0] == "mesh" else gather_states_over_group(rows, key[1])
+        merged = (gather_states(rows, key[1], key[2], merge) if key[0] == "mesh"
+                  else gather_states_over_group(rows, key[1], merge))
         states = states.index_copy(0, index, merged)
     return states
 

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .stats import ACC_NAMES, STAT_NAMES, Stats, check_tensor
+from .stats import ACC_NAMES, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -109,3 +109,48 @@ def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, corr
     m = s.max_abs.amax().to(acc.device) if x.shape[0] > 0 else acc.new_zeros(())
     old = acc[row, col["max_abs"]]
     acc[row, col["max_abs"]] = torch.where(torch.isnan(m) | torch.isnan(old), torch.nan, torch.maximum(old, m))
+
+
+def numerics_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, C] numerics rows (gapmon.numerics): frexp exponent histogram of |x| by bincount, and the
+    central moments in float64 from the mean (two passes)."""
+    out = []
+    for x in xs:
+        check_tensor(x, "numerics_states")
+        xd = x.detach().reshape(-1).double()  # exact for every float dtype
+        a = xd.abs()
+        finite, zero = torch.isfinite(a), a == 0
+        _, e = torch.frexp(torch.where(finite & ~zero, a, torch.ones_like(a)))
+        e = e.long()
+        idx = torch.where(e < EXP_MIN, 1, 2 + e.clamp(max=EXP_MAX) - EXP_MIN)
+        idx = torch.where(zero, 0, idx)
+        idx = torch.where(torch.isinf(a), NUM_BINS - 2, torch.where(torch.isnan(a), NUM_BINS - 1, idx))
+        row = torch.zeros(len(NUMERICS_COLUMNS), dtype=torch.float64, device=x.device)
+        row[:NUM_BINS] = torch.bincount(idx, minlength=NUM_BINS).double()
+        if xd.numel():
+            mean = xd.mean()
+            d = xd - mean
+            row[NUM_BINS:] = torch.stack((torch.tensor(float(xd.numel()), dtype=torch.float64, device=x.device), mean,
+                                          (d ** 2).sum(), (d ** 3).sum(), (d ** 4).sum()))
+        out.append(row)
+    return torch.stack(out) if out else torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
+
+
+def merge_numerics_states(states: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, C] numerics rows over R in order: bins add, moments by Pebay's formulas."""
+    bins = states[..., :NUM_BINS].sum(0)
+    n, mean, m2, m3, m4 = states[0, :, NUM_BINS:].unbind(-1)
+    for part in states[1:]:
+        nb, mb, m2b, m3b, m4b = part[:, NUM_BINS:].unbind(-1)
+        total = n + nb
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        delta = mb - mean
+        dn = delta / safe
+        new = (total, mean + nb * dn, m2 + m2b + delta * dn * n * nb,
+               m3 + m3b + delta * dn * dn * n * nb * (n - nb) + 3 * dn * (n * m2b - nb * m2),
+               m4 + m4b + delta * dn ** 3 * n * nb * (n * n - n * nb + nb * nb) + 6 * dn * dn * (n * n * m2b + nb * nb * m2)
+               + 4 * dn * (n * m3b - nb * m3))
+        keep_a, keep_b = nb == 0, n == 0
+        n, mean, m2, m3, m4 = (torch.where(keep_a, a, torch.where(keep_b, b, c))
+                               for a, b, c in zip((n, mean, m2, m3, m4), (nb, mb, m2b, m3b, m4b), new))
+    return torch.cat((bins, torch.stack((n, mean, m2, m3, m4), dim=-1)), dim=-1)

@@ -79,7 +79,8 @@ def test_layouts_come_from_the_extension():
     if gapmon.backend() == "torch":
         pytest.skip("needs the compiled extension")
     built = [names.split(",") for names in torch.ops.gapmon._layout()]
-    assert built == [list(gapmon.STAT_NAMES), list(gapmon.stats.STATE_NAMES), list(gapmon.stats.ACC_NAMES)]
+    assert built == [list(gapmon.STAT_NAMES), list(gapmon.stats.STATE_NAMES), list(gapmon.stats.ACC_NAMES),
+                     list(gapmon.stats.NUMERICS_COLUMNS)]
 
 
 def test_dump_format_versions_are_checked(tmp_path):

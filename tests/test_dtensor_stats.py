@@ -53,11 +53,27 @@ def _worker(rank, world):
     full = inst.var.full_tensor()
     torch.testing.assert_close(full, xs[5].double().var(dim=1))
 
+    _check_numerics(rank, xs, dts, "fsdp")
+    _check_numerics(rank, xs, [distribute_tensor(x, mesh, [Replicate()]) for x in xs], "replicate")
+
     if world == 4:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _check_all(rank, xs, [distribute_tensor(x, hsdp, [Replicate(), Shard(0)]) for x in xs], "hsdp")
+        _check_numerics(rank, xs, [distribute_tensor(x, hsdp, [Replicate(), Shard(0)]) for x in xs], "hsdp")
         two_d = [distribute_tensor(x, hsdp, [Shard(0), Shard(x.dim() - 1)]) for x in xs if x.dim() == 2]
         _check_all(rank, [x for x in xs if x.dim() == 2], two_d, "2d-shard")
+        _check_numerics(rank, [x for x in xs if x.dim() == 2], two_d, "2d-shard")
+
+
+def _check_numerics(rank, xs, dts, where):
+    """Exponent histograms of the shards merged equal the full tensor's; moments to float64 rounding."""
+    from gapmon import numerics, reference
+
+    got = gapmon.numerics_states(dts)
+    want = reference.numerics_states(xs)
+    bins = numerics.NUM_BINS
+    assert torch.equal(got[:, :bins], want[:, :bins]), f"{where} rank{rank}: histograms differ"
+    torch.testing.assert_close(got[:, bins:], want[:, bins:], rtol=1e-9, atol=1e-6, msg=f"{where} rank{rank}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

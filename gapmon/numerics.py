@@ -1,0 +1,157 @@
+"""Low-precision numerics of tensors: exponent histograms, bf16/fp16/fp8 underflow and overflow
+shares, and kurtosis, exact and mergeable across shards and ranks (SPEC section 10).
+
+The compiled kernels (csrc/core/numerics.h) return one float64 row per tensor: the histogram of
+|x| over exponent bins, then count, mean and the central moments M2, M3, M4. Everything else here
+is derived from those rows, exactly, because the format thresholds used are powers of two.
+
+Bins: ``zero``; ``subnormal`` (float32 subnormals, 0 < |x| < 2^-126); ``e`` for each frexp exponent
+e = -125..128, holding |x| in [2^(e-1), 2^e); ``inf``; ``nan``. float16/bfloat16 values are widened
+to float32 exactly; float64 values below float32's normal range count as subnormal, finite ones at
+or above 2^128 in bin e = 128.
+
+Shares, of all elements, for a format with smallest normal 2^a and largest finite value in the
+binade [2^(E-1), 2^E), at a power-of-two scale s = 2^k (values are multiplied by s before the cast):
+- ``underflow``: finite non-zero values with |x·s| < 2^a: they become subnormal or zero in the
+  format (round to nearest even), losing precision or vanishing. float32 subnormals count as
+  underflowing unless the whole bin is lifted to 2^a or above.
+- ``overflow``: finite values with |x·s| >= 2^E, beyond the format's largest binade: they round to
+  Inf (bf16, fp16, e5m2) or saturate (e4m3). Values between the format's largest finite value and
+  2^E (e4m3: [448, 512); fp16: [65520, 65536)) also overflow but share their bin with values that
+  do not: they are not counted.
+- ``*_scaled``: the same at the power-of-two scale of MX formats (OCP MX v1.0): s = 2^k with
+  k = E - e_max - margin, e_max the exponent bin of the tensor's largest finite |x|, so that amax·s
+  lands in the format's largest binade (``margin`` binades lower). Unscaled: k = 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from . import _backend, distributed
+from .stats import BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, check_tensor_list  # noqa: F401
+from .utils import is_dtensor_type
+
+_FIRST_EXP = 2  # column of bin e = EXP_MIN
+
+
+class Format(NamedTuple):
+    """A floating-point format's range as exponents: smallest normal 2^min_normal_exp, largest finite
+    value `max_finite` in the binade [2^(top_exp-1), 2^top_exp)."""
+
+    name: str
+    min_normal_exp: int
+    top_exp: int
+    max_finite: float
+
+
+FORMATS = {
+    "bf16": Format("bf16", -126, 128, float(torch.finfo(torch.bfloat16).max)),
+    "fp16": Format("fp16", -14, 16, float(torch.finfo(torch.float16).max)),
+    "fp8_e4m3": Format("fp8_e4m3", -6, 9, 448.0),
+    "fp8_e5m2": Format("fp8_e5m2", -14, 16, 57344.0),
+}
+
+
+def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """The format names, validated: ValueError naming the known ones otherwise."""
+    if isinstance(formats, str):
+        formats = (formats,)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"gapmon numerics: unknown format(s) {unknown}; known: {sorted(FORMATS)}")
+    return tuple(formats)
+
+
+def numerics_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, len(NUMERICS_COLUMNS)] float64 numerics rows of N tensors (one parallel pass over each).
+    A DTensor gives the row of its full tensor on every rank (shards merged over the mesh)."""
+    xs = list(xs)
+    if not xs:
+        return torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
+    if any(is_dtensor_type(kind) for kind in check_tensor_list(xs, "numerics_states")):
+        return distributed.dtensor_multi_states(xs, local_states=_backend.numerics_rows,
+                                                merge=_backend.merge_numerics_rows)
+    return _backend.numerics_rows(xs)
+
+
+def merge_numerics_states(states: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, C] numerics rows of R pieces of N tensors (in order) into [N, C]."""
+    return _backend.merge_numerics_rows(states)
+
+
+def exponent_histogram(x: torch.Tensor) -> torch.Tensor:
+    """int64 [NUM_BINS] histogram of |x| over BIN_NAMES (exact counts)."""
+    return numerics_states([x])[0, :NUM_BINS].to(torch.int64)
+
+
+def kurtosis(rows: torch.Tensor) -> torch.Tensor:
+    """Pearson's kurtosis n·M4/M2² of numerics rows (3 for a normal distribution); NaN when the
+    values are constant or there are none."""
+    count, m2, m4 = rows[..., NUM_BINS], rows[..., NUM_BINS + 2], rows[..., NUM_BINS + 4]
+    return torch.where(m2 > 0, count * m4 / (m2 * m2), torch.full_like(m2, math.nan))
+
+
+def _exponents(device) -> torch.Tensor:
+    return torch.arange(EXP_MIN, EXP_MAX + 1, device=device)
+
+
+def top_exponent(rows: torch.Tensor) -> torch.Tensor:
+    """Exponent bin of each row's largest finite |x| (EXP_MIN - 1 for subnormals only, and a very
+    small number when there are no finite non-zero values)."""
+    bins = rows[..., _FIRST_EXP:_FIRST_EXP + EXP_MAX - EXP_MIN + 1] > 0
+    e = torch.where(bins, _exponents(rows.device), torch.full_like(bins, -10**6, dtype=torch.int64)).amax(-1)
+    return torch.where((e < EXP_MIN) & (rows[..., 1] > 0), torch.full_like(e, EXP_MIN - 1), e)
+
+
+def format_shares(rows: torch.Tensor, fmt: str, scale_exp: torch.Tensor | int = 0) -> dict[str, torch.Tensor]:
+    """{"underflow", "overflow"} shares of all elements of each row at scale 2^scale_exp (see the
+    module docstring for the exact definitions); NaN for an empty tensor."""
+    f = FORMATS[check_formats((fmt,))[0]]
+    k = torch.as_tensor(scale_exp, device=rows.device).unsqueeze(-1)
+    exps = _exponents(rows.device)
+    counts = rows[..., _FIRST_EXP:_FIRST_EXP + exps.numel()]
+    scaled = exps + k  # bin e holds [2^(e-1), 2^e); scaled, [2^(e-1+k), 2^(e+k))
+    under = (counts * (scaled <= f.min_normal_exp)).sum(-1)
+    # float32 subnormals lie in [2^-149, 2^-126): below 2^a unless the scale lifts the whole bin.
+    under = under + rows[..., 1] * ((k.squeeze(-1) - 149) < f.min_normal_exp)
+    over = (counts * (scaled - 1 >= f.top_exp)).sum(-1)
+    total = rows[..., NUM_BINS]
+    nan = torch.full_like(total, math.nan)
+    return {"underflow": torch.where(total > 0, under / total, nan), "overflow": torch.where(total > 0, over / total, nan)}
+
+
+def mx_scale_exp(rows: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+    """k of the MX power-of-two scale 2^k that puts each row's largest finite |x| in the format's
+    largest binade, `margin` binades lower (0 where a row has no finite non-zero value)."""
+    f = FORMATS[check_formats((fmt,))[0]]
+    top = top_exponent(rows)
+    return torch.where(top >= EXP_MIN - 1, f.top_exp - top - margin, torch.zeros_like(top))
+
+
+class Numerics(NamedTuple):
+    """Numerics of N tensors: exponent histograms [N, NUM_BINS] (int64), kurtosis [N], and per format
+    {"underflow", "overflow", "underflow_scaled", "overflow_scaled"} shares [N] (float64)."""
+
+    histogram: torch.Tensor
+    kurtosis: torch.Tensor
+    shares: dict[str, dict[str, torch.Tensor]]
+
+
+def numerics_from_rows(rows: torch.Tensor, formats: Sequence[str] = tuple(FORMATS), margin: int = 0) -> Numerics:
+    """Numerics of numerics rows (from numerics_states)."""
+    shares = {}
+    for fmt in check_formats(formats):
+        plain = format_shares(rows, fmt)
+        scaled = format_shares(rows, fmt, mx_scale_exp(rows, fmt, margin))
+        shares[fmt] = {**plain, "underflow_scaled": scaled["underflow"], "overflow_scaled": scaled["overflow"]}
+    return Numerics(rows[..., :NUM_BINS].to(torch.int64), kurtosis(rows), shares)
+
+
+def multi_tensor_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str] = tuple(FORMATS),
+                          margin: int = 0) -> Numerics:
+    """Exponent histograms, kurtosis and per-format underflow/overflow shares of N tensors (mixed
+    sizes, dtypes, DTensors), from one pass over each."""
+    return numerics_from_rows(numerics_states(xs), formats, margin)

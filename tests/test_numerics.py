@@ -1,0 +1,154 @@
+"""Low-precision numerics (gapmon.numerics): exponent histograms and moments against frexp/bincount
+and float64 references on edge values, format shares against direct float64 comparisons, merging
+pieces, and the compiled kernel against the pure-PyTorch reference."""
+import math
+
+import pytest
+import torch
+
+import gapmon
+from gapmon import numerics as nm
+from gapmon import reference
+
+EDGES = [0.0, -0.0, 2.0 ** -149, 2.0 ** -127, 2.0 ** -126, -(2.0 ** -126), 2.0 ** -125, 0.5, 1.0, 1.5, 2.0 ** 127,
+         float(torch.finfo(torch.float32).max), float("inf"), -float("inf"), float("nan"),
+         2.0 ** -14, 2.0 ** -15, 2.0 ** -24, 2.0 ** -6, 2.0 ** -7, 448.0, 480.0, 512.0, 57344.0, 65504.0, 65536.0]
+
+
+def _frexp_bins(values: list[float]) -> torch.Tensor:
+    """The histogram by definition, one value at a time with math.frexp (independent of torch)."""
+    hist = torch.zeros(nm.NUM_BINS, dtype=torch.int64)
+    for v in values:
+        if math.isnan(v):
+            hist[-1] += 1
+        elif math.isinf(v):
+            hist[-2] += 1
+        elif v == 0:
+            hist[0] += 1
+        else:
+            e = math.frexp(abs(v))[1]
+            hist[1 if e < nm.EXP_MIN else nm.BIN_NAMES.index(f"e{min(e, nm.EXP_MAX)}")] += 1
+    return hist
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_histogram_of_edge_values_matches_frexp(dtype):
+    x = torch.tensor(EDGES, dtype=torch.float64).to(dtype)
+    values = x.double().tolist()
+    assert torch.equal(gapmon.exponent_histogram(x), _frexp_bins(values))
+    # every exponent bin edge and the value just below it
+    edges = torch.tensor([2.0 ** e for e in range(-125, 128)], dtype=torch.float32)
+    below = torch.nextafter(edges, torch.zeros_like(edges))
+    both = torch.cat((edges, below, -edges))
+    assert torch.equal(gapmon.exponent_histogram(both), _frexp_bins(both.double().tolist()))
+
+
+def test_float64_beyond_float32_range_is_clamped_as_documented():
+    x = torch.tensor([1e-300, 5e-324, 2.0 ** 128, 1e300, -1e308], dtype=torch.float64)
+    h = gapmon.exponent_histogram(x)
+    assert h[1] == 2 and h[nm.BIN_NAMES.index("e128")] == 3 and h.sum() == 5
+
+
+def test_subnormals_of_each_format_underflow_and_normals_do_not():
+    for fmt, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                       ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        info = torch.finfo(dtype)
+        smallest_normal, smallest_sub = float(info.tiny), float(info.smallest_normal) * float(info.eps)
+        x = torch.tensor([smallest_normal, smallest_normal / 2, smallest_sub, 0.0, float(info.max)], dtype=torch.float32)
+        shares = gapmon.multi_tensor_numerics([x], formats=[fmt]).shares[fmt]
+        assert shares["underflow"].item() == pytest.approx(2 / 5), fmt  # the two subnormals; 0 is not underflow
+        assert shares["overflow"].item() == 0, fmt
+
+
+def _direct_shares(x: torch.Tensor, fmt: str, k: int) -> tuple[float, float]:
+    """Underflow/overflow shares by direct float64 comparison with the documented thresholds."""
+    f = nm.FORMATS[fmt]
+    a = x.double().abs() * 2.0 ** k
+    finite = torch.isfinite(a)
+    under = (finite & (a != 0) & (a < 2.0 ** f.min_normal_exp)).sum().item()
+    over = (finite & (a >= 2.0 ** f.top_exp)).sum().item()
+    return under / x.numel(), over / x.numel()
+
+
+@pytest.mark.parametrize("fmt", sorted(nm.FORMATS))
+def test_shares_match_direct_comparison_unscaled_and_at_the_mx_scale(fmt):
+    torch.manual_seed(0)
+    x = torch.cat((torch.randn(5000) * 10.0 ** torch.randint(-30, 30, (5000,)).float(), torch.tensor([0.0, float("nan")])))
+    r = gapmon.multi_tensor_numerics([x], formats=[fmt], margin=0)
+    s = r.shares[fmt]
+    assert (s["underflow"].item(), s["overflow"].item()) == pytest.approx(_direct_shares(x, fmt, 0), abs=1e-12)
+    amax = x[torch.isfinite(x)].abs().max().item()
+    k = nm.FORMATS[fmt].top_exp - math.frexp(amax)[1]  # amax lands in the format's top binade
+    assert (s["underflow_scaled"].item(), s["overflow_scaled"].item()) == pytest.approx(_direct_shares(x, fmt, k), abs=1e-12)
+    assert s["overflow_scaled"].item() == 0
+    assert 2.0 ** (nm.FORMATS[fmt].top_exp - 1) <= amax * 2.0 ** k < 2.0 ** nm.FORMATS[fmt].top_exp
+    margin = gapmon.multi_tensor_numerics([x], formats=[fmt], margin=2).shares[fmt]
+    assert margin["underflow_scaled"].item() == pytest.approx(_direct_shares(x, fmt, k - 2)[0], abs=1e-12)
+
+
+def test_e4m3_values_at_the_format_limits():
+    # 448 is e4m3's largest value: it and 480 share the binade [256, 512), not counted as overflow
+    x = torch.tensor([448.0, 480.0, 511.0, 512.0, 1000.0, 2.0 ** -6, 2.0 ** -7, 2.0 ** -9, 2.0 ** -10])
+    s = gapmon.multi_tensor_numerics([x], formats=["fp8_e4m3"]).shares["fp8_e4m3"]
+    assert s["overflow"].item() == pytest.approx(2 / 9)  # 512 and 1000
+    assert s["underflow"].item() == pytest.approx(3 / 9)  # 2^-7, 2^-9, 2^-10 (2^-6 is the smallest normal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_moments_and_kurtosis_match_float64(dtype):
+    torch.manual_seed(1)
+    x = (torch.distributions.StudentT(5.0).sample((70_001,)) * 3 + 1000).to(dtype)
+    row = gapmon.numerics_states([x])[0]
+    xd = x.double()
+    d = xd - xd.mean()
+    want = torch.stack((torch.tensor(float(x.numel()), dtype=torch.float64), xd.mean(), (d ** 2).sum(), (d ** 3).sum(),
+                        (d ** 4).sum()))
+    torch.testing.assert_close(row[nm.NUM_BINS:], want, rtol=1e-9, atol=1e-6)
+    kurt = nm.kurtosis(row.unsqueeze(0))[0]
+    assert kurt.item() == pytest.approx((x.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item(), rel=1e-9)
+
+
+def test_layouts_and_empty_and_expanded_tensors():
+    torch.manual_seed(0)
+    base = torch.randn(6, 5)
+    for x in (base.t(), base[:, ::2], base.unsqueeze(1).expand(6, 3, 5), torch.empty(0, 4),
+              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.tensor(2.5)):
+        got = gapmon.numerics_states([x])[0]
+        want = reference.numerics_states([x.contiguous()])[0]
+        assert torch.equal(got[:nm.NUM_BINS], want[:nm.NUM_BINS])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    empty = gapmon.numerics_states([torch.empty(0)])[0]
+    assert empty.abs().sum() == 0 and math.isnan(nm.kurtosis(empty.unsqueeze(0))[0].item())
+
+
+def test_merging_pieces_equals_the_whole_and_is_deterministic():
+    torch.manual_seed(0)
+    x = torch.randn(300_000) * 5 + 3
+    pieces = [x[:0], x[:1], x[1:100_000], x[100_000:]]  # empty and one-element pieces too
+    parts = torch.stack([gapmon.numerics_states([p])[0] for p in pieces]).unsqueeze(1)
+    whole = gapmon.numerics_states([x])[0]
+    for merge in (nm.merge_numerics_states, reference.merge_numerics_states):
+        merged = merge(parts)[0]
+        assert torch.equal(merged[:nm.NUM_BINS], whole[:nm.NUM_BINS])
+        torch.testing.assert_close(merged, whole, rtol=1e-9, atol=1e-6)
+    torch.set_num_threads(1)
+    try:
+        one = gapmon.numerics_states([x])
+    finally:
+        torch.set_num_threads(2)
+    assert torch.equal(one[0], whole)  # same bits whatever the thread count
+
+
+def test_bad_input_and_unknown_format_raise_clearly():
+    with pytest.raises(TypeError, match="floating-point"):
+        gapmon.numerics_states([torch.arange(3)])
+    with pytest.raises(ValueError, match="unknown format"):
+        gapmon.multi_tensor_numerics([torch.ones(3)], formats=["fp4"])
+
+
+def test_numerics_op_passes_opcheck():
+    if gapmon.backend() == "torch":
+        pytest.skip("compiled extension not built")
+    torch.library.opcheck(torch.ops.gapmon.numerics_states.default, ([torch.randn(5, 3), torch.randn(7).double()],))
+    torch.library.opcheck(torch.ops.gapmon.merge_numerics_states.default,
+                          (torch.zeros(2, 3, len(nm.NUMERICS_COLUMNS), dtype=torch.float64),))
