@@ -1,12 +1,15 @@
 """The names of GAPMonitor's metrics: built and parsed here only.
 
 Per tensor or module: ``gap/{kind}/{name}/{field}``, kind one of KINDS, field one of FIELDS
-(``max`` is the max |x|). Step-wide: ``gap/global_batch_size`` and
+(``max`` is the max |x|), or with GAPMonitor(numerics=...) one of NUMERICS_FIELDS:
+``kurtosis`` and ``{format}_{share}`` (gapmon.numerics). Step-wide: ``gap/global_batch_size`` and
 ``gap/per_sample_grad_norm/{mean|max|min}``.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from .numerics import FORMATS
 
 PREFIX = "gap"
 KINDS = ("params", "grads", "activations", "activation_grads")
@@ -14,6 +17,15 @@ FIELDS = ("max", "mean", "var", "norm", "nonfinite")
 # The statistics column (gapmon.STAT_NAMES) behind each field of a parameter or gradient.
 FIELD_COLUMNS = {"max": "max_abs", "mean": "mean", "var": "var", "norm": "norm", "nonfinite": "nonfinite"}
 GLOBAL_BATCH_SIZE = f"{PREFIX}/global_batch_size"
+NUMERICS_SHARES = ("underflow", "overflow", "underflow_scaled")
+
+
+def numerics_field(fmt: str, share: str) -> str:
+    """``{format}_{share}``, e.g. ``bf16_underflow``."""
+    return f"{fmt}_{share}"
+
+
+NUMERICS_FIELDS = ("kurtosis", *(numerics_field(f, s) for f in FORMATS for s in NUMERICS_SHARES))
 
 
 class MetricName(NamedTuple):
@@ -38,6 +50,6 @@ def parse_metric_name(key: str) -> MetricName | None:
     head, _, rest = key.partition("/")
     kind, _, rest = rest.partition("/")
     name, _, field = rest.rpartition("/")
-    if head != PREFIX or kind not in KINDS or field not in FIELDS or not name:
+    if head != PREFIX or kind not in KINDS or (field not in FIELDS and field not in NUMERICS_FIELDS) or not name:
         return None
     return MetricName(kind, name, field)

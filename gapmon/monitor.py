@@ -14,6 +14,7 @@ import logging
 import math
 import operator
 import sys
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -23,7 +24,16 @@ import torch.nn as nn
 
 from . import ops
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
-from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, metric_name, parse_metric_name, per_sample_norm_name
+from .metric_names import (
+    FIELD_COLUMNS,
+    GLOBAL_BATCH_SIZE,
+    NUMERICS_SHARES,
+    metric_name,
+    numerics_field,
+    parse_metric_name,
+    per_sample_norm_name,
+)
+from .numerics import check_formats, numerics_from_rows, numerics_states
 from .sinks import Sink, as_sink
 from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES
 from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
@@ -111,6 +121,11 @@ class GAPMonitor:
             metrics are returned by end_step; nothing is written unless a sink is given).
         process_group: the data-parallel group over which activations are averaged (default: world).
         correction: Bessel correction of the variances (default 1, like torch.var).
+        numerics: formats (of gapmon.numerics.FORMATS: "bf16", "fp16", "fp8_e4m3", "fp8_e5m2") whose
+            underflow/overflow shares to report for parameters and gradients, with their kurtosis
+            (fields NUMERICS_FIELDS; one more pass over those tensors). Default: none (no cost).
+        numerics_alert: with numerics, warn (naming tensors and step) when a tensor's unscaled underflow
+            or overflow share in a format exceeds this fraction; also listed in the sinks' info.
     """
 
     def __init__(
@@ -126,6 +141,8 @@ class GAPMonitor:
         sinks: Sequence[Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         correction: int = 1,
+        numerics: Sequence[str] = (),
+        numerics_alert: float | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"GAPMonitor: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -148,6 +165,13 @@ class GAPMonitor:
                 "GAPMonitor: nothing to monitor; enable at least one of params, grads, activations, "
                 "activation_grads, per_sample_grad_norms"
             )
+        self.numerics = check_formats(numerics)
+        if numerics_alert is not None and (isinstance(numerics_alert, bool) or not isinstance(numerics_alert, (int, float))
+                                           or not 0 <= numerics_alert <= 1):
+            raise ValueError(f"GAPMonitor: numerics_alert must be a share in [0, 1], got {numerics_alert!r}")
+        if numerics_alert is not None and not self.numerics:
+            raise ValueError("GAPMonitor: numerics_alert needs formats to watch: pass numerics=('bf16', ...) with it")
+        self.numerics_alert = numerics_alert
         self.model = model
         self.interval = interval
         self.correction = correction
@@ -400,7 +424,31 @@ class GAPMonitor:
             metrics[per_sample_norm_name("max")] = host[0]
             metrics[per_sample_norm_name("min")] = -host[1]
         info = self._localise_nonfinite(metrics, step)
+        if self.numerics and tensors:
+            self._add_numerics(metrics, info, names, tensors, groups, step)
         return metrics, info
+
+    def _add_numerics(self, metrics: dict[str, float], info: dict[str, Any], names, tensors, groups, step: int) -> None:
+        """Kurtosis and per-format shares of the parameters and gradients (one more pass over them),
+        and the alerts above numerics_alert."""
+        dense = [t.to_dense() if t.is_sparse else t for t in tensors]
+        rows = numerics_states(dense, groups)  # FSDP1 flat shards: pieces merged over their groups
+        result = numerics_from_rows(rows, self.numerics)
+        columns = [("kurtosis", result.kurtosis)]
+        columns += [(numerics_field(f, s), result.shares[f][s]) for f in self.numerics for s in NUMERICS_SHARES]
+        values = torch.stack([c for _, c in columns], dim=1).cpu().tolist()
+        alerts = []
+        for (kind, name), row in zip(names, values):
+            for (field, _), value in zip(columns, row):
+                if not math.isnan(value):
+                    metrics[metric_name(kind, name, field)] = value
+                    if (self.numerics_alert is not None and field.endswith(("_underflow", "_overflow"))
+                            and value > self.numerics_alert):
+                        alerts.append(f"{kind}/{name}: {field} {value:.3g}")
+        if alerts:
+            info["numerics_alerts"] = alerts
+            warnings.warn(f"GAPMonitor step {step}: {len(alerts)} share(s) above numerics_alert={self.numerics_alert}: "
+                          f"{alerts[:8]}{' ...' if len(alerts) > 8 else ''}", RuntimeWarning, stacklevel=4)
 
     def _picked(self, slot: str, rows: tuple[tuple[str, str, int], ...], columns) -> tuple[list[str], Any]:
         """Metric names of `rows` ((kind, name, offset of its values in the host list) each) and a

@@ -65,14 +65,16 @@ def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
     return tuple(formats)
 
 
-def numerics_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+def numerics_states(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = None) -> torch.Tensor:
     """[N, len(NUMERICS_COLUMNS)] float64 numerics rows of N tensors (one parallel pass over each).
-    A DTensor gives the row of its full tensor on every rank (shards merged over the mesh)."""
+    A DTensor gives the row of its full tensor on every rank (shards merged over the mesh);
+    `flat_groups[i]`, if not None, is the process group over which plain tensor i is split (FSDP1)."""
     xs = list(xs)
     if not xs:
         return torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
-    if any(is_dtensor_type(kind) for kind in check_tensor_list(xs, "numerics_states")):
-        return distributed.dtensor_multi_states(xs, local_states=_backend.numerics_rows,
+    kinds = check_tensor_list(xs, "numerics_states")
+    if any(is_dtensor_type(kind) for kind in kinds) or any(g is not None for g in flat_groups or ()):
+        return distributed.dtensor_multi_states(xs, flat_groups, local_states=_backend.numerics_rows,
                                                 merge=_backend.merge_numerics_rows)
     return _backend.numerics_rows(xs)
 

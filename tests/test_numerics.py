@@ -152,3 +152,36 @@ def test_numerics_op_passes_opcheck():
     torch.library.opcheck(torch.ops.gapmon.numerics_states.default, ([torch.randn(5, 3), torch.randn(7).double()],))
     torch.library.opcheck(torch.ops.gapmon.merge_numerics_states.default,
                           (torch.zeros(2, 3, len(nm.NUMERICS_COLUMNS), dtype=torch.float64),))
+
+
+def test_monitor_reports_shares_and_kurtosis_and_alerts_by_name():
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-6)  # below e4m3's smallest normal 2^-6
+    plain = gapmon.GAPMonitor(model)
+    plain.begin_step(0, 3)
+    model(torch.randn(3, 4)).sum().backward()
+    assert not any("underflow" in k or "kurtosis" in k for k in plain.end_step())  # off by default
+    plain.close()
+    mon = gapmon.GAPMonitor(model, numerics=("bf16", "fp8_e4m3"), numerics_alert=0.5)
+    mon.begin_step(1, 3)
+    model.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"step 1: .*params/0.weight: fp8_e4m3_underflow 1"):
+        metrics = mon.end_step()
+    mon.close()
+    for kind, tensor in (("params", model[2].weight), ("grads", model[2].weight.grad), ("params", model[0].weight)):
+        under, over = _direct_shares(tensor, "fp8_e4m3", 0)
+        assert metrics[f"gap/{kind}/{'2' if tensor is not model[0].weight else '0'}.weight/fp8_e4m3_underflow"] == pytest.approx(under)
+        assert metrics[f"gap/{kind}/{'2' if tensor is not model[0].weight else '0'}.weight/fp8_e4m3_overflow"] == pytest.approx(over)
+    g = model[2].weight.grad.double().flatten()
+    d = g - g.mean()
+    assert metrics["gap/grads/2.weight/kurtosis"] == pytest.approx((g.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item())
+    assert "gap/grads/2.weight/fp16_underflow" not in metrics  # only the formats asked for
+    with pytest.raises(ValueError, match="unknown format"):
+        gapmon.GAPMonitor(model, numerics=("fp4",))
+    with pytest.raises(ValueError, match="numerics_alert"):
+        gapmon.GAPMonitor(model, numerics_alert=0.1)
