@@ -93,6 +93,9 @@ class NormRule:
     owns_submodules = False
     # The module's own parameters the rule's math is about (None: not checked).
     param_names: tuple[str, ...] | None = ("weight", "bias")
+    # True: the layer works row by row over the leading dims of its first input (Linear, LayerNorm,
+    # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
+    moves_batch = False
 
     def why_not(self, module: nn.Module) -> str | None:
         """Why this module's per-sample norms cannot be computed exactly (None: they can): its
@@ -128,6 +131,12 @@ class NormRule:
         if a.dim() == 0 or a.shape[0] != batch or output.dim() == 0 or output.shape[0] != batch:
             return f"its input {list(a.shape)} / output {list(output.shape)} has no batch dim of size {batch}"
         return None
+
+    def batch_operands(self, module: nn.Module, call: Call) -> list[tuple[Any, int | None]]:
+        """The call's inputs that must carry the batch, each with the dim it must be on (None: any
+        dim, or none the provenance can follow, as long as the input comes from the batch). Default:
+        the first input, batch on dim 0."""
+        return [(call.arg(0, "input"), 0)]
 
     def positions(self, module: nn.Module, call: Call, g: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
@@ -227,6 +236,8 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 @register_norm_rule(nn.Linear)
 class LinearRule(NormRule):
+    moves_batch = True
+
     def positions(self, module, call, g, acc):
         a, b = call.arg(0, "input"), g.shape[0]
         if g.dtype in (torch.float16, torch.bfloat16) and a.dtype != g.dtype:
@@ -340,13 +351,7 @@ class ConvRule(NormRule):
 @register_norm_rule(nn.Embedding)
 class EmbeddingRule(NormRule):
     param_names = ("weight",)
-
-    def not_per_sample(self, module, call, output, batch, model_inputs):
-        ids = call.arg(0, "input")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.untyped_storage().data_ptr() not in model_inputs:
-            return (f"its ids {list(ids.shape)} have no batch dim and are not the model input (e.g. position ids "
-                    "shared by every sample)")
-        return super().not_per_sample(module, call, output, batch, model_inputs)
+    moves_batch = True
 
     def positions(self, module, call, g, acc):
         b = g.shape[0]
@@ -407,6 +412,8 @@ class _AffineNormRule(NormRule):
 
 @register_norm_rule(nn.LayerNorm, nn.RMSNorm)
 class LastDimsNormRule(_AffineNormRule):
+    moves_batch = True
+
     def positions(self, module, call, g, acc):
         a, shape = call.arg(0, "input"), tuple(module.normalized_shape)
         if isinstance(module, nn.LayerNorm):
@@ -459,6 +466,10 @@ class EmbeddingBagRule(NormRule):
             # ([1, 2, 2, 5, 2]: row 5 gets g / 3), so no per-id rule reproduces it.
             return "scale_grad_by_freq=True (its gradient follows no per-id frequency rule here)"
         return None
+
+    def batch_operands(self, module, call):
+        ids = call.arg(0, "input")  # 1-D ids with offsets: one bag per sample, the ids from the batch
+        return [(ids, 0 if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None)]
 
     def not_per_sample(self, module, call, output, batch, model_inputs):
         ids = call.arg(0, "input")
@@ -524,6 +535,10 @@ class MultiheadAttentionRule(NormRule):
         if module.dropout > 0:
             return f"attention dropout {module.dropout} (the recomputed attention would draw another mask)"
         return None
+
+    def batch_operands(self, module, call):
+        dim = 0 if module.batch_first else 1
+        return [(call.arg(i, n), dim) for i, n in enumerate(("query", "key", "value"))]
 
     def not_per_sample(self, module, call, output, batch, model_inputs):
         q = call.arg(0, "query")

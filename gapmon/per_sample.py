@@ -6,10 +6,13 @@ layer in the micro-batch has its G, the rule turns the calls into per-sample squ
 the layer's trainable parameters (calls concatenated, so that a module applied twice is exact),
 they are added to a per-sample accumulator, and A is released.
 
-Which samples: the batch size B is dim 0 of the model's first tensor input (the root module's
-forward). A layer whose input or output has no dim 0 of size B, or an Embedding fed ids that
-are not taken from the model input and carry no batch dim (position ids of shape [T]), is not
-per-sample: it is excluded, with a warning naming it (strict=True raises). Parameters of layers
+Which samples: by provenance, not by size (gapmon.batch_provenance). The model's batched inputs
+(its first tensor input, or those named by `batch_inputs`) carry the batch on `batch_dim`; during
+the forward pass a TorchFunctionMode follows it through every op. A layer whose input does not
+come from the batch (position ids arange(T), even with T == B), whose batch was lost on the way
+(a reduction or reshape over it, an op without a rule), or sits on a dim the layer's rule cannot
+take (Linear, LayerNorm and Embedding take any: sequence-first activations are exact) is not
+per-sample: it is excluded, with a warning naming it and why (strict=True raises). Parameters of layers
 without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
 subclasses that do not override forward, and only for the parameters its math is about (no
 weight_norm, no parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
@@ -27,10 +30,11 @@ the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rul
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from . import bookkeeping
+from .batch_provenance import BatchTracker
 from .norm_rules import Call, rule_for, sketch, sketch_rows, use_ghost, why_no_rule
 from .utils import clean_named, first_tensor, is_dtensor, name_cleaner
 
@@ -76,24 +81,59 @@ def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return found if found is not None else first_tensor(kwargs)
 
 
+def _named_input(module: nn.Module, args: tuple, kwargs: dict, key: int | str) -> Any:
+    """The root forward's argument `key`: a position, or a name (passed by keyword or by position)."""
+    if isinstance(key, int):
+        return args[key] if key < len(args) else None
+    if key in kwargs:
+        return kwargs[key]
+    names = [n for n, p in inspect.signature(module.forward).parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return args[names.index(key)] if key in names and names.index(key) < len(args) else None
+
+
+def _batch_first(call: Call, dim: int) -> Call:
+    """The call with the batch of its first input moved from `dim` to dim 0."""
+    if not dim:
+        return call
+    if call.args:
+        return Call((call.args[0].movedim(dim, 0), *call.args[1:]), call.kwargs)
+    return Call(call.args, {**call.kwargs, "input": call.kwargs["input"].movedim(dim, 0)})
+
+
 class PerSampleGradNorms:
     """Norms of per-sample gradients of the covered parameters, computed during backward.
 
     `local_norms()` returns ||∇θ loss_i|| for this rank's samples, in the order the forward passes
-    saw them (micro-batches concatenated), where loss_i is sample i's own loss. With
+    saw them (micro-batches concatenated), where loss_i is sample i's own loss. The samples are
+    along `batch_dim` of the model's first tensor input, or of each input `batch_inputs` names
+    (positions or argument names: every input that holds per-sample data used by covered layers,
+    e.g. ("input_ids", "timesteps")); the batch is followed from there by provenance. With
     loss_reduction="mean" the loss is taken to be the mean of per-sample losses over each
     micro-batch (so the gradients are rescaled by the micro-batch size); with "sum", their sum.
     The accumulator restarts at the first forward pass after the norms were read, or on reset().
     """
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = False,
-                 process_group: dist.ProcessGroup | None = None, bookkeeping: bool = False):
+                 process_group: dist.ProcessGroup | None = None, bookkeeping: bool = False,
+                 batch_dim: int = 0, batch_inputs: Sequence[int | str] | None = None):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"PerSampleGradNorms: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleGradNorms: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(bookkeeping, bool):
             raise TypeError(f"PerSampleGradNorms: bookkeeping must be True or False, got {bookkeeping!r}")
+        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+            raise TypeError(f"PerSampleGradNorms: batch_dim must be a non-negative int, got {batch_dim!r}")
+        if batch_inputs is not None:
+            if isinstance(batch_inputs, (str, int)) or not all(
+                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in batch_inputs):
+                raise TypeError("PerSampleGradNorms: batch_inputs must be a sequence of argument names and positions "
+                                f"of the model's forward, e.g. ('input_ids', 1), got {batch_inputs!r}")
+            if not batch_inputs:
+                raise ValueError("PerSampleGradNorms: batch_inputs names no input; leave it None for the first one")
+        self.batch_dim = batch_dim
+        self.batch_inputs = None if batch_inputs is None else tuple(batch_inputs)
         self.loss_reduction = loss_reduction
         self.bookkeeping = bookkeeping
         self.strict = strict
@@ -150,6 +190,8 @@ class PerSampleGradNorms:
                                                  prepend=bookkeeping)
                          for i, (_, m, _) in enumerate(self._layers)]
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
+        self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
+        self._tracking: BatchTracker | None = None  # active during the model's forward pass
         self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
         self._read = False
         self.active = True  # GAPMonitor turns the hooks off on the steps it skips
@@ -168,13 +210,71 @@ class PerSampleGradNorms:
         if self._read:
             self.reset()
         self._hook_covered()
-        x = _root_input(args, kwargs)
-        if x is None or x.dim() == 0:
-            raise ValueError("PerSampleGradNorms: the model's first tensor input gives the batch size (dim 0), "
-                             "but this forward call has no tensor input with a batch dim")
+        batched = self._batched_inputs(module, args, kwargs)
+        x = batched[0]
+        batch = x.shape[self.batch_dim]
+        tracker = BatchTracker(batch)
+        for t in batched:
+            if t.dim() <= self.batch_dim or t.shape[self.batch_dim] != batch:
+                raise ValueError(f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim "
+                                 f"{self.batch_dim} of size {batch} (the first one's)")
+            tracker.mark(t, self.batch_dim)
+        if self._tracking is not None:  # a forward pass that raised before its end hook could run
+            self._tracking.__exit__(None, None, None)
+        self._tracking = tracker.__enter__()
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
-        self._micro.append({"batch": x.shape[0], "inputs": storages, "sq": None, "dtype": None, "calls": {},
-                            "mixing": set()})
+        self._micro.append({"batch": batch, "inputs": storages, "sq": None, "dtype": None, "calls": {},
+                            "mixing": set(), "provenance": {}})
+
+    def _batched_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if self.batch_inputs is None:
+            x = _root_input(args, kwargs)
+            found = [] if x is None else [x]
+        else:
+            found = [_named_input(module, args, kwargs, key) for key in self.batch_inputs]
+            missing = [k for k, t in zip(self.batch_inputs, found) if not isinstance(t, torch.Tensor)]
+            if missing:
+                raise ValueError(f"PerSampleGradNorms: batch_inputs {missing} are not tensor arguments of this "
+                                 "forward call; name the forward's arguments that hold per-sample data")
+        if not found or found[0].dim() <= self.batch_dim:
+            raise ValueError(f"PerSampleGradNorms: the model's first tensor input gives the batch size (dim "
+                             f"{self.batch_dim}), but this forward call has no tensor input with that dim")
+        return found
+
+    def _end_forward(self, module, args, output) -> None:
+        if self._tracking is not None:
+            self._tracking.__exit__(None, None, None)
+            self._tracking = None
+
+    def _batch_dim(self, index: int, mb: dict, module: nn.Module, rule, args: tuple, kwargs: dict) -> tuple[int, str | None]:
+        """(dim of the call's batch, None) or (0, why it is not per-sample), by the inputs' provenance."""
+        if self._tracking is None:  # outside the model's forward pass: activation checkpointing recomputes
+            seen = mb["provenance"].get(index, set())
+            if len(seen) == 1:
+                return next(iter(seen))
+            return 0, ("its batch dim could not be followed: the layer ran outside the model's forward pass"
+                       if not seen else "its calls have their batch on different dims")
+        found = None
+        for t, want in rule.batch_operands(module, Call(tuple(args), dict(kwargs))):
+            if not isinstance(t, torch.Tensor):
+                continue
+            status = self._tracking.status(t)
+            if want is None and status is not None:  # from the batch, on a dim the rule finds itself
+                found = found or (0, None)
+            elif isinstance(status, str):
+                found = (0, f"the batch dim of its input was lost at {status}")
+            elif status is None:
+                found = (0, f"its input {list(t.shape)} does not come from the model's batched inputs (e.g. position "
+                            "ids shared by every sample); name per-sample model inputs in batch_inputs=")
+            elif want is not None and status != want and not (rule.moves_batch and want == 0):
+                found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
+            elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it
+                found = (status if rule.moves_batch and want == 0 else 0, None)
+            if found[1] is not None:
+                break
+        found = found or (0, None)
+        mb["provenance"].setdefault(index, set()).add(found)
+        return found
 
     def _mixing_hook(self, name: str, module: nn.Module, args) -> None:
         # As F.batch_norm decides: batch statistics in training mode, or without running statistics.
@@ -184,24 +284,31 @@ class PerSampleGradNorms:
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
-        if not self.active or not self._micro or output is None or not output.requires_grad:
+        if not self.active or not self._micro or output is None:
             return
         if torch._C._are_functorch_transforms_active():  # e.g. the model run under torch.func.vmap
             return
+        if not output.requires_grad:  # reentrant checkpointing's no-grad pass: the provenance is needed later
+            self._batch_dim(index, self._micro[-1], module, self._layers[index][2], args, kwargs)
+            return
         name, _, rule = self._layers[index]
+        mb = self._micro[-1]
+        dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
         params = rule.params(module)
         if not params:  # frozen now: nothing to measure (watched in case it is unfrozen)
             return
         for p in params:  # under FSDP2, the unsharded parameters the forward uses
             if id(p) not in self._grad_hooks:
                 self._hook(p, name)
-        mb = self._micro[-1]
-        call = Call(*tree_map_only(torch.Tensor, torch.Tensor.detach, (tuple(args), dict(kwargs))))
-        why = rule.not_per_sample(module, call, output, mb["batch"], mb["inputs"])
         if why is not None:
             self._skip(name, why)
             return
-        calls = mb["calls"].setdefault(index, {"calls": [], "g": [], "in_forward": 0})
+        call = _batch_first(Call(*tree_map_only(torch.Tensor, torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
+        why = rule.not_per_sample(module, call, output.movedim(dim, 0), mb["batch"], mb["inputs"])
+        if why is not None:
+            self._skip(name, why)
+            return
+        calls = mb["calls"].setdefault(index, {"calls": [], "g": [], "dims": [], "in_forward": 0})
         # A forward inside backward is activation checkpointing recomputing the layer. Non-reentrant
         # checkpointing recorded the calls in the forward pass already (their outputs get the
         # gradients); reentrant checkpointing ran that pass without grad, so the recomputed calls
@@ -214,7 +321,8 @@ class PerSampleGradNorms:
             return
         calls["calls"].append(call)
         calls["g"].append(None)
-        if self.bookkeeping:
+        calls["dims"].append(dim)
+        if self.bookkeeping and not dim:
             x = args[0] if args else kwargs.get("input")
             if bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
                     x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
@@ -231,7 +339,7 @@ class PerSampleGradNorms:
                 "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
                 "combined. Sum the losses and call backward once."
             )
-        calls["g"][call] = g.detach()
+        calls["g"][call] = g.detach().movedim(calls["dims"][call], 0)
         if all(x is not None for x in calls["g"]):
             self._finish(index, mb)
 
@@ -475,12 +583,14 @@ class PerSampleGradNorms:
 
     def close(self) -> None:
         """Removes the hooks."""
-        for h in (*self._handles, *self._mixing, *self._grad_hooks.values()):
+        for h in (*self._handles, *self._mixing, *self._grad_hooks.values(), self._root, self._root_end):
             h.remove()
         self._handles.clear()
         self._mixing.clear()
         self._grad_hooks.clear()
-        self._root.remove()
+        if self._tracking is not None:
+            self._tracking.__exit__(None, None, None)
+            self._tracking = None
         self.reset()
 
 

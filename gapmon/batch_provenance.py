@@ -1,0 +1,561 @@
+"""Which dimension of each tensor made in a forward pass is the batch, by provenance, not by size.
+
+Per-sample gradient norms need, at every covered layer, the dimension of its input that holds the
+samples. Guessing it from sizes (dim 0 of size B) is silently wrong whenever another dimension has
+size B too: sequence-first activations [T, B, d] with T == B, position ids arange(T) with T == B.
+BatchTracker follows the batch instead: the model's batched inputs are marked (dim `batch_dim`),
+and a TorchFunctionMode active during the forward pass maps each op's batched inputs to its
+outputs with a rule per op family (pointwise and broadcasting, views and reshapes, transposes,
+reductions, indexing, matmul/einsum/linear, convolutions, normalisations, attention).
+
+A tensor's status is
+- an int: the batch is that dimension (row i of it belongs to sample i);
+- None: unbatched, made without the batched inputs (parameters, constants, arange(T));
+- a str: it depends on the batch, but the batch dimension was lost there (a reduction over the
+  batch, a reshape merging it, an op without a rule): the reason, naming the op.
+An op without a rule never guesses: its outputs are lost. Tensors made from values' shapes only
+(zeros_like, new_zeros) are unbatched.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+Status = "int | str | None"
+
+# Ops whose output has the input's shape and layout, or that are pointwise without an aten tag.
+_SAME = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool", "contiguous",
+         "clone", "detach", "detach_", "requires_grad_", "cpu", "cuda", "dropout", "alpha_dropout",
+         "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "data", "float_power", "nan_to_num",
+         "masked_fill", "masked_fill_", "where", "lerp", "clamp", "clip", "relu6", "hardtanh", "celu", "selu",
+         "threshold", "rrelu", "softplus", "softsign", "tanhshrink", "hardswish", "hardsigmoid", "mish", "silu",
+         "gelu", "elu", "leaky_relu", "logsigmoid", "prelu", "copy_", "zero_", "fill_", "normal_", "uniform_",
+         "bernoulli", "bernoulli_", "pin_memory", "coalesce", "retain_grad"}
+# Made from shapes (and dtypes/devices) only: unbatched whatever their inputs.
+_SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+               "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "arange", "zeros", "ones", "empty",
+               "full"}
+_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel", "view_as", "reshape_as",
+          "squeeze_", "unsqueeze_", "atleast_1d", "atleast_2d", "atleast_3d"}
+_EXPANDS = {"expand", "expand_as", "broadcast_to"}
+_REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "std", "var", "norm",
+               "logsumexp", "any", "all", "argmax", "argmin", "count_nonzero", "median", "nanmedian", "mode",
+               "std_mean", "var_mean", "aminmax", "vector_norm"}
+# Same shape (or the dim's size changes in place), along one dim that must not be the batch's.
+_ALONG_DIM = {"cumsum": 1, "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 1, "softmax": 1,
+              "log_softmax": 1, "softmin": 1, "sort": 1, "argsort": 1, "topk": 2, "kthvalue": 2, "glu": 1,
+              "normalize": 2, "diff": 2, "index_select": 1, "narrow": 1, "unfold": 1, "gather": 1,
+              "take_along_dim": 2, "flip": (1, "dims"), "roll": (2, "dims"), "rot90": (2, "dims")}
+_DIM_DEFAULT = {"rot90": (0, 1), "topk": -1, "kthvalue": -1, "glu": -1, "normalize": 1, "diff": -1, "sort": -1, "argsort": -1}
+_SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "unsafe_chunk"}
+_SAMPLE_LEADING = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                   "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+                   "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+                   "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d", "interpolate",
+                   "upsample", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "group_norm", "instance_norm",
+                   "batch_norm", "local_response_norm", "fold", "max_pool2d_with_indices", "fractional_max_pool2d"}
+_DUNDER = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "sub",
+           "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
+           "__rtruediv__": "div", "__itruediv__": "div_", "__div__": "div", "__rdiv__": "div", "__pow__": "pow",
+           "__rpow__": "pow", "__ipow__": "pow_", "__neg__": "neg", "__abs__": "abs", "__floordiv__": "floor_divide",
+           "__rfloordiv__": "floor_divide", "__mod__": "remainder", "__rmod__": "remainder", "__and__": "bitwise_and",
+           "__rand__": "bitwise_and", "__or__": "bitwise_or", "__ror__": "bitwise_or", "__xor__": "bitwise_xor",
+           "__invert__": "bitwise_not", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
+           "__eq__": "eq", "__ne__": "ne", "__iand__": "bitwise_and_", "__ior__": "bitwise_or_"}
+
+
+class Lost(Exception):
+    """Raised by a rule: the batch dimension of the op's output cannot be told."""
+
+
+_POINTWISE: dict[str, bool] = {}
+
+
+def _is_pointwise(name: str) -> bool:
+    """An op aten tags pointwise (looked up once per name), or one of _SAME."""
+    found = _POINTWISE.get(name)
+    if found is None:
+        aten = _DUNDER.get(name, name)
+        packet = getattr(torch.ops.aten, aten, None)
+        overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+        found = aten in _SAME or any(torch.Tag.pointwise in op.tags for op in overloads)
+        _POINTWISE[name] = found
+    return found
+
+
+def _op_name(func: Callable) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a Tensor property: x.T, x.mT, x.data
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _arg(args: Sequence, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _dims(value: Any, ndim: int) -> list[int] | None:
+    """A dim argument (int, sequence, or None for all) as non-negative dims."""
+    if value is None:
+        return None
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        value = [value]
+    return [int(v) % max(ndim, 1) for v in value]
+
+
+def _has_tensor(out: Any) -> bool:
+    return isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in out))
+
+
+def _sizes(args: Sequence) -> list[int]:
+    """Size varargs (x.view(a, b) or x.view((a, b)))."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return list(args[0])
+    return list(args)
+
+
+class BatchTracker(TorchFunctionMode):
+    """A TorchFunctionMode, entered for one forward pass, that follows the batch dim of every tensor."""
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+        self._status: dict[int, tuple[weakref.ref, int | str]] = {}  # id(tensor) -> (ref, status)
+
+    # ------------------------------------------------------------------ statuses
+    def mark(self, t: torch.Tensor, status: int | str | None) -> None:
+        if status is None:
+            self._status.pop(id(t), None)
+        else:
+            self._status[id(t)] = (weakref.ref(t), status)
+
+    def status(self, t: torch.Tensor) -> int | str | None:
+        entry = self._status.get(id(t))
+        if entry is None or entry[0]() is not t:  # never marked, or an id reused by a new tensor
+            return None
+        return entry[1]
+
+    # ------------------------------------------------------------------ the mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self._status:
+            return out
+        name = _op_name(func)
+        if name in _SHAPE_ONLY:
+            return out
+        if name != "__setitem__" and not _has_tensor(out):  # x.shape, x.size(0), x.dim()
+            return out
+        inputs = self._inputs(args, kwargs)
+        if not inputs and name not in _EXPANDS and name != "__setitem__":
+            return out
+        try:
+            result = self._rule(name, args, kwargs, inputs, out)
+        except Lost as why:
+            result = f"{why}"
+        except Exception as error:  # a rule's own bug must never break the user's forward pass
+            result = f"{name} (no batch rule could read it: {type(error).__name__})"
+        self._mark_outputs(name, args, out, result)
+        return out
+
+    def _inputs(self, args: Sequence, kwargs: dict) -> list[tuple[torch.Tensor, int | str]]:
+        found = []
+        for value in (*args, *kwargs.values()):
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            for t in items:
+                if isinstance(t, torch.Tensor):
+                    s = self.status(t)
+                    if s is not None:
+                        found.append((t, s))
+        return found
+
+    def _mark_outputs(self, name: str, args: Sequence, out: Any, result: Any) -> None:
+        if name == "__setitem__":  # x[i] = value: x now holds what value holds
+            if isinstance(result, (int, str)) or result is None:
+                self.mark(args[0], result)
+            return
+        if isinstance(out, torch.Tensor):
+            self.mark(out, result if not isinstance(result, list) else result[0])
+        elif isinstance(out, (tuple, list)):
+            statuses = result if isinstance(result, list) else [result] * len(out)
+            for t, s in zip(out, statuses):
+                if isinstance(t, torch.Tensor):
+                    self.mark(t, s)
+
+    # ------------------------------------------------------------------ rules
+    def _rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        lost = [s for _, s in inputs if isinstance(s, str)]
+        if name in _VIEWS or name in _EXPANDS or name == "type_as":  # only self's values are used
+            inputs = [(t, s) for t, s in inputs if t is args[0]]
+            lost = [s for _, s in inputs if isinstance(s, str)]
+            if not inputs:
+                return self._expanded(name, args, out) if name in _EXPANDS else None
+        if lost and name != "embedding_bag":  # 1-D bags: the ids' batch dim is the offsets', not theirs
+            return lost[0]
+        rule = _RULES.get(name)
+        if rule is not None:
+            return rule(self, args, kwargs, inputs, out)
+        if _is_pointwise(name) and isinstance(out, torch.Tensor):
+            return self._aligned(name, inputs, out)
+        raise Lost(f"{name} (no batch rule for this op)")
+
+    def _self(self, args: Sequence, inputs: list) -> int:
+        """The batch dim of the op's first argument (which must be the batched one)."""
+        for t, s in inputs:
+            if t is args[0]:
+                return s
+        raise Lost("an op whose batched input is not its first argument")
+
+    def _aligned(self, name: str, inputs: list, out: torch.Tensor) -> int:
+        """Broadcasting: dims align from the right; every batched input must put the batch on one dim."""
+        dims = {s + out.dim() - t.dim() for t, s in inputs}
+        if len(dims) != 1:
+            raise Lost(f"{name} (its inputs have their batch on different dims: sequence-first and batch-first mixed?)")
+        d = dims.pop()
+        if out.shape[d] != self.batch:
+            raise Lost(f"{name} (broadcasts the batch)")
+        return d
+
+    def _expanded(self, name: str, args: Sequence, out: torch.Tensor) -> int | None:
+        """An unbatched tensor expanded to the batch: `pos.expand(B, T)`, `pos.expand_as(x)`, is a copy
+        per sample (each row read by its sample alone, as any batched tensor's row is)."""
+        if name == "expand_as" and isinstance(args[1], torch.Tensor):
+            s = self.status(args[1])
+            return s if isinstance(s, int) else None
+        base = args[0]
+        grown = [d for d in range(out.dim()) if out.shape[d] == self.batch and self.batch > 1
+                 and (d < out.dim() - base.dim() or base.shape[d - (out.dim() - base.dim())] == 1)]
+        return grown[0] if len(grown) == 1 else None
+
+
+def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int:
+    """Reshapes keep the batch iff some output dim has the batch's size and the same number of
+    elements before it: then index b of it addresses exactly the elements index b did."""
+    x, d = args[0], tracker._self(args, inputs)
+    before = math.prod(x.shape[:d])
+    for j in range(out.dim()):
+        if math.prod(out.shape[:j]) == before and out.shape[j] == x.shape[d]:
+            return j
+    raise Lost("a reshape that merges or splits the batch dim")
+
+
+def _expand(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    return d + out.dim() - x.dim()
+
+
+def _repeat(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    sizes = _sizes(args[1:]) or list(_arg(args, kwargs, 1, "repeats", ()))
+    shifted = d + len(sizes) - x.dim()
+    if sizes[shifted] != 1:
+        raise Lost("repeat along the batch dim (samples copied)")
+    return shifted
+
+
+def _transpose(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    a, b = _dims([_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1")], x.dim())
+    return b if d == a else a if d == b else d
+
+
+def _t(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    return x.dim() - 1 - d if x.dim() == 2 else d
+
+
+def _matrix_t(tracker, args, kwargs, inputs, out) -> int:  # mT, mH, adjoint: the last two dims swap
+    x, d = args[0], tracker._self(args, inputs)
+    n = x.dim()
+    return {n - 1: n - 2, n - 2: n - 1}.get(d, d)
+
+
+def _permute(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    order = _dims(_sizes(args[1:]) or _arg(args, kwargs, 1, "dims"), x.dim())
+    return order.index(d)
+
+
+def _movedim(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    src = _dims(_arg(args, kwargs, 1, "source"), x.dim())
+    dst = _dims(_arg(args, kwargs, 2, "destination"), x.dim())
+    order = [None] * x.dim()
+    for s, t in zip(src, dst):
+        order[t] = s
+    rest = iter(i for i in range(x.dim()) if i not in src)
+    order = [o if o is not None else next(rest) for o in order]
+    return order.index(d)
+
+
+def _reduction(name: str):
+    def rule(tracker, args, kwargs, inputs, out) -> int:
+        x, d = args[0], tracker._self(args, inputs)
+        if isinstance(_arg(args, kwargs, 1, "other"), torch.Tensor):  # torch.max(a, b): pointwise
+            return tracker._aligned(name, inputs, out)
+        shift = 1 if name == "norm" else 0  # x.norm(p, dim, keepdim)
+        dims = _dims(_arg(args, kwargs, 1 + shift, "dim"), x.dim())
+        if not dims or d in dims:
+            raise Lost(f"{name} over the batch dim (it mixes the samples)")
+        keep = _arg(args, kwargs, 2 + shift, "keepdim", False) is True
+        return d if keep else d - sum(1 for a in dims if a < d)
+    return rule
+
+
+def _along_dim(name: str):
+    def rule(tracker, args, kwargs, inputs, out) -> int:
+        x = args[0]
+        d = tracker._self(args, inputs)
+        index, keyword = _ALONG_DIM[name] if isinstance(_ALONG_DIM[name], tuple) else (_ALONG_DIM[name], "dim")
+        dim = _dims(_arg(args, kwargs, index, keyword, _DIM_DEFAULT.get(name)), x.dim())
+        if dim is None or d in dim:
+            raise Lost(f"{name} along the batch dim (it mixes the samples)")
+        index = [s for t, s in inputs if t is not x]
+        if index and any(s != d for s in index):
+            raise Lost(f"{name} with an index batched on another dim")
+        return d
+    return rule
+
+
+def _select(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    dim = _dims(_arg(args, kwargs, 1, "dim"), x.dim())[0]
+    if dim == d:
+        raise Lost("select on the batch dim (one sample)")
+    return d - (dim < d)
+
+
+def _split(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    dim = _dims(_arg(args, kwargs, 2, "dim", 0), x.dim())[0]
+    if dim == d:
+        raise Lost("a split of the batch dim")
+    return d
+
+
+def _unbind(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    dim = _dims(_arg(args, kwargs, 1, "dim", 0), x.dim())[0]
+    if dim == d:
+        raise Lost("unbind of the batch dim (one sample per tensor)")
+    return d - (dim < d)
+
+
+def _cat(tracker, args, kwargs, inputs, out) -> int:
+    tensors = _arg(args, kwargs, 0, "tensors")
+    ndim = tensors[0].dim()
+    dim = _dims(_arg(args, kwargs, 1, "dim", 0), ndim)[0]
+    dims = {s for _, s in inputs}
+    if len(dims) != 1 or dim in dims:
+        raise Lost("cat along the batch dim, or of tensors batched on different dims")
+    d = dims.pop()
+    if any(t.dim() != ndim or t.shape[d] != tracker.batch for t in tensors):
+        raise Lost("cat of a tensor without the batch dim")
+    return d
+
+
+def _stack(tracker, args, kwargs, inputs, out) -> int:
+    tensors = _arg(args, kwargs, 0, "tensors")
+    dim = _dims(_arg(args, kwargs, 1, "dim", 0), tensors[0].dim() + 1)[0]
+    dims = {s for _, s in inputs}
+    if len(dims) != 1:
+        raise Lost("stack of tensors batched on different dims")
+    d = dims.pop()
+    return d + (dim <= d)
+
+
+def _getitem(tracker, args, kwargs, inputs, out) -> int:
+    """Basic indexing (ints, slices, None, ...); an index tensor only off the batch dim and alone."""
+    x, d = args[0], tracker._self(args, inputs)
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if any(isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
+        raise Lost("indexing with a batched index tensor")
+    used = sum(0 if i is None or i is Ellipsis else (i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                      else 1) for i in index)
+    if Ellipsis in [i for i in index if not isinstance(i, torch.Tensor)]:
+        at = next(k for k, i in enumerate(index) if i is Ellipsis)
+        index = (*index[:at], *([slice(None)] * (x.dim() - used)), *index[at + 1:])
+    tensors = [i for i in index if isinstance(i, torch.Tensor)]
+    if len(tensors) > 1 or any(t.dtype == torch.bool for t in tensors):
+        raise Lost("advanced indexing (boolean masks, several index tensors)")
+    src, dst = 0, 0
+    for i in index:
+        if i is None:
+            dst += 1
+            continue
+        if src == d:
+            if isinstance(i, slice) and i == slice(None):
+                return dst
+            raise Lost("indexing that selects samples")
+        if isinstance(i, slice):
+            dst += 1
+        elif isinstance(i, torch.Tensor):
+            if src < d and i.dim() != 1:
+                raise Lost("an index tensor before the batch dim")
+            dst += i.dim()
+        src += 1
+    return dst + (d - src)
+
+
+def _setitem(tracker, args, kwargs, inputs, out) -> Any:
+    x, value = args[0], args[2] if len(args) > 2 else None
+    sx = tracker.status(x)
+    sv = tracker.status(value) if isinstance(value, torch.Tensor) else None
+    if sv is None:
+        return sx
+    return "an indexed assignment of batched values (x[i] = y)"
+
+
+def _matmul(tracker, args, kwargs, inputs, out) -> int:
+    a, b = args[0], args[1]
+    dims = set()
+    for t, s in inputs:
+        n = t.dim()
+        if n < 2:
+            raise Lost("matmul of a batched vector")
+        contracted = n - 1 if t is a else n - 2
+        if s == contracted:
+            raise Lost("matmul contracting the batch dim (it mixes the samples)")
+        if t is a and s == n - 2:
+            dims.add(out.dim() - 2)
+        elif t is b and s == n - 1:
+            dims.add(out.dim() - 1)
+        else:
+            dims.add(s + out.dim() - n)
+    if len(dims) != 1:
+        raise Lost("matmul of operands batched on different dims")
+    return dims.pop()
+
+
+def _rmatmul(tracker, args, kwargs, inputs, out) -> int:
+    return _matmul(tracker, (args[1], args[0]), kwargs, inputs, out)
+
+
+def _einsum(tracker, args, kwargs, inputs, out) -> int:
+    equation = args[0].replace(" ", "")
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    if "..." in equation or "->" not in equation:
+        raise Lost("einsum with '...' or an implicit output")
+    lhs, rhs = equation.split("->")
+    letters = set()
+    for spec, t in zip(lhs.split(","), operands):
+        s = tracker.status(t) if isinstance(t, torch.Tensor) else None
+        if isinstance(s, int):
+            letters.add(spec[s])
+    if len(letters) != 1 or next(iter(letters)) not in rhs:
+        raise Lost("einsum that sums over the batch or puts it on several letters")
+    return rhs.index(letters.pop())
+
+
+def _linear(tracker, args, kwargs, inputs, out) -> int:
+    x = args[0]
+    if any(t is not x for t, _ in inputs):
+        raise Lost("linear with a batched weight")
+    d = tracker._self(args, inputs)
+    if d == x.dim() - 1:
+        raise Lost("linear over the batch dim (it mixes the samples)")
+    return d
+
+
+def _embedding(tracker, args, kwargs, inputs, out) -> int:
+    if any(t is not args[0] for t, _ in inputs):
+        raise Lost("embedding with a batched weight")
+    return tracker._self(args, inputs)
+
+
+def _embedding_bag(tracker, args, kwargs, inputs, out) -> int | str:
+    ids = args[0]
+    if any(t is not ids for t, _ in inputs if not _offsets(t, args, kwargs)):
+        raise Lost("embedding_bag with a batched weight")
+    if ids.dim() == 2:
+        if isinstance(tracker.status(ids), str):
+            return tracker.status(ids)
+        if tracker._self(args, inputs) != 0:
+            raise Lost("embedding_bag with the batch off dim 0")
+        return 0
+    # 1-D ids and offsets: the bags are the samples when there is one bag per sample; which ids make
+    # which bag is the offsets', which provenance cannot follow. Taken when the ids come from the batch.
+    bags = out if isinstance(out, torch.Tensor) else out[0]  # F.embedding_bag, or torch.embedding_bag's tuple
+    if bags.shape[0] != tracker.batch:
+        raise Lost("embedding_bag with a number of bags other than the batch size")
+    return 0
+
+
+def _offsets(t: torch.Tensor, args, kwargs) -> bool:
+    return t is _arg(args, kwargs, 2, "offsets") or t is _arg(args, kwargs, 8, "per_sample_weights")
+
+
+def _sample_leading(name: str):
+    def rule(tracker, args, kwargs, inputs, out) -> int:
+        if any(t is not args[0] for t, _ in inputs) or tracker._self(args, inputs) != 0:
+            raise Lost(f"{name} with the batch off dim 0 (it mixes the samples)")
+        return 0
+    return rule
+
+
+def _last_dims_norm(tracker, args, kwargs, inputs, out) -> int:
+    x = args[0]
+    d = tracker._self(args, inputs)
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    n = 1 if isinstance(shape, int) else len(shape)
+    if d >= x.dim() - n or any(t is not x for t, _ in inputs):
+        raise Lost("a normalisation over the batch dim (it mixes the samples)")
+    return d
+
+
+def _pad(tracker, args, kwargs, inputs, out) -> int:
+    x, d = args[0], tracker._self(args, inputs)
+    pad = list(_arg(args, kwargs, 1, "pad"))
+    k = x.dim() - 1 - d  # the batch is the k-th dim from the end
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        raise Lost("padding of the batch dim")
+    return d
+
+
+def _attention(tracker, args, kwargs, inputs, out) -> int:
+    q = args[0]
+    dims = {s + q.dim() - t.dim() for t, s in inputs}
+    if len(dims) != 1:
+        raise Lost("attention with inputs batched on different dims")
+    d = dims.pop()
+    if d >= q.dim() - 2:
+        raise Lost("attention along the batch dim (it mixes the samples)")
+    return d
+
+
+def _mha(tracker, args, kwargs, inputs, out) -> list:
+    """F.multi_head_attention_forward: sequence-first [T, B, E] inputs; attention weights [B, T, S]."""
+    q = args[0]
+    need = 1 if q.dim() == 3 else None
+    for t, s in inputs:
+        if t.dim() == 3 and s != need or t.dim() == 2 and s != 0:  # key_padding_mask [B, S] is batched at 0
+            raise Lost("multi_head_attention_forward with the batch off dim 1 of [T, B, E] (it mixes the samples)")
+    return [1, 0]
+
+
+def _one_hot(tracker, args, kwargs, inputs, out) -> int:
+    return tracker._self(args, inputs)
+
+
+_RULES: dict[str, Callable] = {
+    **{n: _view for n in _VIEWS}, "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
+    "repeat": _repeat, "tile": _repeat, "transpose": _transpose, "swapaxes": _transpose, "swapdims": _transpose,
+    "transpose_": _transpose, "t": _t, "T": _t, "mT": _matrix_t, "mH": _matrix_t, "adjoint": _matrix_t,
+    "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,
+    **{n: _reduction(n) for n in _REDUCTIONS}, **{n: _along_dim(n) for n in _ALONG_DIM},
+    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind,
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
+    "__getitem__": _getitem, "__setitem__": _setitem,
+    "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul,
+    "einsum": _einsum, "linear": _linear, "embedding": _embedding, "embedding_bag": _embedding_bag,
+    **{n: _sample_leading(n) for n in _SAMPLE_LEADING},
+    "layer_norm": _last_dims_norm, "rms_norm": _last_dims_norm, "pad": _pad,
+    "scaled_dot_product_attention": _attention, "multi_head_attention_forward": _mha, "one_hot": _one_hot,
+    "view_as_real": _one_hot, "view_as_complex": _one_hot,
+}

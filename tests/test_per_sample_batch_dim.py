@@ -1,0 +1,219 @@
+"""The batch dimension by provenance (issue 22, item 3): sequence-first activations with T == B,
+the default sequence-first TransformerEncoderLayer, position ids with T == B, extra per-sample
+inputs, a reduction over the batch. Each case is exact against a float64 loop (one backward per
+sample) over the parameters coverage() lists, or refused with a warning naming the layer."""
+import pytest
+import torch
+import torch.nn as nn
+from helpers import loop_per_sample_norms
+
+import gapmon
+from gapmon.batch_provenance import BatchTracker
+
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+B = T = 4  # the ambiguous case: a size-based guess takes the sequence for the batch
+
+
+def _loss(out, y):
+    return ((out - y) ** 2).flatten(1).sum(1).mean()
+
+
+def _run(model, inputs, y, bookkeeping, **kwargs):
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, **kwargs)
+    try:
+        model.zero_grad()
+        _loss(model(*inputs), y).backward()
+        return psn.local_norms(), psn.coverage()
+    finally:
+        psn.close()
+
+
+class _Inputs(nn.Module):
+    """Feeds the loop reference's single tensor to a model of several inputs (fixed extras)."""
+
+    def __init__(self, model, extra):
+        super().__init__()
+        self.model, self.extra = model, extra
+
+    def forward(self, x):
+        return self.model(x, *(e[: x.shape[0]] if e.dim() and e.shape[0] == B else e for e in self.extra))
+
+
+def _reference(model, x, y, cov, extra=()):
+    covered = set(cov["covered"])
+    if not extra:
+        return loop_per_sample_norms(model, _loss, x, y, params=covered)
+    # per-sample extras are sliced with x; shared ones (position ids [T]) are not
+    norms = []
+    for i in range(x.shape[0]):
+        args = [e[i:i + 1] if per_sample else e for e, per_sample in extra]
+        named = [(n, p) for n, p in model.named_parameters() if n in covered]
+        grads = torch.autograd.grad(_loss(model(x[i:i + 1], *args), y[i:i + 1]), [p for _, p in named])
+        norms.append(torch.sqrt(sum(g.square().sum() for g in grads)))
+    return torch.stack(norms)
+
+
+def _exact(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class TransposedLinear(nn.Module):
+    """A layer fed sequence-first activations: lin(x.transpose(0, 1))."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):  # x [B, T, 5]
+        h = self.a(x.transpose(0, 1))  # [T, B, 6]
+        return self.b(torch.tanh(self.norm(h))).transpose(0, 1)
+
+
+class SequenceFirstEncoder(nn.Module):
+    """The default (sequence-first) TransformerEncoderLayer inside a batch-first model."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):  # [B, T, 3]
+        return self.out(self.enc(self.inp(x).transpose(0, 1)).transpose(0, 1))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("make, shape", [(TransposedLinear, (B, T, 5)), (SequenceFirstEncoder, (B, T, 3))])
+def test_sequence_first_layers_with_t_equal_b_are_exact(make, shape, bookkeeping):
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.randn(B, T, model(x).shape[-1], dtype=torch.float64)
+    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
+    assert not cov["uncovered"], cov["uncovered"]
+    _exact(got, _reference(model, x, y, cov))
+
+
+@BOOKKEEPING
+def test_a_sequence_first_model_input_needs_batch_dim(bookkeeping):
+    """An encoder fed [T, B, E]: with batch_dim=1 exact; by default the batch is taken on dim 0, the
+    attention then mixes those 'samples', and every layer from it on is refused by name."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0).double()
+    x = torch.randn(T, B + 1, 8, dtype=torch.float64)
+    y = torch.randn(T, B + 1, 8, dtype=torch.float64)
+    loss = lambda out, t: ((out - t) ** 2).sum((0, 2)).mean()  # noqa: E731  per sample: dim 1
+    psn = gapmon.PerSampleGradNorms(enc, batch_dim=1, bookkeeping=bookkeeping, strict=True)
+    loss(enc(x), y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    named = [(n, p) for n, p in enc.named_parameters() if n in cov["covered"]]
+    assert len(named) == len(list(enc.parameters()))
+    want = []
+    for i in range(B + 1):
+        grads = torch.autograd.grad(loss(enc(x[:, i:i + 1]), y[:, i:i + 1]), [p for _, p in named])
+        want.append(torch.sqrt(sum(g.square().sum() for g in grads)))
+    _exact(got, torch.stack(want))
+    assert got.shape == (B + 1,)
+
+    with pytest.warns(RuntimeWarning, match="mixes the samples"):
+        _, cov = _run(enc, (x,), y, bookkeeping)
+    assert "linear1.weight" in cov["uncovered"] and "self_attn.in_proj_weight" in cov["uncovered"]
+
+
+class PositionsAsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(11, 6), nn.Embedding(T, 6), nn.Linear(6, 3)
+
+    def forward(self, ids, pos):
+        return self.head(torch.tanh(self.tok(ids) + self.pos(pos)))
+
+
+@BOOKKEEPING
+def test_position_ids_passed_as_input_with_t_equal_b(bookkeeping):
+    """Position ids arange(T) with T == B look like a batch; by provenance they are not one: the
+    position embedding is refused by name and the rest is exact. Named as a per-sample input, with
+    one row of positions per sample, it is covered and exact."""
+    torch.manual_seed(0)
+    model = PositionsAsInput().double()
+    ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
+    shared = torch.arange(T)
+    with pytest.warns(RuntimeWarning, match="'pos' is not per-sample .*does not come from the model's batched"):
+        got, cov = _run(model, (ids, shared), y, bookkeeping)
+    assert "pos.weight" in cov["uncovered"] and "tok.weight" in cov["covered"]
+    _exact(got, _reference(model, ids, y, cov, extra=[(shared, False)]))
+
+    rows = torch.arange(T).expand(B, T)
+    got, cov = _run(model, (ids, rows), y, bookkeeping, batch_inputs=("ids", "pos"), strict=True)
+    assert "pos.weight" in cov["covered"]
+    _exact(got, _reference(model, ids, y, cov, extra=[(rows, True)]))
+
+
+class TimeConditioned(nn.Module):
+    """A diffusion-style model: a second per-sample input (the timestep) through its own Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.time, self.inp, self.out = nn.Linear(1, 6), nn.Linear(5, 6), nn.Linear(6, 5)
+
+    def forward(self, x, t):
+        return self.out(torch.tanh(self.inp(x) + self.time(t[:, None])))
+
+
+@BOOKKEEPING
+def test_a_second_per_sample_input_is_refused_until_named(bookkeeping):
+    torch.manual_seed(0)
+    model = TimeConditioned().double()
+    x, t, y = (torch.randn(B, 5, dtype=torch.float64), torch.rand(B, dtype=torch.float64),
+               torch.randn(B, 5, dtype=torch.float64))
+    with pytest.warns(RuntimeWarning, match="'time' is not per-sample"):
+        got, cov = _run(model, (x, t), y, bookkeeping)
+    assert "time.weight" in cov["uncovered"]
+    _exact(got, _reference(model, x, y, cov, extra=[(t, True)]))
+    got, cov = _run(model, (x, t), y, bookkeeping, batch_inputs=(0, "t"), strict=True)
+    assert "time.weight" in cov["covered"]
+    _exact(got, _reference(model, x, y, cov, extra=[(t, True)]))
+
+
+class CentredOverBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h - h.mean(0))
+
+
+def test_a_layer_after_a_reduction_over_the_batch_is_refused():
+    torch.manual_seed(0)
+    model = CentredOverBatch().double()
+    x, y = torch.randn(B, 5, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="'b' is not per-sample .*mean over the batch dim"):
+        _run(model, (x,), y, False, strict=True)
+
+
+def test_tracker_follows_the_batch_through_common_ops():
+    """The rules, op by op, against where the batch really is (x is batched on dim 0, T == B)."""
+    x = torch.randn(B, T, 8)
+    tracker = BatchTracker(B)
+    tracker.mark(x, 0)
+    lin = nn.Linear(8, 8)
+    with tracker:
+        cases = {
+            "transpose": (x.transpose(0, 1), 1), "permute": (x.permute(1, 2, 0), 2), "mT": (x.mT, 0),
+            "split heads": (x.view(B, T, 2, 4).transpose(1, 2), 0), "merged": (x.reshape(B * T, 8), str),
+            "unsqueeze": (x[None], 1), "last token": (x[:, -1], 0), "ellipsis": (x[..., :3], 0),
+            "select sample": (x[0], str), "sum over T": (x.sum(1), 0), "mean over B": (x.mean(0), str),
+            "softmax": (x.softmax(-1), 0), "softmax over B": (x.softmax(0), str), "linear": (lin(x), 0),
+            "attention scores": (x @ x.transpose(1, 2), 0), "contract B": (x[:, 0].T @ x[:, 0], str),
+            "einsum": (torch.einsum("btd,bsd->bts", x, x), 0), "einsum sum B": (torch.einsum("btd->td", x), str),
+            "cat": (torch.cat([x, x], -1), 0), "cat B": (torch.cat([x, x], 0), str),
+            "constant": (torch.zeros_like(x), None), "positions": (torch.arange(T), None),
+            "expand positions": (torch.arange(T).expand(B, T), 0), "broadcast add": (x + torch.ones(T, 8), 0),
+            "mixed layouts": (x + x.transpose(0, 1), str), "no rule": (torch.fft.fft(x, dim=1), str),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else got == want), (what, got)
