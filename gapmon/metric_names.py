@@ -28,6 +28,12 @@ def numerics_field(fmt: str, share: str) -> str:
 NUMERICS_FIELDS = ("kurtosis", *(numerics_field(f, s) for f in FORMATS for s in NUMERICS_SHARES))
 
 
+def numerics_histogram_name(group: str) -> str:
+    """``gap/numerics/{kind}/{layer type}/log2_abs``: the histogram sinks' tag of the exponent
+    histogram of one group of info["numerics_histograms"] (group "grads/Linear")."""
+    return f"{PREFIX}/numerics/{group}/log2_abs"
+
+
 class MetricName(NamedTuple):
     kind: str
     name: str

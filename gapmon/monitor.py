@@ -33,9 +33,9 @@ from .metric_names import (
     parse_metric_name,
     per_sample_norm_name,
 )
-from .numerics import check_formats, numerics_from_rows, numerics_states
+from .numerics import check_formats, numerics_from_rows, numerics_states, sparse_histogram
 from .sinks import Sink, as_sink
-from .stats import ACC_NAMES, STAT_NAMES, STATE_NAMES
+from .stats import ACC_NAMES, NUM_BINS, STAT_NAMES, STATE_NAMES
 from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
 
 logger = logging.getLogger("gapmon")
@@ -123,7 +123,9 @@ class GAPMonitor:
         correction: Bessel correction of the variances (default 1, like torch.var).
         numerics: formats (of gapmon.numerics.FORMATS: "bf16", "fp16", "fp8_e4m3", "fp8_e5m2") whose
             underflow/overflow shares to report for parameters and gradients, with their kurtosis
-            (fields NUMERICS_FIELDS; one more pass over those tensors). Default: none (no cost).
+            (fields NUMERICS_FIELDS; one more pass over those tensors), and their exponent histograms
+            summed per kind and layer type (info["numerics_histograms"]: {"grads/Linear": {"e-7": n,
+            ...}}; histograms in TensorBoard and W&B). Default: none (no cost).
         numerics_alert: with numerics, warn (naming tensors and step) when a tensor's unscaled underflow
             or overflow share in a format exceeds this fraction; also listed in the sinks' info.
     """
@@ -185,6 +187,8 @@ class GAPMonitor:
         if params or grads:
             refuse_complex(self._params, "GAPMonitor", "the statistics are of real tensors. Store it as real and "
                            "imaginary parts (torch.view_as_real) or pass params=False, grads=False")
+        owner_types = {id(p): type(m).__name__ for _, m in self._modules for p in m.parameters(recurse=False)}
+        self._param_types = {n: owner_types.get(id(p), type(model).__name__) for n, p in self._params}
         shard_groups = fsdp1_shard_groups(model)
         self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -436,7 +440,18 @@ class GAPMonitor:
         result = numerics_from_rows(rows, self.numerics)
         columns = [("kurtosis", result.kurtosis)]
         columns += [(numerics_field(f, s), result.shares[f][s]) for f in self.numerics for s in NUMERICS_SHARES]
-        values = torch.stack([c for _, c in columns], dim=1).cpu().tolist()
+        # Exponent histograms summed per tensor kind and layer type ("grads/Linear"): exact counts.
+        groups_of = [f"{kind}/{self._param_types.get(name, 'Parameter')}" for kind, name in names]
+        keys = sorted(set(groups_of))
+        index = torch.tensor([keys.index(g) for g in groups_of], device=rows.device)
+        hists = torch.zeros(len(keys), NUM_BINS, dtype=torch.float64, device=rows.device).index_add_(
+            0, index, rows[:, :NUM_BINS])
+        table = torch.stack([c for _, c in columns], dim=1)
+        host = torch.cat([table.reshape(-1), hists.reshape(-1)]).cpu().tolist()  # one copy
+        values = [host[i * len(columns):(i + 1) * len(columns)] for i in range(len(names))]
+        counts = host[len(names) * len(columns):]
+        info["numerics_histograms"] = {k: sparse_histogram(counts[i * NUM_BINS:(i + 1) * NUM_BINS])
+                                       for i, k in enumerate(keys)}
         alerts = []
         for (kind, name), row in zip(names, values):
             for (field, _), value in zip(columns, row):

@@ -157,3 +157,49 @@ def multi_tensor_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str] = t
     """Exponent histograms, kurtosis and per-format underflow/overflow shares of N tensors (mixed
     sizes, dtypes, DTensors), from one pass over each."""
     return numerics_from_rows(numerics_states(xs), formats, margin)
+
+
+# -------------------------------------------------------------------- histograms as records
+_EXP_BINS = {name: i for i, name in enumerate(BIN_NAMES)}
+
+
+def sparse_histogram(counts: Sequence[float]) -> dict[str, int]:
+    """The non-zero bins of a [NUM_BINS] histogram by name ({"e-3": 1200, "zero": 5}): what a
+    metrics record holds (a dozen bins, not 258)."""
+    return {name: int(c) for name, c in zip(BIN_NAMES, counts) if c}
+
+
+def dense_histogram(bins: dict[str, int]) -> list[int]:
+    """[NUM_BINS] counts of a sparse histogram; KeyError naming an unknown bin."""
+    out = [0] * NUM_BINS
+    for name, count in bins.items():
+        if name not in _EXP_BINS:
+            raise KeyError(f"gapmon numerics: unknown histogram bin {name!r}; bins are {BIN_NAMES[0]}, "
+                           f"{BIN_NAMES[1]}, e{EXP_MIN}..e{EXP_MAX}, inf, nan")
+        out[_EXP_BINS[name]] += int(count)
+    return out
+
+
+def histogram_rows(histograms: Sequence[dict[str, int]]) -> torch.Tensor:
+    """Numerics rows (bins and count; no moments) of sparse histograms, for format_shares."""
+    rows = torch.zeros(len(histograms), len(NUMERICS_COLUMNS), dtype=torch.float64)
+    for i, bins in enumerate(histograms):
+        rows[i, :NUM_BINS] = torch.tensor(dense_histogram(bins), dtype=torch.float64)
+    rows[:, NUM_BINS] = rows[:, :NUM_BINS].sum(1)
+    return rows
+
+
+def log2_buckets(bins: dict[str, int]) -> tuple[list[float], list[int]]:
+    """(edges, counts) of the finite non-zero values of a sparse histogram on the log2|x| axis, for
+    histogram sinks: bin e is [e-1, e); float32 subnormals are one bucket [-149, -126). Contiguous
+    from the lowest to the highest bin present; zeros, infinities and NaNs are not on this axis (the
+    monitor's scalars count them). ([], []) when there are none."""
+    dense = dense_histogram(bins)
+    present = [i for i in range(1, NUM_BINS - 2) if dense[i]]
+    if not present:
+        return [], []
+    lo, hi = present[0], present[-1]
+    edges = [-149.0] if lo == 1 else []
+    edges += [float(EXP_MIN + i - _FIRST_EXP - 1) for i in range(max(lo, _FIRST_EXP), hi + 1)]
+    edges.append(float(EXP_MIN + hi - _FIRST_EXP) if hi >= _FIRST_EXP else -126.0)
+    return edges, dense[lo:hi + 1]

@@ -388,7 +388,7 @@ class PerSampleGradNorms:
     def _hook_covered(self) -> None:
         """Hooks the gradient of every covered trainable parameter, so that a use the rules never see
         (its layer's forward never ran) is counted too. Looked at again only when requires_grad changed."""
-        state = tuple(p.requires_grad for _, p in self._params)
+        state = self._trainable_state()
         if state == self._hooked_state:
             return
         self._hooked_state = state
@@ -560,11 +560,15 @@ class PerSampleGradNorms:
             "skipped_layers": sorted(self.skipped),
         }
 
+    def _trainable_state(self) -> tuple[bool, ...]:
+        """Every parameter's requires_grad: what coverage and the gradient hooks follow between steps."""
+        return tuple(p.requires_grad for _, p in self._params)
+
     def _warn_uncovered(self, error: type, stacklevel: int) -> None:
         """Warns (strict: raises `error`) about trainable parameters left out of the norms that were
         not warned about yet: at construction, and again when unfreezing adds some. Checked again
         only when some parameter's requires_grad (or the set of skipped layers) changed."""
-        state = (tuple(p.requires_grad for _, p in self._params), len(self.skipped))
+        state = (self._trainable_state(), len(self.skipped))
         if state == self._checked_state:
             return
         self._checked_state = state

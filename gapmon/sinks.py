@@ -9,6 +9,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from .metric_names import numerics_histogram_name
+from .numerics import log2_buckets
+
 
 @runtime_checkable
 class Sink(Protocol):
@@ -119,6 +122,14 @@ class TensorBoardSink:
             self._writer = self._writer_cls(*self._args, **self._kwargs)
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
+        for key, bins in info.get("numerics_histograms", {}).items():
+            edges, counts = log2_buckets(bins)
+            if edges:  # a histogram of log2|x| (finite non-zero values), bucket limits are upper edges
+                mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+                self._writer.add_histogram_raw(
+                    numerics_histogram_name(key), min=edges[0], max=edges[-1], num=sum(counts),
+                    sum=sum(m * c for m, c in zip(mids, counts)), sum_squares=sum(m * m * c for m, c in zip(mids, counts)),
+                    bucket_limits=edges[1:], bucket_counts=counts, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -144,7 +155,12 @@ class WandbSink:
         if self._wandb.run is None:
             self._wandb.init(**self._init_kwargs)
             self._own_run = True
-        self._wandb.log(dict(metrics), step=step)
+        logged: dict[str, Any] = dict(metrics)
+        for key, bins in info.get("numerics_histograms", {}).items():
+            edges, counts = log2_buckets(bins)
+            if edges:
+                logged[numerics_histogram_name(key)] = self._wandb.Histogram(np_histogram=(counts, edges))
+        self._wandb.log(logged, step=step)
 
     def close(self) -> None:
         if self._own_run and self._wandb.run is not None:

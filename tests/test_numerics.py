@@ -1,7 +1,9 @@
 """Low-precision numerics (gapmon.numerics): exponent histograms and moments against frexp/bincount
 and float64 references on edge values, format shares against direct float64 comparisons, merging
 pieces, and the compiled kernel against the pure-PyTorch reference."""
+import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -185,3 +187,111 @@ def test_monitor_reports_shares_and_kurtosis_and_alerts_by_name():
         gapmon.GAPMonitor(model, numerics=("fp4",))
     with pytest.raises(ValueError, match="numerics_alert"):
         gapmon.GAPMonitor(model, numerics_alert=0.1)
+
+
+def _frexp_named_bins(tensors) -> dict:
+    """Reference exponent histogram by torch.frexp (float32 normals and zeros only)."""
+    out: dict[str, int] = {}
+    for t in tensors:
+        x = t.detach().double().abs().flatten()
+        zeros = int((x == 0).sum())
+        if zeros:
+            out["zero"] = out.get("zero", 0) + zeros
+        exps = torch.frexp(x[x > 0]).exponent
+        for e, c in zip(*torch.unique(exps, return_counts=True)):
+            out[f"e{int(e)}"] = out.get(f"e{int(e)}", 0) + int(c)
+    return out
+
+
+def test_monitor_histograms_per_kind_and_layer_type_reach_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[2].bias.zero_()  # zeros have a bin of their own
+    sinks = [gapmon.JSONLSink(tmp_path / "m.jsonl")]
+    tb = pytest.importorskip("tensorboard")
+    sinks.append(gapmon.TensorBoardSink(tmp_path / "tb"))
+    logged = []
+    wandb = pytest.importorskip("wandb")
+
+    class FakeWandb:  # wandb.init rebinds wandb.log: a stand-in module with wandb's own Histogram
+        run, Histogram = object(), wandb.Histogram
+
+        @staticmethod
+        def log(data, step=None):
+            logged.append((step, data))
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
+    sinks.append(gapmon.WandbSink(project="gapmon-test"))
+    with gapmon.GAPMonitor(model, numerics=("bf16",), sinks=sinks) as mon:
+        mon.begin_step(7, 3)
+        model(torch.randn(3, 4)).square().sum().backward()
+        mon.end_step()
+    record = json.loads((tmp_path / "m.jsonl").read_text())
+    hists = record["numerics_histograms"]
+    linears = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
+    assert hists["params/Linear"] == _frexp_named_bins(linears)
+    assert hists["params/LayerNorm"] == _frexp_named_bins([model[1].weight, model[1].bias])
+    assert hists["grads/Linear"] == _frexp_named_bins([p.grad for p in linears])
+    assert set(hists) == {"params/Linear", "params/LayerNorm", "grads/Linear", "grads/LayerNorm"}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    tag = "gap/numerics/grads/Linear/log2_abs"
+    event = acc.Histograms(tag)[0]
+    want = _frexp_named_bins([p.grad for p in linears])
+    assert event.step == 7
+    assert sum(event.histogram_value.bucket) == sum(v for k, v in want.items() if k != "zero")
+    top = max(int(k[1:]) for k in want if k != "zero")
+    assert event.histogram_value.max == top and event.histogram_value.bucket_limit[-1] == top
+
+    step, data = logged[-1]
+    assert step == 7
+    h = data[tag]
+    assert sum(h.histogram) == sum(v for k, v in want.items() if k != "zero") and h.bins[-1] == top
+    del tb
+
+
+def test_report_shows_a_bf16_run_whose_gradients_flush_to_zero(tmp_path):
+    """The README's worked example: a bf16 model whose loss scale drops 2^-15 a step. The gradients
+    walk down the exponent line, reach bf16's subnormals at step 8 (alert) and are zero at step 9."""
+    import torch.nn as nn
+
+    pytest.importorskip("matplotlib")
+    from gapmon.apps.report import make_report, numerics_series
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(torch.bfloat16)
+    x, y = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(32, 8, dtype=torch.bfloat16)
+    alerts = {}
+    with gapmon.GAPMonitor(model, numerics=("bf16",), numerics_alert=0.05,
+                           sinks=[gapmon.JSONLSink(tmp_path / "metrics.jsonl"),
+                                  lambda step, m: None]) as mon:
+        for step in range(10):
+            mon.begin_step(step, batch_size=32)
+            (nn.functional.mse_loss(model(x), y) * 2.0 ** (-15 * step)).backward()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                mon.end_step()
+            alerts[step] = [str(w.message) for w in seen]
+            model.zero_grad()
+    assert [s for s, a in alerts.items() if a] == [8] and "grads/0.weight: bf16_underflow" in alerts[8][0]
+    series = numerics_series([json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()])
+    grads = series["grads/Linear"]
+    under = grads["shares"]["bf16"]["underflow"]
+    assert under[:8] == [0.0] * 8 and under[8] > 0.5 and under[9] == 0.0
+    zero_share = [h[0] / sum(h) for h in grads["histograms"]]
+    assert zero_share[:8] == [0.0] * 8 and zero_share[9] == 1.0
+    # the heat map's mass moves down 15 binades a step: the top exponent bin by step
+    tops = [max(i for i, c in enumerate(h) if c) for h in grads["histograms"][:8]]
+    assert all(a - b == 15 for a, b in zip(tops, tops[1:]))
+    text = make_report(tmp_path).read_text()
+    assert "| grads/Linear (steps 0..9) | bf16 | 0.00% → 100.00% | 0.00% → 0.00% | 0.00% |" in text
+    assert (tmp_path / "report" / "numerics.png").stat().st_size > 1000

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..metric_names import parse_metric_name
 
 MARKER = ".gapmon-demo"  # in a run directory the demo made (and may replace)
-TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms")
+TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics")
 
 
 @dataclass
@@ -100,7 +100,8 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sinks = [JSONLSink(out / "metrics.jsonl")]
-    mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks)
+    # numerics: exponent histograms and bf16/fp8 e4m3 underflow/overflow shares (the report's last figure)
+    mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks, numerics=("bf16", "fp8_e4m3"))
     four_kinds = GAPMonitor(model)  # timing only: the four kinds without per-sample norms, no sink
     dumper = GradientDumper(model, out / "gradients", step_interval=cfg.dump_every, mode="shards", async_write=True)
     progress = Progress("training", quiet=cfg.quiet or rank != 0)  # then the timing groups, labelled

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..metric_names import parse_metric_name
+from ..numerics import FORMATS, format_shares, histogram_rows
+from ..stats import BIN_NAMES, EXP_MAX, EXP_MIN
 
 
 def read_jsonl(path: Path, skipped: list[str] | None = None, required: tuple[str, ...] = ("step",)) -> list[dict[str, Any]]:
@@ -79,6 +81,81 @@ def anomalies(records: list[dict[str, Any]], spike: float = 10.0) -> list[tuple[
             if median > 0 and v > spike * median:
                 found.append((step, f"grads/{name}", f"norm {v:.3g} = {v / median:.0f}x its median"))
     return sorted(found)
+
+
+def numerics_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per histogram group ("grads/Linear"): its steps, dense exponent histograms [steps][bins], and
+    the underflow/overflow shares over steps of each format the run monitored (from the histograms:
+    the group's share of all its elements)."""
+    formats = sorted({m.field.removesuffix("_underflow") for r in records for m in map(parse_metric_name, r)
+                      if m is not None and m.field.endswith("_underflow")} & set(FORMATS)) or ["bf16"]
+    groups: dict[str, list[tuple[int, dict[str, int]]]] = defaultdict(list)
+    for r in records:
+        for group, bins in (r.get("numerics_histograms") or {}).items():
+            if isinstance(bins, dict):
+                groups[group].append((r["step"], bins))
+    out = {}
+    for group, seen in groups.items():
+        rows = histogram_rows([bins for _, bins in seen])
+        shares = {f: {k: v.tolist() for k, v in format_shares(rows, f).items()} for f in formats}
+        out[group] = {"steps": [s for s, _ in seen], "histograms": rows[:, :len(BIN_NAMES)].tolist(), "shares": shares}
+    return out
+
+
+def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> None:
+    """Per group: the exponent histogram over steps (steps across, exponent up, colour the log10
+    share of the group's elements), and the per-format underflow/overflow shares."""
+    groups = sorted(series)[:8]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 2.8 * len(groups)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    for (heat, lines), group in zip(axes, groups):
+        data = series[group]
+        hist = np.asarray(data["histograms"], dtype=float)  # [steps, bins]
+        exps = hist[:, 2:2 + EXP_MAX - EXP_MIN + 1]
+        rows = np.concatenate([hist[:, 0:2], exps], axis=1)  # zero, float32 subnormal, then e-125..e128
+        labels = ["zero", "sub"] + [str(e) for e in range(EXP_MIN, EXP_MAX + 1)]
+        used = np.nonzero(rows[:, 2:].sum(0))[0] + 2
+        lo, hi = (0 if rows[:, :2].any() else used[0], used[-1]) if used.size else (0, 1)
+        total = np.maximum(hist.sum(1, keepdims=True), 1)
+        with np.errstate(divide="ignore"):
+            share = np.log10(rows[:, lo:hi + 1] / total).T
+        share[~np.isfinite(share)] = np.nan
+        im = heat.imshow(share, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
+        ticks = range(0, hi - lo + 1, max(1, (hi - lo + 1) // 8))
+        ticks = sorted(({*ticks} - {1 - lo}) | ({0} if lo == 0 else set()))  # "zero" labelled, "sub" next to it not
+        heat.set_yticks(list(ticks), [labels[lo + t] for t in ticks], fontsize=7)
+        heat.set_xticks(range(len(data["steps"])), data["steps"], fontsize=6)
+        heat.set_ylabel("exponent e: |x| in [2^(e-1), 2^e)", fontsize=7)
+        heat.set_title(f"{group}: exponent histogram (log10 share)", fontsize=9)
+        fig.colorbar(im, ax=heat)
+        lines.plot(data["steps"], hist[:, 0] / total[:, 0], color="grey", label="zeros")
+        for i, (fmt, shares) in enumerate(data["shares"].items()):
+            colour = plt.cm.tab10(i % 10)
+            lines.plot(data["steps"], shares["underflow"], color=colour, label=f"{fmt} underflow")
+            lines.plot(data["steps"], shares["overflow"], color=colour, linestyle="--", label=f"{fmt} overflow")
+        lines.set_ylim(bottom=0)
+        lines.set_xlabel("step", fontsize=7)
+        lines.set_title(f"{group}: share of elements", fontsize=9)
+        lines.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _numerics_table(series: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["| group | format | zeros, first → last step | underflow, first → last step | overflow, last step |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for group in sorted(series):
+        data = series[group]
+        hist = data["histograms"]
+        zeros = [h[0] / max(sum(h), 1) for h in (hist[0], hist[-1])]
+        first, last = data["steps"][0], data["steps"][-1]
+        for fmt, shares in data["shares"].items():
+            lines.append(f"| {group} | {fmt} | {zeros[0]:.2%} → {zeros[1]:.2%} | {shares['underflow'][0]:.2%} → "
+                         f"{shares['underflow'][-1]:.2%} | {shares['overflow'][-1]:.2%} |")
+        lines[-len(data["shares"]):] = [line.replace(f"| {group} |", f"| {group} (steps {first}..{last}) |", 1)
+                                        for line in lines[-len(data["shares"]):]]
+    return lines
 
 
 def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
@@ -173,6 +250,12 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         plt.close(fig)
         images.append(("Per-sample gradient norms", "per_sample_norms.png"))
 
+    # 5. Low-precision numerics (GAPMonitor(numerics=...)): exponent histograms over steps.
+    numerics = numerics_series(records)
+    if numerics:
+        _numerics_figure(numerics, out / "numerics.png", plt, np)
+        images.append(("Low-precision numerics", "numerics.png"))
+
     found = anomalies(records)
     lines = [f"# gapmon report: {run_dir.name}", "",
              f"{len(records)} monitored steps ({steps[0]}..{steps[-1]}), {len(names)} parameters.", ""]
@@ -189,6 +272,13 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     else:
         lines.append("None: no non-finite values, no gradient-norm spikes (> 10x a parameter's median).")
     lines.append("")
+    if numerics:
+        lines += ["## Low-precision numerics", "",
+                  "Shares of all elements of each group (parameters or gradients of one layer type), unscaled. "
+                  "Zeros: exact zeros (in a 16-bit tensor, also values that already flushed). Underflow: finite "
+                  "non-zero values below the format's smallest normal (they become subnormal or zero in it). "
+                  "Overflow: at or above 2^E of the format's largest binade.", "",
+                  *_numerics_table(numerics), ""]
     if skipped:
         lines += ["## Records left out", "", *[f"- `{line}`" for line in skipped], ""]
     for title, image in images:
