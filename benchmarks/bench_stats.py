@@ -9,6 +9,7 @@ small call. Prints a markdown table and writes JSON to benchmarks/results/<devic
 
     python benchmarks/bench_stats.py                 # CPU, sizes 2^10..2^26
     python benchmarks/bench_stats.py --device cuda   # GPU, sizes 2^10..2^28
+    python benchmarks/bench_stats.py --cases numerics --out benchmarks/results/numerics-cpu-vm.json
 """
 from __future__ import annotations
 
@@ -209,6 +210,36 @@ def bench_tensor_stats(device: str, sizes: list[int], rows: list[dict]) -> None:
                   f"  {targets_text(r)}", flush=True)
 
 
+def bench_numerics(device: str, sizes: list[int], rows: list[dict]) -> None:
+    """The numerics pass (exponent histogram + moments to the 4th) against the plain statistics pass
+    (numerics off), both together (numerics on: what the monitor pays), x.sum(), the pure-PyTorch
+    reference (frexp + bincount + float64 moments) and the usual ad-hoc script (torch.histc of
+    log2|x|, which gives no exact bins, no zeros/subnormals/non-finite bins and no moments)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for exp in sizes:
+            xs = rotation(torch.randn(2**exp, device=device).to(dtype), device)
+            n, x = len(xs), xs[0]
+            r = {"case": "numerics_states", "dtype": str(dtype).replace("torch.", ""), "numel": x.numel(),
+                 "bytes": x.numel() * x.element_size(), "rotated_inputs": n}
+            r["gapmon_s"] = timeit(lambda i: gapmon.numerics_states([xs[i % n]]), device)
+            r["stats_s"] = timeit(lambda i: gapmon.tensor_stats(xs[i % n]), device)
+            r["stats_and_numerics_s"] = timeit(
+                lambda i: (gapmon.tensor_stats(xs[i % n]), gapmon.numerics_states([xs[i % n]])), device)
+            r["reference_s"] = timeit(lambda i: gapmon.reference.numerics_states([xs[i % n]]), device, max_reps=3)
+            r["histc_s"] = timeit(lambda i: torch.histc(xs[i % n].float().abs().log2(), bins=256, min=-128, max=128),
+                                  device, max_reps=20)
+            r["sum_s"] = timeit(lambda i: xs[i % n].sum(**sum_kwargs(device)), device)
+            r["gapmon_GBps"] = r["bytes"] / r["gapmon_s"] / 1e9
+            r["x_reference"] = r["reference_s"] / r["gapmon_s"]
+            r["x_histc"] = r["histc_s"] / r["gapmon_s"]
+            r["vs_sum_throughput"] = r["sum_s"] / r["gapmon_s"]
+            r["on_over_off"] = r["stats_and_numerics_s"] / r["stats_s"]
+            rows.append(r)
+            print(f"numerics_states {r['dtype']:>8} 2^{exp:<2}: {r['gapmon_s']*1e3:8.3f} ms  "
+                  f"{r['x_reference']:6.1f}x ref  {r['x_histc']:5.2f}x histc  {r['vs_sum_throughput']:.3f}x sum throughput  "
+                  f"stats with numerics {r['on_over_off']:.2f}x stats alone ({r['stats_s']*1e3:.3f} ms)", flush=True)
+
+
 def bench_host_cost(device: str, rows: list[dict]) -> None:
     """Host cost of one small call (1,000 elements) against x.sum()."""
     x = torch.randn(1000, device=device)
@@ -298,6 +329,9 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="comma-separated powers of two (default 10,14,18,22,26[,28])")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>.json)")
     parser.add_argument("--skip-llama", action="store_true", help="skip the 1B-parameter list")
+    parser.add_argument("--cases", default="stats,host,multi,instance,numerics",
+                        help="comma-separated subset of stats,host,multi,instance,numerics")
+    parser.add_argument("--numerics-sizes", default="18,22,26", help="powers of two for the numerics cases")
     args = parser.parse_args()
     if gapmon.backend() == "torch":
         raise SystemExit("gapmon._C is not built: nothing to benchmark (pip install --no-build-isolation -e .)")
@@ -307,16 +341,23 @@ def main() -> None:
     info = machine(device)
     print(f"# gapmon benchmark on {info['device']} / {info['cpu']}, torch {info['torch']}, ISA {info['cpu_isa']}")
     rows: list[dict] = []
-    bench_tensor_stats(device, sizes, rows)
-    bench_host_cost(device, rows)
-    bench_multi(device, "GPT-2 small", gpt2_small_shapes(), rows)
-    if device == "cuda" and not args.skip_llama:
-        bench_multi(device, "LLaMA 1B", llama_1b_shapes(), rows, torch.bfloat16)
-    bench_instance(device, (64, 2**20), rows)
-    if device == "cuda":
-        bench_instance(device, (64, 2**20), rows, torch.bfloat16)
-        for dtype in (torch.float32, torch.bfloat16):
-            bench_instance(device, (8192, 4096), rows, dtype)
+    cases = set(args.cases.split(","))
+    if "stats" in cases:
+        bench_tensor_stats(device, sizes, rows)
+    if "host" in cases:
+        bench_host_cost(device, rows)
+    if "multi" in cases:
+        bench_multi(device, "GPT-2 small", gpt2_small_shapes(), rows)
+        if device == "cuda" and not args.skip_llama:
+            bench_multi(device, "LLaMA 1B", llama_1b_shapes(), rows, torch.bfloat16)
+    if "instance" in cases:
+        bench_instance(device, (64, 2**20), rows)
+        if device == "cuda":
+            bench_instance(device, (64, 2**20), rows, torch.bfloat16)
+            for dtype in (torch.float32, torch.bfloat16):
+                bench_instance(device, (8192, 4096), rows, dtype)
+    if "numerics" in cases:
+        bench_numerics(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
     missed = [f"{r['case']} {r['dtype']}: {t['target']}" for r in rows for t in r.get("targets", []) if not t["met"]]
     print("\ntargets not met:" + "".join(f"\n  {m}" for m in missed) if missed else "\nall targets met")
     table = markdown(rows)

@@ -16,11 +16,12 @@
 #                                   .gpu-build/ (git-ignored) here and name .gpu-build in every later
 #                                   call's carry; their "reuse" phase installs it (no rebuild).
 #   call2  reuse stats ncu         limits 300 + 60 + 180 = 540 s   (#11's kernel targets; ncu per case)
-#   call3  reuse monitor persample limits 150 + 150 + 120 = 420 s  (#12's step targets)
+#   call3  reuse monitor persample numerics  limits 150 + 150 + 120 + 120 = 540 s  (#12's step targets;
+#                                   #23's numerics kernel against the statistics pass, x.sum and the reference)
 #   call4  reuse suite             limit 560 s: the whole test suite (~6 min), a call of its own
 #   then, if device time is left:  variants (limit 240 s)
 # Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
-# ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json; call4 session.log.
+# ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json numerics.json; call4 session.log.
 # Afterwards copy stats.json to benchmarks/results/<gpu>.json (monitor/persample likewise) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,9 +30,9 @@ shift
 case "${1:-}" in
   call1) phases="build tests demo" ;;
   call2) phases="reuse stats ncu" ;;
-  call3) phases="reuse monitor persample" ;;
+  call3) phases="reuse monitor persample numerics" ;;
   call4) phases="reuse suite" ;;
-  "") echo "name a call (call1..call4) or phases: build reuse tests demo stats ncu monitor persample suite variants" >&2
+  "") echo "name a call (call1..call4) or phases: build reuse tests demo stats ncu monitor persample numerics suite variants" >&2
       exit 2 ;;
   *) phases="$*" ;;
 esac
@@ -115,7 +116,13 @@ fi
 
 if want stats; then
   section "statistics benchmark"
-  run 300 $py benchmarks/bench_stats.py --device cuda --out "$out/stats.json" 2>&1 | tee -a "$log"
+  run 300 $py benchmarks/bench_stats.py --device cuda --cases stats,host,multi,instance --out "$out/stats.json" 2>&1 | tee -a "$log"
+fi
+
+if want numerics; then
+  section "numerics benchmark (exponent histogram + moments vs the statistics pass, x.sum, the reference)"
+  run 120 $py benchmarks/bench_stats.py --device cuda --cases numerics --numerics-sizes 20,24,28 \
+    --out "$out/numerics.json" 2>&1 | tee -a "$log"
 fi
 
 if want ncu; then

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/numerics.h"
+#include "cuda/numerics_cuda.h"
 #include "cuda/stats_cuda.h"
 #include "tensor_views.h"
 
@@ -187,6 +189,42 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   return out;
 }
 
+// Numerics rows (csrc/core/numerics.h) of every tensor: two launches, chunk rows then item rows.
+at::Tensor numerics_states_cuda(at::TensorList xs) {
+  const auto columns = int64_t(core::kNumNumericsColumns);
+  if (xs.empty()) return at::empty({0, columns}, at::TensorOptions().dtype(at::kDouble));
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, "numerics_states", keep_alive);
+  const at::Device device = xs[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+  const int64_t rows = static_cast<int64_t>(xs.size());
+  at::Tensor out = at::empty({rows, columns}, opts);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
+  at::Tensor table_storage;
+  const cuda::ViewTable table = view_table(views, device, stream, table_storage, "numerics_states");
+  at::Tensor chunk_rows = at::empty({total_chunks, columns}, opts);
+  check_launch(cuda::launch_numerics(table, total_chunks, rows, chunk_rows.data_ptr<double>(), out.data_ptr<double>(),
+                                     stream),
+               "numerics_states");
+  return out;
+}
+
+at::Tensor merge_numerics_states_cuda(const at::Tensor& states) {
+  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.dim() == 3 &&
+                        states.size(2) == core::kNumNumericsColumns,
+                    "gapmon.merge_numerics_states: expected float64 [parts, tensors, ", core::kNumNumericsColumns,
+                    "] rows (from numerics_states), got ", states.scalar_type(), " ", states.sizes());
+  const c10::cuda::CUDAGuard guard(states.device());
+  const at::Tensor s = states.contiguous();
+  at::Tensor out = at::empty({s.size(1), core::kNumNumericsColumns}, s.options());
+  check_launch(cuda::launch_merge_numerics(s.data_ptr<double>(), s.size(0), s.size(1), out.data_ptr<double>(),
+                                           c10::cuda::getCurrentCUDAStream()),
+               "merge_numerics_states");
+  return out;
+}
+
 void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction) {
   check_accumulator(x, acc, row);
   const c10::cuda::CUDAGuard guard(x.device());  // the fold below runs on x's device too, not the current one
@@ -206,6 +244,8 @@ TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
   m.impl("multi_tensor_states", &multi_tensor_states_cuda);
   m.impl("merge_states", &merge_states_cuda);
   m.impl("finalize_states", &finalize_states_cuda);
+  m.impl("numerics_states", &numerics_states_cuda);
+  m.impl("merge_numerics_states", &merge_numerics_states_cuda);
 }
 
 }  // namespace gapmon

@@ -186,18 +186,18 @@ def finalize_rows(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
 
 
 def numerics_rows(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[N, C] float64 numerics rows (gapmon.numerics) of N local tensors on one device. CUDA tensors
-    take the pure-PyTorch reference: the numerics kernels are CPU-only so far."""
+    """[N, C] float64 numerics rows (gapmon.numerics) of N local tensors on one device: the compiled
+    kernels where they are built for that device, else the pure-PyTorch reference."""
     xs = list(xs)
     check_tensor_list(xs, "numerics_states")
-    if not xs or not (COMPILED and xs[0].device.type == "cpu"):
+    if not xs or not _compiled_for(xs[0].device):
         return reference.numerics_states(xs)
     return torch.ops.gapmon.numerics_states(xs)
 
 
 def merge_numerics_rows(states: torch.Tensor) -> torch.Tensor:
     """Merges [R, N, C] numerics rows over R (in order) into [N, C]."""
-    if not (COMPILED and states.device.type == "cpu"):
+    if not _compiled_for(states.device):
         return reference.merge_numerics_states(states)
     return torch.ops.gapmon.merge_numerics_states(states)
 

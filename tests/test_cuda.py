@@ -336,3 +336,28 @@ def test_counters_outlive_cudagraph_tree_pools():
         torch.testing.assert_close(stats.norm, y.double().norm(dim=1), rtol=1e-5, atol=1e-6)
         assert bool((filler == 7.0).all())
         del stream
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numerics_kernel_matches_cpu_kernel_and_is_deterministic(dtype):
+    """The CUDA numerics rows: bins equal the CPU kernel's exactly (every layout, edge values, several
+    chunks), moments within float64 rounding; the same bits on every call; pieces merge to the whole."""
+    from gapmon import numerics as nm
+
+    xs = [x for _, x in _layouts(dtype)]
+    edges = torch.tensor([0.0, -0.0, 2.0**-126, 2.0**-127, 1e-45, float("inf"), float("nan"), 448.0, 65504.0],
+                         dtype=torch.float64).to(dtype)
+    xs += [edges, torch.randn(300_000, dtype=torch.float64).to(dtype) * 3 + 1, torch.empty(0, dtype=dtype)]
+    got = nm.numerics_states([x.cuda() for x in xs])
+    assert got.device.type == "cuda" and got.dtype == torch.float64
+    want = nm.numerics_states(xs)
+    got = got.cpu()
+    assert torch.equal(got[:, :nm.NUM_BINS], want[:, :nm.NUM_BINS])
+    torch.testing.assert_close(got[:, nm.NUM_BINS:], want[:, nm.NUM_BINS:], rtol=1e-9, atol=1e-9, equal_nan=True)
+    again = nm.numerics_states([x.cuda() for x in xs]).cpu()
+    assert torch.equal(again.nan_to_num(7.0), got.nan_to_num(7.0))
+    big = xs[-2].cuda()
+    parts = nm.numerics_states([big[:1000], big[1000:]])
+    merged = nm.merge_numerics_states(parts.unsqueeze(1)).cpu()
+    assert torch.equal(merged[0, :nm.NUM_BINS], want[-2, :nm.NUM_BINS])
+    torch.testing.assert_close(merged[0, nm.NUM_BINS:], want[-2, nm.NUM_BINS:], rtol=1e-9, atol=1e-9)

@@ -6,8 +6,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../core/numerics.h"
@@ -65,39 +67,196 @@ inline void load<at::Half>(const at::Half* p, double& value, int& bin) {
   value = f;
 }
 
+// Element i of a contiguous run as float32 bits (float, bfloat16, half: exact widening).
+template <typename T>
+inline uint32_t f32_bits(const T* p);
+template <>
+inline uint32_t f32_bits<float>(const float* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+template <>
+inline uint32_t f32_bits<at::BFloat16>(const at::BFloat16* p) {
+  return static_cast<uint32_t>(p->x) << 16;
+}
+template <>
+inline uint32_t f32_bits<at::Half>(const at::Half* p) {
+  const float f = static_cast<float>(*p);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+inline float f32_of(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The running state of one chunk: its bins, its merged moments, and the open block of power sums.
+struct ChunkAccumulator {
+  ChunkNumerics out;
+  // Histogram of float32 biased exponents, 4 copies (element i counts in copy i % 4) so that runs
+  // of one exponent do not serialise on one counter; zeros and NaNs are told apart in fix-ups.
+  uint32_t exps[4][256] = {};
+  int64_t zeros = 0, nans = 0;
+
+  double shift_for(double first) const {  // a new block: shift by the running mean (or its first element)
+    const double running = out.moments.count > 0 ? out.moments.mean : first;
+    return core::is_finite(running) ? running : 0.0;
+  }
+  void add_block(double n, double shift, const double (&s)[4]) {
+    out.moments = core::merge(out.moments, core::from_power_sums(n, shift, s[0], s[1], s[2], s[3]));
+  }
+  ChunkNumerics finish() {
+    for (int e = 0; e < 256; ++e) {
+      const int64_t c = int64_t(exps[0][e]) + exps[1][e] + exps[2][e] + exps[3][e];
+      if (e == 0) {
+        out.bins[core::nZero] += zeros;
+        out.bins[core::nSubnormal] += c - zeros;
+      } else if (e == 255) {
+        out.bins[core::nInf] += c - nans;
+        out.bins[core::nNaN] += nans;
+      } else {
+        out.bins[e + 1] += c;  // core::exponent_bin_f32
+      }
+    }
+    return out;
+  }
+};
+
+// Power sums of one block of float32-representable values (n <= kBlock), in vectors of 4 doubles
+// (two sets, for independent add chains); lanes summed in a fixed order.
+typedef float F4 __attribute__((vector_size(16)));
+typedef double D4 __attribute__((vector_size(32)));
+
+#define GAPMON_BLOCK_SUMS_BODY                                                              \
+  D4 a1 = {}, a2 = {}, a3 = {}, a4 = {}, b1 = {}, b2 = {}, b3 = {}, b4 = {};                   \
+  const D4 sh = {shift, shift, shift, shift};                                                 \
+  int64_t i = 0;                                                                              \
+  for (; i + 8 <= n; i += 8) {                                                                \
+    F4 x, y;                                                                                  \
+    std::memcpy(&x, bits + i, sizeof x);                                                      \
+    std::memcpy(&y, bits + i + 4, sizeof y);                                                  \
+    const D4 d = __builtin_convertvector(x, D4) - sh, e = __builtin_convertvector(y, D4) - sh; \
+    const D4 d2 = d * d, e2 = e * e;                                                          \
+    a1 += d;                                                                                  \
+    a2 += d2;                                                                                 \
+    a3 += d2 * d;                                                                             \
+    a4 += d2 * d2;                                                                            \
+    b1 += e;                                                                                  \
+    b2 += e2;                                                                                 \
+    b3 += e2 * e;                                                                             \
+    b4 += e2 * e2;                                                                            \
+  }                                                                                           \
+  a1 += b1;                                                                                   \
+  a2 += b2;                                                                                   \
+  a3 += b3;                                                                                   \
+  a4 += b4;                                                                                   \
+  for (int k = 0; k < 4; ++k) {                                                               \
+    s[0] = k == 0 ? a1[0] : s[0] + a1[k];                                                     \
+    s[1] = k == 0 ? a2[0] : s[1] + a2[k];                                                     \
+    s[2] = k == 0 ? a3[0] : s[2] + a3[k];                                                     \
+    s[3] = k == 0 ? a4[0] : s[3] + a4[k];                                                     \
+  }                                                                                           \
+  for (; i < n; ++i) {                                                                        \
+    const double d = static_cast<double>(f32_of(bits[i])) - shift, d2 = d * d;                \
+    s[0] += d;                                                                                \
+    s[1] += d2;                                                                               \
+    s[2] += d2 * d;                                                                           \
+    s[3] += d2 * d2;                                                                          \
+  }
+
+__attribute__((target("avx2,fma"))) void block_sums_avx2(const uint32_t* bits, int64_t n, double shift, double (&s)[4]) {
+  GAPMON_BLOCK_SUMS_BODY
+}
+void block_sums_generic(const uint32_t* bits, int64_t n, double shift, double (&s)[4]) { GAPMON_BLOCK_SUMS_BODY }
+#undef GAPMON_BLOCK_SUMS_BODY
+
+using BlockSums = void (*)(const uint32_t*, int64_t, double, double (&)[4]);
+BlockSums block_sums() {
+  static const BlockSums chosen =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? block_sums_avx2 : block_sums_generic;
+  return chosen;
+}
+
+// A contiguous run of float/bfloat16/half values, in blocks of kBlock: the block's float32 bits
+// first (exponent histogram, zeros and NaNs), then its power sums from those bits.
+template <typename T>
+void add_run_f32(const T* p, int64_t len, ChunkAccumulator& acc) {
+  uint32_t bits[kBlock];
+  const BlockSums sums = block_sums();
+  for (int64_t start = 0; start < len; start += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, len - start);
+    const T* q = p + start;
+    for (int64_t i = 0; i < n; ++i) bits[i] = f32_bits<T>(q + i);
+    int64_t specials = 0;  // biased exponent 0 or 255: zero or subnormal, Inf or NaN
+    for (int64_t i = 0; i + 4 <= n; i += 4) {
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t e = (bits[i + k] >> 23) & 0xFFu;
+        ++acc.exps[k][e];
+        specials += ((e + 1) & 0xFFu) <= 1;
+      }
+    }
+    for (int64_t i = n & ~int64_t(3); i < n; ++i) {
+      const uint32_t e = (bits[i] >> 23) & 0xFFu;
+      ++acc.exps[0][e];
+      specials += ((e + 1) & 0xFFu) <= 1;
+    }
+    if (specials) [[unlikely]] {
+      for (int64_t i = 0; i < n; ++i) {
+        acc.zeros += (bits[i] & 0x7FFFFFFFu) == 0;
+        acc.nans += (bits[i] & 0x7FFFFFFFu) > 0x7F800000u;
+      }
+    }
+    double s[4];
+    const double shift = acc.shift_for(static_cast<double>(f32_of(bits[0])));
+    sums(bits, n, shift, s);
+    acc.add_block(static_cast<double>(n), shift, s);
+  }
+}
+
+// Any run (strided, or float64), element by element.
+template <typename T>
+void add_run_scalar(const T* p, int64_t len, int64_t stride, ChunkAccumulator& acc) {
+  double n = 0, shift = 0, s[4] = {0, 0, 0, 0};
+  for (int64_t i = 0; i < len; ++i, p += stride) {
+    double x;
+    int bin;
+    load<T>(p, x, bin);
+    ++acc.out.bins[bin];
+    if (n == 0) shift = acc.shift_for(x);
+    const double d = x - shift, d2 = d * d;
+    n += 1;
+    s[0] += d;
+    s[1] += d2;
+    s[2] += d2 * d;
+    s[3] += d2 * d2;
+    if (n == kBlock) {
+      acc.add_block(n, shift, s);
+      n = s[0] = s[1] = s[2] = s[3] = 0;
+    }
+  }
+  if (n > 0) acc.add_block(n, shift, s);
+}
+
 template <typename T>
 ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t lo, int64_t hi) {
-  ChunkNumerics out;
+  ChunkAccumulator acc;
   const T* base = static_cast<const T*>(v.data);
-  double n = 0, shift = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0;
-  auto flush = [&]() {
-    out.moments = core::merge(out.moments, core::from_power_sums(n, shift, s1, s2, s3, s4));
-    n = s1 = s2 = s3 = s4 = 0;
-  };
   core::RowCursor cursor(v, 0, lo, hi);
   int64_t offset, len, stride;
   while (cursor.next(offset, len, stride)) {
-    const T* p = base + offset;
-    for (int64_t i = 0; i < len; ++i, p += stride) {
-      double x;
-      int bin;
-      load<T>(p, x, bin);
-      ++out.bins[bin];
-      if (n == 0) {  // a new block: shift by the running mean (or its first element)
-        const double running = out.moments.count > 0 ? out.moments.mean : x;
-        shift = core::is_finite(running) ? running : 0.0;
-      }
-      const double d = x - shift, d2 = d * d;
-      n += 1;
-      s1 += d;
-      s2 += d2;
-      s3 += d2 * d;
-      s4 += d2 * d2;
-      if (n == kBlock) flush();
+    if constexpr (std::is_same_v<T, double>) {
+      add_run_scalar<T>(base + offset, len, stride, acc);
+    } else if (stride == 1) {
+      add_run_f32<T>(base + offset, len, acc);
+    } else {
+      add_run_scalar<T>(base + offset, len, stride, acc);
     }
   }
-  if (n > 0) flush();
-  return out;
+  return acc.finish();
 }
 
 ChunkNumerics chunk_numerics_of(const core::StridedView& v, int64_t lo, int64_t hi) {

@@ -1,0 +1,8 @@
+// The CUDA numerics kernels compiled as host C++ on the emulator, for numerics_emulated_tests.
+#define GAPMON_CUDA_EMULATION
+#include "cuda_emulator.h"
+// The emulator's definitions come first.
+#include "../../csrc/cuda/numerics_cuda.cu"
+
+// For test_numerics_emulated.cpp, which does not see the emulator: picks the block schedule.
+void gapmon_emu_set_numerics_schedule(unsigned seed) { gapmon_emu::set_schedule(seed); }

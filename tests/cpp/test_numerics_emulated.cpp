@@ -1,0 +1,226 @@
+// Runs the CUDA numerics kernels (csrc/cuda/numerics_cuda.cu) on the host emulator against
+// references built without csrc/core: bins by std::frexp, moments by long-double two-pass sums.
+// Every dtype, items of several chunks, strided and expanded views, empty items, zeros, float32
+// subnormals, Inf, NaN and float64 values outside float32's range; the rows must not depend on the
+// block schedule (shuffled, interleaved blocks give the same bits). No GPU and no torch needed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../csrc/core/numerics.h"
+#include "../../csrc/core/strided_view.h"
+#include "../../csrc/cuda/numerics_cuda.h"
+#include "checks.h"
+
+extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+void gapmon_emu_set_numerics_schedule(unsigned seed);  // tests/cpp/numerics_cuda_emulated.cpp
+
+namespace {
+
+namespace cuda = gapmon::cuda;
+using core::DType;
+using core::StridedView;
+constexpr int kColumns = core::kNumNumericsColumns;
+
+template <typename T> DType dtype_of();
+template <> DType dtype_of<float>() { return DType::kFloat32; }
+template <> DType dtype_of<double>() { return DType::kFloat64; }
+template <> DType dtype_of<__half>() { return DType::kFloat16; }
+template <> DType dtype_of<__nv_bfloat16>() { return DType::kBFloat16; }
+
+double to_double(float x) { return x; }
+double to_double(double x) { return x; }
+double to_double(__half x) { return __half2float(x); }
+double to_double(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> T from_double(double x) { return static_cast<T>(x); }
+template <> __half from_double<__half>(double x) { return __float2half(static_cast<float>(x)); }
+template <> __nv_bfloat16 from_double<__nv_bfloat16>(double x) { return __float2bfloat16(static_cast<float>(x)); }
+
+template <typename T>
+StridedView view(const T* data, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t items, int64_t item_stride,
+                 int64_t repeat = 1) {
+  StridedView v;
+  v.data = data;
+  v.dtype = dtype_of<T>();
+  v.ndim = static_cast<int32_t>(sizes.size());
+  v.item_numel = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    v.sizes[d] = sizes[d];
+    v.strides[d] = strides[d];
+    v.item_numel *= sizes[d];
+  }
+  v.items = items;
+  v.item_stride = item_stride;
+  v.repeat = repeat;
+  if (v.item_numel == 0) v.ndim = 0;
+  return v;
+}
+
+template <typename T>
+std::vector<double> values_of(const StridedView& v, int64_t item) {
+  std::vector<double> out;
+  const T* base = static_cast<const T*>(v.data) + item * v.item_stride;
+  std::vector<int64_t> index(v.ndim, 0);
+  for (int64_t n = 0; n < v.item_numel; ++n) {
+    int64_t offset = 0;
+    for (int d = 0; d < v.ndim; ++d) offset += index[d] * v.strides[d];
+    for (int64_t r = 0; r < v.repeat; ++r) out.push_back(to_double(base[offset]));
+    for (int d = v.ndim - 1; d >= 0 && ++index[d] == v.sizes[d]; --d) index[d] = 0;
+  }
+  return out;
+}
+
+// The row a reference computes: frexp bins, long-double two-pass moments.
+std::vector<double> reference_row(const std::vector<double>& xs) {
+  std::vector<double> row(kColumns, 0.0);
+  const int first = core::nFirstExponent;
+  for (double x : xs) {
+    const double a = std::fabs(x);
+    int bin;
+    if (std::isnan(x)) bin = core::nNaN;
+    else if (std::isinf(x)) bin = core::nInf;
+    else if (a == 0) bin = core::nZero;
+    else if (a < std::ldexp(1.0, -126)) bin = core::nSubnormal;
+    else {
+      int e;
+      std::frexp(a, &e);
+      bin = first + std::min(e, core::kExpMax) - core::kExpMin;
+    }
+    row[bin] += 1;
+  }
+  if (xs.empty()) return row;
+  long double sum = 0;
+  for (double x : xs) sum += x;
+  const long double mean = sum / xs.size();
+  long double m2 = 0, m3 = 0, m4 = 0;
+  for (double x : xs) {
+    const long double d = x - mean;
+    m2 += d * d;
+    m3 += d * d * d;
+    m4 += d * d * d * d;
+  }
+  row[core::nCount] = static_cast<double>(xs.size());
+  row[core::nMean] = static_cast<double>(mean);
+  row[core::nM2] = static_cast<double>(m2);
+  row[core::nM3] = static_cast<double>(m3);
+  row[core::nM4] = static_cast<double>(m4);
+  return row;
+}
+
+// Rows as csrc/cuda_ops.cpp gets them (chunk scratch full of garbage: the kernel must overwrite it).
+std::vector<double> run(std::vector<StridedView> views) {
+  int64_t rows = 0;
+  for (auto& v : views) {
+    v.out_row = rows;
+    rows += v.items;
+  }
+  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
+  cuda::ViewTable table;
+  table.num = static_cast<int64_t>(views.size());
+  for (size_t i = 0; i < views.size(); ++i) table.inline_views[i] = views[i];
+  std::vector<double> scratch(total_chunks * kColumns, -7.0), out(rows * kColumns, -7.0);
+  CHECK(cuda::launch_numerics(table, total_chunks, rows, scratch.data(), out.data(), nullptr) == cudaSuccess,
+        "launch_numerics");
+  return out;
+}
+
+void expect_row(const double* got, const std::vector<double>& want, const std::string& what) {
+  for (int b = 0; b < core::kNumBins; ++b) {
+    CHECK(got[b] == want[b], "%s: bin %d has %.0f, want %.0f", what.c_str(), b, got[b], want[b]);
+  }
+  CHECK(got[core::nCount] == want[core::nCount], "%s: count %g vs %g", what.c_str(), got[core::nCount], want[core::nCount]);
+  if (want[core::nInf] + want[core::nNaN] > 0) {  // non-finite values: NaN/Inf moments (core/numerics.h)
+    for (int c : {int(core::nMean), int(core::nM2), int(core::nM4)}) {
+      CHECK(!std::isfinite(got[c]), "%s: column %d is %g, want a non-finite value", what.c_str(), c, got[c]);
+    }
+    return;
+  }
+  const double scale = std::sqrt(want[core::nM2] / std::max(want[core::nCount], 1.0)) + 1e-300;
+  for (int c : {int(core::nMean), int(core::nM2), int(core::nM3), int(core::nM4)}) {
+    const double w = want[c], g = got[c];
+    const int power = c == core::nMean ? 1 : c - core::nCount;
+    // M3 can be near 0 by symmetry: compare it against the size of its terms, n * sigma^3.
+    const double tol = c == core::nM3 ? 1e-9 * want[core::nCount] * std::pow(scale, 3) : 1e-9 * std::fabs(w);
+    const bool ok = std::isnan(w) ? std::isnan(g) : std::isinf(w) ? g == w : std::fabs(g - w) <= tol + 1e-12 * (power == 1 ? scale : 0);
+    CHECK(ok, "%s: column %d is %.17g, want %.17g", what.c_str(), c, g, w);
+  }
+}
+
+template <typename T>
+void test_dtype(const char* name) {
+  std::mt19937 gen(7);
+  std::normal_distribution<double> normal(0.5, 3.0);
+  const int64_t n = 3 * core::kChunkElems / 2 + 17;  // items of two chunks, the second partial
+  std::vector<T> data(2 * n);
+  for (auto& x : data) x = from_double<T>(normal(gen));
+  const double specials[] = {0.0, -0.0, 1e-40, -1e-39, std::numeric_limits<double>::infinity(), 65504.0,
+                             std::ldexp(1.0, -126), std::ldexp(1.0, -127), 1.0, 0.5, 0.99999};
+  for (size_t i = 0; i < sizeof specials / sizeof specials[0]; ++i) data[i * 1000 + 3] = from_double<T>(specials[i]);
+  const StridedView two_items = view(data.data(), {n}, {1}, 2, n);
+  const StridedView strided = view(data.data(), {400, 300}, {1, 400}, 1, 0);  // a transposed [300, 400]
+  const StridedView expanded = view(data.data() + 11, {2000}, {1}, 1, 0, 3);
+  const StridedView empty = view(data.data(), {0}, {1}, 1, 0);
+  const std::vector<StridedView> views{two_items, strided, expanded, empty};
+  const auto got = run(views);
+  const std::vector<std::vector<double>> want{reference_row(values_of<T>(two_items, 0)),
+                                              reference_row(values_of<T>(two_items, 1)),
+                                              reference_row(values_of<T>(strided, 0)),
+                                              reference_row(values_of<T>(expanded, 0)), reference_row({})};
+  for (size_t r = 0; r < want.size(); ++r) expect_row(got.data() + r * kColumns, want[r], std::string(name) + " row " + std::to_string(r));
+  for (unsigned seed : {1u, 2u, 3u}) {
+    gapmon_emu_set_numerics_schedule(seed);
+    const auto again = run(views);
+    CHECK(std::memcmp(again.data(), got.data(), got.size() * sizeof(double)) == 0,
+          "%s: block schedule %u changes the result bits", name, seed);
+  }
+  gapmon_emu_set_numerics_schedule(0);
+}
+
+void test_nan_and_float64_range() {
+  const std::vector<double> data{std::nan(""), 1.0, 1e300, -1e-300, 3e-39, 0.0, 2.0};
+  const StridedView v = view(data.data(), {7}, {1}, 1, 0);
+  const auto got = run({v});
+  const auto want = reference_row(data);
+  for (int b = 0; b < core::kNumBins; ++b) CHECK(got[b] == want[b], "float64 range: bin %d %.0f vs %.0f", b, got[b], want[b]);
+  CHECK(got[core::nNaN] == 1 && got[core::nSubnormal] == 2 && got[core::nFirstExponent + core::kExpMax - core::kExpMin] == 1,
+        "NaN, below float32's normals and above 2^128 have their bins");
+  CHECK(std::isnan(got[core::nMean]) && got[core::nCount] == 7, "NaN propagates to the moments");
+}
+
+void test_merge_launcher() {
+  // [2 parts, 1 tensor]: the two halves of one sequence merge to the whole's row.
+  std::vector<double> xs;
+  for (int i = 0; i < 300; ++i) xs.push_back(std::sin(i * 0.37) * 5 + i * 0.01);
+  const std::vector<double> a(xs.begin(), xs.begin() + 120), b(xs.begin() + 120, xs.end());
+  const StridedView va = view(a.data(), {120}, {1}, 1, 0), vb = view(b.data(), {180}, {1}, 1, 0);
+  const auto ra = run({va}), rb = run({vb});
+  std::vector<double> parts(ra);
+  parts.insert(parts.end(), rb.begin(), rb.end());
+  std::vector<double> out(kColumns, -7.0);
+  CHECK(cuda::launch_merge_numerics(parts.data(), 2, 1, out.data(), nullptr) == cudaSuccess, "launch_merge_numerics");
+  expect_row(out.data(), reference_row(xs), "merged parts");
+}
+
+}  // namespace
+
+int main() {
+  test_dtype<float>("float32");
+  test_dtype<double>("float64");
+  test_dtype<__nv_bfloat16>("bfloat16");
+  test_dtype<__half>("float16");
+  test_nan_and_float64_range();
+  test_merge_launcher();
+  if (failures) {
+    std::printf("%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("all emulated CUDA numerics checks passed\n");
+  return 0;
+}
