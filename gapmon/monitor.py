@@ -27,15 +27,16 @@ from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .metric_names import (
     FIELD_COLUMNS,
     GLOBAL_BATCH_SIZE,
+    NUMERICS_FIELDS,
     NUMERICS_SHARES,
     metric_name,
     numerics_field,
     parse_metric_name,
     per_sample_norm_name,
 )
-from .numerics import check_formats, numerics_from_rows, numerics_states, sparse_histogram
+from .numerics import check_formats, merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram
 from .sinks import Sink, as_sink
-from .stats import ACC_NAMES, NUM_BINS, STAT_NAMES, STATE_NAMES
+from .stats import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
 from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
 
 logger = logging.getLogger("gapmon")
@@ -122,7 +123,8 @@ class GAPMonitor:
         process_group: the data-parallel group over which activations are averaged (default: world).
         correction: Bessel correction of the variances (default 1, like torch.var).
         numerics: formats (of gapmon.numerics.FORMATS: "bf16", "fp16", "fp8_e4m3", "fp8_e5m2") whose
-            underflow/overflow shares to report for parameters and gradients, with their kurtosis
+            underflow/overflow shares to report for parameters, gradients and the monitored activations
+            and activation gradients (over all their elements, micro-batches and ranks), with their kurtosis
             (fields NUMERICS_FIELDS; one more pass over those tensors), and their exponent histograms
             summed per kind and layer type (info["numerics_histograms"]: {"grads/Linear": {"e-7": n,
             ...}}; histograms in TensorBoard and W&B). Default: none (no cost).
@@ -217,6 +219,7 @@ class GAPMonitor:
         # provided it is unchanged (same version counter: an in-place ReLU after a Linear is not).
         self._last_output: tuple[weakref.ref, int, int] | None = None
         self._aliases: dict[int, int] = {}  # module index -> the module whose statistics it shares
+        self._act_numerics: dict[tuple[int, int], list[torch.Tensor]] = {}  # (kind, module) -> numerics rows
         self.nonfinite_report: dict[str, Any] = {}
         self.closed = False
 
@@ -241,6 +244,8 @@ class GAPMonitor:
         recomputing = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
         if self._kinds["activations"] and not recomputing:
             self._fold(out, index, 0)
+            if self.numerics and not torch.compiler.is_compiling():
+                self._numerics_row(out, index, 0)
         if self._kinds["activation_grads"] and out.requires_grad:
             hook = self._grad_hook
             if self._untraced_grad_hook and torch.compiler.is_compiling():
@@ -250,6 +255,15 @@ class GAPMonitor:
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         if self._active and grad is not None and grad.dim() > 1 and grad.numel() > 0:
             self._fold(grad, index, 1)
+            if self.numerics and not torch.compiler.is_compiling():
+                self._numerics_row(grad, index, 1)
+
+    def _numerics_row(self, x: torch.Tensor, index: int, kind: int) -> None:
+        """Keeps the numerics row of one activation (kind 0) or activation gradient (1) of module
+        `index`; end_step merges a module's rows over micro-batches and ranks."""
+        if is_dtensor(x):
+            x = x.to_local()
+        self._act_numerics.setdefault((kind, index), []).append(numerics_states([x.detach()]))
 
     def _fold(self, x: torch.Tensor, index: int, kind: int) -> None:
         if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
@@ -313,6 +327,7 @@ class GAPMonitor:
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]
         self._order = [0, 0]
         self._last_output, self._aliases = None, {}
+        self._act_numerics = {}
         if self.per_sample is not None:
             self.per_sample.reset()
 
@@ -428,20 +443,33 @@ class GAPMonitor:
             metrics[per_sample_norm_name("max")] = host[0]
             metrics[per_sample_norm_name("min")] = -host[1]
         info = self._localise_nonfinite(metrics, step)
-        if self.numerics and tensors:
+        if self.numerics:
             self._add_numerics(metrics, info, names, tensors, groups, step)
+            for index, source in self._aliases.items():  # numerics of a shared output, as its statistics
+                for kind in ("activations", "activation_grads"):
+                    for field in NUMERICS_FIELDS:
+                        key = metric_name(kind, self._modules[source][0], field)
+                        if key in metrics:
+                            metrics[metric_name(kind, self._modules[index][0], field)] = metrics[key]
         return metrics, info
 
     def _add_numerics(self, metrics: dict[str, float], info: dict[str, Any], names, tensors, groups, step: int) -> None:
-        """Kurtosis and per-format shares of the parameters and gradients (one more pass over them),
-        and the alerts above numerics_alert."""
+        """Kurtosis and per-format shares of the parameters and gradients (one more pass over them) and
+        of the monitored activations and activation gradients (a pass in their hooks), exponent
+        histograms per kind and layer type, and the alerts above numerics_alert."""
         dense = [t.to_dense() if t.is_sparse else t for t in tensors]
         rows = numerics_states(dense, groups)  # FSDP1 flat shards: pieces merged over their groups
+        act_names, act_rows = self._activation_numerics(rows.device)
+        names, rows = [*names, *act_names], torch.cat([rows, act_rows])
+        if not names:
+            return
         result = numerics_from_rows(rows, self.numerics)
         columns = [("kurtosis", result.kurtosis)]
         columns += [(numerics_field(f, s), result.shares[f][s]) for f in self.numerics for s in NUMERICS_SHARES]
         # Exponent histograms summed per tensor kind and layer type ("grads/Linear"): exact counts.
-        groups_of = [f"{kind}/{self._param_types.get(name, 'Parameter')}" for kind, name in names]
+        module_types = {n: type(m).__name__ for n, m in self._modules}
+        groups_of = [f"{kind}/{(self._param_types if kind in ('params', 'grads') else module_types).get(name, 'Parameter')}"
+                     for kind, name in names]
         keys = sorted(set(groups_of))
         index = torch.tensor([keys.index(g) for g in groups_of], device=rows.device)
         hists = torch.zeros(len(keys), NUM_BINS, dtype=torch.float64, device=rows.device).index_add_(
@@ -450,6 +478,10 @@ class GAPMonitor:
         host = torch.cat([table.reshape(-1), hists.reshape(-1)]).cpu().tolist()  # one copy
         values = [host[i * len(columns):(i + 1) * len(columns)] for i in range(len(names))]
         counts = host[len(names) * len(columns):]
+        # Modules that ran on no rank this step have empty activation rows: no metrics (as their statistics).
+        keep = [not (kind.startswith("activation") and all(math.isnan(v) for v in row)) for (kind, _), row in zip(names, values)]
+        names = [n for n, k in zip(names, keep) if k]
+        values = [v for v, k in zip(values, keep) if k]
         info["numerics_histograms"] = {k: sparse_histogram(counts[i * NUM_BINS:(i + 1) * NUM_BINS])
                                        for i, k in enumerate(keys)}
         alerts = []
@@ -464,6 +496,26 @@ class GAPMonitor:
             info["numerics_alerts"] = alerts
             warnings.warn(f"GAPMonitor step {step}: {len(alerts)} share(s) above numerics_alert={self.numerics_alert}: "
                           f"{alerts[:8]}{' ...' if len(alerts) > 8 else ''}", RuntimeWarning, stacklevel=4)
+
+    def _activation_numerics(self, device: torch.device) -> tuple[list[tuple[str, str]], torch.Tensor]:
+        """(kind, module) names and numerics rows of the monitored activations and activation gradients,
+        each merged over its micro-batches and over the ranks of the process group (all-gathered and
+        merged in rank order: exact, as the shards of a tensor). Rows of modules that did not run are
+        empty (count 0)."""
+        kinds = [k for k, on in enumerate((self._kinds["activations"], self._kinds["activation_grads"])) if on]
+        m = len(self._modules)
+        if not kinds or not m:
+            return [], torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64, device=device)
+        table = torch.zeros(2 * m, len(NUMERICS_COLUMNS), dtype=torch.float64, device=device)
+        for (kind, index), rows in self._act_numerics.items():
+            table[kind * m + index] = merge_numerics_states(torch.stack(rows).to(device))[0]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            parts = [torch.empty_like(table) for _ in range(dist.get_world_size(self._group))]
+            dist.all_gather(parts, table, group=self._group)
+            table = merge_numerics_states(torch.stack(parts))
+        picked = [kind * m + i for kind in kinds for i in range(m)]
+        kind_names = ("activations", "activation_grads")
+        return [(kind_names[r // m], self._modules[r % m][0]) for r in picked], table[picked]
 
     def _picked(self, slot: str, rows: tuple[tuple[str, str, int], ...], columns) -> tuple[list[str], Any]:
         """Metric names of `rows` ((kind, name, offset of its values in the host list) each) and a

@@ -238,7 +238,8 @@ def test_monitor_histograms_per_kind_and_layer_type_reach_jsonl_tensorboard_and_
     assert hists["params/Linear"] == _frexp_named_bins(linears)
     assert hists["params/LayerNorm"] == _frexp_named_bins([model[1].weight, model[1].bias])
     assert hists["grads/Linear"] == _frexp_named_bins([p.grad for p in linears])
-    assert set(hists) == {"params/Linear", "params/LayerNorm", "grads/Linear", "grads/LayerNorm"}
+    assert set(hists) == {f"{kind}/{layer}" for kind in ("params", "grads", "activations", "activation_grads")
+                          for layer in ("Linear", "LayerNorm")}
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -295,3 +296,43 @@ def test_report_shows_a_bf16_run_whose_gradients_flush_to_zero(tmp_path):
     text = make_report(tmp_path).read_text()
     assert "| grads/Linear (steps 0..9) | bf16 | 0.00% → 100.00% | 0.00% → 0.00% | 0.00% |" in text
     assert (tmp_path / "report" / "numerics.png").stat().st_size > 1000
+
+
+def test_monitor_numerics_of_activations_and_their_gradients_over_micro_batches(tmp_path):
+    """Activations and activation gradients get kurtosis, shares and histograms over all their
+    elements and micro-batches, against the captured tensors (frexp, float64); alerts name them."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+    seen: dict[str, list] = {"0": [], "2": [], "g2": []}
+
+    def capture_first(module, args, out):
+        seen["0"].append(out.detach().clone())
+
+    def capture_last(module, args, out):
+        seen["2"].append(out.detach().clone())
+        out.register_hook(lambda g: seen["g2"].append(g.clone()))
+
+    model[0].register_forward_hook(capture_first)
+    model[2].register_forward_hook(capture_last)
+    with gapmon.GAPMonitor(model, params=False, grads=False, numerics=("fp8_e4m3",), numerics_alert=0.9,
+                           sinks=[gapmon.JSONLSink(tmp_path / "m.jsonl")]) as mon:
+        mon.begin_step(0, 6)
+        for mb in range(2):
+            model(torch.randn(3, 4) * (1e-3 if mb else 1.0)).square().sum().mul(1e-4).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            metrics = mon.end_step()
+    for key, name, kind in (("0", "0", "activations"), ("2", "2", "activations"), ("g2", "2", "activation_grads")):
+        x = torch.cat([t.flatten() for t in seen[key]])
+        under, over = _direct_shares(x, "fp8_e4m3", 0)
+        assert metrics[f"gap/{kind}/{name}/fp8_e4m3_underflow"] == pytest.approx(under), key
+        assert metrics[f"gap/{kind}/{name}/fp8_e4m3_overflow"] == pytest.approx(over), key
+        d = x.double() - x.double().mean()
+        assert metrics[f"gap/{kind}/{name}/kurtosis"] == pytest.approx((x.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item())
+    assert "gap/activations/1/kurtosis" in metrics  # the Tanh's own output
+    assert any("activation_grads/2: fp8_e4m3_underflow" in str(w.message) for w in caught)
+    hists = json.loads((tmp_path / "m.jsonl").read_text())["numerics_histograms"]
+    assert hists["activations/Linear"] == _frexp_named_bins(seen["0"] + seen["2"])
+    assert set(hists) == {"activations/Linear", "activations/Tanh", "activation_grads/Linear", "activation_grads/Tanh"}
