@@ -256,5 +256,13 @@ GAPMON_HD void accumulate_instance(const stat_t* stats, acc_t* acc) {
   acc[aMaxAbs] = nan_max(acc[aMaxAbs], static_cast<acc_t>(stats[kMaxAbs]));
 }
 
+// Adds accumulator `part` (instances folded elsewhere) into `acc`: sums add, maxima take the max.
+template <typename acc_t>
+GAPMON_HD void combine_instance_acc(const acc_t* part, acc_t* acc) {
+  for (int k = 0; k < kNumAccColumns; ++k) {
+    acc[k] = k == aMaxAbs ? nan_max(acc[k], part[k]) : acc[k] + part[k];
+  }
+}
+
 }  // namespace core
 }  // namespace gapmon

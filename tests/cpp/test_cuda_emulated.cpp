@@ -286,6 +286,21 @@ void test_state_launchers() {
   for (int k = 0; k < core::kNumAccColumns; ++k) {
     CHECK(close(acc[k], want_acc[k], 1e-6), "fold column %d: %g, want %g", k, acc[k], want_acc[k]);
   }
+
+  // 2100 short rows ([B*T, d] activations): a warp per chunk, and the fold shared by the 32 lanes of
+  // the warp that writes the last row, their parts combined over the shuffle tree.
+  const auto many = random_values<float>(2100 * 37, -1.f, 2.f, 13);
+  const StridedView short_rows = view(many.data(), {37}, {1}, 2100, 37);
+  const std::vector<double> acc_many = fold_instances(short_rows);
+  double want_many[core::kNumAccColumns] = {1, 0.5, 0, 0, 0, 100};
+  for (int b = 0; b < 2100; ++b) {
+    double row[core::kNumStats];
+    core::finalize(reference(values_of<float>(short_rows, b)), 1, row);
+    core::accumulate_instance(row, want_many);
+  }
+  for (int k = 0; k < core::kNumAccColumns; ++k) {
+    CHECK(close(acc_many[k], want_many[k], 1e-6), "fold of 2100 rows, column %d: %g, want %g", k, acc_many[k], want_many[k]);
+  }
 }
 
 // The same launch under the in-order schedule and under shuffled, interleaved block schedules
