@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from . import reference
+from . import _torch_compat, reference
 from .stats import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
 
 _LIB = "gapmon"
@@ -35,7 +35,7 @@ def _load_extension() -> bool:
 
 
 COMPILED = _load_extension()
-CUDA_KERNELS = COMPILED and torch._C._dispatch_has_kernel_for_dispatch_key(f"{_LIB}::tensor_stats", "CUDA")
+CUDA_KERNELS = COMPILED and _torch_compat.has_kernel_for(f"{_LIB}::tensor_stats", "CUDA")
 
 
 def _check_layout() -> None:
@@ -85,7 +85,7 @@ if COMPILED:
 
     @torch.library.register_fake(f"{_LIB}::instance_stats")
     def _(x, correction=1):
-        torch._check(x.dim() >= 1, lambda: "instance_stats expects a batch dimension")
+        _torch_compat.check(x.dim() >= 1, lambda: "instance_stats expects a batch dimension")
         return x.new_empty((x.shape[0], _ROW), dtype=torch.float64)
 
     @torch.library.register_fake(f"{_LIB}::multi_tensor_stats")

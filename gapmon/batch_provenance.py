@@ -202,17 +202,17 @@ class BatchTracker(TorchFunctionMode):
         if rule is not None:
             return rule(self, args, kwargs, inputs, out)
         if _is_pointwise(name) and isinstance(out, torch.Tensor):
-            return self._aligned(name, inputs, out)
+            return self.aligned(name, inputs, out)
         raise Lost(f"{name} (no batch rule for this op)")
 
-    def _self(self, args: Sequence, inputs: list) -> int:
+    def input_dim(self, args: Sequence, inputs: list) -> int:
         """The batch dim of the op's first argument (which must be the batched one)."""
         for t, s in inputs:
             if t is args[0]:
                 return s
         raise Lost("an op whose batched input is not its first argument")
 
-    def _aligned(self, name: str, inputs: list, out: torch.Tensor) -> int:
+    def aligned(self, name: str, inputs: list, out: torch.Tensor) -> int:
         """Broadcasting: dims align from the right; every batched input must put the batch on one dim."""
         dims = {s + out.dim() - t.dim() for t, s in inputs}
         if len(dims) != 1:
@@ -237,7 +237,7 @@ class BatchTracker(TorchFunctionMode):
 def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int:
     """Reshapes keep the batch iff some output dim has the batch's size and the same number of
     elements before it: then index b of it addresses exactly the elements index b did."""
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     before = math.prod(x.shape[:d])
     for j in range(out.dim()):
         if math.prod(out.shape[:j]) == before and out.shape[j] == x.shape[d]:
@@ -246,12 +246,12 @@ def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int:
 
 
 def _expand(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     return d + out.dim() - x.dim()
 
 
 def _repeat(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     sizes = _sizes(args[1:]) or list(_arg(args, kwargs, 1, "repeats", ()))
     shifted = d + len(sizes) - x.dim()
     if sizes[shifted] != 1:
@@ -260,30 +260,30 @@ def _repeat(tracker, args, kwargs, inputs, out) -> int:
 
 
 def _transpose(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     a, b = _dims([_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1")], x.dim())
     return b if d == a else a if d == b else d
 
 
 def _t(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     return x.dim() - 1 - d if x.dim() == 2 else d
 
 
 def _matrix_t(tracker, args, kwargs, inputs, out) -> int:  # mT, mH, adjoint: the last two dims swap
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     n = x.dim()
     return {n - 1: n - 2, n - 2: n - 1}.get(d, d)
 
 
 def _permute(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     order = _dims(_sizes(args[1:]) or _arg(args, kwargs, 1, "dims"), x.dim())
     return order.index(d)
 
 
 def _movedim(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     src = _dims(_arg(args, kwargs, 1, "source"), x.dim())
     dst = _dims(_arg(args, kwargs, 2, "destination"), x.dim())
     order = [None] * x.dim()
@@ -296,9 +296,9 @@ def _movedim(tracker, args, kwargs, inputs, out) -> int:
 
 def _reduction(name: str):
     def rule(tracker, args, kwargs, inputs, out) -> int:
-        x, d = args[0], tracker._self(args, inputs)
+        x, d = args[0], tracker.input_dim(args, inputs)
         if isinstance(_arg(args, kwargs, 1, "other"), torch.Tensor):  # torch.max(a, b): pointwise
-            return tracker._aligned(name, inputs, out)
+            return tracker.aligned(name, inputs, out)
         shift = 1 if name == "norm" else 0  # x.norm(p, dim, keepdim)
         dims = _dims(_arg(args, kwargs, 1 + shift, "dim"), x.dim())
         if not dims or d in dims:
@@ -311,7 +311,7 @@ def _reduction(name: str):
 def _along_dim(name: str):
     def rule(tracker, args, kwargs, inputs, out) -> int:
         x = args[0]
-        d = tracker._self(args, inputs)
+        d = tracker.input_dim(args, inputs)
         index, keyword = _ALONG_DIM[name] if isinstance(_ALONG_DIM[name], tuple) else (_ALONG_DIM[name], "dim")
         dim = _dims(_arg(args, kwargs, index, keyword, _DIM_DEFAULT.get(name)), x.dim())
         if dim is None or d in dim:
@@ -324,7 +324,7 @@ def _along_dim(name: str):
 
 
 def _select(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     dim = _dims(_arg(args, kwargs, 1, "dim"), x.dim())[0]
     if dim == d:
         raise Lost("select on the batch dim (one sample)")
@@ -332,7 +332,7 @@ def _select(tracker, args, kwargs, inputs, out) -> int:
 
 
 def _split(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     dim = _dims(_arg(args, kwargs, 2, "dim", 0), x.dim())[0]
     if dim == d:
         raise Lost("a split of the batch dim")
@@ -340,7 +340,7 @@ def _split(tracker, args, kwargs, inputs, out) -> int:
 
 
 def _unbind(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     dim = _dims(_arg(args, kwargs, 1, "dim", 0), x.dim())[0]
     if dim == d:
         raise Lost("unbind of the batch dim (one sample per tensor)")
@@ -372,7 +372,7 @@ def _stack(tracker, args, kwargs, inputs, out) -> int:
 
 def _getitem(tracker, args, kwargs, inputs, out) -> int:
     """Basic indexing (ints, slices, None, ...); an index tensor only off the batch dim and alone."""
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     if any(isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         raise Lost("indexing with a batched index tensor")
@@ -457,7 +457,7 @@ def _linear(tracker, args, kwargs, inputs, out) -> int:
     x = args[0]
     if any(t is not x for t, _ in inputs):
         raise Lost("linear with a batched weight")
-    d = tracker._self(args, inputs)
+    d = tracker.input_dim(args, inputs)
     if d == x.dim() - 1:
         raise Lost("linear over the batch dim (it mixes the samples)")
     return d
@@ -466,7 +466,7 @@ def _linear(tracker, args, kwargs, inputs, out) -> int:
 def _embedding(tracker, args, kwargs, inputs, out) -> int:
     if any(t is not args[0] for t, _ in inputs):
         raise Lost("embedding with a batched weight")
-    return tracker._self(args, inputs)
+    return tracker.input_dim(args, inputs)
 
 
 def _embedding_bag(tracker, args, kwargs, inputs, out) -> int | str:
@@ -476,7 +476,7 @@ def _embedding_bag(tracker, args, kwargs, inputs, out) -> int | str:
     if ids.dim() == 2:
         if isinstance(tracker.status(ids), str):
             return tracker.status(ids)
-        if tracker._self(args, inputs) != 0:
+        if tracker.input_dim(args, inputs) != 0:
             raise Lost("embedding_bag with the batch off dim 0")
         return 0
     # 1-D ids and offsets: the bags are the samples when there is one bag per sample; which ids make
@@ -493,7 +493,7 @@ def _offsets(t: torch.Tensor, args, kwargs) -> bool:
 
 def _sample_leading(name: str):
     def rule(tracker, args, kwargs, inputs, out) -> int:
-        if any(t is not args[0] for t, _ in inputs) or tracker._self(args, inputs) != 0:
+        if any(t is not args[0] for t, _ in inputs) or tracker.input_dim(args, inputs) != 0:
             raise Lost(f"{name} with the batch off dim 0 (it mixes the samples)")
         return 0
     return rule
@@ -501,7 +501,7 @@ def _sample_leading(name: str):
 
 def _last_dims_norm(tracker, args, kwargs, inputs, out) -> int:
     x = args[0]
-    d = tracker._self(args, inputs)
+    d = tracker.input_dim(args, inputs)
     shape = _arg(args, kwargs, 1, "normalized_shape")
     n = 1 if isinstance(shape, int) else len(shape)
     if d >= x.dim() - n or any(t is not x for t, _ in inputs):
@@ -510,7 +510,7 @@ def _last_dims_norm(tracker, args, kwargs, inputs, out) -> int:
 
 
 def _pad(tracker, args, kwargs, inputs, out) -> int:
-    x, d = args[0], tracker._self(args, inputs)
+    x, d = args[0], tracker.input_dim(args, inputs)
     pad = list(_arg(args, kwargs, 1, "pad"))
     k = x.dim() - 1 - d  # the batch is the k-th dim from the end
     if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
@@ -540,7 +540,7 @@ def _mha(tracker, args, kwargs, inputs, out) -> list:
 
 
 def _one_hot(tracker, args, kwargs, inputs, out) -> int:
-    return tracker._self(args, inputs)
+    return tracker.input_dim(args, inputs)
 
 
 _RULES: dict[str, Callable] = {

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from . import _backend
+from . import _backend, _torch_compat
 
 
 class _Carried:
@@ -79,5 +79,5 @@ def can_bookkeep(module: torch.nn.Module, x, output) -> bool:
     weight = module.weight
     return (weight.requires_grad and type(weight) is torch.nn.Parameter
             and type(x) is torch.Tensor and x.dim() >= 2 and type(output) is torch.Tensor
-            and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+            and not torch.compiler.is_compiling() and not _torch_compat.in_backward()
+            and not _torch_compat.saved_tensors_hooks_active())

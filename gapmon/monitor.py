@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import ops
+from . import _torch_compat, ops
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .metric_names import (
     FIELD_COLUMNS,
@@ -66,11 +66,9 @@ def _untraced_grad_hook():
     loads it; gapmon never imports it)."""
     if "torch._dynamo" not in sys.modules:
         return None
-    import torch._dynamo.external_utils as utils  # cheap once Dynamo is loaded
-
-    if not hasattr(utils, "_ApplyBackwardHook"):
+    if not _torch_compat.dynamo_apply_backward_hook_bug():
         return False  # this torch's Dynamo traces such hooks correctly
-    return torch._dynamo.disable(GAPMonitor._grad_hook)
+    return _torch_compat.dynamo_disable(GAPMonitor._grad_hook)
 
 
 def _picker(indices: list[int]):
@@ -231,7 +229,7 @@ class GAPMonitor:
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return
         if not torch.compiler.is_compiling():  # eager-only bookkeeping (as the order tracking below)
-            version = -1 if out.is_inference() else out._version  # inference tensors have no version counter
+            version = _torch_compat.version_counter(out)
             last = self._last_output
             if last is not None and last[0]() is out and last[2] == version >= 0:
                 if last[1] != index:
@@ -241,7 +239,7 @@ class GAPMonitor:
         # A forward pass inside backward is activation checkpointing recomputing this module: its
         # activations were counted already (the gradient hooks of exactly one of the passes fire).
         # The check is eager-only: Dynamo cannot trace it (compiled regions are not recomputed by it).
-        recomputing = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+        recomputing = not torch.compiler.is_compiling() and _torch_compat.in_backward()
         if self._kinds["activations"] and not recomputing:
             self._fold(out, index, 0)
             if self.numerics and not torch.compiler.is_compiling():

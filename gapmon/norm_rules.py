@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _backend
+from . import _backend, _torch_compat
 
 _RULES: dict[type, "NormRule"] = {}
 
@@ -276,7 +276,7 @@ class LinearRule(NormRule):
         return out
 
 
-def _unfold(x: torch.Tensor, module: nn.modules.conv._ConvNd) -> torch.Tensor:
+def _unfold(x: torch.Tensor, module: _torch_compat.ConvNdBase) -> torch.Tensor:
     """[B, C, *spatial] -> [B, L, C·k] patches in the column order of weight.reshape(out, -1)."""
     n = len(module.kernel_size)
     if isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
@@ -528,7 +528,7 @@ class MultiheadAttentionRule(NormRule):
     param_names = None
 
     def unsupported(self, module):
-        if not module._qkv_same_embed_dim:
+        if not _torch_compat.mha_same_embed_dim(module):
             return "separate kdim/vdim projections"
         if module.bias_k is not None or module.add_zero_attn:
             return "add_bias_kv / add_zero_attn"

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from . import bookkeeping
+from . import _torch_compat, bookkeeping
 from .batch_provenance import BatchTracker
 from .norm_rules import Call, rule_for, sketch, sketch_rows, use_ghost, why_no_rule
 from .utils import clean_named, first_tensor, is_dtensor, name_cleaner
@@ -183,7 +183,7 @@ class PerSampleGradNorms:
         self._warn_uncovered(ValueError, stacklevel=3)
         # Layers that mix the samples of a batch when they use batch statistics.
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
-                        for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+                        for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
@@ -204,8 +204,7 @@ class PerSampleGradNorms:
     # ------------------------------------------------------------------ hooks
     def _new_micro_batch(self, module, args, kwargs) -> None:
         # A skipped step, activation-checkpoint recomputation, or the model run under torch.func.
-        if (not self.active or torch._C._current_graph_task_id() != -1
-                or torch._C._are_functorch_transforms_active()):
+        if not self.active or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
             return
         if self._read:
             self.reset()
@@ -279,14 +278,14 @@ class PerSampleGradNorms:
     def _mixing_hook(self, name: str, module: nn.Module, args) -> None:
         # As F.batch_norm decides: batch statistics in training mode, or without running statistics.
         uses_batch = module.training or (module.running_mean is None and module.running_var is None)
-        if uses_batch and self.active and self._micro and not torch._C._are_functorch_transforms_active():
+        if uses_batch and self.active and self._micro and not _torch_compat.functorch_transforms_active():
             self._micro[-1]["mixing"].add(f"{name} ({type(module).__name__})")
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
         if not self.active or not self._micro or output is None:
             return
-        if torch._C._are_functorch_transforms_active():  # e.g. the model run under torch.func.vmap
+        if _torch_compat.functorch_transforms_active():  # e.g. the model run under torch.func.vmap
             return
         if not output.requires_grad:  # reentrant checkpointing's no-grad pass: the provenance is needed later
             self._batch_dim(index, self._micro[-1], module, self._layers[index][2], args, kwargs)
@@ -315,7 +314,7 @@ class PerSampleGradNorms:
         # are the ones whose outputs get gradients.
         # (Inside a torch.compile'd region this is the forward pass: Dynamo cannot trace the check, and
         # the compiled region is not recomputed by checkpointing.)
-        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+        if torch.compiler.is_compiling() or not _torch_compat.in_backward():
             calls["in_forward"] += 1
         elif calls["in_forward"]:
             return
@@ -423,7 +422,7 @@ class PerSampleGradNorms:
         """Gradient hook of a covered parameter: sketches what autograd accumulates for it."""
         p = ref()
         if (not self.active or grad is None or p is None or p.numel() == 0
-                or torch._C._are_functorch_transforms_active()):
+                or _torch_compat.functorch_transforms_active()):
             return
         check = self._check(p, layer)
         if is_dtensor(grad):

@@ -75,6 +75,26 @@ def test_no_module_reads_another_modules_private_names():
     assert not bad, bad
 
 
+def test_no_module_reaches_private_attributes_of_others():
+    """`x._y` only on self/cls; torch's private APIs only through _torch_compat.py (one place, with the
+    versions they were tested on); gapmon's own private ops only in _backend.py."""
+    allowed = {("_backend.py", "torch.ops.gapmon._layout"), ("_backend.py", "torch.ops.gapmon._cpu_isa"),
+               ("apps/demo.py", "os._exit")}
+    bad = []
+    for path, tree in _modules().items():
+        if path == "_torch_compat.py":
+            continue
+        own = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}  # a module's own classes: its business
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", *own):
+                continue
+            if (path, ast.unparse(node)) not in allowed:
+                bad.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, bad
+
+
 def test_layouts_come_from_the_extension():
     if gapmon.backend() == "torch":
         pytest.skip("needs the compiled extension")

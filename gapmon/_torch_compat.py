@@ -1,0 +1,73 @@
+"""Every private torch API gapmon uses, in one place, each with what it is for and the torch versions
+it was tested on (2.11.0+cu130 on the GPU machines, 2.13.0+cpu in CI). A torch release that moves
+one breaks here, with a clear name, rather than in several modules.
+
+`tests/test_architecture.py` checks that no other library module reaches a private attribute of
+torch (or of another object that is not its own).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+TESTED_ON = ("2.11.0", "2.13.0")
+
+# Base classes torch keeps private: the batch-norm family (which mixes samples in training) and the
+# convolutions (whose weights a per-sample rule unfolds).
+BatchNormBase: type = nn.modules.batchnorm._BatchNorm
+ConvNdBase: type = nn.modules.conv._ConvNd
+
+
+def graph_task_id() -> int:
+    """Id of the autograd graph task running now, -1 outside backward: a forward pass inside backward
+    is activation checkpointing recomputing it."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    return graph_task_id() != -1
+
+
+def functorch_transforms_active() -> bool:
+    """Whether the code runs under torch.func (vmap, grad): hooks then see batched tensors."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether a saved-tensors hook (activation offloading, checkpointing) is installed now."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def has_kernel_for(op: str, dispatch_key: str) -> bool:
+    """Whether the dispatcher has a kernel of `op` ("gapmon::tensor_stats") for `dispatch_key`."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (-1 for inference tensors, which have none)."""
+    return -1 if t.is_inference() else t._version
+
+
+def mha_same_embed_dim(module: nn.MultiheadAttention) -> bool:
+    """Whether nn.MultiheadAttention packs q, k, v in one in_proj_weight (no kdim/vdim)."""
+    return module._qkv_same_embed_dim
+
+
+def check(cond: Any, message: Callable[[], str]) -> None:
+    """torch._check: a shape condition fake kernels state for the compiler."""
+    torch._check(cond, message)
+
+
+def dynamo_apply_backward_hook_bug() -> bool:
+    """Whether this torch's Dynamo wraps tensor hooks in _ApplyBackwardHook, which mistraces a
+    bound-method gradient hook registered inside a compiled region (it must then run untraced)."""
+    import torch._dynamo.external_utils as utils  # cheap once Dynamo is loaded
+
+    return hasattr(utils, "_ApplyBackwardHook")
+
+
+def dynamo_disable(fn: Callable) -> Callable:
+    """fn, run untraced by Dynamo when called from a compiled region."""
+    return torch._dynamo.disable(fn)
