@@ -101,7 +101,8 @@ unsigned* zeroed_counters(int64_t n, const at::Device& device, cudaStream_t stre
 // Runs the statistics kernel over `views`: float64 statistics rows, or float64 states if `as_states`.
 // With `acc_row`, the rows are also folded into that accumulator row in the same launch. Items of
 // several chunks need chunk states (one allocation, no memset) and counters (zeroed_counters); an
-// item of one chunk needs neither. Every call is one launch.
+// item of one chunk needs neither. One launch per way of reading that the views need (a list that
+// mixes many short rows with other tensors: two; any single tensor: one).
 at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::Device& device, int64_t correction,
                bool as_states, const char* op, double* acc_row = nullptr) {
   const c10::cuda::CUDAGuard guard(device);
@@ -110,27 +111,22 @@ at::Tensor run(std::vector<core::StridedView>& views, int64_t rows, const at::De
                              opts.dtype(at::kDouble));
   if (rows == 0) return out;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
   at::Tensor table_storage;
   const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
-  int64_t max_chunks_per_item = 0, max_item_numel = 0;
-  for (const auto& v : views) {
-    max_chunks_per_item = std::max(max_chunks_per_item, v.chunks_per_item);
-    max_item_numel = std::max(max_item_numel, v.item_numel);
-  }
   cuda::StatsTargets targets;
   (as_states ? targets.out_states : targets.out_stats) = out.data_ptr<double>();
   targets.correction = correction;
   targets.acc_row = acc_row;
   at::Tensor chunk_states, captured_counters;
-  if (cuda::needs_chunk_states(max_chunks_per_item)) {
-    chunk_states = at::empty({total_chunks * int64_t(core::kNumStateColumns)}, opts.dtype(at::kDouble));
+  if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
+    chunk_states = at::empty({plan.total_chunks * int64_t(core::kNumStateColumns)}, opts.dtype(at::kDouble));
     targets.chunk_states = chunk_states.data_ptr<double>();
   }
-  if (cuda::needs_counters(max_chunks_per_item, acc_row != nullptr)) {
+  if (cuda::needs_counters(plan.max_chunks_per_item, acc_row != nullptr)) {
     targets.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
   }
-  check_launch(cuda::launch_stats(table, total_chunks, rows, max_chunks_per_item, max_item_numel, targets, stream), op);
+  check_launch(cuda::launch_stats(table, plan, rows, targets, stream), op);
   return out;
 }
 

@@ -361,3 +361,16 @@ def test_numerics_kernel_matches_cpu_kernel_and_is_deterministic(dtype):
     merged = nm.merge_numerics_states(parts.unsqueeze(1)).cpu()
     assert torch.equal(merged[0, :nm.NUM_BINS], want[-2, :nm.NUM_BINS])
     torch.testing.assert_close(merged[0, nm.NUM_BINS:], want[-2, nm.NUM_BINS:], rtol=1e-9, atol=1e-9)
+
+
+def test_a_tensors_bits_do_not_depend_on_the_list():
+    """Warp or block per chunk is chosen per tensor (many short instance rows: warps), so a tensor's
+    row has the same bits alone and in any list: 2100 small tensors (which a list used to read by
+    warps, alone by blocks) and a long one."""
+    small = [torch.randn(37, device="cuda") for _ in range(2100)]
+    long = torch.randn(300_000, device="cuda")
+    together = gapmon.multi_tensor_states([long, *small])
+    for i in (0, 1, 1000, 2100):
+        alone = gapmon.multi_tensor_states([([long, *small])[i]])
+        assert torch.equal(together[i], alone[0]), i
+    assert len(_cuda_work(lambda: torch.ops.gapmon.multi_tensor_states([long, *small]))) == 1

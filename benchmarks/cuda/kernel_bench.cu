@@ -108,7 +108,8 @@ void run(const Case& c, double copy_gbps, bool once) {
   v.item_numel = c.row_numel;
   v.items = c.rows;
   v.item_stride = c.row_numel;
-  const int64_t chunks = core::plan_chunks(&v, 1);
+  const cuda::LaunchPlan plan = cuda::plan_launch(&v, 1);
+  const int64_t chunks = plan.total_chunks;
   cuda::ViewTable table;
   table.num = 1;
   table.inline_views[0] = v;
@@ -127,7 +128,7 @@ void run(const Case& c, double copy_gbps, bool once) {
   // group that counts an item's last chunk resets its counter), so a call is one launch, no memset.
   check(cudaMemset(counters, 0, (c.rows + 1) * sizeof(unsigned)), "memset counters");
   auto call = [&] {
-    check(cuda::launch_stats(table, chunks, c.rows, v.chunks_per_item, v.item_numel, targets, nullptr), "launch_stats");
+    check(cuda::launch_stats(table, plan, c.rows, targets, nullptr), "launch_stats");
   };
   call();
   std::vector<double> got(c.rows * core::kNumStats);

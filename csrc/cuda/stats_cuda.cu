@@ -37,11 +37,6 @@ constexpr int kThreads = 256;
 // run, whose ncu profile showed a latency-bound kernel at 25% occupancy. tests/cpp/check_kernels.py
 // checks the count and that the element loops use no local memory.
 constexpr int kMinBlocksPerSM = 4;
-// When every item holds at most kWarpItemElems elements and there are at least kWarpMinChunks
-// chunks (enough warps to fill the GPU), each chunk is read by a warp instead of a block: a short
-// row then costs a warp's merge tree rather than a block's barriers and shared-memory round.
-constexpr int64_t kWarpItemElems = 8192;
-constexpr int64_t kWarpMinChunks = 2048;
 
 template <typename T> struct Elem;
 template <> struct Elem<float> {
@@ -341,14 +336,14 @@ __device__ __noinline__ void fold_rows(const double* stats, int64_t rows, double
 // tree), so the result does not depend on which group finishes last. With an accumulator row, the
 // group that writes the last row folds all rows, in row order.
 template <int kLanes>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) stats_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks,
-                                                         int64_t rows, const StatsTargets out) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) stats_kernel(const __grid_constant__ ViewTable table, int64_t chunk_begin,
+                                                         int64_t chunk_end, int64_t rows, const StatsTargets out) {
   using Group = ChunkGroup<kLanes>;
   // Each thread's running state, in shared memory rather than 14 registers (see group_acc.h).
   __shared__ State<double> thread_states[kThreads];
   const StridedView* views = views_of(table);
   const int64_t stride = int64_t(gridDim.x) * Group::kPerBlock;
-  for (int64_t c = int64_t(blockIdx.x) * Group::kPerBlock + Group::index(); c < total_chunks; c += stride) {
+  for (int64_t c = chunk_begin + int64_t(blockIdx.x) * Group::kPerBlock + Group::index(); c < chunk_end; c += stride) {
     State<double>& mine = thread_states[threadIdx.x];
     read_chunk<kLanes>(views, table.num, c, mine);
     const ChunkPlace at = place_of(views, table.num, c);
@@ -410,23 +405,28 @@ int64_t blocks_for(int64_t n, int64_t threads) { return (n + threads - 1) / thre
 
 }  // namespace
 
-cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         int64_t max_item_numel, const StatsTargets& targets, cudaStream_t stream) {
+cudaError_t launch_stats(const ViewTable& views, const LaunchPlan& plan, int64_t rows, const StatsTargets& targets,
+                         cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const bool fold = targets.acc_row != nullptr;
   if ((fold && targets.out_stats == nullptr) ||
-      (needs_chunk_states(max_chunks_per_item) && targets.chunk_states == nullptr) ||
-      (needs_counters(max_chunks_per_item, fold) && targets.counters == nullptr)) {
+      (needs_chunk_states(plan.max_chunks_per_item) && targets.chunk_states == nullptr) ||
+      (needs_counters(plan.max_chunks_per_item, fold) && targets.counters == nullptr) ||
+      plan.warp_chunks < 0 || plan.warp_chunks > plan.total_chunks) {
     return cudaErrorInvalidValue;
   }
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
-  if (max_item_numel <= kWarpItemElems && total_chunks >= kWarpMinChunks) {
-    const int64_t blocks = blocks_for(total_chunks, ChunkGroup<32>::kPerBlock);
+  if (plan.warp_chunks > 0) {
+    const int64_t blocks = blocks_for(plan.warp_chunks, ChunkGroup<32>::kPerBlock);
     GAPMON_LAUNCH(stats_kernel<32>, static_cast<unsigned>(blocks < kMaxGrid ? blocks : kMaxGrid), kThreads, stream)(
-        views, total_chunks, rows, targets);
-  } else {
-    GAPMON_LAUNCH(stats_kernel<kThreads>, static_cast<unsigned>(total_chunks < kMaxGrid ? total_chunks : kMaxGrid),
-                  kThreads, stream)(views, total_chunks, rows, targets);
+        views, 0, plan.warp_chunks, rows, targets);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t block_chunks = plan.total_chunks - plan.warp_chunks;
+  if (block_chunks > 0) {
+    GAPMON_LAUNCH(stats_kernel<kThreads>, static_cast<unsigned>(block_chunks < kMaxGrid ? block_chunks : kMaxGrid),
+                  kThreads, stream)(views, plan.warp_chunks, plan.total_chunks, rows, targets);
   }
   return cudaGetLastError();
 }

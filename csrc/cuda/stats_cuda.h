@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../core/strided_view.h"
@@ -35,19 +36,46 @@ struct StatsTargets {
                                    // The launch leaves them zeroed: they can serve the next launch.
 };
 
+// How a view's chunks are read: by a warp each when its items are short and many (a short row then
+// costs a warp's merge tree rather than a block's barriers), else by a block. Decided by the view
+// alone, so a tensor's result bits are the same measured alone or in a list with other tensors.
+constexpr int64_t kWarpItemElems = 8192;
+constexpr int64_t kWarpMinItems = 2048;
+inline bool read_by_warps(const core::StridedView& v) {
+  return v.item_numel <= kWarpItemElems && v.items >= kWarpMinItems;
+}
+
+struct LaunchPlan {
+  int64_t total_chunks = 0;
+  int64_t warp_chunks = 0;          // chunks [0, warp_chunks) are read by warps, the rest by blocks
+  int64_t max_chunks_per_item = 0;  // the largest chunks_per_item of the views
+};
+
+// Orders the views for launch_stats (those read by warps first, each group in its given order) and
+// plans their chunks (core::plan_chunks).
+inline LaunchPlan plan_launch(core::StridedView* views, int64_t num_views) {
+  std::stable_partition(views, views + num_views, read_by_warps);
+  LaunchPlan plan;
+  plan.total_chunks = core::plan_chunks(views, num_views);
+  for (int64_t i = 0; i < num_views; ++i) {
+    if (read_by_warps(views[i])) plan.warp_chunks += views[i].chunks_per_item * views[i].items;
+    plan.max_chunks_per_item = std::max(plan.max_chunks_per_item, views[i].chunks_per_item);
+  }
+  return plan;
+}
+
 // Whether launch_stats needs StatsTargets::chunk_states and ::counters for this plan.
 inline bool needs_chunk_states(int64_t max_chunks_per_item) { return max_chunks_per_item > 1; }
 inline bool needs_counters(int64_t max_chunks_per_item, bool fold) { return fold || max_chunks_per_item > 1; }
 
-// Statistics (or partial states) of every item of every view, in one kernel launch.
-//   max_chunks_per_item: the largest chunks_per_item of the views
-//   max_item_numel:      the largest item_numel of the views (picks a block or a warp per chunk)
-// A block (or, for many short items, a warp) reads each chunk, grid-stride. An item of one chunk is
-// written at once; otherwise each chunk's state goes to chunk_states and the group that finishes an
-// item's last chunk (an atomic count per item) merges all its chunks in chunk order. Which group
-// that is depends on timing, the merge order does not: results are bit-identical run to run.
-cudaError_t launch_stats(const ViewTable& views, int64_t total_chunks, int64_t rows, int64_t max_chunks_per_item,
-                         int64_t max_item_numel, const StatsTargets& targets, cudaStream_t stream);
+// Statistics (or partial states) of every item of every view, planned by plan_launch: one kernel
+// launch per way of reading (warps, blocks) that the plan uses. Each group reads chunks, grid-stride.
+// An item of one chunk is written at once; otherwise each chunk's state goes to chunk_states and the
+// group that finishes an item's last chunk (an atomic count per item) merges all its chunks in chunk
+// order. Which group that is depends on timing, the merge order does not: results are bit-identical
+// run to run. The counters (and the instance fold) span both launches: they run in order on `stream`.
+cudaError_t launch_stats(const ViewTable& views, const LaunchPlan& plan, int64_t rows, const StatsTargets& targets,
+                         cudaStream_t stream);
 
 // Copies `bytes` of host memory to device memory `dst` through kernel parameters (a few KB per
 // launch). Unlike a copy from pinned memory, this is safe while `stream` is being captured into a

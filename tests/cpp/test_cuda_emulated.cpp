@@ -80,7 +80,8 @@ std::vector<double> values_of(const StridedView& v, int64_t item) {
 // Partial states of every output row, through launch_stats as csrc/cuda_ops.cpp runs it: views
 // inline in the kernel parameters when they fit, else uploaded with launch_upload.
 std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, bool force_upload = false) {
-  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
+  const int64_t total_chunks = plan.total_chunks;
   cuda::ViewTable table;
   table.num = static_cast<int64_t>(views.size());
   std::vector<uint64_t> device_table(views.size() * sizeof(StridedView) / sizeof(uint64_t));
@@ -91,11 +92,7 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
                               device_table.data(), nullptr) == cudaSuccess, "upload");
     table.device = reinterpret_cast<const StridedView*>(device_table.data());
   }
-  int64_t max_chunks = 0, max_numel = 0;
-  for (const auto& v : views) {
-    max_chunks = std::max(max_chunks, v.chunks_per_item);
-    max_numel = std::max(max_numel, v.item_numel);
-  }
+  const int64_t max_chunks = plan.max_chunks_per_item;
   // Scratch as csrc/cuda_ops.cpp allocates it: chunk states only for items of several chunks,
   // counters zeroed; garbage in what the kernel must overwrite.
   std::vector<double> scratch(total_chunks * core::kNumStateColumns, -7.0);
@@ -105,8 +102,7 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
   targets.out_states = states.data();
   if (cuda::needs_chunk_states(max_chunks)) targets.chunk_states = scratch.data();
   if (cuda::needs_counters(max_chunks, false)) targets.counters = counters.data();
-  CHECK(cuda::launch_stats(table, total_chunks, rows, max_chunks, max_numel, targets, nullptr) == cudaSuccess,
-        "launch_stats");
+  CHECK(cuda::launch_stats(table, plan, rows, targets, nullptr) == cudaSuccess, "launch_stats");
   // The launch leaves its counters zeroed (csrc/cuda_ops.cpp reuses them without a memset), and a
   // second launch on the same counters gives the same bits.
   for (int64_t r = 0; r <= rows; ++r) CHECK(counters[r] == 0u, "counter %lld left at %u", static_cast<long long>(r), counters[r]);
@@ -114,8 +110,7 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
     const std::vector<double> first = states;
     std::fill(states.begin(), states.end(), -7.0);
     std::fill(scratch.begin(), scratch.end(), -7.0);
-    CHECK(cuda::launch_stats(table, total_chunks, rows, max_chunks, max_numel, targets, nullptr) == cudaSuccess,
-          "launch_stats on reused counters");
+    CHECK(cuda::launch_stats(table, plan, rows, targets, nullptr) == cudaSuccess, "launch_stats on reused counters");
     CHECK(std::memcmp(first.data(), states.data(), first.size() * sizeof(double)) == 0,
           "a launch on reused counters changed the bits");
   }
@@ -128,7 +123,8 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
 // launch, into accumulator row 1 of 2, which already holds one instance (mean 0.5, max 100).
 // Returns row 1, after checking that row 0 is untouched and every row was counted.
 std::vector<double> fold_instances(StridedView v) {
-  const int64_t chunks = core::plan_chunks(&v, 1);
+  const cuda::LaunchPlan plan = cuda::plan_launch(&v, 1);
+  const int64_t chunks = plan.total_chunks;
   cuda::ViewTable table;
   table.num = 1;
   table.inline_views[0] = v;
@@ -142,12 +138,11 @@ std::vector<double> fold_instances(StridedView v) {
   targets.out_stats = instance_rows.data();
   targets.correction = 1;
   targets.acc_row = acc.data() + core::kNumAccColumns;
-  CHECK(cuda::launch_stats(table, chunks, v.items, v.chunks_per_item, v.item_numel, targets, nullptr) ==
-            cudaErrorInvalidValue, "a fold without scratch is refused");
+  CHECK(cuda::launch_stats(table, plan, v.items, targets, nullptr) == cudaErrorInvalidValue,
+        "a fold without scratch is refused");
   targets.chunk_states = scratch.data();
   targets.counters = counters.data();
-  CHECK(cuda::launch_stats(table, chunks, v.items, v.chunks_per_item, v.item_numel, targets, nullptr) == cudaSuccess,
-        "fold");
+  CHECK(cuda::launch_stats(table, plan, v.items, targets, nullptr) == cudaSuccess, "fold");
   for (int k = 0; k < core::kNumAccColumns; ++k) CHECK(acc[k] == 0.0, "the fold wrote accumulator row 0");
   for (int64_t r = 0; r <= v.items; ++r) CHECK(counters[r] == 0u, "the fold left counter %lld at %u", static_cast<long long>(r), counters[r]);
   return std::vector<double>(acc.begin() + core::kNumAccColumns, acc.end());
@@ -332,6 +327,21 @@ void test_schedule_independence() {
   expect_schedule_independent(views, static_cast<int64_t>(views.size()), true, "7 mixed tensors, uploaded table");
   // Many short rows: a warp per chunk.
   expect_schedule_independent({view(f.data(), {37}, {1}, 2100, 37)}, 2100, false, "2100 rows of 37");
+  // A tensor's bits do not depend on the other tensors of the call: 2100 short rows (read by warps)
+  // and a long tensor (by blocks), each alone and together in one list (two launches).
+  {
+    const StridedView rows_view = view(f.data(), {37}, {1}, 2100, 37), long_view = view(f.data(), {65536 * 2 + 9}, {1});
+    std::vector<StridedView> alone_rows{rows_view}, alone_long{long_view}, both{long_view, rows_view};
+    alone_rows[0].out_row = 0;
+    alone_long[0].out_row = 0;
+    both[0].out_row = 0;
+    both[1].out_row = 1;
+    const auto a = run(alone_rows, 2100), b = run(alone_long, 1);
+    both[1].out_row = 1;
+    const auto together = run(both, 2101);
+    CHECK(std::memcmp(&together[0], &b[0], sizeof(State<double>)) == 0, "the long tensor's bits change in a list");
+    CHECK(std::memcmp(&together[1], &a[0], sizeof(State<double>) * 2100) == 0, "the short rows' bits change in a list");
+  }
   // A few rows of several chunks each, merged in the launch.
   expect_schedule_independent({view(f.data(), {65536 * 3 + 5}, {1}, 3, 65536 * 3 + 5)}, 3, false, "3 rows of 3 chunks");
   // The instance fold, by whichever group writes the last row: 2100 rows of one chunk (a warp per
