@@ -68,6 +68,20 @@ def dynamo_apply_backward_hook_bug() -> bool:
     return hasattr(utils, "_ApplyBackwardHook")
 
 
+def local_shape_and_global_offset(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's piece of a DTensor of `shape` laid out by `placements`."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(shape, mesh, placements)
+
+
+def tree_map_tensors(fn: Callable, tree: Any) -> Any:
+    """`tree` with fn applied to every tensor in it (torch.utils._pytree.tree_map_only)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, tree)
+
+
 def dynamo_disable(fn: Callable) -> Callable:
     """fn, run untraced by Dynamo when called from a compiled region."""
     return torch._dynamo.disable(fn)

@@ -19,7 +19,7 @@ from .stats import Stats
 from .utils import is_dtensor
 
 
-def _materialize_partial(x):
+def materialize_partial(x):
     """Partial (pending-reduction) placements are reduced first: their local values are not the data."""
     if any(p.is_partial() for p in x.placements):
         from torch.distributed.tensor import Replicate
@@ -84,7 +84,7 @@ def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] 
     split into pieces (FSDP1 flat shards); its pieces are merged over that group. `local_states`
     and `merge` give another kind of mergeable row (gapmon.numerics); default: the statistics states.
     """
-    xs = [_materialize_partial(x) if is_dtensor(x) else x for x in xs]
+    xs = [materialize_partial(x) if is_dtensor(x) else x for x in xs]
     local = [x.to_local() if is_dtensor(x) else x for x in xs]
     states = (local_states or _backend.multi_states)(local)
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -109,7 +109,7 @@ def dtensor_instance_stats(x, correction: int = 1) -> Stats:
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    x = _materialize_partial(x)
+    x = materialize_partial(x)
     if any(p.is_shard() and p.dim != 0 for p in x.placements):
         raise NotImplementedError(
             "gapmon.instance_stats: DTensors sharded along a non-batch dim are not supported; "

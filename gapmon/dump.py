@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _torch_compat
+from .distributed import materialize_partial
 from .dump_format import (
     CHECKSUM,
     COMPLETE,
@@ -140,15 +142,10 @@ def _placement_str(p) -> str:
 def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """The local piece of gradient g and its description (global shape, placements, offsets)."""
     if is_dtensor(g):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        if any(p.is_partial() for p in g.placements):
-            from torch.distributed.tensor import Replicate
-
-            g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+        g = materialize_partial(g)
         mesh = g.device_mesh
         local = g.to_local()
-        local_shape, offsets = compute_local_shape_and_global_offset(g.shape, mesh, g.placements)
+        local_shape, offsets = _torch_compat.local_shape_and_global_offset(g.shape, mesh, g.placements)
         coordinate = mesh.get_coordinate() or []
         record = {"global_shape": list(g.shape), "dtype": str(g.dtype).replace("torch.", ""),
                   "placements": [_placement_str(p) for p in g.placements], "mesh_shape": list(mesh.shape),

@@ -39,7 +39,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
 from . import _torch_compat, bookkeeping
 from .batch_provenance import BatchTracker
@@ -302,7 +301,7 @@ class PerSampleGradNorms:
         if why is not None:
             self._skip(name, why)
             return
-        call = _batch_first(Call(*tree_map_only(torch.Tensor, torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
+        call = _batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
         why = rule.not_per_sample(module, call, output.movedim(dim, 0), mb["batch"], mb["inputs"])
         if why is not None:
             self._skip(name, why)

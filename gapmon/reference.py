@@ -154,3 +154,18 @@ def merge_numerics_states(states: torch.Tensor) -> torch.Tensor:
         n, mean, m2, m3, m4 = (torch.where(keep_a, a, torch.where(keep_b, b, c))
                                for a, b, c in zip((n, mean, m2, m3, m4), (nb, mb, m2b, m3b, m4b), new))
     return torch.cat((bins, torch.stack((n, mean, m2, m3, m4), dim=-1)), dim=-1)
+
+
+def per_sample_grad_norms(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[B] float64 norms of exact per-sample gradients of the trainable parameters, materialised with
+    torch.func.vmap(grad(...)) (loss_fn(model(x_i[None]), y_i[None]) per sample): the independent
+    reference of gapmon.PerSampleGradNorms, for tests and benchmarks (it costs B gradients of memory)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+    def loss_one(p, x, y):
+        return loss_fn(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, inputs, targets)
+    return torch.sqrt(sum(g.reshape(g.shape[0], -1).double().square().sum(1) for g in grads.values()))

@@ -137,16 +137,8 @@ def assert_metrics_close(got: dict[str, float], want: dict[str, float], rtol: fl
 
 
 def vmap_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
-    """Norms of exact per-sample gradients from torch.func.vmap(grad(...)): the independent reference."""
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
-
-    def loss_one(p, x, y):
-        return loss_fn(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
-
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, inputs, targets)
-    return torch.sqrt(sum(g.reshape(g.shape[0], -1).double().square().sum(1) for g in grads.values())).float()
+    """Norms of exact per-sample gradients from torch.func.vmap(grad(...)) (gapmon.reference), as float32."""
+    return gapmon.reference.per_sample_grad_norms(model, loss_fn, inputs, targets).float()
 
 
 def seeded_gpt(cfg) -> torch.nn.Module:

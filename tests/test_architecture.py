@@ -92,6 +92,11 @@ def test_no_module_reaches_private_attributes_of_others():
                 continue
             if (path, ast.unparse(node)) not in allowed:
                 bad.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        for node in ast.walk(tree):  # from torch.x._y import z: a private torch module
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{path}:{node.lineno}: import {n}" for n in names
+                    if n.startswith("torch") and any(part.startswith("_") for part in n.split("."))]
     assert not bad, bad
 
 
