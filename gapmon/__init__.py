@@ -1,6 +1,7 @@
 """gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
 from . import analysis, numerics, reference
 from .dump import GradientDumper
+from .dump_format import DumpCorruptError, DumpError, DumpIncompleteError, DumpInconsistentError, DumpMissingError
 from .monitor import GAPMonitor
 from .numerics import FORMATS, Numerics, exponent_histogram, multi_tensor_numerics, numerics_states
 from .ops import (
@@ -15,7 +16,7 @@ from .ops import (
     tensor_stats,
 )
 from .per_sample import PerSampleGradNorms
-from .reconstruct import DumpError, reconstruct_gradients
+from .reconstruct import reconstruct_gradients
 from .sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
 from .stats import STAT_NAMES, Stats
 
@@ -43,6 +44,10 @@ __all__ = [
     "GradientDumper",
     "reconstruct_gradients",
     "DumpError",
+    "DumpMissingError",
+    "DumpIncompleteError",
+    "DumpCorruptError",
+    "DumpInconsistentError",
     "analysis",
     "Sink",
     "JSONLSink",

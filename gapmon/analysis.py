@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
+from .dump_format import DumpCorruptError, DumpError, DumpMissingError
 from .ops import multi_tensor_stats
-from .reconstruct import DumpError, list_steps, reconstruct_gradients
+from .reconstruct import list_steps, reconstruct_gradients
 
 
 @dataclass
@@ -86,16 +87,16 @@ def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
             raise DumpError(f"{path} holds {len(files)} step*_all_gradients.safetensors files; name one of them")
         path = files[0]
     if not path.exists():
-        raise DumpError(f"{path} does not exist")
+        raise DumpMissingError(f"{path} does not exist")
     if path.suffix == ".pt":
         try:  # weights_only: tensors in a dict, never arbitrary pickled objects
             grads = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise DumpError(f"{path} is not a readable tensor file: {e}") from e
+            raise DumpCorruptError(f"{path} is not a readable tensor file: {e}") from e
         if not isinstance(grads, dict) or not all(isinstance(v, torch.Tensor) for v in grads.values()):
-            raise DumpError(f"{path} does not hold a dict of tensors")
+            raise DumpCorruptError(f"{path} does not hold a dict of tensors")
         return grads
     try:
         return load_file(str(path))
     except Exception as e:
-        raise DumpError(f"{path} is not a readable safetensors file: {e}") from e
+        raise DumpCorruptError(f"{path} is not a readable safetensors file: {e}") from e

@@ -40,7 +40,27 @@ STEP_PREFIX = "step"
 
 
 class DumpError(Exception):
-    """A gradient dump cannot be read as asked (missing, incomplete, corrupt or inconsistent)."""
+    """A gradient dump cannot be read as asked. The subclasses say why, so that a caller can tell a
+    step that is not there yet from one that was damaged."""
+
+
+class DumpMissingError(DumpError):
+    """What was asked for is not there: no such directory, step, file or rank file."""
+
+
+class DumpIncompleteError(DumpError):
+    """The step exists but is not a complete, verifiable dump (no COMPLETE seal yet: being written or
+    interrupted; or written without checksums)."""
+
+
+class DumpCorruptError(DumpError):
+    """A file's bytes are damaged or malformed: a checksum or size mismatch, unreadable or truncated
+    data, a record with missing or ill-typed fields, an unknown format version."""
+
+
+class DumpInconsistentError(DumpError):
+    """The files are each readable but do not belong together: another run's or another dump
+    generation's file, ranks that disagree, shards that overlap or leave gaps."""
 
 
 def step_dir(grad_dir: str | Path, step: int) -> Path:
@@ -92,7 +112,7 @@ def sealed(record: dict[str, Any]) -> dict[str, Any]:
 def check_sealed(record: dict[str, Any], where: str | Path) -> None:
     """Raises DumpError if a sealed record's content no longer matches its checksum."""
     if "record_crc32" in record and record["record_crc32"] != _record_crc32(record):
-        raise DumpError(f"{where} is corrupt: its content does not match its checksum")
+        raise DumpCorruptError(f"{where} is corrupt: its content does not match its checksum")
 
 
 def rank_file(rank: int) -> str:
@@ -104,5 +124,5 @@ def check_version(record: dict[str, Any], where: str | Path) -> None:
     reader knows. Records without one predate versioning and are version 1."""
     version = record.get("format_version", 1)
     if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
-        raise DumpError(f"{where}: format_version {version!r} is not one this gapmon reads "
+        raise DumpCorruptError(f"{where}: format_version {version!r} is not one this gapmon reads "
                         f"({', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade gapmon to read it")

@@ -28,7 +28,11 @@ from .dump_format import (
     HEADER_KEY,
     SAMPLED,
     STEP_PREFIX,
+    DumpCorruptError,
     DumpError,
+    DumpIncompleteError,
+    DumpInconsistentError,
+    DumpMissingError,
     check_sealed,
     check_version,
     file_crc32,
@@ -50,7 +54,7 @@ def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
     the step is read)."""
     grad_dir = Path(grad_dir)
     if not grad_dir.is_dir():
-        raise DumpError(f"gradient directory {grad_dir} does not exist")
+        raise DumpMissingError(f"gradient directory {grad_dir} does not exist")
     complete, incomplete = [], []
     for d in grad_dir.glob(f"{STEP_PREFIX}*"):
         step = step_of(d)
@@ -76,15 +80,15 @@ def _read_json_object(path: Path, what: str) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DumpError(f"{path} is corrupt: {e}") from e
+        raise DumpCorruptError(f"{path} is corrupt: {e}") from e
     if not isinstance(value, dict):
-        raise DumpError(f"{path} is corrupt: expected a JSON object ({what}), got {type(value).__name__}")
+        raise DumpCorruptError(f"{path} is corrupt: expected a JSON object ({what}), got {type(value).__name__}")
     return value
 
 
 def _world_size(value: Any, path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_WORLD:
-        raise DumpError(f"{path}: field 'world_size' must be an int between 1 and {_MAX_WORLD}, got {value!r}")
+        raise DumpCorruptError(f"{path}: field 'world_size' must be an int between 1 and {_MAX_WORLD}, got {value!r}")
     return value
 
 
@@ -93,10 +97,10 @@ def read_config(grad_dir: str | Path) -> dict[str, Any]:
     describes the run that last wrote there; each step's own configuration is in its COMPLETE."""
     grad_dir = Path(grad_dir)
     if not grad_dir.is_dir():
-        raise DumpError(f"gradient directory {grad_dir} does not exist")
+        raise DumpMissingError(f"gradient directory {grad_dir} does not exist")
     path = grad_dir / CONFIG
     if not path.exists():
-        raise DumpError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
+        raise DumpMissingError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
     config = _read_json_object(path, "the dump's configuration")
     check_version(config, path)
     _world_size(config.get("world_size", 1), path)
@@ -113,11 +117,11 @@ def read_complete(directory: Path) -> dict[str, Any]:
     if isinstance(files, dict):  # format 2: {name: {"bytes": n, checksum: c}}
         for name, info in files.items():
             if not isinstance(info, dict) or not _is_count(info.get("bytes")) or Path(name).is_absolute() or ".." in Path(name).parts:
-                raise DumpError(f"{path}: bad entry for file {name!r}: {info!r}")
+                raise DumpCorruptError(f"{path}: bad entry for file {name!r}: {info!r}")
     elif not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise DumpError(f"{path}: field 'files' must list the step's files, got {files!r}")
+        raise DumpCorruptError(f"{path}: field 'files' must list the step's files, got {files!r}")
     if "config" in record and not isinstance(record["config"], dict):
-        raise DumpError(f"{path}: field 'config' must be an object, got {record['config']!r}")
+        raise DumpCorruptError(f"{path}: field 'config' must be an object, got {record['config']!r}")
     return record
 
 
@@ -136,7 +140,7 @@ def _int_list(value: Any, positive: bool = False) -> bool:
 
 def _field(record: dict[str, Any], key: str, path: Path, what: str) -> Any:
     if not isinstance(record, dict) or key not in record:
-        raise DumpError(f"{path}: {what} lacks the field '{key}'")
+        raise DumpCorruptError(f"{path}: {what} lacks the field '{key}'")
     return record[key]
 
 
@@ -146,19 +150,19 @@ def _open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files
-        raise DumpError(f"{path} is corrupt or truncated: {e}") from e
+        raise DumpCorruptError(f"{path} is corrupt or truncated: {e}") from e
 
 
 def _header(handle, path: Path) -> dict[str, Any]:
     meta = handle.metadata() or {}
     if HEADER_KEY not in meta:
-        raise DumpError(f"{path} has no gapmon metadata: not written by GradientDumper")
+        raise DumpCorruptError(f"{path} has no gapmon metadata: not written by GradientDumper")
     try:
         header = json.loads(meta[HEADER_KEY])
     except json.JSONDecodeError as e:
-        raise DumpError(f"{path}: the gapmon metadata is not JSON: {e}") from e
+        raise DumpCorruptError(f"{path}: the gapmon metadata is not JSON: {e}") from e
     if not isinstance(header, dict):
-        raise DumpError(f"{path}: the gapmon metadata is not a JSON object")
+        raise DumpCorruptError(f"{path}: the gapmon metadata is not a JSON object")
     check_version(header, path)
     return header
 
@@ -185,25 +189,25 @@ class _Checked:
         header = _header(handle, path)
         complete = self.record
         if "run_id" in complete and header.get("run_id") != complete["run_id"]:
-            raise DumpError(f"{path} was written by another run ({header.get('run_id')!r}) than the one that marked "
+            raise DumpInconsistentError(f"{path} was written by another run ({header.get('run_id')!r}) than the one that marked "
                             f"step {step} complete ({complete['run_id']!r}): the directory mixes runs")
         if header.get("step", step) != step:
-            raise DumpError(f"{path} holds step {header.get('step')!r}, not step {step}")
+            raise DumpInconsistentError(f"{path} holds step {header.get('step')!r}, not step {step}")
         if self.generation is not None and header.get("generation") != self.generation:
-            raise DumpError(f"{path} belongs to dump {header.get('generation')!r} of this step, not to the dump "
+            raise DumpInconsistentError(f"{path} belongs to dump {header.get('generation')!r} of this step, not to the dump "
                             f"{self.generation!r} its {COMPLETE} vouches for: the step mixes two dumps")
         if self.files is not None:
             info = self.files.get(name)
             if info is None:
-                raise DumpError(f"{path} is not one of the files {self.directory / COMPLETE} names")
+                raise DumpInconsistentError(f"{path} is not one of the files {self.directory / COMPLETE} names")
             if path.stat().st_size != info["bytes"]:
-                raise DumpError(f"{path} is corrupt: {path.stat().st_size} bytes, {info['bytes']} when it was written")
+                raise DumpCorruptError(f"{path} is corrupt: {path.stat().st_size} bytes, {info['bytes']} when it was written")
             try:
                 raw, _ = read_safetensors_header(path)
             except ValueError as e:
-                raise DumpError(str(e)) from e
+                raise DumpCorruptError(str(e)) from e
             if zlib.crc32(raw) != info.get(f"header_{CHECKSUM}"):
-                raise DumpError(f"{path} is corrupt: its header does not match the checksum {COMPLETE} records")
+                raise DumpCorruptError(f"{path} is corrupt: its header does not match the checksum {COMPLETE} records")
         return handle, header
 
     def check_whole(self, name: str) -> None:
@@ -213,22 +217,22 @@ class _Checked:
         if info is None:
             return
         if not path.is_file():
-            raise DumpError(f"{path} is missing ({self.directory / COMPLETE} names it)")
+            raise DumpCorruptError(f"{path} is missing ({self.directory / COMPLETE} names it)")
         if path.stat().st_size != info["bytes"] or file_crc32(path) != info.get(CHECKSUM):
-            raise DumpError(f"{path} is corrupt: it does not match the size and checksum {COMPLETE} records")
+            raise DumpCorruptError(f"{path} is corrupt: it does not match the size and checksum {COMPLETE} records")
 
 
 def _tensor(handle, name: str, path: Path) -> torch.Tensor:
     try:
         return handle.get_tensor(name)
     except Exception as e:  # safetensors' own error types
-        raise DumpError(f"{path}: tensor '{name}' that the header lists cannot be read: {e}") from e
+        raise DumpCorruptError(f"{path}: tensor '{name}' that the header lists cannot be read: {e}") from e
 
 
 def _check_checksum(t: torch.Tensor, checksum: Any, name: str, path: Path) -> torch.Tensor:
     """`t` if its bytes match the checksum recorded for it (None: format 1, none recorded)."""
     if checksum is not None and tensor_crc32(t) != checksum:
-        raise DumpError(f"{path} is corrupt: tensor '{name}' does not match its checksum")
+        raise DumpCorruptError(f"{path} is corrupt: tensor '{name}' does not match its checksum")
     return t
 
 
@@ -236,27 +240,27 @@ def _check_record(rec: Any, name: str, path: Path) -> None:
     """Raises DumpError naming the file, tensor and field of a malformed shard record."""
     what = f"the record of '{name}'"
     if not isinstance(rec, dict):
-        raise DumpError(f"{path}: {what} is not an object")
+        raise DumpCorruptError(f"{path}: {what} is not an object")
     for key in ("global_shape", "local_shape", "offsets", "placements", "mesh_shape", "coordinate", "dtype"):
         _field(rec, key, path, what)
     for key in ("global_shape", "local_shape", "offsets", "coordinate"):
         if not _int_list(rec[key]):
-            raise DumpError(f"{path}: {what}: field '{key}' must be a list of non-negative ints, got {rec[key]!r}")
+            raise DumpCorruptError(f"{path}: {what}: field '{key}' must be a list of non-negative ints, got {rec[key]!r}")
     if not _int_list(rec["mesh_shape"], positive=True):
-        raise DumpError(f"{path}: {what}: field 'mesh_shape' must be a list of positive ints, got {rec['mesh_shape']!r}")
+        raise DumpCorruptError(f"{path}: {what}: field 'mesh_shape' must be a list of positive ints, got {rec['mesh_shape']!r}")
     placements = rec["placements"]
     if not isinstance(placements, list) or not all(isinstance(p, str) and (p in ("R", "P") or (
             p.startswith("S(") and p.endswith(")") and p[2:-1].isdigit())) for p in placements):
-        raise DumpError(f"{path}: {what}: field 'placements' must list S(d), R or P, got {placements!r}")
+        raise DumpCorruptError(f"{path}: {what}: field 'placements' must list S(d), R or P, got {placements!r}")
     dims = len(rec["global_shape"])
     if len(rec["local_shape"]) != dims or len(rec["offsets"]) != dims:
-        raise DumpError(f"{path}: {what}: global_shape, local_shape and offsets must have the same length")
+        raise DumpCorruptError(f"{path}: {what}: global_shape, local_shape and offsets must have the same length")
     if not (len(placements) == len(rec["mesh_shape"]) == len(rec["coordinate"])):
-        raise DumpError(f"{path}: {what}: placements, mesh_shape and coordinate must have the same length")
+        raise DumpCorruptError(f"{path}: {what}: placements, mesh_shape and coordinate must have the same length")
     if rec["dtype"] not in _DTYPES:
-        raise DumpError(f"{path}: {what}: field 'dtype' must be one of {sorted(_DTYPES)}, got {rec['dtype']!r}")
+        raise DumpCorruptError(f"{path}: {what}: field 'dtype' must be one of {sorted(_DTYPES)}, got {rec['dtype']!r}")
     if CHECKSUM in rec and not _is_count(rec[CHECKSUM]):
-        raise DumpError(f"{path}: {what}: field '{CHECKSUM}' must be a non-negative int, got {rec[CHECKSUM]!r}")
+        raise DumpCorruptError(f"{path}: {what}: field '{CHECKSUM}' must be a non-negative int, got {rec[CHECKSUM]!r}")
 
 
 def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[int], dtype, where: str) -> torch.Tensor:
@@ -267,7 +271,7 @@ def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[
     for offsets, piece in pieces:
         if len(offsets) != piece.dim() or len(offsets) != len(shape) or any(o < 0 for o in offsets) or any(
                 o + s > n for o, s, n in zip(offsets, piece.shape, shape)):
-            raise DumpError(f"{where}: shard of '{name}' with shape {list(piece.shape)} at offsets {offsets} does not "
+            raise DumpInconsistentError(f"{where}: shard of '{name}' with shape {list(piece.shape)} at offsets {offsets} does not "
                             f"fit the global shape {shape}")
     if len(pieces) == 1 and list(pieces[0][1].shape) == list(shape) and pieces[0][1].dtype == dtype:
         return pieces[0][1]
@@ -281,7 +285,7 @@ def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[
         if bool((hits == 1).all()):
             return full
         gaps, overlaps = int((hits == 0).sum()), int((hits > 1).sum())
-        raise DumpError(f"{where}: shards of '{name}' (shape {shape}) leave {gaps} elements uncovered and cover "
+        raise DumpInconsistentError(f"{where}: shards of '{name}' (shape {shape}) leave {gaps} elements uncovered and cover "
                         f"{overlaps} more than once")
     return full
 
@@ -316,10 +320,10 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
     paths = [directory / rank_file(r) for r in range(world)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
-        raise DumpError(f"{directory}: missing rank file(s) {', '.join(missing)} of a world of {world}")
+        raise DumpMissingError(f"{directory}: missing rank file(s) {', '.join(missing)} of a world of {world}")
     odd = [p.name for p in paths if not p.is_file()]
     if odd:
-        raise DumpError(f"{directory}: {', '.join(odd)} is not a regular file")
+        raise DumpCorruptError(f"{directory}: {', '.join(odd)} is not a regular file")
     checked = _Checked(directory, complete)
     handles, headers = [], []
     for path in paths:
@@ -327,18 +331,18 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
         handles.append(h)
         tensors = _field(header, "tensors", path, "the gapmon header")
         if not isinstance(tensors, dict):
-            raise DumpError(f"{path}: the gapmon header's 'tensors' is not an object")
+            raise DumpCorruptError(f"{path}: the gapmon header's 'tensors' is not an object")
         for name, rec in tensors.items():
             _check_record(rec, name, path)
         absent = sorted(set(tensors) - set(h.keys()))
         if absent:
-            raise DumpError(f"{path}: the header lists tensor(s) {', '.join(repr(n) for n in absent)} that the file "
+            raise DumpCorruptError(f"{path}: the header lists tensor(s) {', '.join(repr(n) for n in absent)} that the file "
                             "does not hold")
         headers.append(header)
     names = list(headers[0]["tensors"])
     for r, header in enumerate(headers):
         if list(header["tensors"]) != names:
-            raise DumpError(f"{directory}: rank {r} holds different gradients than rank 0")
+            raise DumpInconsistentError(f"{directory}: rank {r} holds different gradients than rank 0")
     out = {}
     for i, name in enumerate(names):
         by_replica: dict[int, list[tuple[list[int], torch.Tensor]]] = {}
@@ -346,23 +350,23 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
         for r in range(world):
             rec = headers[r]["tensors"][name]
             if rec["global_shape"] != rec0["global_shape"]:
-                raise DumpError(f"{directory}: rank {r} records shape {rec['global_shape']} for '{name}', rank 0 "
+                raise DumpInconsistentError(f"{directory}: rank {r} records shape {rec['global_shape']} for '{name}', rank 0 "
                                 f"{rec0['global_shape']}")
             replica = _replica_of(rec)
             if not verify and replica != 0:
                 continue  # only replica 0 is rebuilt (every replica with verify)
             piece = _tensor(handles[r], name, paths[r])
             if list(piece.shape) != rec["local_shape"]:
-                raise DumpError(f"{directory}: rank {r} stores '{name}' with shape {list(piece.shape)}, its header says "
+                raise DumpInconsistentError(f"{directory}: rank {r} stores '{name}' with shape {list(piece.shape)}, its header says "
                                 f"{rec['local_shape']}")
             if str(piece.dtype).replace("torch.", "") != rec["dtype"] or rec["dtype"] != rec0["dtype"]:
-                raise DumpError(f"{paths[r]}: '{name}' is stored as {piece.dtype}, its header says {rec['dtype']} "
+                raise DumpInconsistentError(f"{paths[r]}: '{name}' is stored as {piece.dtype}, its header says {rec['dtype']} "
                                 f"(rank 0: {rec0['dtype']})")
             _check_checksum(piece, rec.get(CHECKSUM), name, paths[r])
             by_replica.setdefault(replica, []).append((rec["offsets"], piece))
         replicas = sorted(by_replica)
         if not replicas or replicas[0] != 0:
-            raise DumpError(f"{directory}: no rank holds replica 0 of '{name}'")
+            raise DumpInconsistentError(f"{directory}: no rank holds replica 0 of '{name}'")
         where = str(directory)
         dtype = getattr(torch, rec0["dtype"])
         full = _place(name, by_replica[0], rec0["global_shape"], dtype, where)
@@ -370,7 +374,7 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
             other = _place(name, by_replica[rep], rec0["global_shape"], full.dtype, where)
             if not torch.equal(other, full):
                 diff = (other.double() - full.double()).abs().max().item()
-                raise DumpError(f"{directory}: replica {rep} of '{name}' differs from replica 0 "
+                raise DumpInconsistentError(f"{directory}: replica {rep} of '{name}' differs from replica 0 "
                                 f"(max abs difference {diff:.3g})")
         out[name] = full
         if progress:
@@ -381,11 +385,11 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
 def _load_sampled(directory: Path, complete: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
     path = directory / SAMPLED
     if not path.exists():
-        raise DumpError(f"{directory}: {SAMPLED} is missing")
+        raise DumpMissingError(f"{directory}: {SAMPLED} is missing")
     h, header = _Checked(directory, complete).open(SAMPLED, step)
     checksums = header.get("checksums", {})
     if not isinstance(checksums, dict):
-        raise DumpError(f"{path}: the gapmon header's 'checksums' is not an object")
+        raise DumpCorruptError(f"{path}: the gapmon header's 'checksums' is not an object")
     return {name: _check_checksum(_tensor(h, name, path), checksums.get(name), name, path) for name in h.keys()}
 
 
@@ -395,7 +399,7 @@ def _load_full(directory: Path, complete: dict[str, Any]) -> dict[str, torch.Ten
 
     index_path = directory / FULL_INDEX
     if not (directory / FULL_DIR).is_dir() or not index_path.exists():
-        raise DumpError(f"{directory}: the distributed checkpoint ({FULL_DIR}/ and {FULL_INDEX}) is missing")
+        raise DumpMissingError(f"{directory}: the distributed checkpoint ({FULL_DIR}/ and {FULL_INDEX}) is missing")
     checked = _Checked(directory, complete)
     for name in checked.files or {}:
         checked.check_whole(name)
@@ -404,19 +408,19 @@ def _load_full(directory: Path, complete: dict[str, Any]) -> dict[str, torch.Ten
     for name, info in index.items():
         dtype = info.get("dtype", "").replace("torch.", "") if isinstance(info, dict) else None
         if dtype not in _DTYPES or not _int_list(info.get("shape")):
-            raise DumpError(f"{index_path}: bad entry for '{name}': {info!r}")
+            raise DumpCorruptError(f"{index_path}: bad entry for '{name}': {info!r}")
         state[name] = torch.empty(info["shape"], dtype=getattr(torch, dtype))
     reader = dcp.HuggingFaceStorageReader(str(directory / FULL_DIR))
     try:
         stored = set(reader.read_metadata().state_dict_metadata)
         if stored != set(state):
-            raise DumpError(f"{directory}: {FULL_INDEX} and the checkpoint disagree: only in the index: "
+            raise DumpInconsistentError(f"{directory}: {FULL_INDEX} and the checkpoint disagree: only in the index: "
                             f"{sorted(set(state) - stored) or 'none'}, only in the checkpoint: {sorted(stored - set(state)) or 'none'}")
         dcp.load(state, storage_reader=reader, no_dist=True)
     except DumpError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise DumpError(f"{directory}/{FULL_DIR} cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise DumpCorruptError(f"{directory}/{FULL_DIR} cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     return state
 
 
@@ -433,22 +437,22 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
     directory = step_dir(grad_dir, step)
     if not directory.is_dir():
         complete, _ = list_steps(grad_dir)
-        raise DumpError(f"step {step} was not dumped under {grad_dir} (complete steps: {complete or 'none'})")
+        raise DumpMissingError(f"step {step} was not dumped under {grad_dir} (complete steps: {complete or 'none'})")
     if not (directory / COMPLETE).exists():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
-        raise DumpError(f"step {step} is incomplete: {directory}/{COMPLETE} is missing (present: {present or 'nothing'})")
+        raise DumpIncompleteError(f"step {step} is incomplete: {directory}/{COMPLETE} is missing (present: {present or 'nothing'})")
     complete = read_complete(directory)
     if verify and not isinstance(complete.get("files"), dict):
-        raise DumpError(f"step {step} under {grad_dir} was written without checksums (format 1): it cannot be verified")
+        raise DumpIncompleteError(f"step {step} under {grad_dir} was written without checksums (format 1): it cannot be verified")
     config = step_config(grad_dir, complete)
     mode = config.get("mode", "shards")
     loaders = {"shards": lambda: _load_shards(directory, config, complete, step, verify, progress),
                "sampled": lambda: _load_sampled(directory, complete, step), "full": lambda: _load_full(directory, complete)}
     if mode not in loaders:
-        raise DumpError(f"{directory / COMPLETE} names an unknown mode {mode!r}")
+        raise DumpCorruptError(f"{directory / COMPLETE} names an unknown mode {mode!r}")
     grads = loaders[mode]()
     if not grads:
-        raise DumpError(f"step {step} under {grad_dir} holds no gradients: the model had none when it was dumped "
+        raise DumpMissingError(f"step {step} under {grad_dir} holds no gradients: the model had none when it was dumped "
                         "(was maybe_dump called after zero_grad, or before backward?)")
     return grads
 

@@ -253,3 +253,29 @@ def test_coverage_check_with_many_pieces(pieces):
     shifted = exact[:-1] + [([2 * pieces - 3, 0], full[-3:-1])]  # overlaps its neighbour, leaves the last row
     with pytest.raises(DumpError, match="leave 3 elements uncovered and cover 3 more than once"):
         _place("w", shifted, [pieces * 2, 3], torch.float32, "x")
+
+
+def test_dump_errors_say_which_kind_of_failure(tmp_path):
+    """A caller can tell a step that is not there (yet) from a damaged or mixed-up one: each failure
+    raises its DumpError subclass (and every one is still a DumpError)."""
+    _dump(tmp_path / "d", _linear_with_grad(), steps=(0, 1))
+    d = tmp_path / "d"
+    with pytest.raises(gapmon.DumpMissingError, match="does not exist"):
+        reconstruct_gradients(tmp_path / "nowhere", 0)
+    with pytest.raises(gapmon.DumpMissingError, match="step 5 was not dumped"):
+        reconstruct_gradients(d, 5)
+    shutil.copytree(d, tmp_path / "e")
+    (tmp_path / "e" / "step1" / "COMPLETE").unlink()
+    with pytest.raises(gapmon.DumpIncompleteError, match="step 1 is incomplete"):
+        reconstruct_gradients(tmp_path / "e", 1)
+    shard = d / "step1" / "rank0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # a flipped bit in the tensor data
+    shard.write_bytes(bytes(data))
+    with pytest.raises(gapmon.DumpCorruptError, match="corrupt"):
+        reconstruct_gradients(d, 1)
+    shutil.copy(d / "step0" / "rank0.safetensors", shard)
+    with pytest.raises(gapmon.DumpInconsistentError, match="holds step 0, not step 1"):
+        reconstruct_gradients(d, 1)
+    for kind in (gapmon.DumpMissingError, gapmon.DumpIncompleteError, gapmon.DumpCorruptError, gapmon.DumpInconsistentError):
+        assert issubclass(kind, gapmon.DumpError)
