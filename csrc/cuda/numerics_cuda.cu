@@ -11,15 +11,9 @@
 #include <cstring>
 
 #include "../core/numerics.h"
+#include "launch.h"
 #include "numerics_cuda.h"
 
-#if defined(GAPMON_CUDA_EMULATION)
-// tests/cpp/cuda_emulator.h (force-included) runs these kernels on the host for ctest.
-#elif !defined(__CUDACC_VER_MAJOR__) || __CUDACC_VER_MAJOR__ < 12
-#error "gapmon's CUDA kernels need CUDA 12 or newer (__grid_constant__ kernel parameters)"
-#else
-#define GAPMON_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
-#endif
 
 namespace gapmon {
 namespace cuda {
@@ -32,23 +26,27 @@ using core::StridedView;
 constexpr int kThreads = 256;
 constexpr int kColumns = core::kNumNumericsColumns;
 
+// (value, bin) of a float32 value given by its bits.
+__device__ __forceinline__ void from_f32_bits(uint32_t bits, double& value, int& bin) {
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  bin = core::exponent_bin_f32(bits);
+  value = f;
+}
+
 // (value, bin) of one element; float16/bfloat16 widen to float32 exactly.
 __device__ __forceinline__ void load_element(const void* p, DType dtype, double& value, int& bin) {
   switch (dtype) {
     case DType::kFloat32: {
-      float f;
-      memcpy(&f, p, sizeof f);
       uint32_t bits;
-      memcpy(&bits, &f, sizeof bits);
-      bin = core::exponent_bin_f32(bits);
-      value = f;
-      return;
+      memcpy(&bits, p, sizeof bits);
+      return from_f32_bits(bits, value, bin);
     }
     case DType::kFloat64: {
-      double d;
-      memcpy(&d, p, sizeof d);
       uint64_t bits;
-      memcpy(&bits, &d, sizeof bits);
+      memcpy(&bits, p, sizeof bits);
+      double d;
+      memcpy(&d, &bits, sizeof d);
       bin = core::exponent_bin_f64(bits);
       value = d;
       return;
@@ -56,12 +54,7 @@ __device__ __forceinline__ void load_element(const void* p, DType dtype, double&
     case DType::kBFloat16: {
       uint16_t raw;
       memcpy(&raw, p, sizeof raw);
-      const uint32_t bits = static_cast<uint32_t>(raw) << 16;  // bfloat16 is float32's top half
-      float f;
-      memcpy(&f, &bits, sizeof f);
-      bin = core::exponent_bin_f32(bits);
-      value = f;
-      return;
+      return from_f32_bits(static_cast<uint32_t>(raw) << 16, value, bin);  // bfloat16 is float32's top half
     }
     case DType::kFloat16: {
       __half h;
@@ -69,9 +62,7 @@ __device__ __forceinline__ void load_element(const void* p, DType dtype, double&
       const float f = __half2float(h);
       uint32_t bits;
       memcpy(&bits, &f, sizeof bits);
-      bin = core::exponent_bin_f32(bits);
-      value = f;
-      return;
+      return from_f32_bits(bits, value, bin);
     }
   }
 }
@@ -126,41 +117,20 @@ __device__ Moments thread_numerics(const Chunk& k, unsigned* bins) {
 __global__ void __launch_bounds__(kThreads) numerics_chunk_kernel(const __grid_constant__ ViewTable table,
                                                                     int64_t total_chunks, double* chunk_rows) {
   __shared__ unsigned bins[core::kNumBins];
-  __shared__ double moments[5][kThreads];
+  __shared__ Moments moments[kThreads];
   const StridedView* views = table.device != nullptr ? table.device : table.inline_views;
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) bins[b] = 0u;
     __syncthreads();
-    const Moments mine = thread_numerics(chunk_at(views, table.num, c), bins);
-    moments[0][threadIdx.x] = mine.count;
-    moments[1][threadIdx.x] = mine.mean;
-    moments[2][threadIdx.x] = mine.m2;
-    moments[3][threadIdx.x] = mine.m3;
-    moments[4][threadIdx.x] = mine.m4;
+    moments[threadIdx.x] = thread_numerics(chunk_at(views, table.num, c), bins);
     __syncthreads();
     for (int half = kThreads / 2; half > 0; half /= 2) {  // a fixed merge tree
-      if (static_cast<int>(threadIdx.x) < half) {
-        Moments a, b;
-        a.count = moments[0][threadIdx.x], a.mean = moments[1][threadIdx.x], a.m2 = moments[2][threadIdx.x];
-        a.m3 = moments[3][threadIdx.x], a.m4 = moments[4][threadIdx.x];
-        const int j = threadIdx.x + half;
-        b.count = moments[0][j], b.mean = moments[1][j], b.m2 = moments[2][j], b.m3 = moments[3][j], b.m4 = moments[4][j];
-        const Moments m = core::merge(a, b);
-        moments[0][threadIdx.x] = m.count;
-        moments[1][threadIdx.x] = m.mean;
-        moments[2][threadIdx.x] = m.m2;
-        moments[3][threadIdx.x] = m.m3;
-        moments[4][threadIdx.x] = m.m4;
-      }
+      if (static_cast<int>(threadIdx.x) < half) moments[threadIdx.x] = core::merge(moments[threadIdx.x], moments[threadIdx.x + half]);
       __syncthreads();
     }
     double* row = chunk_rows + c * kColumns;
     for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) row[b] = static_cast<double>(bins[b]);
-    if (threadIdx.x == 0) {
-      Moments m;
-      m.count = moments[0][0], m.mean = moments[1][0], m.m2 = moments[2][0], m.m3 = moments[3][0], m.m4 = moments[4][0];
-      core::store_moments(m, row);
-    }
+    if (threadIdx.x == 0) core::store_moments(moments[0], row);
     __syncthreads();  // bins and moments are reused by the next chunk
   }
 }

@@ -13,15 +13,9 @@
 
 #include "../core/group_acc.h"
 #include "../core/stats_state.h"
+#include "launch.h"
 #include "stats_cuda.h"
 
-#if defined(GAPMON_CUDA_EMULATION)
-// tests/cpp/cuda_emulator.h (force-included) runs these kernels on the host for ctest.
-#elif !defined(__CUDACC_VER_MAJOR__) || __CUDACC_VER_MAJOR__ < 12
-#error "gapmon's CUDA kernels need CUDA 12 or newer (__grid_constant__ kernel parameters)"
-#else
-#define GAPMON_LAUNCH(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
-#endif
 
 namespace gapmon {
 namespace cuda {

@@ -18,6 +18,7 @@
 #include "../../csrc/core/strided_view.h"
 #include "../../csrc/cuda/numerics_cuda.h"
 #include "checks.h"
+#include "emulated_views.h"
 
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 void gapmon_emu_set_numerics_schedule(unsigned seed);  // tests/cpp/numerics_cuda_emulated.cpp
@@ -27,55 +28,11 @@ namespace {
 namespace cuda = gapmon::cuda;
 using core::DType;
 using core::StridedView;
+using namespace emulated;
 constexpr int kColumns = core::kNumNumericsColumns;
 
-template <typename T> DType dtype_of();
-template <> DType dtype_of<float>() { return DType::kFloat32; }
-template <> DType dtype_of<double>() { return DType::kFloat64; }
-template <> DType dtype_of<__half>() { return DType::kFloat16; }
-template <> DType dtype_of<__nv_bfloat16>() { return DType::kBFloat16; }
-
-double to_double(float x) { return x; }
-double to_double(double x) { return x; }
-double to_double(__half x) { return __half2float(x); }
-double to_double(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> T from_double(double x) { return static_cast<T>(x); }
-template <> __half from_double<__half>(double x) { return __float2half(static_cast<float>(x)); }
-template <> __nv_bfloat16 from_double<__nv_bfloat16>(double x) { return __float2bfloat16(static_cast<float>(x)); }
-
-template <typename T>
-StridedView view(const T* data, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t items, int64_t item_stride,
-                 int64_t repeat = 1) {
-  StridedView v;
-  v.data = data;
-  v.dtype = dtype_of<T>();
-  v.ndim = static_cast<int32_t>(sizes.size());
-  v.item_numel = 1;
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    v.sizes[d] = sizes[d];
-    v.strides[d] = strides[d];
-    v.item_numel *= sizes[d];
-  }
-  v.items = items;
-  v.item_stride = item_stride;
-  v.repeat = repeat;
-  if (v.item_numel == 0) v.ndim = 0;
-  return v;
-}
-
-template <typename T>
-std::vector<double> values_of(const StridedView& v, int64_t item) {
-  std::vector<double> out;
-  const T* base = static_cast<const T*>(v.data) + item * v.item_stride;
-  std::vector<int64_t> index(v.ndim, 0);
-  for (int64_t n = 0; n < v.item_numel; ++n) {
-    int64_t offset = 0;
-    for (int d = 0; d < v.ndim; ++d) offset += index[d] * v.strides[d];
-    for (int64_t r = 0; r < v.repeat; ++r) out.push_back(to_double(base[offset]));
-    for (int d = v.ndim - 1; d >= 0 && ++index[d] == v.sizes[d]; --d) index[d] = 0;
-  }
-  return out;
-}
+template <typename T> T from_double(double x) { return from_float<T>(static_cast<float>(x)); }
+template <> double from_double<double>(double x) { return x; }
 
 // The row a reference computes: frexp bins, long-double two-pass moments.
 std::vector<double> reference_row(const std::vector<double>& xs) {
