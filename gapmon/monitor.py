@@ -80,6 +80,34 @@ def _picker(indices: list[int]):
     return operator.itemgetter(*indices)
 
 
+class _Segments:
+    """Named float64 segments of one flat device tensor: what end_step reduces over ranks in one
+    collective, or copies to the host in one transfer, without offset arithmetic at the call sites."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._parts: list[torch.Tensor] = []
+        self.spans: dict[str, tuple[int, int]] = {}
+        self._size = 0
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        flat = values.reshape(-1).to(self.device, torch.float64)
+        self.spans[name] = (self._size, self._size + flat.numel())
+        self._size += flat.numel()
+        self._parts.append(flat)
+
+    def cat(self) -> torch.Tensor:
+        return torch.cat(self._parts) if self._parts else torch.empty(0, dtype=torch.float64, device=self.device)
+
+    def of(self, flat: Any, name: str) -> Any:
+        """Segment `name` of `flat` (the tensor cat() made, or the host list of its values)."""
+        start, end = self.spans[name]
+        return flat[start:end]
+
+    def start(self, name: str) -> int:
+        return self.spans[name][0]
+
+
 def _rows_with_sparse(tensors: list[torch.Tensor], correction: int) -> torch.Tensor:
     """Statistics rows of tensors some of which are sparse COO (nn.Embedding(sparse=True)
     gradients): each sparse one's are those of the dense tensor it stands for, without densifying
@@ -384,25 +412,32 @@ class GAPMonitor:
 
         acc = self._acc if self._acc is not None else self._new_acc(device, None)
         dev = acc.device
-        batch = torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev)
-        sums = [acc[:, list(_ACC_SUMS)].reshape(-1), batch]  # reduced with SUM over ranks
-        maxes = [acc[:, _ACC_MAX]]                           # reduced with MAX over ranks
+        m = len(self._modules)
+        sums, maxes = _Segments(dev), _Segments(dev)  # reduced over ranks with SUM and with MAX
+        sums.add("acc", acc[:, list(_ACC_SUMS)])
+        maxes.add("acc", acc[:, _ACC_MAX])
+        sums.add("batch", torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev))
         if self.per_sample is not None:
             norms = self.per_sample.local_norms().to(dev, torch.float64)
-            none = torch.full((1,), -math.inf, dtype=torch.float64, device=dev)
-            sums.append(torch.stack((norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64, device=dev))))
-            maxes.append(torch.cat((norms.max().reshape(1), (-norms).max().reshape(1))) if norms.numel() else none.repeat(2))
-        sums_t, maxes_t = torch.cat(sums), torch.cat(maxes)
+            sums.add("per_sample", torch.stack((norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64, device=dev))))
+            maxes.add("per_sample", torch.cat((norms.max().reshape(1), (-norms).max().reshape(1))) if norms.numel()
+                      else torch.full((2,), -math.inf, dtype=torch.float64, device=dev))
+        sums_t, maxes_t = sums.cat(), maxes.cat()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
             dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=self._group)
             dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=self._group)
-        m = len(self._modules)
-        width = len(_ACC_SUMS) * 2 * m
-        per_module = self._module_values(sums_t[:width].view(2 * m, len(_ACC_SUMS)), maxes_t[:2 * m])
-        host = torch.cat([rows.reshape(-1).double().to(dev), per_module.reshape(-1), sums_t[width:],
-                          maxes_t[2 * m:]]).cpu().tolist()  # the one D2H copy
+        per_module = self._module_values(sums.of(sums_t, "acc").view(2 * m, len(_ACC_SUMS)), maxes.of(maxes_t, "acc"))
+        out = _Segments(dev)
+        out.add("rows", rows)
+        out.add("modules", per_module)
+        out.add("batch", sums.of(sums_t, "batch"))
+        if self.per_sample is not None:
+            out.add("per_sample_sums", sums.of(sums_t, "per_sample"))
+            out.add("per_sample_maxes", maxes.of(maxes_t, "per_sample"))
+        numerics = self._numerics_on_device(names, tensors, groups, out) if self.numerics else None
+        host = out.cat().cpu().tolist()  # the one device-to-host copy
 
-        rows_at = tuple((kind, name, i * _ROW) for i, (kind, name) in enumerate(names))
+        rows_at = tuple((kind, name, out.start("rows") + i * _ROW) for i, (kind, name) in enumerate(names))
         keys, picks = self._picked("tensors", rows_at, [col for _, col in _STAT_FIELDS])
         metrics: dict[str, float] = dict(zip(keys, picks(host)))
         # A tensor with no elements has no mean or var (they would be NaN, and empty is not
@@ -414,17 +449,14 @@ class GAPMonitor:
                     for key in self._metric_keys(kind, name):
                         if kind == "grads" or key.endswith(_UNDEFINED_WHEN_EMPTY):
                             del metrics[key]
-        offset = len(names) * _ROW
-        instances = host[offset + _INSTANCES:offset + per_module.numel():_MODULE_WIDTH]
+        offset = out.start("modules")
+        instances = out.of(host, "modules")[_INSTANCES::_MODULE_WIDTH]
         kinds = [self._kinds["activations"]] * m + [self._kinds["activation_grads"]] * m
         module_rows = tuple((("activations", "activation_grads")[r // m], self._modules[r % m][0], offset + r * _MODULE_WIDTH)
                             for r, (n, on) in enumerate(zip(instances, kinds)) if n and on)
         keys, picks = self._picked("modules", module_rows, range(len(_STAT_FIELDS)))
         metrics.update(zip(keys, picks(host)))
-        host = host[offset + per_module.numel():]
-        global_batch, host = host[0], host[1:]
-        if self.per_sample is not None:
-            (ps_sum, ps_count), host = host[:2], host[2:]
+        (global_batch,) = out.of(host, "batch")
         for index, source in self._aliases.items():  # modules that output the same tensor as another
             name, source_name = self._modules[index][0], self._modules[source][0]
             for kind in ("activations", "activation_grads"):
@@ -436,13 +468,15 @@ class GAPMonitor:
                 order[index] = order[source]
         if self._batch_size or global_batch:
             metrics[GLOBAL_BATCH_SIZE] = global_batch
-        if self.per_sample is not None and ps_count > 0:
-            metrics[per_sample_norm_name("mean")] = ps_sum / ps_count
-            metrics[per_sample_norm_name("max")] = host[0]
-            metrics[per_sample_norm_name("min")] = -host[1]
+        if self.per_sample is not None:
+            (ps_sum, ps_count), (ps_max, ps_neg_min) = out.of(host, "per_sample_sums"), out.of(host, "per_sample_maxes")
+            if ps_count > 0:
+                metrics[per_sample_norm_name("mean")] = ps_sum / ps_count
+                metrics[per_sample_norm_name("max")] = ps_max
+                metrics[per_sample_norm_name("min")] = -ps_neg_min
         info = self._localise_nonfinite(metrics, step)
-        if self.numerics:
-            self._add_numerics(metrics, info, names, tensors, groups, step)
+        if numerics is not None:
+            self._add_numerics(metrics, info, numerics, out, host, step)
             for index, source in self._aliases.items():  # numerics of a shared output, as its statistics
                 for kind in ("activations", "activation_grads"):
                     for field in NUMERICS_FIELDS:
@@ -451,40 +485,43 @@ class GAPMonitor:
                             metrics[metric_name(kind, self._modules[index][0], field)] = metrics[key]
         return metrics, info
 
-    def _add_numerics(self, metrics: dict[str, float], info: dict[str, Any], names, tensors, groups, step: int) -> None:
+    def _numerics_on_device(self, names, tensors, groups, out: _Segments) -> tuple[list, list[str], list[str]]:
         """Kurtosis and per-format shares of the parameters and gradients (one more pass over them) and
-        of the monitored activations and activation gradients (a pass in their hooks), exponent
-        histograms per kind and layer type, and the alerts above numerics_alert."""
+        of the monitored activations and activation gradients (a pass in their hooks), and exponent
+        histograms per kind and layer type, added to `out` for end_step's one copy. Returns what
+        _add_numerics needs to read them: (row names, field names, histogram groups)."""
         dense = [t.to_dense() if t.is_sparse else t for t in tensors]
         rows = numerics_states(dense, groups)  # FSDP1 flat shards: pieces merged over their groups
-        act_names, act_rows = self._activation_numerics(rows.device)
-        names, rows = [*names, *act_names], torch.cat([rows, act_rows])
-        if not names:
-            return
+        act_names, act_rows = self._activation_numerics(out.device)  # where the collectives run (NCCL: the GPU)
+        names, rows = [*names, *act_names], torch.cat([rows.to(out.device), act_rows])
         result = numerics_from_rows(rows, self.numerics)
         columns = [("kurtosis", result.kurtosis)]
         columns += [(numerics_field(f, s), result.shares[f][s]) for f in self.numerics for s in NUMERICS_SHARES]
-        # Exponent histograms summed per tensor kind and layer type ("grads/Linear"): exact counts.
         module_types = {n: type(m).__name__ for n, m in self._modules}
         groups_of = [f"{kind}/{(self._param_types if kind in ('params', 'grads') else module_types).get(name, 'Parameter')}"
                      for kind, name in names]
         keys = sorted(set(groups_of))
-        index = torch.tensor([keys.index(g) for g in groups_of], device=rows.device)
+        index = torch.tensor([keys.index(g) for g in groups_of], dtype=torch.long, device=rows.device)
         hists = torch.zeros(len(keys), NUM_BINS, dtype=torch.float64, device=rows.device).index_add_(
-            0, index, rows[:, :NUM_BINS])
-        table = torch.stack([c for _, c in columns], dim=1)
-        host = torch.cat([table.reshape(-1), hists.reshape(-1)]).cpu().tolist()  # one copy
-        values = [host[i * len(columns):(i + 1) * len(columns)] for i in range(len(names))]
-        counts = host[len(names) * len(columns):]
-        # Modules that ran on no rank this step have empty activation rows: no metrics (as their statistics).
-        keep = [not (kind.startswith("activation") and all(math.isnan(v) for v in row)) for (kind, _), row in zip(names, values)]
-        names = [n for n, k in zip(names, keep) if k]
-        values = [v for v, k in zip(values, keep) if k]
+            0, index, rows[:, :NUM_BINS])  # exact counts
+        out.add("numerics", torch.stack([c for _, c in columns], dim=1) if names else rows.new_empty(0))
+        out.add("histograms", hists)
+        return names, [field for field, _ in columns], keys
+
+    def _add_numerics(self, metrics: dict[str, float], info: dict[str, Any], numerics, out: _Segments, host: list,
+                      step: int) -> None:
+        """The numerics metrics, histograms and alerts from end_step's host copy."""
+        names, fields, keys = numerics
+        table, counts = out.of(host, "numerics"), out.of(host, "histograms")
         info["numerics_histograms"] = {k: sparse_histogram(counts[i * NUM_BINS:(i + 1) * NUM_BINS])
                                        for i, k in enumerate(keys)}
         alerts = []
-        for (kind, name), row in zip(names, values):
-            for (field, _), value in zip(columns, row):
+        for i, (kind, name) in enumerate(names):
+            row = table[i * len(fields):(i + 1) * len(fields)]
+            # Modules that ran on no rank this step have empty activation rows: no metrics (as their statistics).
+            if kind.startswith("activation") and all(math.isnan(v) for v in row):
+                continue
+            for field, value in zip(fields, row):
                 if not math.isnan(value):
                     metrics[metric_name(kind, name, field)] = value
                     if (self.numerics_alert is not None and field.endswith(("_underflow", "_overflow"))

@@ -210,6 +210,22 @@ def test_end_step_makes_no_item_calls(monkeypatch):
         assert mon.end_step()
 
 
+def test_end_step_copies_to_the_host_once_with_numerics(monkeypatch):
+    """Statistics, per-module values and numerics (tables and histograms, activations all-gathered)
+    share end_step's one device-to-host copy (.cpu() on a tensor: the copy on a GPU). (Per-sample norms
+    add the use check's own read of its verdict, before the norms can be returned.)"""
+    model = _model()
+    with gapmon.GAPMonitor(model, sinks=[], numerics=("bf16",)) as mon:
+        mon.begin_step(0, batch_size=2)
+        _train_step(model, [synthetic_batch(CFG, 2, 0)])
+        copies = []
+        real_cpu = torch.Tensor.cpu
+        monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: (copies.append(self.numel()), real_cpu(self, *a, **k))[1])
+        metrics = mon.end_step()
+    assert len(copies) == 1, copies
+    assert "gap/grads/head.weight/bf16_underflow" in metrics and "gap/activations/head/kurtosis" in metrics
+
+
 def test_module_outputs_tuple_dict_and_scalars():
     class Odd(nn.Module):
         def __init__(self):
