@@ -208,10 +208,7 @@ at::Tensor numerics_states_cuda(at::TensorList xs) {
 }
 
 at::Tensor merge_numerics_states_cuda(const at::Tensor& states) {
-  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.dim() == 3 &&
-                        states.size(2) == core::kNumNumericsColumns,
-                    "gapmon.merge_numerics_states: expected float64 [parts, tensors, ", core::kNumNumericsColumns,
-                    "] rows (from numerics_states), got ", states.scalar_type(), " ", states.sizes());
+  check_numerics_states(states);
   const c10::cuda::CUDAGuard guard(states.device());
   const at::Tensor s = states.contiguous();
   at::Tensor out = at::empty({s.size(1), core::kNumNumericsColumns}, s.options());

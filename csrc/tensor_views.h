@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/numerics.h"
 #include "core/strided_view.h"
 
 namespace gapmon {
@@ -116,6 +117,14 @@ inline void check_states(const at::Tensor& states, int64_t dims, const char* op)
                     "gapmon.", op, ": expected float64 ", dims == 3 ? "[parts, tensors, " : "[tensors, ",
                     core::kNumStateColumns, "] states (from multi_tensor_states), got ", states.scalar_type(), " ",
                     states.sizes());
+}
+
+// Raises ValueError unless `states` are float64 [parts, tensors, kNumNumericsColumns] numerics rows.
+inline void check_numerics_states(const at::Tensor& states) {
+  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.dim() == 3 &&
+                        states.size(2) == core::kNumNumericsColumns,
+                    "gapmon.merge_numerics_states: expected float64 [parts, tensors, ", core::kNumNumericsColumns,
+                    "] rows (from numerics_states), got ", states.scalar_type(), " ", states.sizes());
 }
 
 // Checks the arguments of accumulate_instance_stats (GAPMonitor activation accumulators).

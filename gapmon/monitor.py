@@ -217,6 +217,7 @@ class GAPMonitor:
                            "imaginary parts (torch.view_as_real) or pass params=False, grads=False")
         owner_types = {id(p): type(m).__name__ for _, m in self._modules for p in m.parameters(recurse=False)}
         self._param_types = {n: owner_types.get(id(p), type(model).__name__) for n, p in self._params}
+        self._module_types = {n: type(m).__name__ for n, m in self._modules}  # numerics histogram groups
         shard_groups = fsdp1_shard_groups(model)
         self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -497,8 +498,7 @@ class GAPMonitor:
         result = numerics_from_rows(rows, self.numerics)
         columns = [("kurtosis", result.kurtosis)]
         columns += [(numerics_field(f, s), result.shares[f][s]) for f in self.numerics for s in NUMERICS_SHARES]
-        module_types = {n: type(m).__name__ for n, m in self._modules}
-        groups_of = [f"{kind}/{(self._param_types if kind in ('params', 'grads') else module_types).get(name, 'Parameter')}"
+        groups_of = [f"{kind}/{(self._param_types if kind in ('params', 'grads') else self._module_types).get(name, 'Parameter')}"
                      for kind, name in names]
         keys = sorted(set(groups_of))
         index = torch.tensor([keys.index(g) for g in groups_of], dtype=torch.long, device=rows.device)

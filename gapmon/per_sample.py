@@ -80,14 +80,22 @@ def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return found if found is not None else first_tensor(kwargs)
 
 
+@functools.lru_cache(maxsize=64)
+def _positional_names(forward: Any, bound: bool) -> tuple[str, ...]:
+    """Names of a forward's positional parameters (without self for a method), read once per function."""
+    names = tuple(n for n, p in inspect.signature(forward).parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return names[1:] if bound else names
+
+
 def _named_input(module: nn.Module, args: tuple, kwargs: dict, key: int | str) -> Any:
     """The root forward's argument `key`: a position, or a name (passed by keyword or by position)."""
     if isinstance(key, int):
         return args[key] if key < len(args) else None
     if key in kwargs:
         return kwargs[key]
-    names = [n for n, p in inspect.signature(module.forward).parameters.items()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    forward = module.forward
+    names = _positional_names(getattr(forward, "__func__", forward), hasattr(forward, "__func__"))
     return args[names.index(key)] if key in names and names.index(key) < len(args) else None
 
 

@@ -336,3 +336,15 @@ def test_monitor_numerics_of_activations_and_their_gradients_over_micro_batches(
     hists = json.loads((tmp_path / "m.jsonl").read_text())["numerics_histograms"]
     assert hists["activations/Linear"] == _frexp_named_bins(seen["0"] + seen["2"])
     assert set(hists) == {"activations/Linear", "activations/Tanh", "activation_grads/Linear", "activation_grads/Tanh"}
+
+
+def test_report_numerics_keep_the_last_record_of_a_step_written_twice():
+    """A resumed run appends steps it had written already: the numerics series has each step once,
+    in step order, with the newer record's bins."""
+    from gapmon.apps.report import numerics_series
+
+    records = [{"step": s, "numerics_histograms": {"grads/Linear": {"e-3": 10}}} for s in (0, 1, 2)]
+    records += [{"step": s, "numerics_histograms": {"grads/Linear": {"zero": 10}}} for s in (1, 2, 3)]
+    series = numerics_series(records)["grads/Linear"]
+    assert series["steps"] == [0, 1, 2, 3]
+    assert [h[0] for h in series["histograms"]] == [0, 10, 10, 10]  # the zero bin: rewritten steps hold zeros

@@ -29,45 +29,7 @@ struct ChunkNumerics {
   Moments moments;
 };
 
-// Element i of a run as (value, bin).
-template <typename T>
-inline void load(const T* p, double& value, int& bin);
-
-template <>
-inline void load<float>(const float* p, double& value, int& bin) {
-  uint32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  bin = core::exponent_bin_f32(bits);
-  value = *p;
-}
-
-template <>
-inline void load<double>(const double* p, double& value, int& bin) {
-  uint64_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  bin = core::exponent_bin_f64(bits);
-  value = *p;
-}
-
-template <>
-inline void load<at::BFloat16>(const at::BFloat16* p, double& value, int& bin) {
-  const uint32_t bits = static_cast<uint32_t>(p->x) << 16;  // bfloat16 is float32's top half
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  bin = core::exponent_bin_f32(bits);
-  value = f;
-}
-
-template <>
-inline void load<at::Half>(const at::Half* p, double& value, int& bin) {
-  const float f = static_cast<float>(*p);  // exact
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bin = core::exponent_bin_f32(bits);
-  value = f;
-}
-
-// Element i of a contiguous run as float32 bits (float, bfloat16, half: exact widening).
+// An element as float32 bits (float, bfloat16, half: exact widening).
 template <typename T>
 inline uint32_t f32_bits(const T* p);
 template <>
@@ -92,6 +54,21 @@ inline float f32_of(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// An element as (value, bin): float64 by its own bits, the others by their float32 bits.
+template <typename T>
+inline void load(const T* p, double& value, int& bin) {
+  if constexpr (std::is_same_v<T, double>) {
+    uint64_t bits;
+    std::memcpy(&bits, p, sizeof bits);
+    bin = core::exponent_bin_f64(bits);
+    value = *p;
+  } else {
+    const uint32_t bits = f32_bits<T>(p);
+    bin = core::exponent_bin_f32(bits);
+    value = f32_of(bits);
+  }
 }
 
 // The running state of one chunk: its bins, its merged moments, and the open block of power sums.
@@ -307,10 +284,7 @@ at::Tensor numerics_states_cpu(at::TensorList xs) {
 
 // [R, N, kNumNumericsColumns] rows (R partial results of N tensors) -> [N, ...], merged in order.
 at::Tensor merge_numerics_states_cpu(const at::Tensor& states) {
-  TORCH_CHECK_VALUE(states.scalar_type() == at::kDouble && states.dim() == 3 &&
-                        states.size(2) == core::kNumNumericsColumns,
-                    "gapmon.merge_numerics_states: expected float64 [parts, tensors, ", core::kNumNumericsColumns,
-                    "] rows (from numerics_states), got ", states.scalar_type(), " ", states.sizes());
+  check_numerics_states(states);
   const at::Tensor s = states.contiguous();
   const int64_t parts = s.size(0), n = s.size(1);
   at::Tensor out = at::zeros({n, core::kNumNumericsColumns}, at::kDouble);

@@ -89,13 +89,14 @@ def numerics_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     the group's share of all its elements)."""
     formats = sorted({m.field.removesuffix("_underflow") for r in records for m in map(parse_metric_name, r)
                       if m is not None and m.field.endswith("_underflow")} & set(FORMATS)) or ["bf16"]
-    groups: dict[str, list[tuple[int, dict[str, int]]]] = defaultdict(list)
-    for r in records:
+    groups: dict[str, dict[int, dict[str, int]]] = defaultdict(dict)
+    for r in records:  # a step written again (a resumed run into the same folder): its last record counts
         for group, bins in (r.get("numerics_histograms") or {}).items():
             if isinstance(bins, dict):
-                groups[group].append((r["step"], bins))
+                groups[group][r["step"]] = bins
     out = {}
-    for group, seen in groups.items():
+    for group, by_step in groups.items():
+        seen = sorted(by_step.items())
         rows = histogram_rows([bins for _, bins in seen])
         shares = {f: {k: v.tolist() for k, v in format_shares(rows, f).items()} for f in formats}
         out[group] = {"steps": [s for s, _ in seen], "histograms": rows[:, :len(BIN_NAMES)].tolist(), "shares": shares}
