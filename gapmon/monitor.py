@@ -229,7 +229,7 @@ class GAPMonitor:
             from .per_sample import PerSampleGradNorms
 
             self.per_sample = PerSampleGradNorms(model, bookkeeping=bookkeeping)
-            self.per_sample.active = False  # on from begin_step to end_step of monitored steps
+            self.per_sample.pause()  # collects from begin_step to end_step of monitored steps
 
         self._step: int | None = None
         self._active = False
@@ -340,8 +340,10 @@ class GAPMonitor:
             raise ValueError(f"GAPMonitor.begin_step: batch_size must be a non-negative int, got {batch_size!r}")
         self._step = step
         self._active = step % self.interval == 0
-        if self.per_sample is not None:
-            self.per_sample.active = self._active  # skipped steps: its hooks return at once
+        if self.per_sample is not None and self._active:
+            self.per_sample.start()
+        elif self.per_sample is not None:
+            self.per_sample.pause()  # skipped steps: its hooks return at once
         if not self._active:
             return
         self._batch_size = batch_size or 0
@@ -355,8 +357,6 @@ class GAPMonitor:
         self._order = [0, 0]
         self._last_output, self._aliases = None, {}
         self._act_numerics = {}
-        if self.per_sample is not None:
-            self.per_sample.reset()
 
     def add_samples(self, n: int) -> None:
         """Counts `n` more samples of this rank in the current step, for loops that learn the batch
@@ -372,7 +372,7 @@ class GAPMonitor:
         step, active = self._step, self._active
         self._step, self._active = None, False
         if self.per_sample is not None:
-            self.per_sample.active = False  # off until the next begin_step: plain steps cost nothing
+            self.per_sample.pause()  # until the next begin_step: plain steps cost nothing
         if not active:
             return {}
         metrics, info = self._collect(step)

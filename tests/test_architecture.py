@@ -147,3 +147,24 @@ def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"gapmon\[report\]"):
         make_report(tmp_path)
+
+
+def test_per_sample_rules_are_one_family_per_file_and_registered():
+    """Each module of gapmon/per_sample/rules/ (but base) registers the rules of one layer family, and
+    every registered rule lives in one of them; the hooks (norms.py) know no layer type: a family's
+    decisions (ghost vs direct, book-keeping) belong to its rule."""
+    from gapmon.per_sample import rules
+    from gapmon.per_sample.rules import base
+
+    files = {p.stem for p in (PACKAGE / "per_sample" / "rules").glob("*.py")} - {"__init__", "base"}
+    assert files == {m.__name__.rsplit(".", 1)[1] for m in rules.RULE_MODULES} == {
+        "linear", "conv", "embedding", "norms", "attention"}
+    registered = {m.__name__: set() for m in rules.RULE_MODULES}
+    for layer, rule in base.registered_rules().items():
+        module = type(rule).__module__
+        assert module in registered, f"{layer.__name__}'s rule {type(rule).__name__} lives outside the rules package"
+        registered[module].add(type(rule).__name__)
+    assert all(registered.values()), registered
+    hooks = (PACKAGE / "per_sample" / "norms.py").read_text()
+    for word in ("nn.Linear", "bookkeeping.", "use_ghost", "nn.Embedding", "nn.LayerNorm"):
+        assert word not in hooks, f"per_sample/norms.py decides for a layer family ({word}); move it to its rule"

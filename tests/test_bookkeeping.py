@@ -1,4 +1,4 @@
-"""Book-keeping (gapmon.bookkeeping): weight gradients formed from the per-sample gradients equal
+"""Book-keeping (gapmon.per_sample.bookkeeping): weight gradients formed from the per-sample gradients equal
 autograd's, and the per-sample norms stay exact, against independent references."""
 import copy
 

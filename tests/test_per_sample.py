@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from helpers import Autocast, loop_per_sample_norms, seeded_gpt, vmap_per_sample_norms
 
 import gapmon
-import gapmon.norm_rules as norm_rules
+import gapmon.per_sample.rules.linear as linear_rule
 from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
 
 
@@ -22,8 +22,8 @@ def _gpt(seq_len=8, norm="rms"):
 def test_transformer_matches_vmap(monkeypatch, reduction, norm, seq_len, regime):
     calls = {"ghost": 0, "direct": 0}
     for name in calls:
-        real = getattr(norm_rules, f"_{name}")
-        monkeypatch.setattr(norm_rules, f"_{name}", lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
+        real = getattr(linear_rule, f"_{name}")
+        monkeypatch.setattr(linear_rule, f"_{name}", lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
     model = _gpt(seq_len, norm)
     x, y = synthetic_batch(model.cfg, 5, 1)
     psn = gapmon.PerSampleGradNorms(model, loss_reduction=reduction, strict=True)
@@ -190,8 +190,8 @@ def test_16bit_linear_operands_are_not_copied_to_float32():
     model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 6)).to(torch.bfloat16)
     x, y = torch.randn(5, 12).to(torch.bfloat16), torch.randint(0, 6, (5,))
     a = torch.randn(5, 7, 12).to(torch.bfloat16)
-    call = gapmon.norm_rules.Call((a,), {})
-    pos = gapmon.norm_rules.LinearRule().positions(model[0], call, torch.randn(5, 7, 20).to(torch.bfloat16), torch.float32)
+    call = gapmon.per_sample.rules.Call((a,), {})
+    pos = gapmon.per_sample.rules.LinearRule().positions(model[0], call, torch.randn(5, 7, 20).to(torch.bfloat16), torch.float32)
     assert pos[0].dtype == torch.bfloat16 and pos[0].data_ptr() == a.data_ptr()
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
     F.cross_entropy(model(x).float(), y, reduction="sum").backward()

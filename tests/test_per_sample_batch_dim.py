@@ -8,7 +8,7 @@ import torch.nn as nn
 from helpers import loop_per_sample_norms
 
 import gapmon
-from gapmon.batch_provenance import BatchTracker
+from gapmon.per_sample.batch_provenance import BatchTracker
 
 BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
 B = T = 4  # the ambiguous case: a size-based guess takes the sequence for the batch

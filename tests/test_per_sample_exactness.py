@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import loop_per_sample_norms
 
 import gapmon
-from gapmon.norm_rules import LinearRule, register_norm_rule
+from gapmon.per_sample.rules import LinearRule, register_norm_rule
 
 BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
 
@@ -175,9 +175,9 @@ def test_coverage_follows_requires_grad_at_each_step(bookkeeping):
             cov = psn.coverage()
             expected = {f"{layer}.{kind}" for layer in trainable for kind in ("weight", "bias")}
             assert set(cov["covered"]) == expected and not cov["uncovered"], (step, cov)
-            psn.active = False  # the reference loop's forward passes are not samples of the next step
+            psn.pause()  # the reference loop's forward passes are not samples of the next step
             _assert_exact(got, loop_per_sample_norms(model, _loss, x, y, params=expected))
-            psn.active = True
+            psn.start()
     finally:
         psn.close()
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from . import _backend, _torch_compat
+from .. import _backend, _torch_compat
 
 
 class _Carried:

@@ -1,6 +1,6 @@
-"""Per-sample gradient norms without per-sample gradients.
+"""PerSampleGradNorms: the hooks that collect per-sample gradient norms.
 
-A forward hook on every layer that a rule covers (gapmon.norm_rules) keeps the call's inputs A, and
+A forward hook on every layer that a rule covers (gapmon.per_sample.rules) keeps the call's inputs A, and
 a tensor hook on the output receives G = dL/d(output) during backward. Once every call of the
 layer in the micro-batch has its G, the rule turns the calls into per-sample squared norms of
 the layer's trainable parameters (calls concatenated, so that a module applied twice is exact),
@@ -24,7 +24,7 @@ not: coverage follows requires_grad at each step. A layer that mixes the samples
 Uses of a parameter outside its layer's forward (`F.linear(h, self.tok.weight)`, a layer's weight
 read by another module): a hook on every covered parameter sketches the gradient autograd
 accumulates for it, and each rule sketches the sum of the per-sample gradients it saw (the same
-random probe, gapmon.norm_rules.grad_sketch). Norms are refused when the two differ by more than
+random probe, NormRule.grad_sketch). Norms are refused when the two differ by more than
 the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rule saw.
 """
 from __future__ import annotations
@@ -34,16 +34,17 @@ import inspect
 import math
 import warnings
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _torch_compat, bookkeeping
+from .. import _torch_compat
+from ..utils import clean_named, first_tensor, is_dtensor, name_cleaner
 from .batch_provenance import BatchTracker
-from .norm_rules import Call, rule_for, sketch, sketch_rows, use_ghost, why_no_rule
-from .utils import clean_named, first_tensor, is_dtensor, name_cleaner
+from .rules import Call, NormRule, rule_for, sketch, sketch_rows, why_no_rule
 
 _SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
 
@@ -73,6 +74,44 @@ class _UseCheck:
             rtol *= max(1.0, math.sqrt(repeats))
         self.rtol = max(self.rtol, rtol)
         self.repeats = max(self.repeats, repeats)
+
+
+@dataclass
+class _LayerCalls:
+    """The calls of one layer in one micro-batch, waiting for their output gradients."""
+
+    calls: list[Call] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)  # each call's output gradient, batch first
+    dims: list[int] = field(default_factory=list)  # each call's batch dim
+    in_forward: int = 0  # calls recorded in the forward pass (not recomputed by checkpointing)
+
+    def add(self, call: Call, dim: int) -> int:
+        """Records a call; returns its index."""
+        self.calls.append(call)
+        self.grads.append(None)
+        self.dims.append(dim)
+        return len(self.calls) - 1
+
+    def complete(self) -> bool:
+        return all(g is not None for g in self.grads)
+
+
+@dataclass
+class _MicroBatch:
+    """What one forward pass of the model collected."""
+
+    batch: int  # its number of samples
+    inputs: set[int]  # storages of the model's own tensor inputs
+    sq: torch.Tensor | None = None  # accumulated per-sample squared norms, float64
+    dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
+    layers: dict[int, _LayerCalls] = field(default_factory=dict)  # layer index -> its calls
+    mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)
+    provenance: dict[int, set[tuple[int, str | None]]] = field(default_factory=dict)  # layer -> (batch dim, why not)
+
+    def add(self, sq: torch.Tensor, acc: torch.dtype) -> None:
+        """Adds a layer's squared norms (float64, summed in `acc`)."""
+        self.sq = sq if self.sq is None else self.sq + sq
+        self.dtype = acc if self.dtype is None else torch.promote_types(self.dtype, acc)
 
 
 def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -199,9 +238,9 @@ class PerSampleGradNorms:
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._tracking: BatchTracker | None = None  # active during the model's forward pass
-        self._micro: list[dict[str, Any]] = []  # per micro-batch: batch size, inputs, accumulated squares
+        self._micro: list[_MicroBatch] = []
         self._read = False
-        self.active = True  # GAPMonitor turns the hooks off on the steps it skips
+        self._collecting = True  # off between pause() and start(): the hooks return at once
         self._probes: dict[int, torch.Tensor] = {}  # id(parameter) -> its random probe
         self._checks: dict[int, _UseCheck] = {}  # id(parameter) -> sketches since the last reset
         self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> handle of its gradient hook
@@ -211,7 +250,7 @@ class PerSampleGradNorms:
     # ------------------------------------------------------------------ hooks
     def _new_micro_batch(self, module, args, kwargs) -> None:
         # A skipped step, activation-checkpoint recomputation, or the model run under torch.func.
-        if not self.active or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
+        if not self._collecting or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
             return
         if self._read:
             self.reset()
@@ -229,8 +268,7 @@ class PerSampleGradNorms:
             self._tracking.__exit__(None, None, None)
         self._tracking = tracker.__enter__()
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
-        self._micro.append({"batch": batch, "inputs": storages, "sq": None, "dtype": None, "calls": {},
-                            "mixing": set(), "provenance": {}})
+        self._micro.append(_MicroBatch(batch, storages))
 
     def _batched_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self.batch_inputs is None:
@@ -252,10 +290,11 @@ class PerSampleGradNorms:
             self._tracking.__exit__(None, None, None)
             self._tracking = None
 
-    def _batch_dim(self, index: int, mb: dict, module: nn.Module, rule, args: tuple, kwargs: dict) -> tuple[int, str | None]:
+    def _batch_dim(self, index: int, mb: _MicroBatch, module: nn.Module, rule: NormRule, args: tuple,
+                   kwargs: dict) -> tuple[int, str | None]:
         """(dim of the call's batch, None) or (0, why it is not per-sample), by the inputs' provenance."""
         if self._tracking is None:  # outside the model's forward pass: activation checkpointing recomputes
-            seen = mb["provenance"].get(index, set())
+            seen = mb.provenance.get(index, set())
             if len(seen) == 1:
                 return next(iter(seen))
             return 0, ("its batch dim could not be followed: the layer ran outside the model's forward pass"
@@ -279,18 +318,18 @@ class PerSampleGradNorms:
             if found[1] is not None:
                 break
         found = found or (0, None)
-        mb["provenance"].setdefault(index, set()).add(found)
+        mb.provenance.setdefault(index, set()).add(found)
         return found
 
     def _mixing_hook(self, name: str, module: nn.Module, args) -> None:
         # As F.batch_norm decides: batch statistics in training mode, or without running statistics.
         uses_batch = module.training or (module.running_mean is None and module.running_var is None)
-        if uses_batch and self.active and self._micro and not _torch_compat.functorch_transforms_active():
-            self._micro[-1]["mixing"].add(f"{name} ({type(module).__name__})")
+        if uses_batch and self._collecting and self._micro and not _torch_compat.functorch_transforms_active():
+            self._micro[-1].mixing.add(f"{name} ({type(module).__name__})")
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
-        if not self.active or not self._micro or output is None:
+        if not self._collecting or not self._micro or output is None:
             return
         if _torch_compat.functorch_transforms_active():  # e.g. the model run under torch.func.vmap
             return
@@ -310,11 +349,11 @@ class PerSampleGradNorms:
             self._skip(name, why)
             return
         call = _batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
-        why = rule.not_per_sample(module, call, output.movedim(dim, 0), mb["batch"], mb["inputs"])
+        why = rule.not_per_sample(module, call, output.movedim(dim, 0), mb.batch, mb.inputs)
         if why is not None:
             self._skip(name, why)
             return
-        calls = mb["calls"].setdefault(index, {"calls": [], "g": [], "dims": [], "in_forward": 0})
+        calls = mb.layers.setdefault(index, _LayerCalls())
         # A forward inside backward is activation checkpointing recomputing the layer. Non-reentrant
         # checkpointing recorded the calls in the forward pass already (their outputs get the
         # gradients); reentrant checkpointing ran that pass without grad, so the recomputed calls
@@ -322,57 +361,54 @@ class PerSampleGradNorms:
         # (Inside a torch.compile'd region this is the forward pass: Dynamo cannot trace the check, and
         # the compiled region is not recomputed by checkpointing.)
         if torch.compiler.is_compiling() or not _torch_compat.in_backward():
-            calls["in_forward"] += 1
-        elif calls["in_forward"]:
+            calls.in_forward += 1
+        elif calls.in_forward:
             return
-        calls["calls"].append(call)
-        calls["g"].append(None)
-        calls["dims"].append(dim)
+        at = calls.add(call, dim)
         if self.bookkeeping and not dim:
-            x = args[0] if args else kwargs.get("input")
-            if bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
-                    x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
-                report = functools.partial(self._bookkept, index, mb, len(calls["calls"]) - 1)
-                return bookkeeping.bookkeep(output, x, module, report)
-        output.register_hook(functools.partial(self._backward_hook, index, mb, len(calls["calls"]) - 1))
+            replaced = rule.bookkeep(module, args[0] if args else kwargs.get("input"), output,
+                                     functools.partial(self._bookkept, index, mb, at))
+            if replaced is not None:
+                return replaced
+        output.register_hook(functools.partial(self._backward_hook, index, mb, at))
         return None
 
-    def _backward_hook(self, index: int, mb: dict, call: int, g: torch.Tensor) -> None:
-        calls = mb["calls"].get(index)
-        if calls is None or calls["g"][call] is not None:
+    def _backward_hook(self, index: int, mb: _MicroBatch, call: int, g: torch.Tensor) -> None:
+        calls = mb.layers.get(index)
+        if calls is None or calls.grads[call] is not None:
             raise RuntimeError(
                 "PerSampleGradNorms: a second backward pass through the same forward pass (retain_graph=True) "
                 "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
                 "combined. Sum the losses and call backward once."
             )
-        calls["g"][call] = g.detach().movedim(calls["dims"][call], 0)
-        if all(x is not None for x in calls["g"]):
+        calls.grads[call] = g.detach().movedim(calls.dims[call], 0)
+        if calls.complete():
             self._finish(index, mb)
 
-    def _bookkept(self, index: int, mb: dict, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None) -> None:
+    def _bookkept(self, index: int, mb: _MicroBatch, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None) -> None:
         """BookkeepingLinear's backward of call `call` of layer `index`: g is the output gradient
         [B, T, p], weight_sq the weight part of the squared norms (formed with the weight gradient)."""
-        calls = mb["calls"].get(index)
-        if calls is not None and len(calls["calls"]) > 1:
+        calls = mb.layers.get(index)
+        if calls is not None and len(calls.calls) > 1:
             # The layer ran several times: its per-sample gradient is the sum over the calls, whose
             # norm needs all their gradients together (the weight gradient itself is exact).
             self._backward_hook(index, mb, call, g)
             return
-        if calls is None or calls["g"][call] is not None:
+        if calls is None or calls.grads[call] is not None:
             self._backward_hook(index, mb, call, g)  # raises: a second backward through this call
-        record = mb["calls"].pop(index)
+        record = mb.layers.pop(index)
         _, module, rule = self._layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
-            self._explain(index, rule.positions(module, record["calls"][call], g, acc), g.dtype)
-        self._add(mb, sq, acc)
+            self._explain(index, rule.positions(module, record.calls[call], g, acc), g.dtype)
+        mb.add(sq, acc)
 
-    def _finish(self, index: int, mb: dict) -> None:
+    def _finish(self, index: int, mb: _MicroBatch) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
-        calls = mb["calls"].pop(index)
+        calls = mb.layers.pop(index)
         _, module, rule = self._layers[index]
-        pairs = [(call, g) for call, g in zip(calls["calls"], calls["g"]) if g is not None]
+        pairs = [(call, g) for call, g in zip(calls.calls, calls.grads) if g is not None]
         if not pairs:
             return
         with torch.no_grad():
@@ -382,13 +418,7 @@ class PerSampleGradNorms:
                 self._explain(index, piece, g.dtype)
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
-        self._add(mb, sq, acc)
-
-    @staticmethod
-    def _add(mb: dict, sq: torch.Tensor, acc: torch.dtype) -> None:
-        """Adds a layer's squared norms (float64, summed in `acc`) to its micro-batch."""
-        mb["sq"] = sq if mb["sq"] is None else mb["sq"] + sq
-        mb["dtype"] = acc if mb["dtype"] is None else torch.promote_types(mb["dtype"], acc)
+        mb.add(sq, acc)
 
     # ------------------------------------------------------------------ uses outside the rules
     def _hook_covered(self) -> None:
@@ -428,7 +458,7 @@ class PerSampleGradNorms:
     def _accumulated(self, ref: weakref.ref, layer: str, grad: torch.Tensor) -> None:
         """Gradient hook of a covered parameter: sketches what autograd accumulates for it."""
         p = ref()
-        if (not self.active or grad is None or p is None or p.numel() == 0
+        if (not self._collecting or grad is None or p is None or p.numel() == 0
                 or _torch_compat.functorch_transforms_active()):
             return
         check = self._check(p, layer)
@@ -490,6 +520,22 @@ class PerSampleGradNorms:
             self.skipped.add(name)
 
     # ------------------------------------------------------------------ results
+    def start(self) -> None:
+        """Collects from the next forward pass on, with the samples seen so far forgotten (GAPMonitor
+        calls it at the begin_step of a monitored step)."""
+        self.reset()
+        self._collecting = True
+
+    def pause(self) -> None:
+        """Stops collecting: the hooks return at once until start() (GAPMonitor pauses it on the steps
+        it skips, so that they cost nothing). What was collected stays readable."""
+        self._collecting = False
+
+    @property
+    def collecting(self) -> bool:
+        """Whether the hooks collect (see start and pause)."""
+        return self._collecting
+
     def reset(self) -> None:
         """Forgets the samples seen so far."""
         self._micro = []
@@ -501,7 +547,7 @@ class PerSampleGradNorms:
         when the layers saw float64 gradients, else float32. Raises RuntimeError when a layer mixed
         the samples of the batch (BatchNorm using batch statistics)."""
         self._read = True
-        mixing = sorted({name for mb in self._micro for name in mb["mixing"]})
+        mixing = sorted({name for mb in self._micro for name in mb.mixing})
         if mixing:
             raise RuntimeError(
                 f"PerSampleGradNorms: {', '.join(mixing)} normalises with statistics of the whole batch, which mixes "
@@ -510,14 +556,14 @@ class PerSampleGradNorms:
         self._warn_uncovered(RuntimeError, stacklevel=3)
         parts = []
         for mb in self._micro:
-            for index in list(mb["calls"]):  # calls whose output got no gradient add nothing
+            for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._finish(index, mb)
         self._refuse_unseen_uses()
         for mb in self._micro:
-            if mb["sq"] is None:
+            if mb.sq is None:
                 continue
-            sq = mb["sq"] * (mb["batch"] ** 2 if self.loss_reduction == "mean" else 1)
-            parts.append(sq.sqrt().to(mb["dtype"]))
+            sq = mb.sq * (mb.batch ** 2 if self.loss_reduction == "mean" else 1)
+            parts.append(sq.sqrt().to(mb.dtype))
         if not parts:
             return torch.empty(0)
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])

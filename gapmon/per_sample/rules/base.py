@@ -1,0 +1,199 @@
+"""What a per-sample norm rule is, and the registry of rules by layer type (as Opacus registers its
+grad samplers). Each layer family's rule lives in its own module of this package and registers
+itself with @register_norm_rule.
+
+A rule turns one call of a layer (its input `a` and the gradient `g` of its output) into
+*positions*: tensors of shape [B, T, ...] such that the per-sample gradient of every trainable
+parameter is a sum over positions. Calls of the same module in one forward pass (a shared block
+applied in a loop) then concatenate along T, which keeps the cross terms between calls exact.
+`norm_sq` maps the (concatenated) positions to the squared per-sample norm, [B], of the layer's
+trainable parameters only: frozen parameters have no gradient and add nothing.
+
+Rules never materialise per-sample gradients where a cheaper exact form exists:
+- Linear / Conv (unfolded): weight by the ghost norm sum((A Aᵀ) ⊙ (G Gᵀ)) or the direct
+  ||Gᵀ A||², whichever needs fewer FLOPs; bias ||Σ_t G_t||².
+- Embedding: Σ over positions with equal ids of G_t·G_s (padding_idx excluded; with
+  scale_grad_by_freq each position is scaled by 1 / the count of its id in the sample).
+- LayerNorm / RMSNorm / GroupNorm / InstanceNorm: weight ||Σ_t G_t ⊙ x̂_t||², bias ||Σ_t G_t||².
+- EmbeddingBag: the entries of each bag, weighted, paired by id as for Embedding.
+- MultiheadAttention: its projections as Linear products, from a recomputed attention.
+
+Each rule also gives `grad_sketch`: the sum over samples of its per-sample gradients (what autograd
+accumulates from the calls the rule saw), projected on a random probe per parameter. A parameter
+whose accumulated gradient differs from it got contributions no rule saw (PerSampleGradNorms
+refuses it): a Freivalds check that costs a matrix-vector product, not a gradient.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+
+from ... import _backend
+
+_RULES: dict[type, "NormRule"] = {}
+
+
+def register_norm_rule(*module_types: type) -> Callable[[type], type]:
+    """Class decorator: the decorated NormRule handles these module types, and their subclasses that
+    do not override `forward`. A subclass whose forward computes what its base's does (gapmon cannot
+    tell) is registered by its user: ``register_norm_rule(MyLinear)(gapmon.norm_rules.LinearRule)``."""
+
+    def register(cls: type) -> type:
+        rule = cls()
+        for t in module_types:
+            _RULES[t] = rule
+        return cls
+
+    return register
+
+
+def rule_for(module: nn.Module) -> "NormRule | None":
+    """The rule registered for `module`'s type; for a subclass of a registered type, that type's rule
+    only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
+    scaled Embedding). None when no rule holds."""
+    kind = type(module)
+    if kind in _RULES:
+        return _RULES[kind]
+    base = _registered_base(kind)
+    return _RULES[base] if base is not None and kind.forward is base.forward else None
+
+
+def registered_rules() -> dict[type, "NormRule"]:
+    """Every registered layer type and its rule (a copy)."""
+    return dict(_RULES)
+
+
+def _registered_base(kind: type) -> type | None:
+    return next((t for t in kind.__mro__[1:] if t in _RULES), None)
+
+
+def why_no_rule(module: nn.Module) -> str:
+    """Why `module` has no rule (rule_for gave None), for coverage() and the warnings."""
+    kind = type(module)
+    base = _registered_base(kind)
+    if base is not None:
+        return (f"{kind.__name__} subclasses {base.__name__} but overrides forward, so {base.__name__}'s rule may not "
+                f"hold; if its math is {base.__name__}'s, register it: register_norm_rule({kind.__name__})(...)")
+    return f"no per-sample rule for {kind.__name__}"
+
+
+class Call(NamedTuple):
+    """The arguments of one call of a layer (tensors detached), as its forward hook saw them."""
+
+    args: tuple
+    kwargs: dict
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Argument `index` of forward(), passed by position or by keyword `name`."""
+        return self.args[index] if len(self.args) > index else self.kwargs.get(name, default)
+
+
+class NormRule:
+    """How one layer family turns (call arguments, output gradient) into per-sample squared norms."""
+
+    # True: the rule covers the parameters of the module's submodules too (they are not called).
+    owns_submodules = False
+    # The module's own parameters the rule's math is about (None: not checked).
+    param_names: tuple[str, ...] | None = ("weight", "bias")
+    # True: the layer works row by row over the leading dims of its first input (Linear, LayerNorm,
+    # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
+    moves_batch = False
+
+    def why_not(self, module: nn.Module) -> str | None:
+        """Why this module's per-sample norms cannot be computed exactly (None: they can): its
+        parameters are not the ones the rule's math is about, or `unsupported` says why."""
+        if self.param_names is not None:
+            own = dict(module.named_parameters(recurse=False))
+            extra = sorted(set(own) - set(self.param_names))
+            computed = [n for n in self.param_names if n not in own and isinstance(getattr(module, n, None), torch.Tensor)]
+            if computed:
+                return (f"its {', '.join(computed)} is computed from other parameters (weight_norm or a parametrization), "
+                        f"not a parameter of its own")
+            if extra:
+                return f"it has parameters {extra} that {type(module).__name__}'s rule does not know"
+        return self.unsupported(module)
+
+    def unsupported(self, module: nn.Module) -> str | None:
+        """Why this module's per-sample norms cannot be computed exactly, for a layer family's own
+        reasons (None: they can)."""
+        return None
+
+    def params(self, module: nn.Module) -> list[nn.Parameter]:
+        """The trainable parameters whose norms this rule covers."""
+        return [p for p in module.parameters(recurse=self.owns_submodules) if p.requires_grad]
+
+    def not_per_sample(self, module: nn.Module, call: Call, output: torch.Tensor, batch: int,
+                       model_inputs: set[int]) -> str | None:
+        """Why this call is not per-sample for a batch of `batch` samples (None: it is). Default:
+        dim 0 of the input and of the output is the batch. `model_inputs` holds the storages of the
+        model's own inputs."""
+        a = call.arg(0, "input")
+        if not isinstance(a, torch.Tensor):
+            return "its input is not a tensor"
+        if a.dim() == 0 or a.shape[0] != batch or output.dim() == 0 or output.shape[0] != batch:
+            return f"its input {list(a.shape)} / output {list(output.shape)} has no batch dim of size {batch}"
+        return None
+
+    def batch_operands(self, module: nn.Module, call: Call) -> list[tuple[Any, int | None]]:
+        """The call's inputs that must carry the batch, each with the dim it must be on (None: any
+        dim, or none the provenance can follow, as long as the input comes from the batch). Default:
+        the first input, batch on dim 0."""
+        return [(call.arg(0, "input"), 0)]
+
+    def positions(self, module: nn.Module, call: Call, g: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def bookkeep(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor,
+                 report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor | None:
+        """With book-keeping on, the output that replaces `output` so that this call's backward forms
+        its weight gradient from its per-sample gradients and reports (g, weight part of the squared
+        norms) to `report`; None when this call keeps autograd's backward (default: every rule but
+        Linear's)."""
+        return None
+
+    def norm_sq(self, module: nn.Module, pos: Sequence[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_sketch(self, module: nn.Module, pos: Sequence[torch.Tensor],
+                    probe: Callable[[torch.Tensor], torch.Tensor]) -> list["Sketch"] | None:
+        """A Sketch per trainable parameter: the sum over samples of the per-sample gradients of one
+        call's positions, as a [rows, -1] matrix times `probe(parameter)` (float64 [rows]; see
+        `sketch`). None: the rule cannot say (its parameters go unchecked)."""
+        return None
+
+
+class Sketch(NamedTuple):
+    """A parameter's gradient sketch from one call. `repeats`: the most terms autograd adds into one
+    gradient element outside a GEMM (an embedding row looked up n times), whose rounding in a 16-bit
+    gradient grows with it."""
+
+    param: torch.Tensor
+    value: torch.Tensor
+    repeats: int = 1
+
+
+def sketch_rows(p: torch.Tensor) -> int:
+    """Rows of a parameter's gradient as the sketch sees it: dim 0 (1 for a 0-dim parameter)."""
+    return p.shape[0] if p.dim() else 1
+
+
+def sketch(grad: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """A gradient (any shape, its parameter's) as a [rows, -1] matrix times the probe r, float64."""
+    rows = grad.shape[0] if grad.dim() else 1
+    return (grad.reshape(rows, -1).to(r.dtype) @ r).double()
+
+
+def trainable(p: torch.Tensor | None) -> bool:
+    return p is not None and p.requires_grad
+
+
+def bias_norm_sq(g: torch.Tensor) -> torch.Tensor:
+    return g.sum(1, dtype=_backend.product_dtype(g)).square().sum(1)
+
+
+def operand(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """x as an operand of the norm products: kept as it is when the products sum it in `acc`
+    anyway (16-bit tensors with float32 sums: no float32 copy of an activation), else cast."""
+    return x if _backend.product_dtype(x) == acc else x.to(acc)

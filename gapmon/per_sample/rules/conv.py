@@ -1,0 +1,84 @@
+"""Per-sample norms of nn.Conv1d/2d/3d: Linear products over unfolded patches, per group.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ... import _torch_compat
+from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .linear import product_norm_sq
+
+
+def _unfold(x: torch.Tensor, module: _torch_compat.ConvNdBase) -> torch.Tensor:
+    """[B, C, *spatial] -> [B, L, C·k] patches in the column order of weight.reshape(out, -1)."""
+    n = len(module.kernel_size)
+    if isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
+        pads = []
+        for k, dil in zip(reversed(module.kernel_size), reversed(module.dilation)):
+            total = 0 if module.padding == "valid" else dil * (k - 1)
+            pads += [total // 2, total - total // 2]
+    else:
+        pads = [p for p in reversed(module.padding) for _ in range(2)]
+    x = F.pad(x, pads)
+    for i in range(n):
+        k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
+        x = x.unfold(2 + i, dil * (k - 1) + 1, s)
+        if dil > 1:
+            x = x[..., ::dil]
+    # x: [B, C, L_1..L_n, k_1..k_n] -> [B, L_1..L_n, C, k_1..k_n] -> [B, L, C·k]
+    b, c = x.shape[0], x.shape[1]
+    perm = [0] + list(range(2, 2 + n)) + [1] + list(range(2 + n, 2 + 2 * n))
+    x = x.permute(perm)
+    return x.reshape(b, -1, c * math.prod(module.kernel_size))
+
+
+@register_norm_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvRule(NormRule):
+    def unsupported(self, module):
+        if module.padding_mode != "zeros":
+            return f"padding_mode={module.padding_mode!r} (only 'zeros' is unfolded)"
+        return None
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        a = call.arg(0, "input")
+        if isinstance(a, torch.Tensor) and a.dim() == len(module.kernel_size) + 1:
+            return "its input is unbatched"
+        return super().not_per_sample(module, call, output, batch, model_inputs)
+
+    def positions(self, module, call, g, acc):
+        a, b, groups = call.arg(0, "input"), g.shape[0], module.groups
+        cols = _unfold(a.to(acc), module)  # [B, L, C·k]
+        grads = g.to(acc).reshape(b, g.shape[1], -1).transpose(1, 2)  # [B, L, out]
+        if groups > 1:  # each group is its own product: [B, L, G, ·] -> [B·G, L, ·]
+            cols = cols.reshape(b, cols.shape[1], groups, -1).transpose(1, 2).reshape(b * groups, cols.shape[1], -1)
+            grads = grads.reshape(b, grads.shape[1], groups, -1).transpose(1, 2).reshape(b * groups, grads.shape[1], -1)
+        return cols, grads
+
+    def norm_sq(self, module, pos):
+        cols, grads = pos
+        groups = module.groups
+        b = grads.shape[0] // groups
+        out = torch.zeros(b, dtype=grads.dtype, device=grads.device)
+        if trainable(module.weight):
+            out = out + product_norm_sq(cols, grads).reshape(b, groups).sum(1)
+        if trainable(module.bias):
+            out = out + bias_norm_sq(grads).reshape(b, groups).sum(1)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        cols, grads = pos
+        groups = module.groups
+        b, length = grads.shape[0] // groups, grads.shape[1]
+        grads = grads.reshape(b, groups, length, -1)
+        out = []
+        if trainable(module.weight):  # weight [out, C/G, k...]: group j's rows pair with group j's columns
+            r = probe(module.weight)
+            ar = cols.reshape(b, groups, length, -1).to(r.dtype) @ r  # [B, G, L]
+            out.append(Sketch(module.weight, torch.einsum("bglo,bgl->go", grads.to(r.dtype), ar).reshape(-1).double()))
+        if trainable(module.bias):
+            out.append(Sketch(module.bias, sketch(grads.sum((0, 2)).reshape(-1), probe(module.bias))))
+        return out

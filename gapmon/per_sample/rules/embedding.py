@@ -1,0 +1,130 @@
+"""Per-sample norms of nn.Embedding and nn.EmbeddingBag: per-position gradients paired by equal id
+(padding_idx excluded; scale_grad_by_freq and bag weights as coefficients).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ... import _backend
+from .base import NormRule, Sketch, register_norm_rule, trainable
+
+
+def _ids_sketch(ids: torch.Tensor, g: torch.Tensor, r: torch.Tensor, rows: int,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """sketch of an embedding table's gradient: row ids[t] gets g_t (times scale[t])."""
+    ids = ids.reshape(-1)
+    vals = g.reshape(ids.shape[0], -1).to(r.dtype) @ r
+    if scale is not None:
+        vals = vals * scale
+    return torch.zeros(rows, dtype=r.dtype, device=vals.device).index_add_(0, ids, vals).double()
+
+
+def _repeats(ids: torch.Tensor, table: torch.Tensor) -> int:
+    """How often the most frequent id occurs, where a 16-bit table's gradient rounds each add (one
+    host read); 1 otherwise."""
+    if table.dtype not in (torch.float16, torch.bfloat16) or not ids.numel():
+        return 1
+    return int(torch.unique(ids.reshape(-1), return_counts=True)[1].max())
+
+
+# -------------------------------------------------------------------- embeddings
+@register_norm_rule(nn.Embedding)
+class EmbeddingRule(NormRule):
+    param_names = ("weight",)
+    moves_batch = True
+
+    def positions(self, module, call, g, acc):
+        b = g.shape[0]
+        ids = call.arg(0, "input").reshape(b, -1)
+        g = g.to(acc).reshape(b, ids.shape[1], -1)
+        return ids, g
+
+    def norm_sq(self, module, pos):
+        ids, g = pos
+        if not trainable(module.weight):
+            return torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        if module.scale_grad_by_freq:
+            # Each position's gradient is divided by how often its id occurs in the sample.
+            counts = (ids.unsqueeze(2) == ids.unsqueeze(1)).sum(2)
+            g = g / counts.unsqueeze(2).to(g.dtype)
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        return _backend.embedding_norm_sq(ids, g, padding)
+
+    def grad_sketch(self, module, pos, probe):
+        if not trainable(module.weight):
+            return []
+        ids, g = pos
+        flat = ids.reshape(-1)
+        scale = torch.ones(flat.shape, dtype=torch.float64, device=g.device)
+        if module.padding_idx is not None:  # autograd leaves the padding row's gradient alone
+            scale = scale.masked_fill(flat == module.padding_idx % module.num_embeddings, 0.0)
+        if module.scale_grad_by_freq:  # autograd divides by the id's count in the whole call, not per sample
+            scale = scale / torch.bincount(flat, minlength=module.num_embeddings)[flat].double()
+        r = probe(module.weight)
+        return [Sketch(module.weight, _ids_sketch(flat, g, r, module.num_embeddings, scale.to(r.dtype)), _repeats(flat, module.weight))]
+
+
+# -------------------------------------------------------------------- bags
+@register_norm_rule(nn.EmbeddingBag)
+class EmbeddingBagRule(NormRule):
+    """Sample b's bag adds c_t·g_b to row id_t for each entry t of the bag (c_t: its per-sample weight
+    in "sum" mode, 1 / the bag's size in "mean" mode; 0 for padding_idx). As positions: ids [B, L] and
+    per-entry gradients c_t·g_b, which the Embedding product then pairs by equal id."""
+
+    param_names = ("weight",)
+
+    def unsupported(self, module):
+        if module.mode == "max":
+            return "mode='max' (its gradient follows the arg max of each dimension)"
+        if module.scale_grad_by_freq:
+            # On torch 2.13 CPU the scaled gradient of a row is not 1 / its own count in the bag
+            # ([1, 2, 2, 5, 2]: row 5 gets g / 3), so no per-id rule reproduces it.
+            return "scale_grad_by_freq=True (its gradient follows no per-id frequency rule here)"
+        return None
+
+    def batch_operands(self, module, call):
+        ids = call.arg(0, "input")  # 1-D ids with offsets: one bag per sample, the ids from the batch
+        return [(ids, 0 if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None)]
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        ids = call.arg(0, "input")
+        if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2):
+            return "its input is not a 1-D or 2-D tensor of ids"
+        if output.dim() != 2 or output.shape[0] != batch:
+            return f"it makes {output.shape[0] if output.dim() else 0} bags for a batch of {batch}"
+        return None
+
+    def positions(self, module, call, g, acc):
+        ids, offsets = call.arg(0, "input"), call.arg(1, "offsets")
+        weights = call.arg(2, "per_sample_weights")
+        if ids.dim() == 1:  # bags are segments of ids, starting at offsets
+            n = ids.shape[0]
+            starts = offsets[:-1] if module.include_last_offset else offsets
+            ends = offsets[1:] if module.include_last_offset else torch.cat((offsets[1:], offsets.new_tensor([n])))
+            width = int((ends - starts).max()) if starts.numel() else 0
+            index = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
+            valid = index < ends.unsqueeze(1)
+            index = index.clamp(max=max(n - 1, 0))
+            ids = ids[index] if n else ids.new_zeros(index.shape)
+            weights = weights[index] if weights is not None else None
+        else:
+            valid = torch.ones_like(ids, dtype=torch.bool)
+        if module.padding_idx is not None:
+            valid &= ids != module.padding_idx
+        coef = valid.to(acc) if weights is None else weights.to(acc) * valid
+        if module.mode == "mean":
+            coef = coef / valid.sum(1, keepdim=True).clamp(min=1).to(acc)
+        return ids.masked_fill(~valid, 0), g.to(acc).unsqueeze(1) * coef.unsqueeze(2)
+
+    def norm_sq(self, module, pos):
+        ids, g = pos
+        if not trainable(module.weight):
+            return torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        return _backend.embedding_norm_sq(ids, g, -1)  # padding entries already have zero coefficients
+
+    def grad_sketch(self, module, pos, probe):
+        if not trainable(module.weight):
+            return []
+        ids, g = pos
+        return [Sketch(module.weight, _ids_sketch(ids, g, probe(module.weight), module.num_embeddings), _repeats(ids, module.weight))]

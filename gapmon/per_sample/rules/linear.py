@@ -1,0 +1,92 @@
+"""Per-sample norms of nn.Linear, and the Linear-like products other rules reuse: the ghost norm
+sum((A Aᵀ) ⊙ (G Gᵀ)) or the direct ||Gᵀ A||², whichever needs fewer FLOPs. The Linear rule also
+owns book-keeping (gapmon.per_sample.bookkeeping): whether a call forms its weight gradient from
+its per-sample gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ... import _backend
+from .. import bookkeeping
+from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, sketch, trainable
+
+
+def product_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """sketch(Σ_{b,t} g_bt a_btᵀ, r) = Gᵀ(A r) for a [..., d], g [..., p]: no [p, d] product formed."""
+    ar = a.reshape(-1, a.shape[-1]).to(r.dtype) @ r
+    return (g.reshape(-1, g.shape[-1]).to(r.dtype).T @ ar).double()
+
+
+# -------------------------------------------------------------------- Linear-like products
+def use_ghost(t: int, d: int, p: int) -> bool:
+    """Ghost norm (Grams, B·T²·(d+p) FLOPs) when it is cheaper than the direct form (B·T·d·p)."""
+    return t * (d + p) < d * p
+
+
+def _ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return _backend.ghost_norm_sq(a, g)
+
+
+def _direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return _backend.direct_norm_sq(a, g)
+
+
+def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """||Σ_t g_t a_tᵀ||²_F per sample for a [B, T, d] and g [B, T, p]."""
+    t, d, p = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        a, g = a.to(_backend.product_dtype(a)), g.to(_backend.product_dtype(g))
+        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+    return _ghost(a, g) if use_ghost(t, d, p) else _direct(a, g)
+
+
+@register_norm_rule(nn.Linear)
+class LinearRule(NormRule):
+    moves_batch = True
+
+    def positions(self, module, call, g, acc):
+        a, b = call.arg(0, "input"), g.shape[0]
+        if g.dtype in (torch.float16, torch.bfloat16) and a.dtype != g.dtype:
+            # Autocast ran F.linear on this 16-bit cast of the input: the exact operand of the weight
+            # gradient (and a 16-bit pair keeps the products on tensor cores, with float32 sums).
+            a = a.to(g.dtype)
+        return operand(a, acc).reshape(b, -1, a.shape[-1]), operand(g, acc).reshape(b, -1, g.shape[-1])
+
+    def norm_sq(self, module, pos):
+        a, g = pos
+        dtype = torch.promote_types(_backend.product_dtype(a), _backend.product_dtype(g))
+        out = torch.zeros(g.shape[0], dtype=dtype, device=g.device)
+        if trainable(module.weight):
+            out = out + product_norm_sq(a, g)
+        if trainable(module.bias):
+            out = out + bias_norm_sq(g)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        a, g = pos
+        out = []
+        if trainable(module.weight):
+            out.append(Sketch(module.weight, product_sketch(a, g, probe(module.weight))))
+        if trainable(module.bias):
+            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
+        return out
+
+    def bookkeep(self, module, x, output, report):
+        """Book-keeps calls whose norms take the direct form (which forms every per-sample gradient
+        anyway); ghost-form calls keep autograd's backward."""
+        if bookkeeping.can_bookkeep(module, x, output) and not use_ghost(
+                x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
+            return bookkeeping.bookkeep(output, x, module, report)
+        return None
+
+    def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None) -> torch.Tensor:
+        """Squared norms of a book-kept call (gapmon.per_sample.bookkeeping): the weight part formed with the
+        weight gradient, plus the bias part from the output gradient g [B, T, p]."""
+        out = torch.zeros(g.shape[0], dtype=_backend.product_dtype(g), device=g.device)
+        if weight_sq is not None:
+            out = out + weight_sq
+        if trainable(module.bias):
+            out = out + bias_norm_sq(g)
+        return out

@@ -1,0 +1,77 @@
+"""Per-sample norms of the affine normalisation layers (LayerNorm, RMSNorm, GroupNorm, InstanceNorm):
+weight ||Σ_t G_t ⊙ x̂_t||², bias ||Σ_t G_t||².
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+
+
+# -------------------------------------------------------------------- normalisation layers
+class _AffineNormRule(NormRule):
+    """Layers y = x̂ ⊙ weight + bias with per-position x̂: positions are (x̂, g) as [B, T, n]."""
+
+    def normalized(self, module, a: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def norm_sq(self, module, pos):
+        xhat, g = pos
+        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        if trainable(getattr(module, "weight", None)):
+            out = out + (g * xhat).sum(1).square().sum(1)
+        if trainable(getattr(module, "bias", None)):
+            out = out + bias_norm_sq(g)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        xhat, g = pos
+        out = []
+        for name, total in (("weight", lambda: (g * xhat).sum((0, 1))), ("bias", lambda: g.sum((0, 1)))):
+            p = getattr(module, name, None)
+            if trainable(p):
+                out.append(Sketch(p, sketch(total(), probe(p))))
+        return out
+
+
+@register_norm_rule(nn.LayerNorm, nn.RMSNorm)
+class LastDimsNormRule(_AffineNormRule):
+    moves_batch = True
+
+    def positions(self, module, call, g, acc):
+        a, shape = call.arg(0, "input"), tuple(module.normalized_shape)
+        if isinstance(module, nn.LayerNorm):
+            xhat = F.layer_norm(a.to(acc), shape, eps=module.eps)
+        else:
+            xhat = F.rms_norm(a.to(acc), shape, eps=module.eps)
+        b, n = g.shape[0], math.prod(shape)
+        return xhat.reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+
+
+def _channels_last_positions(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, *spatial] -> [B, spatial, C]: the per-channel affine parameters sum over positions."""
+    b, c = x.shape[0], x.shape[1]
+    return x.reshape(b, c, -1).transpose(1, 2)
+
+
+@register_norm_rule(nn.GroupNorm)
+class GroupNormRule(_AffineNormRule):
+    def positions(self, module, call, g, acc):
+        xhat = F.group_norm(call.arg(0, "input").to(acc), module.num_groups, eps=module.eps)
+        return _channels_last_positions(xhat), _channels_last_positions(g.to(acc))
+
+
+@register_norm_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+class InstanceNormRule(_AffineNormRule):
+    def unsupported(self, module):
+        if module.track_running_stats:
+            return "track_running_stats=True (eval mode normalises with running statistics)"
+        return None
+
+    def positions(self, module, call, g, acc):
+        xhat = F.instance_norm(call.arg(0, "input").to(acc), eps=module.eps)
+        return _channels_last_positions(xhat), _channels_last_positions(g.to(acc))
