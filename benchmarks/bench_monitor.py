@@ -182,7 +182,7 @@ def work_per_step(tr: Trainer, make_monitor, active_step: bool = True) -> dict:
 
     mon = make_monitor(tr.model)
     tr.step(mon, active=True)  # warm-up: buffers, counters
-    while active_step != (tr.step_count % mon.interval == 0):
+    while active_step != mon.config.schedule.includes(tr.step_count):
         tr.step(mon, active=True)
     ops, device_on = profiled(mon)
     mon.close()

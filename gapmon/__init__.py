@@ -1,5 +1,6 @@
 """gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
 from . import analysis, numerics, reference
+from .config import DumpConfig, MonitorConfig, PerSampleConfig, Schedule
 from .dump import GradientDumper
 from .dump_format import DumpCorruptError, DumpError, DumpIncompleteError, DumpInconsistentError, DumpMissingError
 from .monitor import GAPMonitor
@@ -42,6 +43,10 @@ __all__ = [
     "GAPMonitor",
     "PerSampleGradNorms",
     "GradientDumper",
+    "MonitorConfig",
+    "PerSampleConfig",
+    "DumpConfig",
+    "Schedule",
     "reconstruct_gradients",
     "DumpError",
     "DumpMissingError",

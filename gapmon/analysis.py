@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .dump_format import DumpCorruptError, DumpError, DumpMissingError
+from .export import ALL_GRADIENTS_GLOB
 from .ops import multi_tensor_stats
 from .reconstruct import list_steps, reconstruct_gradients
 
@@ -82,9 +83,9 @@ def load_gradients(path: str | Path) -> dict[str, torch.Tensor]:
 
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.glob("step*_all_gradients.safetensors"))
+        files = sorted(path.glob(ALL_GRADIENTS_GLOB))
         if len(files) != 1:
-            raise DumpError(f"{path} holds {len(files)} step*_all_gradients.safetensors files; name one of them")
+            raise DumpError(f"{path} holds {len(files)} {ALL_GRADIENTS_GLOB} files; name one of them")
         path = files[0]
     if not path.exists():
         raise DumpMissingError(f"{path} does not exist")

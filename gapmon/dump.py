@@ -21,6 +21,7 @@ in flight at a time. Background errors are raised by the next call or close().
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import queue
@@ -39,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _torch_compat
+from .config import DumpConfig, dump_schedule
 from .distributed import materialize_partial
 from .dump_format import (
     CHECKSUM,
@@ -49,10 +51,15 @@ from .dump_format import (
     FULL_INDEX,
     FULL_STAGING,
     HEADER_KEY,
+    REPLICATE,
     SAMPLED,
     STEP_PREFIX,
+    ShardRecord,
+    dtype_name,
     file_crc32,
+    full_index,
     generation_id,
+    placement_name,
     rank_file,
     sealed,
     step_dir,
@@ -61,7 +68,6 @@ from .dump_format import (
 from .safe_io import HOST, process_alive, read_safetensors_header, remove_stale_temps, write_json, write_safetensors
 from .utils import check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
 
-MODES = ("shards", "full", "sampled")
 _FAILED = ".{}.failed"  # step{S}/.rank{R}.failed: a rank's write of the step failed (its error inside)
 
 
@@ -131,31 +137,20 @@ def parallel_layout(model: nn.Module) -> dict[str, Any]:
             "mesh_dim_names": []}
 
 
-def _placement_str(p) -> str:
-    if p.is_shard():
-        return f"S({p.dim})"
-    if p.is_replicate():
-        return "R"
-    return "P"
-
-
-def shard_record(name: str, g: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The local piece of gradient g and its description (global shape, placements, offsets)."""
+def shard_record(g: torch.Tensor, rank: int) -> tuple[torch.Tensor, ShardRecord]:
+    """The local piece of gradient g and its record (global shape, placements, offsets; no checksum yet)."""
     if is_dtensor(g):
         g = materialize_partial(g)
         mesh = g.device_mesh
         local = g.to_local()
         local_shape, offsets = _torch_compat.local_shape_and_global_offset(g.shape, mesh, g.placements)
-        coordinate = mesh.get_coordinate() or []
-        record = {"global_shape": list(g.shape), "dtype": str(g.dtype).replace("torch.", ""),
-                  "placements": [_placement_str(p) for p in g.placements], "mesh_shape": list(mesh.shape),
-                  "coordinate": list(coordinate), "offsets": list(offsets), "local_shape": list(local_shape)}
-        return local, record
+        return local, ShardRecord(
+            global_shape=list(g.shape), local_shape=list(local_shape), offsets=list(offsets),
+            placements=[placement_name(p) for p in g.placements], mesh_shape=list(mesh.shape),
+            coordinate=list(mesh.get_coordinate() or []), dtype=dtype_name(g.dtype))
     _, world = rank_and_world()
-    record = {"global_shape": list(g.shape), "dtype": str(g.dtype).replace("torch.", ""),
-              "placements": ["R"], "mesh_shape": [world], "coordinate": [rank], "offsets": [0] * g.dim(),
-              "local_shape": list(g.shape)}
-    return g, record
+    return g, ShardRecord(global_shape=list(g.shape), local_shape=list(g.shape), offsets=[0] * g.dim(),
+                          placements=[REPLICATE], mesh_shape=[world], coordinate=[rank], dtype=dtype_name(g.dtype))
 
 
 def _with_layout_of(g: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -230,35 +225,38 @@ class GradientDumper:
     directory can be reused (a resumed run), and a step is complete only when every rank file
     carries the run id of its COMPLETE. `timeout` bounds how long rank 0 waits for the other
     ranks' files of a step (in the background with async_write, else on the training thread).
+
+    The options are validated once, into `self.config` (a gapmon.DumpConfig, whose `schedule` is the
+    gapmon.Schedule of start_step, step_interval and end_step); `GradientDumper.from_config(model,
+    save_dir, config)` takes one directly.
     """
 
     def __init__(self, model: nn.Module, save_dir: str | Path, start_step: int = 0, step_interval: int = 1,
                  end_step: int | None = None, mode: str = "shards", save_first_n: int | None = None,
                  async_write: bool = True, timeout: float = 600.0):
+        config = DumpConfig(schedule=dump_schedule(start_step, step_interval, end_step), mode=mode,
+                            save_first_n=save_first_n, async_write=async_write, timeout=timeout)
+        self._setup(model, save_dir, config)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, save_dir: str | Path, config: DumpConfig) -> "GradientDumper":
+        """A dumper of `model`'s gradients into `save_dir` with the options of `config` (a gapmon.DumpConfig)."""
+        if not isinstance(config, DumpConfig):
+            raise TypeError(f"GradientDumper.from_config: config must be a gapmon.DumpConfig, got {type(config).__name__}")
+        dumper = cls.__new__(cls)
+        cls._setup(dumper, model, save_dir, config)
+        return dumper
+
+    def _setup(self, model: nn.Module, save_dir: str | Path, config: DumpConfig) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradientDumper: model must be a torch.nn.Module, got {type(model).__name__}")
-        if mode not in MODES:
-            raise ValueError(f"GradientDumper: mode must be one of {', '.join(MODES)}, got {mode!r}")
-        start_step = check_step(start_step, "GradientDumper: start_step")
-        if isinstance(step_interval, bool) or not isinstance(step_interval, int):
-            raise TypeError(f"GradientDumper: step_interval must be an int, got {step_interval!r}")
-        if step_interval <= 0:
-            raise ValueError(f"GradientDumper: step_interval must be positive, got {step_interval}")
-        if end_step is not None:
-            end_step = check_step(end_step, "GradientDumper: end_step")
-        if end_step is not None and end_step < start_step:
-            raise ValueError(f"GradientDumper: end_step ({end_step}) is before start_step ({start_step})")
-        if mode == "sampled":
-            if save_first_n is None or isinstance(save_first_n, bool) or not isinstance(save_first_n, int) or save_first_n <= 0:
-                raise ValueError(f"GradientDumper: mode='sampled' needs a positive int save_first_n, got {save_first_n!r}")
-        elif save_first_n is not None:
-            raise ValueError("GradientDumper: save_first_n only applies to mode='sampled'")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"GradientDumper: timeout must be a positive number of seconds, got {timeout!r}")
-        self.timeout = float(timeout)
+        self.config = config
+        schedule = config.schedule
+        mode, save_first_n, async_write = config.mode, config.save_first_n, config.async_write
+        self.timeout = config.timeout
+        self.start_step, self.step_interval, self.end_step = schedule.start, schedule.every, schedule.end
         self.model = model
         self.save_dir = Path(save_dir)
-        self.start_step, self.step_interval, self.end_step = start_step, step_interval, end_step
         self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
         self._params = clean_named(model, model.named_parameters(), "parameters")
         refuse_complex(self._params, "GradientDumper",
@@ -288,10 +286,7 @@ class GradientDumper:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def should_dump(self, step: int) -> bool:
-        step = check_step(step, "GradientDumper.should_dump")
-        if step < self.start_step or (self.end_step is not None and step > self.end_step):
-            return False
-        return (step - self.start_step) % self.step_interval == 0
+        return self.config.schedule.includes(check_step(step, "GradientDumper.should_dump"))
 
     def maybe_dump(self, step: int) -> bool:
         """Dumps the gradients of `step` (a non-negative integer) if the schedule says so; returns
@@ -319,7 +314,7 @@ class GradientDumper:
         elif self.mode == "shards":
             local, records = {}, {}
             for name, g in grads:
-                local[name], records[name] = shard_record(name, g.detach(), self.rank)
+                local[name], records[name] = shard_record(g.detach(), self.rank)
             self._submit(step, self._write_shards, step, generation, self._stage(local), records)
         else:
             self._submit(step, self._write_sampled, step, generation, *self._gather_sampled(grads))
@@ -353,12 +348,14 @@ class GradientDumper:
             torch.cuda.current_stream().synchronize()
         return staging
 
-    def _write_shards(self, step: int, generation: str, tensors: dict[str, torch.Tensor], records: dict[str, Any]) -> None:
+    def _write_shards(self, step: int, generation: str, tensors: dict[str, torch.Tensor],
+                      records: dict[str, ShardRecord]) -> None:
         directory = step_dir(self.save_dir, step)
         try:
-            records = {name: {**record, CHECKSUM: tensor_crc32(tensors[name])} for name, record in records.items()}
+            described = {name: dataclasses.replace(record, checksum=tensor_crc32(tensors[name])).to_json()
+                         for name, record in records.items()}
             header = {"format_version": FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world,
-                      "run_id": self.run_id, "generation": generation, "tensors": records}
+                      "run_id": self.run_id, "generation": generation, "tensors": described}
             write_safetensors(directory / rank_file(self.rank), tensors, {HEADER_KEY: json.dumps(header)})
         finally:
             if self.async_write:
@@ -401,7 +398,7 @@ class GradientDumper:
             # writes before DCP's first collective, which needs rank 0 past this point.
             shutil.rmtree(staging, ignore_errors=True)
         state = {name: g.detach() for name, g in grads}
-        index = {name: {"shape": list(g.shape), "dtype": str(g.dtype)} for name, g in grads}
+        index = full_index({name: (list(g.shape), g.dtype) for name, g in grads})
         writer = dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True, enable_consolidation=False)
         if not self.async_write:
             try:

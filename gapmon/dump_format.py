@@ -7,6 +7,11 @@ the checksums, named once here and used by the writer (gapmon.dump) and the read
     GRAD_DIR/step{S}/full/ + full_index.json  full mode (torch.distributed.checkpoint)
     GRAD_DIR/step{S}/COMPLETE               written last, by rank 0: the step's generation
 
+Records: a rank file's header describes each local shard with a ShardRecord (global and local
+shape, offsets, placements S(d)/R/P on the mesh, the rank's mesh coordinate, dtype, checksum);
+full_index.json lists each gradient's shape and dtype (full_index / read_full_index). Dtypes are
+spelled one way, by dtype_name.
+
 A *generation* is one dump of one step: `{run_id}.{step}.{n}` for the n-th dump of the step by a
 run. Every gapmon header names its generation. COMPLETE (format 2) names the generation, the
 configuration it was written with (layout, mode), and exactly its files, each with its size and
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import numbers
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +133,134 @@ def check_version(record: dict[str, Any], where: str | Path) -> None:
     if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
         raise DumpCorruptError(f"{where}: format_version {version!r} is not one this gapmon reads "
                         f"({', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade gapmon to read it")
+
+
+# ---------------------------------------------------------------------------- records
+DTYPES = ("float16", "bfloat16", "float32", "float64")  # the dtypes a dump holds, as dtype_name spells them
+REPLICATE, PARTIAL = "R", "P"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How the format spells a dtype: "float32" (no "torch." prefix)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: Any, where: str) -> torch.dtype:
+    """The torch dtype a record names (format 1's full_index spelled "torch.float32": read too);
+    DumpCorruptError naming `where` otherwise."""
+    bare = name.removeprefix("torch.") if isinstance(name, str) else name
+    if bare not in DTYPES:
+        raise DumpCorruptError(f"{where}: field 'dtype' must be one of {list(DTYPES)}, got {name!r}")
+    return getattr(torch, bare)
+
+
+def placement_name(placement: Any) -> str:
+    """A DTensor placement as the format spells it: S(d) for a shard on tensor dim d, R, P."""
+    if placement.is_shard():
+        return f"S({placement.dim})"
+    return REPLICATE if placement.is_replicate() else PARTIAL
+
+
+def _is_placement(value: Any) -> bool:
+    return isinstance(value, str) and (value in (REPLICATE, PARTIAL) or (
+        value.startswith("S(") and value.endswith(")") and value[2:-1].isascii() and value[2:-1].isdigit()))
+
+
+def is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _is_int_list(value: Any, positive: bool = False) -> bool:
+    return isinstance(value, list) and all(is_count(v) and (v > 0 or not positive) for v in value)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One local shard of a gradient in a rank file's header: where it sits in the global tensor
+    (offsets, local_shape within global_shape), how the tensor is placed on the mesh and where
+    this rank is on it, its dtype, and the CRC-32 of its bytes (None in format 1)."""
+
+    global_shape: list[int]
+    local_shape: list[int]
+    offsets: list[int]
+    placements: list[str]
+    mesh_shape: list[int]
+    coordinate: list[int]
+    dtype: str
+    checksum: int | None = None
+
+    _FIELDS = ("global_shape", "local_shape", "offsets", "placements", "mesh_shape", "coordinate", "dtype")
+
+    def to_json(self) -> dict[str, Any]:
+        out = {key: getattr(self, key) for key in self._FIELDS}
+        if self.checksum is not None:
+            out[CHECKSUM] = self.checksum
+        return out
+
+    @classmethod
+    def from_json(cls, rec: Any, name: str, path: str | Path) -> "ShardRecord":
+        """The record of tensor `name` read from file `path`; DumpCorruptError naming the file, the
+        tensor and the field when it is malformed."""
+        what = f"{path}: the record of '{name}'"
+        if not isinstance(rec, dict):
+            raise DumpCorruptError(f"{what} is not an object")
+        missing = [key for key in cls._FIELDS if key not in rec]
+        if missing:
+            raise DumpCorruptError(f"{what} lacks field(s) {', '.join(repr(k) for k in missing)}")
+        for key in ("global_shape", "local_shape", "offsets", "coordinate"):
+            if not _is_int_list(rec[key]):
+                raise DumpCorruptError(f"{what}: field '{key}' must be a list of non-negative ints, got {rec[key]!r}")
+        if not _is_int_list(rec["mesh_shape"], positive=True):
+            raise DumpCorruptError(f"{what}: field 'mesh_shape' must be a list of positive ints, got {rec['mesh_shape']!r}")
+        placements = rec["placements"]
+        if not isinstance(placements, list) or not all(_is_placement(p) for p in placements):
+            raise DumpCorruptError(f"{what}: field 'placements' must list S(d), R or P, got {placements!r}")
+        dims = len(rec["global_shape"])
+        if len(rec["local_shape"]) != dims or len(rec["offsets"]) != dims:
+            raise DumpCorruptError(f"{what}: global_shape, local_shape and offsets must have the same length")
+        if not (len(placements) == len(rec["mesh_shape"]) == len(rec["coordinate"])):
+            raise DumpCorruptError(f"{what}: placements, mesh_shape and coordinate must have the same length")
+        if rec["dtype"] not in DTYPES:
+            raise DumpCorruptError(f"{what}: field 'dtype' must be one of {list(DTYPES)}, got {rec['dtype']!r}")
+        checksum = rec.get(CHECKSUM)
+        if checksum is not None and not is_count(checksum):
+            raise DumpCorruptError(f"{what}: field '{CHECKSUM}' must be a non-negative int, got {checksum!r}")
+        return cls(*(rec[key] for key in cls._FIELDS), checksum=checksum)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def replica(self) -> int:
+        """Index of the replica group of the rank that wrote it (its coordinates on the mesh dims
+        where the tensor is replicated or partial)."""
+        replica = 0
+        for placement, size, coord in zip(self.placements, self.mesh_shape, self.coordinate):
+            if placement in (REPLICATE, PARTIAL):
+                replica = replica * size + coord
+        return replica
+
+
+def full_index(shapes_and_dtypes: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Any]:
+    """full_index.json's content: each gradient's shape and dtype (what the reader allocates before
+    loading the distributed checkpoint into it)."""
+    return {name: {"shape": list(shape), "dtype": dtype_name(dtype)} for name, (shape, dtype) in shapes_and_dtypes.items()}
+
+
+def read_full_index(path: Path) -> dict[str, tuple[list[int], torch.dtype]]:
+    """The (shape, dtype) of each gradient of a full-mode step; DumpError subclasses when the file is
+    missing, not JSON or malformed."""
+    if not path.is_file():
+        raise DumpMissingError(f"{path} is missing: the step's gradient shapes and dtypes are unknown")
+    try:
+        index = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DumpCorruptError(f"{path} is not valid JSON ({e}); the file is damaged") from None
+    if not isinstance(index, dict):
+        raise DumpCorruptError(f"{path}: expected a JSON object of gradient names, got {type(index).__name__}")
+    out = {}
+    for name, info in index.items():
+        if not isinstance(info, dict) or not _is_int_list(info.get("shape")):
+            raise DumpCorruptError(f"{path}: bad entry for '{name}': {info!r} (expected {{'shape': [...], 'dtype': ...}})")
+        out[name] = (info["shape"], dtype_from_name(info.get("dtype"), f"{path}: '{name}'"))
+    return out

@@ -9,6 +9,7 @@ one device-to-host copy. No `.item()` per metric.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _torch_compat, ops
+from .config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
 from .distributed import dtensor_multi_states, fsdp1_shard_groups
 from .metric_names import (
     FIELD_COLUMNS,
@@ -34,8 +36,8 @@ from .metric_names import (
     parse_metric_name,
     per_sample_norm_name,
 )
-from .numerics import check_formats, merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram
-from .sinks import Sink, as_sink
+from .numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram
+from .sinks import Sink
 from .stats import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
 from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
 
@@ -139,11 +141,13 @@ class GAPMonitor:
 
     Args:
         model: the module to watch (plain, DDP, or FSDP2 `fully_shard`ed, 1-D or HSDP mesh).
-        interval: measure every `interval` steps (steps where step % interval == 0).
+        interval: measure every `interval` steps (steps where step % interval == 0), or the steps of
+            a gapmon.Schedule (every, start, end).
         params, grads, activations, activation_grads: which kinds to measure.
-        per_sample_grad_norms: also compute per-sample gradient norms (see gapmon.PerSampleGradNorms).
+        per_sample_grad_norms: also compute per-sample gradient norms (see gapmon.PerSampleGradNorms):
+            True, or a gapmon.PerSampleConfig with their options (loss_reduction, strict, batch_dim, ...).
         bookkeeping: with per_sample_grad_norms, form the weight gradients of direct-form Linear layers
-            from their per-sample gradients (see gapmon.bookkeeping): the norms cost no extra GEMM.
+            from their per-sample gradients (see gapmon.per_sample.bookkeeping): the norms cost no extra GEMM.
         sinks: where metrics go: gapmon sinks or callables fn(step, metrics). Default: none (the
             metrics are returned by end_step; nothing is written unless a sink is given).
         process_group: the data-parallel group over which activations are averaged (default: world).
@@ -156,17 +160,20 @@ class GAPMonitor:
             ...}}; histograms in TensorBoard and W&B). Default: none (no cost).
         numerics_alert: with numerics, warn (naming tensors and step) when a tensor's unscaled underflow
             or overflow share in a format exceeds this fraction; also listed in the sinks' info.
+
+    The options are validated once, into `self.config` (a gapmon.MonitorConfig);
+    `GAPMonitor.from_config(model, config)` takes one directly.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        interval: int = 1,
+        interval: int | Schedule = 1,
         params: bool = True,
         grads: bool = True,
         activations: bool = True,
         activation_grads: bool = True,
-        per_sample_grad_norms: bool = False,
+        per_sample_grad_norms: bool | PerSampleConfig = False,
         bookkeeping: bool = False,
         sinks: Sequence[Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -174,40 +181,34 @@ class GAPMonitor:
         numerics: Sequence[str] = (),
         numerics_alert: float | None = None,
     ):
+        config = MonitorConfig(
+            schedule=interval, params=params, grads=grads, activations=activations,
+            activation_grads=activation_grads, per_sample=per_sample_option(per_sample_grad_norms, bookkeeping, process_group),
+            sinks=tuple(sinks or ()), process_group=process_group, correction=correction, numerics=numerics,
+            numerics_alert=numerics_alert)
+        self._setup(model, config)
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: MonitorConfig) -> "GAPMonitor":
+        """A monitor of `model` with the options of `config` (a gapmon.MonitorConfig)."""
+        if not isinstance(config, MonitorConfig):
+            raise TypeError(f"GAPMonitor.from_config: config must be a gapmon.MonitorConfig, got {type(config).__name__}")
+        monitor = cls.__new__(cls)
+        cls._setup(monitor, model, config)
+        return monitor
+
+    def _setup(self, model: nn.Module, config: MonitorConfig) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GAPMonitor: model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
-            raise ValueError(f"GAPMonitor: interval must be a positive int, got {interval!r}")
-        flags = dict(params=params, grads=grads, activations=activations, activation_grads=activation_grads,
-                     per_sample_grad_norms=per_sample_grad_norms)
-        for key, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"GAPMonitor: {key} must be True or False, got {value!r}")
-        if not isinstance(bookkeeping, bool):
-            raise TypeError(f"GAPMonitor: bookkeeping must be True or False, got {bookkeeping!r}")
-        if bookkeeping and not per_sample_grad_norms:
-            raise ValueError("GAPMonitor: bookkeeping=True is a way to compute per-sample gradient norms; "
-                             "pass per_sample_grad_norms=True with it")
-        if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
-            raise ValueError(f"GAPMonitor: correction must be a non-negative int (1: Bessel's correction), got {correction!r}")
-        if not any(flags.values()):
-            raise ValueError(
-                "GAPMonitor: nothing to monitor; enable at least one of params, grads, activations, "
-                "activation_grads, per_sample_grad_norms"
-            )
-        self.numerics = check_formats(numerics)
-        if numerics_alert is not None and (isinstance(numerics_alert, bool) or not isinstance(numerics_alert, (int, float))
-                                           or not 0 <= numerics_alert <= 1):
-            raise ValueError(f"GAPMonitor: numerics_alert must be a share in [0, 1], got {numerics_alert!r}")
-        if numerics_alert is not None and not self.numerics:
-            raise ValueError("GAPMonitor: numerics_alert needs formats to watch: pass numerics=('bf16', ...) with it")
-        self.numerics_alert = numerics_alert
+        self.config = config
+        self.numerics, self.numerics_alert = config.numerics, config.numerics_alert
         self.model = model
-        self.interval = interval
-        self.correction = correction
-        self._kinds = flags
-        self._group = process_group
-        self.sinks: list[Sink] = [as_sink(s) for s in (sinks or [])]
+        self.correction = config.correction
+        params, grads = config.params, config.grads
+        activations, activation_grads = config.activations, config.activation_grads
+        self._kinds = dict(params=params, grads=grads, activations=activations, activation_grads=activation_grads)
+        self._group = config.process_group
+        self.sinks: list[Sink] = list(config.sinks)
 
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         self._modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
@@ -225,10 +226,13 @@ class GAPMonitor:
             for index, (_, module) in enumerate(self._modules):
                 self._handles.append(module.register_forward_hook(functools.partial(self._forward_hook, index)))
         self.per_sample = None
-        if per_sample_grad_norms:
+        if config.per_sample is not None:
             from .per_sample import PerSampleGradNorms
 
-            self.per_sample = PerSampleGradNorms(model, bookkeeping=bookkeeping)
+            per_sample = config.per_sample
+            if per_sample.process_group is None:  # the monitor's group, unless it names its own
+                per_sample = dataclasses.replace(per_sample, process_group=config.process_group)
+            self.per_sample = PerSampleGradNorms.from_config(model, per_sample)
             self.per_sample.pause()  # collects from begin_step to end_step of monitored steps
 
         self._step: int | None = None
@@ -339,7 +343,7 @@ class GAPMonitor:
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
             raise ValueError(f"GAPMonitor.begin_step: batch_size must be a non-negative int, got {batch_size!r}")
         self._step = step
-        self._active = step % self.interval == 0
+        self._active = self.config.schedule.includes(step)
         if self.per_sample is not None and self._active:
             self.per_sample.start()
         elif self.per_sample is not None:

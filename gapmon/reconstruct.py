@@ -7,12 +7,8 @@ Anything missing, incomplete, corrupt or inconsistent raises DumpError naming wh
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -33,19 +29,22 @@ from .dump_format import (
     DumpIncompleteError,
     DumpInconsistentError,
     DumpMissingError,
+    ShardRecord,
     check_sealed,
     check_version,
+    dtype_name,
     file_crc32,
+    is_count,
     rank_file,
+    read_full_index,
     step_dir,
     step_of,
     tensor_crc32,
 )
-from .safe_io import FILE_MODE, read_safetensors_header, write_json
+from .safe_io import read_safetensors_header
 from .utils import check_step
 
 _MAX_WORLD = 1 << 20
-_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
 def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
@@ -116,7 +115,7 @@ def read_complete(directory: Path) -> dict[str, Any]:
     files = record.get("files", [])
     if isinstance(files, dict):  # format 2: {name: {"bytes": n, checksum: c}}
         for name, info in files.items():
-            if not isinstance(info, dict) or not _is_count(info.get("bytes")) or Path(name).is_absolute() or ".." in Path(name).parts:
+            if not isinstance(info, dict) or not is_count(info.get("bytes")) or Path(name).is_absolute() or ".." in Path(name).parts:
                 raise DumpCorruptError(f"{path}: bad entry for file {name!r}: {info!r}")
     elif not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise DumpCorruptError(f"{path}: field 'files' must list the step's files, got {files!r}")
@@ -128,14 +127,6 @@ def read_complete(directory: Path) -> dict[str, Any]:
 def step_config(grad_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     """The configuration a step was written with: its COMPLETE's (format 2), else config.json's."""
     return record["config"] if "config" in record else read_config(grad_dir)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _int_list(value: Any, positive: bool = False) -> bool:
-    return isinstance(value, list) and all(_is_count(v) and (v > 0 or not positive) for v in value)
 
 
 def _field(record: dict[str, Any], key: str, path: Path, what: str) -> Any:
@@ -236,33 +227,6 @@ def _check_checksum(t: torch.Tensor, checksum: Any, name: str, path: Path) -> to
     return t
 
 
-def _check_record(rec: Any, name: str, path: Path) -> None:
-    """Raises DumpError naming the file, tensor and field of a malformed shard record."""
-    what = f"the record of '{name}'"
-    if not isinstance(rec, dict):
-        raise DumpCorruptError(f"{path}: {what} is not an object")
-    for key in ("global_shape", "local_shape", "offsets", "placements", "mesh_shape", "coordinate", "dtype"):
-        _field(rec, key, path, what)
-    for key in ("global_shape", "local_shape", "offsets", "coordinate"):
-        if not _int_list(rec[key]):
-            raise DumpCorruptError(f"{path}: {what}: field '{key}' must be a list of non-negative ints, got {rec[key]!r}")
-    if not _int_list(rec["mesh_shape"], positive=True):
-        raise DumpCorruptError(f"{path}: {what}: field 'mesh_shape' must be a list of positive ints, got {rec['mesh_shape']!r}")
-    placements = rec["placements"]
-    if not isinstance(placements, list) or not all(isinstance(p, str) and (p in ("R", "P") or (
-            p.startswith("S(") and p.endswith(")") and p[2:-1].isdigit())) for p in placements):
-        raise DumpCorruptError(f"{path}: {what}: field 'placements' must list S(d), R or P, got {placements!r}")
-    dims = len(rec["global_shape"])
-    if len(rec["local_shape"]) != dims or len(rec["offsets"]) != dims:
-        raise DumpCorruptError(f"{path}: {what}: global_shape, local_shape and offsets must have the same length")
-    if not (len(placements) == len(rec["mesh_shape"]) == len(rec["coordinate"])):
-        raise DumpCorruptError(f"{path}: {what}: placements, mesh_shape and coordinate must have the same length")
-    if rec["dtype"] not in _DTYPES:
-        raise DumpCorruptError(f"{path}: {what}: field 'dtype' must be one of {sorted(_DTYPES)}, got {rec['dtype']!r}")
-    if CHECKSUM in rec and not _is_count(rec[CHECKSUM]):
-        raise DumpCorruptError(f"{path}: {what}: field '{CHECKSUM}' must be a non-negative int, got {rec[CHECKSUM]!r}")
-
-
 def _place(name: str, pieces: list[tuple[list[int], torch.Tensor]], shape: list[int], dtype, where: str) -> torch.Tensor:
     """Assembles a tensor of `shape` from (offsets, piece) pairs; every element must be covered
     exactly once (no gap, no overlap). Coverage is checked on the pieces' boxes (no per-element
@@ -305,15 +269,6 @@ def _boxes_tile(pieces: list[tuple[list[int], torch.Tensor]], shape: list[int]) 
     return True
 
 
-def _replica_of(record: dict[str, Any]) -> int:
-    """Index of the replica group a rank belongs to (its coordinates on replicated mesh dims)."""
-    replica = 0
-    for placement, size, coord in zip(record["placements"], record["mesh_shape"], record["coordinate"]):
-        if placement in ("R", "P"):
-            replica = replica * size + coord
-    return replica
-
-
 def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, Any], step: int, verify: bool,
                  progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
     world = _world_size(complete.get("world_size", config.get("world_size", 1)), directory / COMPLETE)
@@ -332,46 +287,44 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
         tensors = _field(header, "tensors", path, "the gapmon header")
         if not isinstance(tensors, dict):
             raise DumpCorruptError(f"{path}: the gapmon header's 'tensors' is not an object")
-        for name, rec in tensors.items():
-            _check_record(rec, name, path)
+        records = {name: ShardRecord.from_json(rec, name, path) for name, rec in tensors.items()}
         absent = sorted(set(tensors) - set(h.keys()))
         if absent:
             raise DumpCorruptError(f"{path}: the header lists tensor(s) {', '.join(repr(n) for n in absent)} that the file "
                             "does not hold")
-        headers.append(header)
-    names = list(headers[0]["tensors"])
-    for r, header in enumerate(headers):
-        if list(header["tensors"]) != names:
+        headers.append(records)
+    names = list(headers[0])
+    for r, records in enumerate(headers):
+        if list(records) != names:
             raise DumpInconsistentError(f"{directory}: rank {r} holds different gradients than rank 0")
     out = {}
     for i, name in enumerate(names):
         by_replica: dict[int, list[tuple[list[int], torch.Tensor]]] = {}
-        rec0 = headers[0]["tensors"][name]
+        rec0 = headers[0][name]
         for r in range(world):
-            rec = headers[r]["tensors"][name]
-            if rec["global_shape"] != rec0["global_shape"]:
-                raise DumpInconsistentError(f"{directory}: rank {r} records shape {rec['global_shape']} for '{name}', rank 0 "
-                                f"{rec0['global_shape']}")
-            replica = _replica_of(rec)
+            rec = headers[r][name]
+            if rec.global_shape != rec0.global_shape:
+                raise DumpInconsistentError(f"{directory}: rank {r} records shape {rec.global_shape} for '{name}', rank 0 "
+                                f"{rec0.global_shape}")
+            replica = rec.replica()
             if not verify and replica != 0:
                 continue  # only replica 0 is rebuilt (every replica with verify)
             piece = _tensor(handles[r], name, paths[r])
-            if list(piece.shape) != rec["local_shape"]:
+            if list(piece.shape) != rec.local_shape:
                 raise DumpInconsistentError(f"{directory}: rank {r} stores '{name}' with shape {list(piece.shape)}, its header says "
-                                f"{rec['local_shape']}")
-            if str(piece.dtype).replace("torch.", "") != rec["dtype"] or rec["dtype"] != rec0["dtype"]:
-                raise DumpInconsistentError(f"{paths[r]}: '{name}' is stored as {piece.dtype}, its header says {rec['dtype']} "
-                                f"(rank 0: {rec0['dtype']})")
-            _check_checksum(piece, rec.get(CHECKSUM), name, paths[r])
-            by_replica.setdefault(replica, []).append((rec["offsets"], piece))
+                                f"{rec.local_shape}")
+            if dtype_name(piece.dtype) != rec.dtype or rec.dtype != rec0.dtype:
+                raise DumpInconsistentError(f"{paths[r]}: '{name}' is stored as {piece.dtype}, its header says {rec.dtype} "
+                                f"(rank 0: {rec0.dtype})")
+            _check_checksum(piece, rec.checksum, name, paths[r])
+            by_replica.setdefault(replica, []).append((rec.offsets, piece))
         replicas = sorted(by_replica)
         if not replicas or replicas[0] != 0:
             raise DumpInconsistentError(f"{directory}: no rank holds replica 0 of '{name}'")
         where = str(directory)
-        dtype = getattr(torch, rec0["dtype"])
-        full = _place(name, by_replica[0], rec0["global_shape"], dtype, where)
+        full = _place(name, by_replica[0], rec0.global_shape, rec0.torch_dtype, where)
         for rep in replicas[1:]:
-            other = _place(name, by_replica[rep], rec0["global_shape"], full.dtype, where)
+            other = _place(name, by_replica[rep], rec0.global_shape, full.dtype, where)
             if not torch.equal(other, full):
                 diff = (other.double() - full.double()).abs().max().item()
                 raise DumpInconsistentError(f"{directory}: replica {rep} of '{name}' differs from replica 0 "
@@ -403,13 +356,7 @@ def _load_full(directory: Path, complete: dict[str, Any]) -> dict[str, torch.Ten
     checked = _Checked(directory, complete)
     for name in checked.files or {}:
         checked.check_whole(name)
-    index = _read_json_object(index_path, "the gradients' shapes and dtypes")
-    state = {}
-    for name, info in index.items():
-        dtype = info.get("dtype", "").replace("torch.", "") if isinstance(info, dict) else None
-        if dtype not in _DTYPES or not _int_list(info.get("shape")):
-            raise DumpCorruptError(f"{index_path}: bad entry for '{name}': {info!r}")
-        state[name] = torch.empty(info["shape"], dtype=getattr(torch, dtype))
+    state = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in read_full_index(index_path).items()}
     reader = dcp.HuggingFaceStorageReader(str(directory / FULL_DIR))
     try:
         stored = set(reader.read_metadata().state_dict_metadata)
@@ -455,94 +402,3 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
         raise DumpMissingError(f"step {step} under {grad_dir} holds no gradients: the model had none when it was dumped "
                         "(was maybe_dump called after zero_grad, or before backward?)")
     return grads
-
-
-_MAX_NAME = 120
-
-
-def _safe_filename(name: str) -> str:
-    """A file-name-safe form of a parameter name, injective: a name that had to be changed (odd
-    characters, or longer than _MAX_NAME) gets a hash of the full name appended."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-    if safe != name or len(safe) > _MAX_NAME:
-        safe = f"{safe[:_MAX_NAME]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
-    return safe
-
-
-def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path, step: int, config: dict[str, Any],
-                         skip_individual: bool = False, fmt: str = "safetensors") -> list[Path]:
-    """Writes step{N}_{param}.safetensors, step{N}_all_gradients.safetensors (.pt with fmt="pt") and
-    step{N}_metadata.json. Files are staged in a temporary directory and moved into output_dir only
-    once all are written; a target name taken by anything but a file is refused before any move,
-    and a move that fails puts back what was there, so a failure leaves output_dir as it was."""
-    from safetensors.torch import save_file
-
-    from .ops import multi_tensor_rows
-    from .stats import STAT_NAMES
-
-    if fmt not in ("safetensors", "pt"):
-        raise ValueError(f"format must be 'safetensors' or 'pt', got {fmt!r}")
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    names = list(grads)
-    files: dict[str, str] = {}
-    for name in names:
-        other = files.setdefault(_safe_filename(name), name)
-        if other != name:
-            raise DumpError(f"gradients '{other}' and '{name}' would be written to the same file; nothing was written")
-    rows = multi_tensor_rows([grads[n] for n in names]).tolist()  # one host read for all statistics
-    params = {}
-    for name, row in zip(names, rows):
-        stats = dict(zip(STAT_NAMES, row))
-        if grads[name].is_complex():
-            raise DumpError(f"gradient '{name}' is {grads[name].dtype}: gapmon reconstructs real gradients only")
-        params[name] = {"shape": list(grads[name].shape), "dtype": str(grads[name].dtype).replace("torch.", ""),
-                        **{key: stats[key] for key in ("norm", "max_abs", "mean", "var")}}
-    metadata = {"step": step, "parallel_type": config.get("parallel_type", "single"),
-                "world_size": config.get("world_size", 1), "parameters": params,
-                "parameter_norms": {n: p["norm"] for n, p in params.items()}}
-    staging = Path(tempfile.mkdtemp(prefix=".reconstruct-", dir=output_dir))
-    try:
-        written = []
-        contiguous = {n: t.contiguous() for n, t in grads.items()}
-        if not skip_individual:
-            for name, t in contiguous.items():
-                written.append(f"step{step}_{_safe_filename(name)}.safetensors")
-                save_file({name: t}, str(staging / written[-1]))
-        written.append(f"step{step}_all_gradients.safetensors")
-        save_file(contiguous, str(staging / written[-1]))
-        if fmt == "pt":
-            written.append(f"step{step}_all_gradients.pt")
-            torch.save(contiguous, staging / written[-1])
-        written.append(f"step{step}_metadata.json")
-        write_json(staging / written[-1], metadata)
-        taken = [name for name in written if (output_dir / name).exists() and not (output_dir / name).is_file()]
-        if taken:
-            raise DumpError(f"{output_dir / taken[0]} exists and is not a file; nothing was written")
-        for name in written:
-            os.chmod(staging / name, FILE_MODE)  # safetensors' save_file makes 0600 files
-        _move_all(staging, output_dir, written)
-        return [output_dir / name for name in written]
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _move_all(staging: Path, output_dir: Path, names: list[str]) -> None:
-    """Moves staging/name to output_dir/name for every name, or none: files they replace are set
-    aside first and put back if a move fails."""
-    aside = staging / ".replaced"
-    aside.mkdir()
-    moved: list[str] = []
-    try:
-        for name in names:
-            if (output_dir / name).exists():
-                os.replace(output_dir / name, aside / name)
-            os.replace(staging / name, output_dir / name)
-            moved.append(name)
-    except BaseException:
-        for name in moved:
-            (output_dir / name).unlink(missing_ok=True)
-        for name in names:
-            if (aside / name).exists():
-                os.replace(aside / name, output_dir / name)
-        raise

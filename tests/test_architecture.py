@@ -168,3 +168,30 @@ def test_per_sample_rules_are_one_family_per_file_and_registered():
     hooks = (PACKAGE / "per_sample" / "norms.py").read_text()
     for word in ("nn.Linear", "bookkeeping.", "use_ghost", "nn.Embedding", "nn.LayerNorm"):
         assert word not in hooks, f"per_sample/norms.py decides for a layer family ({word}); move it to its rule"
+
+
+def test_each_file_format_has_one_home_used_by_its_writer_and_reader():
+    """File names, record fields, placements and dtype spellings of the dump live in dump_format.py, the
+    reconstruction output's in export.py, the run directory's in run_format.py; writer and reader both
+    go through them (no module spells a format's names itself)."""
+    homes = {"dump_format.py": {"full_index.json", "COMPLETE", "config.json", "sampled.safetensors", "S(", "R", "P",
+                                "torch."},
+             "run_format.py": {"metrics.jsonl", "train.jsonl", "per_sample_norms.jsonl", "summary.json"},
+             "export.py": {"_all_gradients", "_metadata.json"}}
+    bad = []
+    for path, tree in _modules().items():
+        for home, spelled in homes.items():
+            if path == home:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in spelled:
+                    bad.append(f"{path}:{node.lineno}: {node.value!r} belongs to {home}")
+    assert not bad, bad
+    trees = _modules()
+    uses = {path: {n.id for n in ast.walk(trees[path]) if isinstance(n, ast.Name)} for path in trees}
+    for name in ("ShardRecord", "dtype_name"):
+        assert name in uses["dump.py"] and name in uses["reconstruct.py"], name
+    assert "full_index" in uses["dump.py"] and "read_full_index" in uses["reconstruct.py"]
+    assert {"TrainRecord", "PerSampleRecord", "read_run_file"} <= uses["apps/demo.py"]
+    assert "read_run_file" in uses["apps/report.py"]
+    assert "write_reconstruction" not in uses["reconstruct.py"]  # the export lives apart from the reader

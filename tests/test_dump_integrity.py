@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import gapmon
-from gapmon.reconstruct import DumpError, _place, list_steps, reconstruct_gradients, write_reconstruction
+from gapmon.export import write_reconstruction
+from gapmon.reconstruct import DumpError, _place, list_steps, reconstruct_gradients
 
 
 def _linear_with_grad(seed=0):
@@ -279,3 +280,32 @@ def test_dump_errors_say_which_kind_of_failure(tmp_path):
         reconstruct_gradients(d, 1)
     for kind in (gapmon.DumpMissingError, gapmon.DumpIncompleteError, gapmon.DumpCorruptError, gapmon.DumpInconsistentError):
         assert issubclass(kind, gapmon.DumpError)
+
+
+def test_format_records_convert_both_ways_and_refuse_malformed_input(tmp_path):
+    from gapmon.dump_format import ShardRecord, dtype_from_name, dtype_name, full_index, read_full_index
+
+    rec = ShardRecord(global_shape=[6, 4], local_shape=[3, 4], offsets=[3, 0], placements=["R", "S(0)"],
+                      mesh_shape=[2, 2], coordinate=[1, 1], dtype="bfloat16", checksum=7)
+    assert ShardRecord.from_json(json.loads(json.dumps(rec.to_json())), "w", "f") == rec
+    assert rec.replica() == 1 and rec.torch_dtype == torch.bfloat16
+    for bad, field in ((dict(placements=["X", "S(0)"]), "placements"), (dict(offsets=[-1, 0]), "offsets"),
+                       (dict(dtype="int8"), "dtype"), (dict(mesh_shape=[0, 2]), "mesh_shape")):
+        with pytest.raises(gapmon.DumpCorruptError, match=field):
+            ShardRecord.from_json({**rec.to_json(), **bad}, "w", "f")
+    with pytest.raises(gapmon.DumpCorruptError, match="lacks"):
+        ShardRecord.from_json({k: v for k, v in rec.to_json().items() if k != "coordinate"}, "w", "f")
+    assert [dtype_from_name(dtype_name(d), "x") for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)] \
+        == [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+    path = tmp_path / "full_index.json"
+    with pytest.raises(gapmon.DumpMissingError):
+        read_full_index(path)
+    path.write_text(json.dumps(full_index({"a": ([2, 3], torch.float32)})))
+    assert read_full_index(path) == {"a": ([2, 3], torch.float32)}
+    path.write_text(json.dumps({"a": {"shape": [2], "dtype": "torch.bfloat16"}}))  # as earlier versions spelled it
+    assert read_full_index(path) == {"a": ([2], torch.bfloat16)}
+    for text in ('{"a": {"shape": [2], "dtype": "int8"}}', '{"a": {"shape": [-2], "dtype": "float32"}}', "[1]", "{"):
+        path.write_text(text)
+        with pytest.raises(gapmon.DumpCorruptError):
+            read_full_index(path)

@@ -89,7 +89,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _reconstruct(args: argparse.Namespace) -> int:
     from ..dump_format import step_dir
-    from ..reconstruct import read_complete, reconstruct_gradients, step_config, write_reconstruction
+    from ..export import write_reconstruction
+    from ..reconstruct import read_complete, reconstruct_gradients, step_config
     from .progress import Progress
 
     progress = Progress(f"step {args.step}", quiet=args.quiet)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..metric_names import parse_metric_name
+from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, SUMMARY_FILE, TRAIN_FILE, PerSampleRecord, TrainRecord, read_run_file
 
 MARKER = ".gapmon-demo"  # in a run directory the demo made (and may replace)
 TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics")
@@ -99,7 +100,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sinks = [JSONLSink(out / "metrics.jsonl")]
+    sinks = [JSONLSink(out / METRICS_FILE)]
     # numerics: exponent histograms and bf16/fp8 e4m3 underflow/overflow shares (the report's last figure)
     mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks, numerics=("bf16", "fp8_e4m3"))
     four_kinds = GAPMonitor(model)  # timing only: the four kinds without per-sample norms, no sink
@@ -110,8 +111,8 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     last_metrics, nonfinite, dumped = {}, {}, []
     n_timing = len(TIMING_KINDS) * cfg.timing_pairs
     with contextlib.ExitStack() as files:
-        train_log = files.enter_context(open(out / "train.jsonl", "w")) if rank == 0 else None
-        norms_log = files.enter_context(open(out / "per_sample_norms.jsonl", "w")) if rank == 0 else None
+        train_log = files.enter_context(open(out / TRAIN_FILE, "w")) if rank == 0 else None
+        norms_log = files.enter_context(open(out / PER_SAMPLE_FILE, "w")) if rank == 0 else None
         for step in range(cfg.steps + n_timing):
             # Training steps are all monitored; the timing steps that follow cycle through TIMING_KINDS.
             timing = step >= cfg.steps
@@ -148,11 +149,11 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
                 times[kind].append(elapsed)
             if rank == 0:
                 tokens = b * world * mcfg.seq_len
-                train_log.write(json.dumps({"step": step, "loss": loss_avg, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
-                                            "monitored": kind, "timing": timing}) + "\n")
+                train_log.write(TrainRecord(step=step, loss=loss_avg, step_s=elapsed, tokens_per_s=tokens / elapsed,
+                                            monitored=kind, timing=timing).to_line())
                 train_log.flush()
                 if monitor is mon:
-                    norms_log.write(json.dumps({"step": step, "ids": sample_ids.tolist(), "norms": norms.tolist()}) + "\n")
+                    norms_log.write(PerSampleRecord(step=step, ids=sample_ids.tolist(), norms=norms.tolist()).to_line())
                     norms_log.flush()
                 if timing:
                     progress(step - cfg.steps + 1, n_timing, f"timing: plain / four kinds / + per-sample norms, loss {loss_avg:.3f}")
@@ -168,7 +169,8 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
 
 def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[float]], last_metrics, nonfinite,
             dumped) -> None:
-    from ..reconstruct import read_config, reconstruct_gradients, write_reconstruction
+    from ..export import write_reconstruction
+    from ..reconstruct import read_config, reconstruct_gradients
     from .report import make_report
 
     recon_step = dumped[-1] if dumped else None
@@ -184,8 +186,7 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[
     ratios = {kind: [t / p - 1 for p, t in zip(plain_times, times[kind])] for kind in TIMING_KINDS[1:]}
     mon_t = statistics.median(times[TIMING_KINDS[-1]]) if plain_times else float("nan")
     plain_t = statistics.median(plain_times) if plain_times else float("nan")
-    with open(out / "train.jsonl") as f:
-        train = [json.loads(line) for line in f]
+    train = read_run_file(out, TRAIN_FILE)
     tokens = cfg.batch_per_rank * world * mcfg.seq_len
     parsed = ((parse_metric_name(k), v) for k, v in last_metrics.items())
     grad_norms = sorted(((m.name, v) for m, v in parsed if m is not None and m.kind == "grads" and m.field == "norm"),
@@ -198,11 +199,11 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[
         "monitor_overhead_range": {kind: [min(r), max(r)] if r else None for kind, r in ratios.items()},
         "top_grad_norms": grad_norms[:5], "nonfinite": nonfinite, "dumped_steps": dumped,
         "reconstructed_step": recon_step,
-        "files": {"metrics": str(out / "metrics.jsonl"), "train_log": str(out / "train.jsonl"),
-                  "per_sample_norms": str(out / "per_sample_norms.jsonl"), "gradients": str(out / "gradients"),
+        "files": {"metrics": str(out / METRICS_FILE), "train_log": str(out / TRAIN_FILE),
+                  "per_sample_norms": str(out / PER_SAMPLE_FILE), "gradients": str(out / "gradients"),
                   "reconstructed": str(out / "reconstructed"), "report": str(report)},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     if cfg.quiet:
         return
     layout = "HSDP (2 replicas)" if cfg.hsdp else "FSDP2"
@@ -223,7 +224,7 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[
     print("  files:")
     for key, path in summary["files"].items():
         print(f"    {key:<17} {path}")
-    print(f"    {'summary':<17} {out / 'summary.json'}")
+    print(f"    {'summary':<17} {out / SUMMARY_FILE}")
 
 
 def run_demo(cfg: DemoConfig) -> None:

@@ -1,12 +1,11 @@
 """`gapmon report RUN_DIR`: plots and a short markdown summary of a monitored run.
 
 Reads RUN_DIR/metrics.jsonl (GAPMonitor), and when present RUN_DIR/train.jsonl (loss per step)
-and RUN_DIR/per_sample_norms.jsonl (per-sample gradient norms per step). Writes PNGs and
-RUN_DIR/report/report.md.
+and RUN_DIR/per_sample_norms.jsonl (per-sample gradient norms per step), as gapmon.run_format
+names them. Writes PNGs and RUN_DIR/report/report.md.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -14,34 +13,8 @@ from typing import Any
 
 from ..metric_names import parse_metric_name
 from ..numerics import FORMATS, format_shares, histogram_rows
+from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
 from ..stats import BIN_NAMES, EXP_MAX, EXP_MIN
-
-
-def read_jsonl(path: Path, skipped: list[str] | None = None, required: tuple[str, ...] = ("step",)) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file, one per line. A line that is not a JSON object with the
-    `required` keys (a torn or corrupt record) is left out and named, as "file:line: why", in
-    `skipped`; the other lines are read."""
-    if not path.exists():
-        return []
-    records = []
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-                why = None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                why = f"not valid JSON ({e})"
-            if why is None:
-                lacking = [key for key in required if key not in record]
-                if lacking or not isinstance(record.get("step", 0), int):
-                    why = f"lacks {', '.join(lacking)}" if lacking else f"step is {record['step']!r}, not an integer"
-            if why is None:
-                records.append(record)
-            elif skipped is not None:
-                skipped.append(f"{path}:{number}: {why}")
-    return records
 
 
 def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:
@@ -173,10 +146,10 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
 
     run_dir = Path(run_dir)
     skipped = [] if skipped is None else skipped
-    records = read_jsonl(run_dir / "metrics.jsonl", skipped)
+    records = read_run_file(run_dir, METRICS_FILE, skipped)
     if not records:
-        raise FileNotFoundError(f"{run_dir}/metrics.jsonl is missing or empty: not a GAPMonitor run directory")
-    out = run_dir / "report"
+        raise FileNotFoundError(f"{run_dir}/{METRICS_FILE} is missing or empty: not a GAPMonitor run directory")
+    out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     images = []
 
@@ -219,7 +192,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     images.append(("Activation max", "activation_max.png"))
 
     # 3. Loss and global gradient norm.
-    train = read_jsonl(run_dir / "train.jsonl", skipped, ("step", "loss"))
+    train = read_run_file(run_dir, TRAIN_FILE, skipped)
     fig, ax = plt.subplots(figsize=(8, 4))
     gn = global_grad_norms(records)
     if gn:
@@ -238,7 +211,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     images.append(("Loss and global gradient norm", "loss_grad_norm.png"))
 
     # 4. Per-sample gradient norms.
-    per_sample = read_jsonl(run_dir / "per_sample_norms.jsonl", skipped, ("step", "norms"))
+    per_sample = read_run_file(run_dir, PER_SAMPLE_FILE, skipped)
     if per_sample:
         values = [v for r in per_sample for v in r["norms"] if math.isfinite(v)]
         fig, ax = plt.subplots(figsize=(7, 4))

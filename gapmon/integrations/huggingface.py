@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import require
+from . import make_dumper, make_monitor, require
 
 transformers = require("transformers", "huggingface", "transformers")
 
+from ..config import DumpConfig, MonitorConfig  # noqa: E402
 from ..dump import GradientDumper  # noqa: E402
 from ..monitor import GAPMonitor  # noqa: E402
 
@@ -27,19 +28,19 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
     """Runs GAPMonitor.begin_step/end_step around each optimizer step of a Trainer."""
 
     def __init__(self, trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
+                 monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
                  **monitor_kwargs: Any):
         self.trainer = trainer
-        self.monitor_kwargs = monitor_kwargs
-        self.dump_dir, self.dump_kwargs = dump_dir, dump_kwargs or {}
+        self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
+        self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
         self.monitor: GAPMonitor | None = None
         self.dumper: GradientDumper | None = None
         self._pending: dict[str, float] = {}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = model if model is not None else self.trainer.model
-        self.monitor = GAPMonitor(model, **self.monitor_kwargs)
-        if self.dump_dir is not None:
-            self.dumper = GradientDumper(model, self.dump_dir, **self.dump_kwargs)
+        self.monitor = make_monitor(model, self.monitor_config, self.monitor_kwargs)
+        self.dumper = make_dumper(model, self.dump_dir, self.dump_config, self.dump_kwargs)
 
     def on_step_begin(self, args, state, control, **kwargs):
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -63,10 +64,12 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
 
 
 def attach(trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
+           monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
            **monitor_kwargs: Any) -> GAPMonitorTrainerCallback:
-    """Adds a GAPMonitor callback to `trainer` (GAPMonitor's keyword arguments: interval, params,
-    grads, activations, activation_grads, per_sample_grad_norms, ...); with `dump_dir`, gradients
-    are also dumped there by a GradientDumper(**dump_kwargs). Returns the callback."""
-    callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, **monitor_kwargs)
+    """Adds a GAPMonitor callback to `trainer`, with GAPMonitor's keyword arguments (interval, params,
+    grads, activations, activation_grads, per_sample_grad_norms, ...) or a gapmon.MonitorConfig; with
+    `dump_dir`, gradients are also dumped there by a GradientDumper(**dump_kwargs), or one with a
+    gapmon.DumpConfig. Returns the callback."""
+    callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, monitor_config, dump_config, **monitor_kwargs)
     trainer.add_callback(callback)
     return callback

@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import require
+from . import make_dumper, make_monitor, require
 
 pl = require("lightning.pytorch", "lightning", "lightning")
 
+from ..config import DumpConfig, MonitorConfig  # noqa: E402
 from ..dump import GradientDumper  # noqa: E402
 from ..monitor import GAPMonitor  # noqa: E402
 from ..utils import first_tensor  # noqa: E402
@@ -28,22 +29,23 @@ class GAPMonitorCallback(pl.Callback):
     """Runs GAPMonitor.begin_step/end_step around each optimizer step of a Lightning Trainer.
 
     Keyword arguments go to GAPMonitor (interval, params, grads, activations, activation_grads,
-    per_sample_grad_norms, ...). With `dump_dir`, a GradientDumper(**dump_kwargs) also writes
-    gradients there.
+    per_sample_grad_norms, ...), or `monitor_config` (a gapmon.MonitorConfig) gives them all. With
+    `dump_dir`, a GradientDumper(**dump_kwargs), or one with `dump_config`, also writes gradients there.
     """
 
-    def __init__(self, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None, **monitor_kwargs: Any):
+    def __init__(self, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
+                 monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
+                 **monitor_kwargs: Any):
         super().__init__()
-        self.monitor_kwargs = monitor_kwargs
-        self.dump_dir, self.dump_kwargs = dump_dir, dump_kwargs or {}
+        self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
+        self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
         self.monitor: GAPMonitor | None = None
         self.dumper: GradientDumper | None = None
         self.last_metrics: dict[str, float] = {}
 
     def on_fit_start(self, trainer, pl_module):
-        self.monitor = GAPMonitor(pl_module, **self.monitor_kwargs)
-        if self.dump_dir is not None:
-            self.dumper = GradientDumper(pl_module, self.dump_dir, **self.dump_kwargs)
+        self.monitor = make_monitor(pl_module, self.monitor_config, self.monitor_kwargs)
+        self.dumper = make_dumper(pl_module, self.dump_dir, self.dump_config, self.dump_kwargs)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % trainer.accumulate_grad_batches == 0:  # the first batch of an optimizer step

@@ -10,7 +10,13 @@ fused one-pass kernels, one collective per reduce kind, hooks that never change 
 they watch, activation checkpointing counted once. Metrics are recorded through the trainer's own
 `record_metric`; gradient dumps are written by GradientDumper under the run's save folder
 (`<save_folder>/gradients`, or the trainer's work_dir when the save folder is remote) — sampled
-mode when `dump_gradients_save_first_n` is set, else a distributed checkpoint (mode "full").
+mode when `dump_gradients_save_first_n` is set, else a distributed checkpoint (mode "full"), unless
+`dump_gradients_mode` says otherwise.
+
+gapmon's own options (which kinds to measure, per-sample norms, numerics, sinks, ...) are one field,
+`gapmon_config` (a gapmon.MonitorConfig; its schedule comes from `interval`); the dumper's
+(`dump_gradients_*`) map onto a gapmon.DumpConfig. `monitor_config()` and `dump_config()` show what
+the callback builds.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ require("olmo_core", "olmo", "ai2-olmo-core")
 
 from olmo_core.train.callbacks.callback import Callback  # noqa: E402
 
+from ..config import DumpConfig, MonitorConfig, Schedule  # noqa: E402
 from ..dump import GradientDumper  # noqa: E402
 from ..monitor import GAPMonitor  # noqa: E402
 
@@ -41,12 +48,11 @@ class GAPMonitorCallback(Callback):
     dump_gradients_end_step: Optional[int] = None
     dump_gradients_step_interval: int = 1
     dump_gradients_save_first_n: Optional[int] = None
-    # gapmon's own switches: which kinds to measure, and per-sample gradient norms.
-    params: bool = True
-    grads: bool = True
-    activations: bool = True
-    activation_grads: bool = True
-    per_sample_grad_norms: bool = False
+    # gapmon's own options: the dumper's mode (None: OLMo's rule above), its writes, and the monitor's.
+    dump_gradients_mode: Optional[str] = None
+    dump_gradients_async_write: bool = True
+    dump_gradients_timeout: float = 600.0
+    gapmon_config: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
 
     _monitor: Optional[GAPMonitor] = dataclasses.field(default=None, repr=False)
     _dumper: Optional[GradientDumper] = dataclasses.field(default=None, repr=False)
@@ -61,10 +67,32 @@ class GAPMonitorCallback(Callback):
             self.dump_gradients = False if self.dump_gradients is None else self.dump_gradients
             if not self.monitor and not self.dump_gradients:
                 raise ValueError("GAPMonitorCallback: enabled=True but monitor and dump_gradients are both False")
-        if self.enabled and self.dump_gradients:  # GradientDumper validates the rest with clear messages
-            if self.dump_gradients_save_first_n is not None and self.dump_gradients_save_first_n <= 0:
-                raise ValueError(f"GAPMonitorCallback: dump_gradients_save_first_n must be positive, "
-                                 f"got {self.dump_gradients_save_first_n}")
+        if self.enabled and self.monitor:
+            self.monitor_config()  # validated now, not when training starts
+        if self.enabled and self.dump_gradients:
+            self.dump_config()
+
+    def monitor_config(self) -> MonitorConfig:
+        """gapmon_config with the schedule of `interval` (or gapmon_config's own, when interval is left at 1)."""
+        config = self.gapmon_config
+        if not isinstance(config, MonitorConfig):
+            raise TypeError(f"GAPMonitorCallback: gapmon_config must be a gapmon.MonitorConfig, got {config!r}")
+        if self.interval != 1:
+            if config.schedule != Schedule():
+                raise ValueError("GAPMonitorCallback: give the monitor's schedule either as interval or as "
+                                 "gapmon_config.schedule, not both")
+            config = dataclasses.replace(config, schedule=Schedule(every=self.interval))
+        return config
+
+    def dump_config(self) -> DumpConfig:
+        """The dump_gradients_* fields as a gapmon.DumpConfig."""
+        mode = self.dump_gradients_mode
+        if mode is None:
+            mode = "sampled" if self.dump_gradients_save_first_n is not None else "full"
+        schedule = Schedule(every=self.dump_gradients_step_interval, start=self.dump_gradients_start_step,
+                            end=self.dump_gradients_end_step)
+        return DumpConfig(schedule=schedule, mode=mode, save_first_n=self.dump_gradients_save_first_n,
+                          async_write=self.dump_gradients_async_write, timeout=self.dump_gradients_timeout)
 
     @property
     def model(self) -> Any:
@@ -78,15 +106,9 @@ class GAPMonitorCallback(Callback):
         if not self.enabled:
             return
         if self.monitor:
-            self._monitor = GAPMonitor(self.model, interval=self.interval, params=self.params, grads=self.grads,
-                                       activations=self.activations, activation_grads=self.activation_grads,
-                                       per_sample_grad_norms=self.per_sample_grad_norms)
+            self._monitor = GAPMonitor.from_config(self.model, self.monitor_config())
         if self.dump_gradients:
-            sampled = self.dump_gradients_save_first_n is not None
-            self._dumper = GradientDumper(
-                self.model, self._dump_dir(), start_step=self.dump_gradients_start_step,
-                step_interval=self.dump_gradients_step_interval, end_step=self.dump_gradients_end_step,
-                mode="sampled" if sampled else "full", save_first_n=self.dump_gradients_save_first_n)
+            self._dumper = GradientDumper.from_config(self.model, self._dump_dir(), self.dump_config())
 
     def pre_step(self, batch: dict[str, Any]):
         if self._monitor is not None:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _torch_compat
+from ..config import PerSampleConfig
 from ..utils import clean_named, first_tensor, is_dtensor, name_cleaner
 from .batch_provenance import BatchTracker
 from .rules import Call, NormRule, rule_for, sketch, sketch_rows, why_no_rule
@@ -158,32 +159,33 @@ class PerSampleGradNorms:
     loss_reduction="mean" the loss is taken to be the mean of per-sample losses over each
     micro-batch (so the gradients are rescaled by the micro-batch size); with "sum", their sum.
     The accumulator restarts at the first forward pass after the norms were read, or on reset().
+    The options are validated once, into `self.config` (a gapmon.PerSampleConfig);
+    `PerSampleGradNorms.from_config(model, config)` takes one directly.
     """
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = False,
                  process_group: dist.ProcessGroup | None = None, bookkeeping: bool = False,
                  batch_dim: int = 0, batch_inputs: Sequence[int | str] | None = None):
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"PerSampleGradNorms: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._setup(model, PerSampleConfig(loss_reduction=loss_reduction, strict=strict, process_group=process_group,
+                                           bookkeeping=bookkeeping, batch_dim=batch_dim, batch_inputs=batch_inputs))
+
+    @classmethod
+    def from_config(cls, model: nn.Module, config: PerSampleConfig) -> "PerSampleGradNorms":
+        """Per-sample norms of `model` with the options of `config` (a gapmon.PerSampleConfig)."""
+        if not isinstance(config, PerSampleConfig):
+            raise TypeError(f"PerSampleGradNorms.from_config: config must be a gapmon.PerSampleConfig, "
+                            f"got {type(config).__name__}")
+        norms = cls.__new__(cls)
+        cls._setup(norms, model, config)
+        return norms
+
+    def _setup(self, model: nn.Module, config: PerSampleConfig) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleGradNorms: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(bookkeeping, bool):
-            raise TypeError(f"PerSampleGradNorms: bookkeeping must be True or False, got {bookkeeping!r}")
-        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
-            raise TypeError(f"PerSampleGradNorms: batch_dim must be a non-negative int, got {batch_dim!r}")
-        if batch_inputs is not None:
-            if isinstance(batch_inputs, (str, int)) or not all(
-                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in batch_inputs):
-                raise TypeError("PerSampleGradNorms: batch_inputs must be a sequence of argument names and positions "
-                                f"of the model's forward, e.g. ('input_ids', 1), got {batch_inputs!r}")
-            if not batch_inputs:
-                raise ValueError("PerSampleGradNorms: batch_inputs names no input; leave it None for the first one")
-        self.batch_dim = batch_dim
-        self.batch_inputs = None if batch_inputs is None else tuple(batch_inputs)
-        self.loss_reduction = loss_reduction
-        self.bookkeeping = bookkeeping
-        self.strict = strict
-        self._group = process_group
+        self.config = config
+        self.batch_dim, self.batch_inputs = config.batch_dim, config.batch_inputs
+        self.loss_reduction, self.bookkeeping, self.strict = config.loss_reduction, config.bookkeeping, config.strict
+        self._group = config.process_group
         owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
         clean_name = name_cleaner(model)
         names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
@@ -233,7 +235,7 @@ class PerSampleGradNorms:
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
-                                                 prepend=bookkeeping)
+                                                 prepend=config.bookkeeping)
                          for i, (_, m, _) in enumerate(self._layers)]
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)

@@ -1,0 +1,222 @@
+"""The options of GAPMonitor, PerSampleGradNorms and GradientDumper, each a frozen dataclass validated
+once, when it is made (as torchtitan's job config): the constructors' keyword arguments build them, and
+`from_config` takes one directly; the trainer integrations map their own fields onto them. Which steps
+the monitor measures and the dumper writes is one `Schedule`.
+
+    cfg = gapmon.MonitorConfig(schedule=gapmon.Schedule(every=10, start=100),
+                               per_sample=gapmon.PerSampleConfig(loss_reduction="sum"), numerics=("bf16",))
+    mon = gapmon.GAPMonitor.from_config(model, cfg)
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .numerics import check_formats
+from .sinks import Sink, as_sink
+
+
+def _int(value: Any, who: str, name: str, minimum: int) -> int:
+    """`value` as an int >= minimum (any integral number, never a bool or float), else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{who}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def _bool(value: Any, who: str, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{who}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def _set(obj: Any, **values: Any) -> None:
+    """Stores normalised values on a frozen dataclass, in its __post_init__."""
+    for key, value in values.items():
+        object.__setattr__(obj, key, value)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The steps that count: `start`, `start + every`, `start + 2·every`, ... up to `end` (inclusive;
+    None: no end). Shared by the monitor (which steps it measures) and the dumper (which it writes)."""
+
+    every: int = 1
+    start: int = 0
+    end: int | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, every=_int(self.every, "Schedule", "every (the interval)", 1),
+             start=_int(self.start, "Schedule", "start (the first step)", 0))
+        if self.end is not None:
+            _set(self, end=_int(self.end, "Schedule", "end (the last step)", 0))
+            if self.end < self.start:
+                raise ValueError(f"Schedule: end ({self.end}) is before start ({self.start})")
+
+    def includes(self, step: int) -> bool:
+        """Whether `step` (a non-negative int) is one of the schedule's steps."""
+        if step < self.start or (self.end is not None and step > self.end):
+            return False
+        return (step - self.start) % self.every == 0
+
+
+def _schedule(value: int | Schedule, who: str) -> Schedule:
+    """An interval (int) or a Schedule, as a Schedule."""
+    if isinstance(value, Schedule):
+        return value
+    try:
+        return Schedule(every=value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{who}: interval must be a positive int or a gapmon.Schedule, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class PerSampleConfig:
+    """Options of PerSampleGradNorms (see its docstring for what each means)."""
+
+    loss_reduction: str = "mean"
+    strict: bool = False
+    bookkeeping: bool = False
+    batch_dim: int = 0
+    batch_inputs: tuple[int | str, ...] | None = None
+    process_group: Any = None
+
+    def __post_init__(self) -> None:
+        who = "PerSampleGradNorms"
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"{who}: loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        _bool(self.strict, who, "strict")
+        _bool(self.bookkeeping, who, "bookkeeping")
+        _set(self, batch_dim=_int(self.batch_dim, who, "batch_dim", 0))
+        if self.batch_inputs is not None:
+            keys = self.batch_inputs
+            if isinstance(keys, (str, int)) or not all(
+                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in keys):
+                raise TypeError(f"{who}: batch_inputs must be a sequence of argument names and positions "
+                                f"of the model's forward, e.g. ('input_ids', 1), got {keys!r}")
+            if not keys:
+                raise ValueError(f"{who}: batch_inputs names no input; leave it None for the first one")
+            _set(self, batch_inputs=tuple(keys))
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Options of GAPMonitor (see its docstring for what each means). `per_sample`: None for no
+    per-sample gradient norms, else their options (its process_group defaults to the monitor's)."""
+
+    schedule: Schedule = Schedule()
+    params: bool = True
+    grads: bool = True
+    activations: bool = True
+    activation_grads: bool = True
+    per_sample: PerSampleConfig | None = None
+    sinks: tuple[Sink, ...] = ()
+    process_group: Any = None
+    correction: int = 1
+    numerics: tuple[str, ...] = ()
+    numerics_alert: float | None = None
+
+    def __post_init__(self) -> None:
+        who = "GAPMonitor"
+        _set(self, schedule=_schedule(self.schedule, who))
+        for key in ("params", "grads", "activations", "activation_grads"):
+            _bool(getattr(self, key), who, key)
+        if self.per_sample is not None and not isinstance(self.per_sample, PerSampleConfig):
+            raise TypeError(f"{who}: per_sample must be a gapmon.PerSampleConfig or None, got {self.per_sample!r}")
+        if not (self.params or self.grads or self.activations or self.activation_grads or self.per_sample):
+            raise ValueError(f"{who}: nothing to monitor; enable at least one of params, grads, activations, "
+                             "activation_grads, per_sample_grad_norms")
+        if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Sequence):
+            raise TypeError(f"{who}: sinks must be a list of sinks, got {self.sinks!r}")
+        _set(self, sinks=tuple(as_sink(s) for s in self.sinks))
+        try:
+            correction = _int(self.correction, who, "correction", 0)
+        except (TypeError, ValueError):
+            raise ValueError(f"{who}: correction must be a non-negative int (1: Bessel's correction), "
+                             f"got {self.correction!r}") from None
+        _set(self, correction=correction, numerics=check_formats(self.numerics))
+        alert = self.numerics_alert
+        if alert is not None and (isinstance(alert, bool) or not isinstance(alert, (int, float)) or not 0 <= alert <= 1):
+            raise ValueError(f"{who}: numerics_alert must be a share in [0, 1], got {alert!r}")
+        if alert is not None and not self.numerics:
+            raise ValueError(f"{who}: numerics_alert needs formats to watch: pass numerics=('bf16', ...) with it")
+
+
+MODES = ("shards", "full", "sampled")
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """Options of GradientDumper (see its docstring for what each means)."""
+
+    schedule: Schedule = Schedule()
+    mode: str = "shards"
+    save_first_n: int | None = None
+    async_write: bool = True
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        who = "GradientDumper"
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(f"{who}: schedule must be a gapmon.Schedule, got {self.schedule!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"{who}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "sampled":
+            if self.save_first_n is None:
+                raise ValueError(f"{who}: mode='sampled' needs a positive int save_first_n, got None")
+            try:
+                _set(self, save_first_n=_int(self.save_first_n, who, "save_first_n", 1))
+            except TypeError as e:
+                raise ValueError(str(e)) from None
+        elif self.save_first_n is not None:
+            raise ValueError(f"{who}: save_first_n only applies to mode='sampled'")
+        _bool(self.async_write, who, "async_write")
+        t = self.timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"{who}: timeout must be a positive number of seconds, got {t!r}")
+        _set(self, timeout=float(t))
+
+
+def dump_schedule(start_step: Any, step_interval: Any, end_step: Any) -> Schedule:
+    """GradientDumper's start_step/step_interval/end_step as a Schedule, errors named as its arguments."""
+    who = "GradientDumper"
+    start = _int(start_step, who, "start_step", 0)
+    try:
+        every = _int(step_interval, who, "step_interval", 1)
+    except ValueError:
+        raise ValueError(f"{who}: step_interval must be positive, got {step_interval}") from None
+    end = None if end_step is None else _int(end_step, who, "end_step", 0)
+    if end is not None and end < start:
+        raise ValueError(f"{who}: end_step ({end}) is before start_step ({start})")
+    return Schedule(every=every, start=start, end=end)
+
+
+def per_sample_option(per_sample_grad_norms: bool | PerSampleConfig, bookkeeping: bool,
+                      process_group: Any) -> PerSampleConfig | None:
+    """GAPMonitor's per_sample_grad_norms (True, False or a PerSampleConfig) and bookkeeping keywords
+    as its config's `per_sample`."""
+    who = "GAPMonitor"
+    _bool(bookkeeping, who, "bookkeeping")
+    if isinstance(per_sample_grad_norms, PerSampleConfig):
+        config = per_sample_grad_norms
+        return dataclasses.replace(config, bookkeeping=True) if bookkeeping else config
+    _bool(per_sample_grad_norms, who, "per_sample_grad_norms (or a gapmon.PerSampleConfig)")
+    if bookkeeping and not per_sample_grad_norms:
+        raise ValueError(f"{who}: bookkeeping=True is a way to compute per-sample gradient norms; "
+                         "pass per_sample_grad_norms=True with it")
+    return PerSampleConfig(bookkeeping=bookkeeping, process_group=process_group) if per_sample_grad_norms else None
+
+
+def field_names(config_type: type) -> list[str]:
+    """The fields of a config dataclass, nested configs as 'outer.inner' (what the tests enumerate)."""
+    out = []
+    nested = {"schedule": Schedule, "per_sample": PerSampleConfig}
+    for f in dataclasses.fields(config_type):
+        if f.name in nested:
+            out += [f"{f.name}.{n}" for n in field_names(nested[f.name])]
+        else:
+            out.append(f.name)
+    return out

@@ -1,0 +1,236 @@
+"""One config source: MonitorConfig, PerSampleConfig, DumpConfig and the Schedule they share are validated
+once, and every field is reachable from every entry point (the constructors' keywords, from_config, and the
+Hugging Face, Lightning and OLMo-core integrations)."""
+import dataclasses
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gapmon
+from gapmon import DumpConfig, MonitorConfig, PerSampleConfig, Schedule
+from gapmon.config import field_names
+
+GROUP = object()  # stands for a process group: the configs keep whatever they are given
+
+
+class _MemorySink(gapmon.Sink):
+    def write(self, step, metrics, info=None):
+        pass
+
+
+SINK = _MemorySink()
+
+# One non-default value per field (with what it needs), nested fields as "outer.inner": the tests below
+# fail when a field is added without a way to reach it.
+MONITOR_VALUES = {
+    "schedule.every": dict(schedule=Schedule(every=3)),
+    "schedule.start": dict(schedule=Schedule(start=2)),
+    "schedule.end": dict(schedule=Schedule(end=50)),
+    "params": dict(params=False),
+    "grads": dict(grads=False),
+    "activations": dict(activations=False),
+    "activation_grads": dict(activation_grads=False),
+    "per_sample.loss_reduction": dict(per_sample=PerSampleConfig(loss_reduction="sum")),
+    "per_sample.strict": dict(per_sample=PerSampleConfig(strict=True)),
+    "per_sample.bookkeeping": dict(per_sample=PerSampleConfig(bookkeeping=True)),
+    "per_sample.batch_dim": dict(per_sample=PerSampleConfig(batch_dim=1)),
+    "per_sample.batch_inputs": dict(per_sample=PerSampleConfig(batch_inputs=("input",))),
+    "per_sample.process_group": dict(per_sample=PerSampleConfig(process_group=GROUP)),
+    "sinks": dict(sinks=(SINK,)),
+    "process_group": dict(process_group=GROUP),
+    "correction": dict(correction=0),
+    "numerics": dict(numerics=("bf16", "fp8_e4m3")),
+    "numerics_alert": dict(numerics=("bf16",), numerics_alert=0.25),
+}
+DUMP_VALUES = {
+    "schedule.every": dict(schedule=Schedule(every=3)),
+    "schedule.start": dict(schedule=Schedule(start=2)),
+    "schedule.end": dict(schedule=Schedule(end=50)),
+    "mode": dict(mode="full"),
+    "save_first_n": dict(mode="sampled", save_first_n=4),
+    "async_write": dict(async_write=False),
+    "timeout": dict(timeout=5.0),
+}
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def test_every_field_has_a_value_to_try():
+    assert sorted(MONITOR_VALUES) == sorted(field_names(MonitorConfig))
+    assert sorted(DUMP_VALUES) == sorted(field_names(DumpConfig))
+    assert {f.name for f in dataclasses.fields(PerSampleConfig)} == {
+        k.split(".")[1] for k in MONITOR_VALUES if k.startswith("per_sample.")}
+
+
+def _monitor_keywords(c: MonitorConfig) -> dict:
+    """GAPMonitor's keyword arguments for config c."""
+    return dict(interval=c.schedule, params=c.params, grads=c.grads, activations=c.activations,
+                activation_grads=c.activation_grads, per_sample_grad_norms=c.per_sample or False,
+                sinks=list(c.sinks), process_group=c.process_group, correction=c.correction,
+                numerics=c.numerics, numerics_alert=c.numerics_alert)
+
+
+def _olmo_callback_class(monkeypatch):
+    """OLMo-core's callback class, with a stand-in for olmo_core where it is not installed."""
+    if "olmo_core" not in sys.modules:
+        try:
+            import olmo_core  # noqa: F401
+        except ImportError:
+            names = ["olmo_core", "olmo_core.train", "olmo_core.train.callbacks", "olmo_core.train.callbacks.callback"]
+            for name in names:
+                monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+            sys.modules[names[-1]].Callback = type("Callback", (), {})
+    monkeypatch.delitem(sys.modules, "gapmon.integrations.olmo", raising=False)
+    from gapmon.integrations.olmo import GAPMonitorCallback
+
+    return GAPMonitorCallback
+
+
+def _monitors(config: MonitorConfig, monkeypatch, tmp_path):
+    """(entry point, the GAPMonitor it built from `config`), for every entry point."""
+    from gapmon.integrations.huggingface import GAPMonitorTrainerCallback
+    from gapmon.integrations.lightning import GAPMonitorCallback as LightningCallback
+
+    model = _model()
+    yield "keywords", gapmon.GAPMonitor(model, **_monitor_keywords(config))
+    yield "from_config", gapmon.GAPMonitor.from_config(model, config)
+    for options in (dict(monitor_config=config), _monitor_keywords(config)):
+        hf = GAPMonitorTrainerCallback(SimpleNamespace(model=model), **options)
+        hf.on_train_begin(None, None, None, model=model)
+        yield "huggingface", hf.monitor
+        lightning = LightningCallback(**options)
+        lightning.on_fit_start(None, model)
+        yield "lightning", lightning.monitor
+    olmo = _olmo_callback_class(monkeypatch)(gapmon_config=config)
+    olmo.trainer = SimpleNamespace(train_module=SimpleNamespace(model=model), save_folder=str(tmp_path), work_dir=tmp_path)
+    olmo.pre_train()
+    yield "olmo", olmo._monitor
+
+
+@pytest.mark.parametrize("field", sorted(MONITOR_VALUES))
+def test_every_monitor_option_reaches_the_monitor_from_every_entry_point(field, monkeypatch, tmp_path):
+    config = MonitorConfig(**MONITOR_VALUES[field])
+    assert config != MonitorConfig()
+    seen = []
+    for entry, mon in _monitors(config, monkeypatch, tmp_path):
+        try:
+            assert mon.config == config, entry
+            if config.per_sample is not None:
+                expected = config.per_sample
+                if expected.process_group is None:  # the monitor's group by default
+                    expected = dataclasses.replace(expected, process_group=config.process_group)
+                assert mon.per_sample.config == expected, entry
+        finally:
+            mon.close()
+        seen.append(entry)
+    assert set(seen) == {"keywords", "from_config", "huggingface", "lightning", "olmo"}
+
+
+def test_the_olmo_interval_is_the_monitor_schedule(monkeypatch, tmp_path):
+    callback_class = _olmo_callback_class(monkeypatch)
+    assert callback_class(interval=4).monitor_config().schedule == Schedule(every=4)
+    with pytest.raises(ValueError, match="not both"):
+        callback_class(interval=4, gapmon_config=MonitorConfig(schedule=Schedule(every=2)))
+    with pytest.raises(ValueError, match="numerics_alert"):  # gapmon's own validation, at construction
+        callback_class(gapmon_config=MonitorConfig(numerics=("bf16",), numerics_alert=2.0))
+
+
+def _dumper_keywords(c: DumpConfig) -> dict:
+    return dict(start_step=c.schedule.start, step_interval=c.schedule.every, end_step=c.schedule.end, mode=c.mode,
+                save_first_n=c.save_first_n, async_write=c.async_write, timeout=c.timeout)
+
+
+@pytest.mark.parametrize("field", sorted(DUMP_VALUES))
+def test_every_dump_option_reaches_the_dumper_from_every_entry_point(field, monkeypatch, tmp_path):
+    from gapmon.integrations.huggingface import GAPMonitorTrainerCallback
+    from gapmon.integrations.lightning import GAPMonitorCallback as LightningCallback
+
+    config = DumpConfig(**DUMP_VALUES[field])
+    model = _model()
+    dumpers = {"keywords": gapmon.GradientDumper(model, tmp_path / "kw", **_dumper_keywords(config)),
+               "from_config": gapmon.GradientDumper.from_config(model, tmp_path / "cfg", config)}
+    for i, options in enumerate((dict(dump_config=config), dict(dump_kwargs=_dumper_keywords(config)))):
+        hf = GAPMonitorTrainerCallback(SimpleNamespace(model=model), dump_dir=tmp_path / f"hf{i}", **options)
+        hf.on_train_begin(None, None, None, model=model)
+        dumpers[f"huggingface{i}"] = hf.dumper
+        hf.monitor.close()
+        lightning = LightningCallback(dump_dir=tmp_path / f"pl{i}", **options)
+        lightning.on_fit_start(None, model)
+        dumpers[f"lightning{i}"] = lightning.dumper
+        lightning.monitor.close()
+    s = config.schedule
+    olmo = _olmo_callback_class(monkeypatch)(
+        monitor=False, dump_gradients=True, dump_gradients_start_step=s.start, dump_gradients_step_interval=s.every,
+        dump_gradients_end_step=s.end, dump_gradients_save_first_n=config.save_first_n, dump_gradients_mode=config.mode,
+        dump_gradients_async_write=config.async_write, dump_gradients_timeout=config.timeout)
+    olmo.trainer = SimpleNamespace(train_module=SimpleNamespace(model=model), save_folder=str(tmp_path / "olmo"),
+                                   work_dir=tmp_path)
+    olmo.pre_train()
+    dumpers["olmo"] = olmo._dumper
+    for entry, dumper in dumpers.items():
+        try:
+            assert dumper.config == config, entry
+        finally:
+            dumper.close()
+
+
+def test_options_are_given_one_way():
+    from gapmon.integrations.lightning import GAPMonitorCallback as LightningCallback
+
+    callback = LightningCallback(monitor_config=MonitorConfig(), interval=2)
+    with pytest.raises(TypeError, match="not both"):
+        callback.on_fit_start(None, _model())
+    callback = LightningCallback(dump_config=DumpConfig())
+    with pytest.raises(TypeError, match="without dump_dir"):
+        callback.on_fit_start(None, _model())
+    with pytest.raises(TypeError, match="MonitorConfig"):
+        gapmon.GAPMonitor.from_config(_model(), DumpConfig())
+
+
+@pytest.mark.parametrize("make, error", [
+    (lambda: Schedule(every=0), "every"),
+    (lambda: Schedule(every=2.0), "every"),
+    (lambda: Schedule(start=-1), "start"),
+    (lambda: Schedule(start=5, end=2), "before start"),
+    (lambda: MonitorConfig(correction=-1), "correction"),
+    (lambda: MonitorConfig(params=1), "params"),
+    (lambda: MonitorConfig(schedule=0), "interval"),
+    (lambda: MonitorConfig(per_sample=True), "PerSampleConfig"),
+    (lambda: MonitorConfig(sinks="metrics.jsonl"), "sinks"),
+    (lambda: MonitorConfig(numerics=("bf17",)), "unknown format"),
+    (lambda: PerSampleConfig(loss_reduction="max"), "loss_reduction"),
+    (lambda: PerSampleConfig(batch_inputs="x"), "batch_inputs"),
+    (lambda: PerSampleConfig(batch_dim=-1), "batch_dim"),
+    (lambda: DumpConfig(mode="everything"), "mode"),
+    (lambda: DumpConfig(mode="sampled"), "save_first_n"),
+    (lambda: DumpConfig(timeout=0), "timeout"),
+    (lambda: DumpConfig(schedule=3), "Schedule"),
+])
+def test_configs_are_validated_when_made(make, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        make()
+
+
+def test_configs_are_frozen_and_schedules_count_the_same_steps_everywhere(tmp_path):
+    config = MonitorConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.correction = 0
+    schedule = Schedule(every=3, start=2, end=11)
+    assert [s for s in range(20) if schedule.includes(s)] == [2, 5, 8, 11]
+    model = _model()
+    with gapmon.GAPMonitor(model, interval=schedule, sinks=[]) as mon, \
+            gapmon.GradientDumper(model, tmp_path, start_step=2, step_interval=3, end_step=11) as dumper:
+        assert dumper.config.schedule == schedule
+        measured = []
+        for step in range(20):
+            mon.begin_step(step, batch_size=2)
+            model(torch.randn(2, 4)).sum().backward()
+            if mon.end_step():
+                measured.append(step)
+        assert measured == [s for s in range(20) if dumper.should_dump(s)] == [2, 5, 8, 11]
