@@ -10,21 +10,12 @@ the monitor measures and the dumper writes is one `Schedule`.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .numerics import check_formats
 from .sinks import Sink, as_sink
-
-
-def _int(value: Any, who: str, name: str, minimum: int) -> int:
-    """`value` as an int >= minimum (any integral number, never a bool or float), else a clear error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{who}: {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value}")
-    return int(value)
+from .utils import check_int
 
 
 def _bool(value: Any, who: str, name: str) -> bool:
@@ -49,10 +40,10 @@ class Schedule:
     end: int | None = None
 
     def __post_init__(self) -> None:
-        _set(self, every=_int(self.every, "Schedule", "every (the interval)", 1),
-             start=_int(self.start, "Schedule", "start (the first step)", 0))
+        _set(self, every=check_int(self.every, "Schedule", "every (the interval)", 1),
+             start=check_int(self.start, "Schedule", "start (the first step)", 0))
         if self.end is not None:
-            _set(self, end=_int(self.end, "Schedule", "end (the last step)", 0))
+            _set(self, end=check_int(self.end, "Schedule", "end (the last step)", 0))
             if self.end < self.start:
                 raise ValueError(f"Schedule: end ({self.end}) is before start ({self.start})")
 
@@ -90,7 +81,7 @@ class PerSampleConfig:
             raise ValueError(f"{who}: loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         _bool(self.strict, who, "strict")
         _bool(self.bookkeeping, who, "bookkeeping")
-        _set(self, batch_dim=_int(self.batch_dim, who, "batch_dim", 0))
+        _set(self, batch_dim=check_int(self.batch_dim, who, "batch_dim", 0))
         if self.batch_inputs is not None:
             keys = self.batch_inputs
             if isinstance(keys, (str, int)) or not all(
@@ -133,7 +124,7 @@ class MonitorConfig:
             raise TypeError(f"{who}: sinks must be a list of sinks, got {self.sinks!r}")
         _set(self, sinks=tuple(as_sink(s) for s in self.sinks))
         try:
-            correction = _int(self.correction, who, "correction", 0)
+            correction = check_int(self.correction, who, "correction", 0)
         except (TypeError, ValueError):
             raise ValueError(f"{who}: correction must be a non-negative int (1: Bessel's correction), "
                              f"got {self.correction!r}") from None
@@ -168,7 +159,7 @@ class DumpConfig:
             if self.save_first_n is None:
                 raise ValueError(f"{who}: mode='sampled' needs a positive int save_first_n, got None")
             try:
-                _set(self, save_first_n=_int(self.save_first_n, who, "save_first_n", 1))
+                _set(self, save_first_n=check_int(self.save_first_n, who, "save_first_n", 1))
             except TypeError as e:
                 raise ValueError(str(e)) from None
         elif self.save_first_n is not None:
@@ -183,12 +174,12 @@ class DumpConfig:
 def dump_schedule(start_step: Any, step_interval: Any, end_step: Any) -> Schedule:
     """GradientDumper's start_step/step_interval/end_step as a Schedule, errors named as its arguments."""
     who = "GradientDumper"
-    start = _int(start_step, who, "start_step", 0)
+    start = check_int(start_step, who, "start_step", 0)
     try:
-        every = _int(step_interval, who, "step_interval", 1)
+        every = check_int(step_interval, who, "step_interval", 1)
     except ValueError:
         raise ValueError(f"{who}: step_interval must be positive, got {step_interval}") from None
-    end = None if end_step is None else _int(end_step, who, "end_step", 0)
+    end = None if end_step is None else check_int(end_step, who, "end_step", 0)
     if end is not None and end < start:
         raise ValueError(f"{who}: end_step ({end}) is before start_step ({start})")
     return Schedule(every=every, start=start, end=end)

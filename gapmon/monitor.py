@@ -39,7 +39,7 @@ from .metric_names import (
 from .numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram
 from .sinks import Sink
 from .stats import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
-from .utils import check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
+from .utils import check_int, check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
 
 logger = logging.getLogger("gapmon")
 
@@ -340,8 +340,8 @@ class GAPMonitor:
         step = check_step(step, "GAPMonitor.begin_step")
         if self._untraced_grad_hook is None:
             self._untraced_grad_hook = _untraced_grad_hook()
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
-            raise ValueError(f"GAPMonitor.begin_step: batch_size must be a non-negative int, got {batch_size!r}")
+        if batch_size is not None:
+            batch_size = check_int(batch_size, "GAPMonitor.begin_step", "batch_size")
         self._step = step
         self._active = self.config.schedule.includes(step)
         if self.per_sample is not None and self._active:

@@ -87,14 +87,20 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
+def check_int(value: Any, who: str, name: str, minimum: int = 0) -> int:
+    """`value` as an int >= minimum: any integral number (int, numpy.int64, a 0-dim integer tensor's
+    item), never a float or bool. Raises TypeError/ValueError naming `who` and `name`."""
+    wanted = "a non-negative integer" if minimum == 0 else f"an integer >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{who}: {name} must be {wanted}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{who}: {name} must be {wanted}, got {value}")
+    return int(value)
+
+
 def check_step(step: Any, who: str) -> int:
-    """`step` as an int: any non-negative integral number (int, numpy.int64, a 0-dim integer tensor's
-    item), never a float or bool. Raises TypeError/ValueError naming `who` (e.g. "GradientDumper.maybe_dump")."""
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"{who}: step must be a non-negative integer, got {step!r} ({type(step).__name__})")
-    if step < 0:
-        raise ValueError(f"{who}: step must be a non-negative integer, got {step}")
-    return int(step)
+    """`step` as a non-negative int (see check_int), errors naming `who` (e.g. "GradientDumper.maybe_dump")."""
+    return check_int(step, who, "step")
 
 
 def refuse_complex(params: list[tuple[str, torch.Tensor]], who: str, advice: str) -> None:
