@@ -188,3 +188,17 @@ def test_float64_input_keeps_its_precision():
     x = torch.tensor([1.0 + 2**-40, 1.0], dtype=torch.float64)
     s = gapmon.tensor_stats(x)
     assert s.max_abs.item() == 1.0 + 2**-40 and s.mean.item() == 1.0 + 2**-41
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_pattern(cpu_isa, dtype):
+    """All 65,536 bit patterns of a 16-bit float through each load path (F16C on AVX2/AVX-512, the bit
+    manipulation of the baseline, bfloat16's paired load): the finite ones match float64, shuffled so
+    that every value visits every lane; the non-finite ones are counted."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = bits[torch.isfinite(bits)]
+    finite = finite[torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(0))]
+    assert_stats_match(gapmon.tensor_stats(finite), float64_stats(finite), where=f"{cpu_isa}/{dtype}/finite patterns")
+    s = gapmon.tensor_stats(bits)
+    assert s.nonfinite.item() == (~torch.isfinite(bits)).sum().item()
+    assert s.zeros.item() == 2  # +0 and -0
