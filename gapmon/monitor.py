@@ -250,7 +250,8 @@ class GAPMonitor:
         # provided it is unchanged (same version counter: an in-place ReLU after a Linear is not).
         self._last_output: tuple[weakref.ref, int, int] | None = None
         self._aliases: dict[int, int] = {}  # module index -> the module whose statistics it shares
-        self._act_numerics: dict[tuple[int, int], list[torch.Tensor]] = {}  # (kind, module) -> numerics rows
+        self._num_acc: torch.Tensor | None = None  # [2M, C] numerics rows of the activations, then their gradients
+        self._num_rows: list[torch.Tensor] = []  # one-row views of it, one per (kind, module)
         self.nonfinite_report: dict[str, Any] = {}
         self.closed = False
 
@@ -275,7 +276,7 @@ class GAPMonitor:
         recomputing = not torch.compiler.is_compiling() and _torch_compat.in_backward()
         if self._kinds["activations"] and not recomputing:
             self._fold(out, index, 0)
-            if self.numerics and not torch.compiler.is_compiling():
+            if self.numerics:
                 self._numerics_row(out, index, 0)
         if self._kinds["activation_grads"] and out.requires_grad:
             hook = self._grad_hook
@@ -286,15 +287,18 @@ class GAPMonitor:
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         if self._active and grad is not None and grad.dim() > 1 and grad.numel() > 0:
             self._fold(grad, index, 1)
-            if self.numerics and not torch.compiler.is_compiling():
+            if self.numerics:
                 self._numerics_row(grad, index, 1)
 
     def _numerics_row(self, x: torch.Tensor, index: int, kind: int) -> None:
-        """Keeps the numerics row of one activation (kind 0) or activation gradient (1) of module
-        `index`; end_step merges a module's rows over micro-batches and ranks."""
+        """Merges the numerics row of one activation (kind 0) or activation gradient (1) of module
+        `index` into its row of the step's table, in place (micro-batches in order; end_step merges
+        the ranks). Only tensor ops and gapmon ops on a preallocated row: torch.compile traces it
+        into the graph, as the statistics."""
         if is_dtensor(x):
             x = x.to_local()
-        self._act_numerics.setdefault((kind, index), []).append(numerics_states([x.detach()]))
+        row = self._num_rows[kind * len(self._modules) + index]
+        row.copy_(merge_numerics_states(torch.stack((row, numerics_states([x.detach()]).to(row.device)))))
 
     def _fold(self, x: torch.Tensor, index: int, kind: int) -> None:
         if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
@@ -331,6 +335,11 @@ class GAPMonitor:
         self._acc = acc
         m = len(self._modules)
         self._grad_rows = [] if acc is None else [acc[m + i: m + i + 1] for i in range(m)]
+        self._num_acc = None
+        if acc is not None and self.numerics:  # the numerics rows live beside the statistics
+            with torch.inference_mode(False):
+                self._num_acc = torch.zeros(2 * m, len(NUMERICS_COLUMNS), dtype=torch.float64, device=acc.device)
+        self._num_rows = [] if self._num_acc is None else [self._num_acc[i: i + 1] for i in range(2 * m)]
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, step: int, batch_size: int | None = None) -> None:
@@ -357,10 +366,11 @@ class GAPMonitor:
             self._set_acc(self._new_acc(device, None))
         if self._acc is not None:
             self._acc.zero_()
+        if self._num_acc is not None:
+            self._num_acc.zero_()
         self._first_seen = [[-1] * len(self._modules), [-1] * len(self._modules)]
         self._order = [0, 0]
         self._last_output, self._aliases = None, {}
-        self._act_numerics = {}
 
     def add_samples(self, n: int) -> None:
         """Counts `n` more samples of this rank in the current step, for loops that learn the batch
@@ -545,9 +555,8 @@ class GAPMonitor:
         m = len(self._modules)
         if not kinds or not m:
             return [], torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64, device=device)
-        table = torch.zeros(2 * m, len(NUMERICS_COLUMNS), dtype=torch.float64, device=device)
-        for (kind, index), rows in self._act_numerics.items():
-            table[kind * m + index] = merge_numerics_states(torch.stack(rows).to(device))[0]
+        table = (self._num_acc.to(device) if self._num_acc is not None
+                 else torch.zeros(2 * m, len(NUMERICS_COLUMNS), dtype=torch.float64, device=device))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
             parts = [torch.empty_like(table) for _ in range(dist.get_world_size(self._group))]
             dist.all_gather(parts, table, group=self._group)

@@ -74,7 +74,11 @@ def check_states(states, dims: int, op: str) -> None:
 def check_tensor_list(xs: list, op: str) -> set[type]:
     """check_tensor and check_same_device over a list, in one pass that reads each tensor's type,
     dtype, layout and device once (the per-tensor checks, with their messages, run only when
-    something is off). Returns the tensor types seen (to spot DTensors without another pass)."""
+    something is off). Returns the tensor types seen (to spot DTensors without another pass). While
+    torch.compile traces (a monitor's hooks) nothing is read: the ops check their inputs themselves,
+    and a traced backward hook may not read a tensor's layout (a graph break)."""
+    if torch.compiler.is_compiling():
+        return {type(x) for x in xs}
     try:
         kinds = {(type(x), x.dtype, x.layout, x.device) for x in xs}
     except AttributeError:  # not a tensor: the per-tensor check names it

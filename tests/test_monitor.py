@@ -256,13 +256,14 @@ def test_module_outputs_tuple_dict_and_scalars():
 
 
 def test_monitor_under_torch_compile():
-    """Hooks on a torch.compile'd model give the eager metrics, without recompiling every step."""
+    """Hooks on a torch.compile'd model give the eager metrics, activation numerics included, without
+    recompiling every step and without graph breaks in the hooks."""
     import torch._dynamo
 
     torch._dynamo.reset()  # no dynamic shapes marked by earlier tests' compilations
     model = _model()
     x, y = synthetic_batch(CFG, 4, 0)
-    with gapmon.GAPMonitor(model, sinks=[]) as mon:
+    with gapmon.GAPMonitor(model, sinks=[], numerics=("bf16",)) as mon:
         mon.begin_step(0, batch_size=4)
         _train_step(model, [(x, y)])
         want = mon.end_step()
@@ -276,10 +277,12 @@ def test_monitor_under_torch_compile():
             got = mon.end_step()
             model.zero_grad()
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert "gap/activations/blocks.0.mlp.up/kurtosis" in got and "gap/activation_grads/blocks.0.mlp.up/bf16_underflow" in got
     assert_metrics_close(got, want, rtol=1e-4, atol=1e-6)
     assert graphs[0] == graphs[-1], graphs  # compiled once, not every step
     if not hasattr(torch._dynamo.external_utils, "_ApplyBackwardHook"):  # torch 2.11 splits it per module
         assert graphs[0] <= 4, graphs
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
 @pytest.mark.slow
