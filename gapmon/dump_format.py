@@ -241,6 +241,17 @@ class ShardRecord:
         return replica
 
 
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in file `path` (`what` it holds, for the message); DumpCorruptError otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DumpCorruptError(f"{path} is corrupt: {e}") from e
+    if not isinstance(value, dict):
+        raise DumpCorruptError(f"{path} is corrupt: expected a JSON object ({what}), got {type(value).__name__}")
+    return value
+
+
 def full_index(shapes_and_dtypes: dict[str, tuple[list[int], torch.dtype]]) -> dict[str, Any]:
     """full_index.json's content: each gradient's shape and dtype (what the reader allocates before
     loading the distributed checkpoint into it)."""
@@ -252,12 +263,7 @@ def read_full_index(path: Path) -> dict[str, tuple[list[int], torch.dtype]]:
     missing, not JSON or malformed."""
     if not path.is_file():
         raise DumpMissingError(f"{path} is missing: the step's gradient shapes and dtypes are unknown")
-    try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DumpCorruptError(f"{path} is not valid JSON ({e}); the file is damaged") from None
-    if not isinstance(index, dict):
-        raise DumpCorruptError(f"{path}: expected a JSON object of gradient names, got {type(index).__name__}")
+    index = read_json_object(path, "gradient names with their shapes and dtypes")
     out = {}
     for name, info in index.items():
         if not isinstance(info, dict) or not _is_int_list(info.get("shape")):

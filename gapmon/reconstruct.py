@@ -37,6 +37,7 @@ from .dump_format import (
     is_count,
     rank_file,
     read_full_index,
+    read_json_object,
     step_dir,
     step_of,
     tensor_crc32,
@@ -75,16 +76,6 @@ def _listed_files(record: dict[str, Any]) -> list[str]:
     return list(files) if isinstance(files, (dict, list)) else []
 
 
-def _read_json_object(path: Path, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DumpCorruptError(f"{path} is corrupt: {e}") from e
-    if not isinstance(value, dict):
-        raise DumpCorruptError(f"{path} is corrupt: expected a JSON object ({what}), got {type(value).__name__}")
-    return value
-
-
 def _world_size(value: Any, path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_WORLD:
         raise DumpCorruptError(f"{path}: field 'world_size' must be an int between 1 and {_MAX_WORLD}, got {value!r}")
@@ -100,7 +91,7 @@ def read_config(grad_dir: str | Path) -> dict[str, Any]:
     path = grad_dir / CONFIG
     if not path.exists():
         raise DumpMissingError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
-    config = _read_json_object(path, "the dump's configuration")
+    config = read_json_object(path, "the dump's configuration")
     check_version(config, path)
     _world_size(config.get("world_size", 1), path)
     return config
@@ -109,7 +100,7 @@ def read_config(grad_dir: str | Path) -> dict[str, Any]:
 def read_complete(directory: Path) -> dict[str, Any]:
     """The validated COMPLETE record of a step directory."""
     path = directory / COMPLETE
-    record = _read_json_object(path, "the step's completion record")
+    record = read_json_object(path, "the step's completion record")
     check_version(record, path)
     check_sealed(record, path)
     files = record.get("files", [])
