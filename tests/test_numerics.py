@@ -366,3 +366,18 @@ def test_every_16_bit_pattern_against_the_reference(dtype):
     d = finite.double()
     assert abs(got[mean] - want[mean]) <= 1e-12 * d.abs().max()
     assert abs(got[m3] - want[m3]) <= 1e-12 * (d.abs() ** 3).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_zeros_subnormals_and_non_finite_values_in_scattered_blocks(dtype):
+    """Zero, subnormal, Inf and NaN values in some blocks and chunks of a long tensor and not in others
+    (the CPU kernel tells zeros from subnormals and Inf from NaN only in blocks whose exponent-0 or
+    exponent-255 counts grew): bins equal the reference exactly."""
+    torch.manual_seed(3)
+    x = torch.randn(300_000).to(dtype)
+    tiny = torch.finfo(dtype).tiny / 4  # a subnormal of the dtype
+    for at, value in ((5, 0.0), (1030, tiny), (2047, -0.0), (2048, tiny), (70_000, float("nan")),
+                      (70_001, float("inf")), (140_000, -float("inf")), (200_000, tiny), (299_999, 0.0)):
+        x[at] = value
+    got, want = gapmon.numerics_states([x])[0], reference.numerics_states([x])[0]
+    assert torch.equal(got[:nm.NUM_BINS], want[:nm.NUM_BINS])
