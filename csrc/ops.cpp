@@ -67,6 +67,8 @@ TORCH_LIBRARY(gapmon, m) {
   // count, mean and the central moments M2, M3, M4, all float64; mergeable across pieces of a tensor.
   m.def("numerics_states(Tensor[] xs) -> Tensor");
   m.def("merge_numerics_states(Tensor states) -> Tensor");
+  // Both of the above in one pass over memory: (multi_tensor_states(xs), numerics_states(xs)).
+  m.def("multi_tensor_states_and_numerics(Tensor[] xs) -> (Tensor, Tensor)");
   m.def("_cpu_isa(str request) -> str", &cpu_isa);
   m.def("_layout() -> str[]", &layout);
 }
@@ -77,7 +79,7 @@ TORCH_LIBRARY(gapmon, m) {
 TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
   for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
                          "finalize_states", "accumulate_instance_stats", "numerics_states",
-                         "merge_numerics_states"}) {
+                         "merge_numerics_states", "multi_tensor_states_and_numerics"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

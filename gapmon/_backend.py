@@ -116,6 +116,11 @@ if COMPILED:
     def _(states):
         return states.new_empty((states.shape[1], states.shape[2]), dtype=torch.float64)
 
+    @torch.library.register_fake(f"{_LIB}::multi_tensor_states_and_numerics")
+    def _(xs):
+        return (xs[0].new_empty((len(xs), len(STATE_NAMES)), dtype=torch.float64),
+                xs[0].new_empty((len(xs), len(NUMERICS_COLUMNS)), dtype=torch.float64))
+
 
 # ------------------------------------------------------------------ statistics of local tensors
 # The host cost of a small call counts (SPEC: at most 1.5x that of x.sum()): a plain tensor on a
@@ -193,6 +198,25 @@ def numerics_rows(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     if not xs or not _compiled_for(xs[0].device):
         return reference.numerics_states(xs)
     return torch.ops.gapmon.numerics_states(xs)
+
+
+def states_and_numerics_rows(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, 7 + C] float64: the mergeable states and the numerics rows of N local tensors on one
+    device, side by side. The CPU build reads each tensor once for both (the same bits as the two
+    ops); elsewhere (CUDA for now, the fallback) the two ops run one after the other."""
+    xs = list(xs)
+    check_tensor_list(xs, "multi_tensor_states_and_numerics")
+    if xs and xs[0].device.type == "cpu" and _compiled_for(xs[0].device):
+        states, numerics = torch.ops.gapmon.multi_tensor_states_and_numerics(xs)
+    else:
+        states, numerics = multi_states(xs), numerics_rows(xs)
+    return torch.cat((states, numerics.to(states.device)), dim=1)
+
+
+def merge_states_and_numerics_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Merges [R, N, 7 + C] rows of states_and_numerics_rows over R (in order) into [N, 7 + C]."""
+    k = len(STATE_NAMES)
+    return torch.cat((merge_states(rows[..., :k].contiguous()), merge_numerics_rows(rows[..., k:].contiguous())), dim=-1)
 
 
 def merge_numerics_rows(states: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from .metric_names import (
     parse_metric_name,
     per_sample_norm_name,
 )
-from .numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram
+from .numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram, states_and_numerics
 from .sinks import Sink
 from .stats import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
 from .utils import check_int, check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
@@ -413,8 +413,12 @@ class GAPMonitor:
             tensors += [t for _, t, _ in with_grad]
             groups += [g for _, _, g in with_grad]
         device = tensors[0].device if tensors else (self._acc.device if self._acc is not None else torch.device("cpu"))
+        numerics_rows = None  # of the parameters and gradients, when taken in the statistics' pass
         if not tensors:
             rows = torch.empty(0, _ROW, device=device)
+        elif self.numerics and not any(t.is_sparse for t in tensors):  # one pass (on CPU) and one collective for both
+            states, numerics_rows = states_and_numerics(tensors, groups)
+            rows = ops.finalize_rows(states, self.correction)
         elif any(g is not None for g in groups):  # FSDP1 flat shards: merge pieces over their groups
             rows = ops.finalize_rows(dtensor_multi_states(tensors, groups), self.correction)
         else:
@@ -449,7 +453,7 @@ class GAPMonitor:
         if self.per_sample is not None:
             out.add("per_sample_sums", sums.of(sums_t, "per_sample"))
             out.add("per_sample_maxes", maxes.of(maxes_t, "per_sample"))
-        numerics = self._numerics_on_device(names, tensors, groups, out) if self.numerics else None
+        numerics = self._numerics_on_device(names, tensors, groups, out, numerics_rows) if self.numerics else None
         host = out.cat().cpu().tolist()  # the one device-to-host copy
 
         rows_at = tuple((kind, name, out.start("rows") + i * _ROW) for i, (kind, name) in enumerate(names))
@@ -500,13 +504,16 @@ class GAPMonitor:
                             metrics[metric_name(kind, self._modules[index][0], field)] = metrics[key]
         return metrics, info
 
-    def _numerics_on_device(self, names, tensors, groups, out: _Segments) -> tuple[list, list[str], list[str]]:
-        """Kurtosis and per-format shares of the parameters and gradients (one more pass over them) and
-        of the monitored activations and activation gradients (a pass in their hooks), and exponent
-        histograms per kind and layer type, added to `out` for end_step's one copy. Returns what
-        _add_numerics needs to read them: (row names, field names, histogram groups)."""
-        dense = [t.to_dense() if t.is_sparse else t for t in tensors]
-        rows = numerics_states(dense, groups)  # FSDP1 flat shards: pieces merged over their groups
+    def _numerics_on_device(self, names, tensors, groups, out: _Segments,
+                            rows: torch.Tensor | None) -> tuple[list, list[str], list[str]]:
+        """Kurtosis and per-format shares of the parameters and gradients (`rows`, taken in the
+        statistics' pass; else one more pass over them) and of the monitored activations and
+        activation gradients (a pass in their hooks), and exponent histograms per kind and layer type,
+        added to `out` for end_step's one copy. Returns what _add_numerics needs to read them: (row
+        names, field names, histogram groups)."""
+        if rows is None:  # sparse gradients: numerics of their dense form
+            dense = [t.to_dense() if t.is_sparse else t for t in tensors]
+            rows = numerics_states(dense, groups)  # FSDP1 flat shards: pieces merged over their groups
         act_names, act_rows = self._activation_numerics(out.device)  # where the collectives run (NCCL: the GPU)
         names, rows = [*names, *act_names], torch.cat([rows.to(out.device), act_rows])
         result = numerics_from_rows(rows, self.numerics)

@@ -31,7 +31,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import _backend, distributed
-from .stats import BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, check_tensor_list  # noqa: F401
+from .stats import BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
 from .utils import is_dtensor_type
 
 _FIRST_EXP = 2  # column of bin e = EXP_MIN
@@ -77,6 +77,24 @@ def numerics_states(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = N
         return distributed.dtensor_multi_states(xs, flat_groups, local_states=_backend.numerics_rows,
                                                 merge=_backend.merge_numerics_rows)
     return _backend.numerics_rows(xs)
+
+
+def states_and_numerics(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(statistics states [N, 7], numerics rows [N, C]) of N tensors, as multi_tensor_states and
+    numerics_states give them, in one pass over each tensor on CPU (each chunk's numerics are taken
+    while it is in cache; CUDA still runs two). DTensors and FSDP1 flat pieces are merged over their
+    groups with one collective for both."""
+    xs = list(xs)
+    width = len(STATE_NAMES)
+    if not xs:
+        return torch.empty(0, width, dtype=torch.float64), torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
+    kinds = check_tensor_list(xs, "states_and_numerics")
+    if any(is_dtensor_type(kind) for kind in kinds) or any(g is not None for g in flat_groups or ()):
+        rows = distributed.dtensor_multi_states(xs, flat_groups, local_states=_backend.states_and_numerics_rows,
+                                                merge=_backend.merge_states_and_numerics_rows)
+    else:
+        rows = _backend.states_and_numerics_rows(xs)
+    return rows[:, :width].contiguous(), rows[:, width:].contiguous()
 
 
 def merge_numerics_states(states: torch.Tensor) -> torch.Tensor:

@@ -381,3 +381,43 @@ def test_zeros_subnormals_and_non_finite_values_in_scattered_blocks(dtype):
         x[at] = value
     got, want = gapmon.numerics_states([x])[0], reference.numerics_states([x])[0]
     assert torch.equal(got[:nm.NUM_BINS], want[:nm.NUM_BINS])
+
+
+def test_states_and_numerics_in_one_pass_equal_the_two_ops():
+    """states_and_numerics (one pass on CPU) gives the bits of multi_tensor_states and numerics_states,
+    over dtypes, layouts, empty and expanded tensors, one and many chunks."""
+    torch.manual_seed(0)
+    xs = [torch.randn(300_001) * 3 + 1, torch.randn(7, 5).t(), torch.randn(3).bfloat16(), torch.empty(0),
+          torch.randn(2, 1).expand(2, 9), torch.randn(70_000).half(), torch.randn(4, 6).double()[:, ::2]]
+    xs[0][17] = float("nan")
+    states, rows = nm.states_and_numerics(xs)
+    torch.testing.assert_close(states, gapmon.multi_tensor_states(xs), rtol=0, atol=0, equal_nan=True)  # the same bits
+    torch.testing.assert_close(rows, gapmon.numerics_states(xs), rtol=0, atol=0, equal_nan=True)
+    empty = nm.states_and_numerics([])
+    assert empty[0].shape == (0, len(gapmon.stats.STATE_NAMES)) and empty[1].shape == (0, len(nm.NUMERICS_COLUMNS))
+
+
+def test_monitor_takes_parameter_numerics_in_the_statistics_pass(monkeypatch):
+    """With numerics on, the parameters and gradients are read once for both (no separate statistics
+    op over them), and the metrics are those of the separate ops."""
+    from gapmon import _backend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(5, 6)
+    calls = {"fused": 0, "rows": 0}
+    fused, rows = _backend.states_and_numerics_rows, _backend.multi_rows
+    monkeypatch.setattr(_backend, "states_and_numerics_rows", lambda xs: (calls.__setitem__("fused", calls["fused"] + 1), fused(xs))[1])
+    monkeypatch.setattr(_backend, "multi_rows", lambda *a, **k: (calls.__setitem__("rows", calls["rows"] + 1), rows(*a, **k))[1])
+    with gapmon.GAPMonitor(model, numerics=("bf16",), activations=False, activation_grads=False) as mon:
+        mon.begin_step(0, batch_size=5)
+        model(x).sum().backward()
+        metrics = mon.end_step()
+    assert calls == {"fused": 1, "rows": 0}
+    tensors = [p.detach() for p in model.parameters()] + [p.grad for p in model.parameters()]
+    want = gapmon.multi_tensor_stats(tensors)
+    assert metrics["gap/grads/2.weight/norm"] == want.norm[6].item()
+    assert metrics["gap/params/0.weight/max"] == want.max_abs[0].item()
+    d = model[2].weight.grad.double().flatten()
+    d = d - d.mean()
+    assert metrics["gap/grads/2.weight/kurtosis"] == pytest.approx((d.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item())

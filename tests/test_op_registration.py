@@ -28,6 +28,7 @@ def _samples():
         (torch.ops.gapmon.embedding_norm_sq.default, (torch.randint(0, 4, (2, 5)), torch.randn(2, 5, 3), 0, 2)),
         (torch.ops.gapmon.direct_norm_sq_and_grad.default, (torch.randn(3, 5, 4), torch.randn(3, 5, 2), 16)),
         (torch.ops.gapmon.numerics_states.default, ([x, torch.randn(4).bfloat16()],)),
+        (torch.ops.gapmon.multi_tensor_states_and_numerics.default, ([x, torch.randn(4).bfloat16()],)),
         (torch.ops.gapmon.merge_numerics_states.default, (torch.ops.gapmon.numerics_states([x, x]).unsqueeze(0).repeat(2, 1, 1),)),
     ]
 

@@ -17,6 +17,7 @@
 
 #include "../core/numerics.h"
 #include "../tensor_views.h"
+#include "stats_cpu.h"
 
 namespace gapmon {
 namespace {
@@ -310,12 +311,32 @@ ChunkNumerics chunk_numerics_of(const core::StridedView& v, int64_t lo, int64_t 
 }
 
 // [N, kNumNumericsColumns] float64 rows: bins (exact integers below 2^53), then the moments.
+// The numerics rows of `views` from their chunks' results (in chunk order: deterministic moments).
+at::Tensor numerics_rows_of(const std::vector<core::StridedView>& views, const std::vector<ChunkNumerics>& chunks) {
+  const int64_t num_views = static_cast<int64_t>(views.size());
+  at::Tensor out = at::zeros({num_views, core::kNumNumericsColumns}, at::kDouble);
+  double* rows = out.data_ptr<double>();
+  for (int64_t i = 0; i < num_views; ++i) {
+    const core::StridedView& v = views[i];
+    double* row = rows + v.out_row * core::kNumNumericsColumns;
+    std::array<int64_t, core::kNumBins> bins{};
+    Moments m;
+    for (int64_t k = 0; k < v.chunks_per_item; ++k) {
+      const ChunkNumerics& c = chunks[v.first_chunk + k];
+      for (int b = 0; b < core::kNumBins; ++b) bins[b] += c.bins[b];
+      m = core::merge(m, c.moments);
+    }
+    for (int b = 0; b < core::kNumBins; ++b) row[b] = static_cast<double>(bins[b] * v.repeat);
+    core::store_moments(core::repeat(m, static_cast<double>(v.repeat)), row);
+  }
+  return out;
+}
+
 at::Tensor numerics_states_cpu(at::TensorList xs) {
   std::vector<at::Tensor> keep_alive;
   auto views = views_of(xs, "numerics_states", keep_alive);
   const int64_t num_views = static_cast<int64_t>(views.size());
-  at::Tensor out = at::zeros({num_views, core::kNumNumericsColumns}, at::kDouble);
-  if (num_views == 0) return out;
+  if (num_views == 0) return at::zeros({0, core::kNumNumericsColumns}, at::kDouble);
   const int64_t total_chunks = core::plan_chunks(views.data(), num_views);
   std::vector<ChunkNumerics> chunks(total_chunks);
   at::parallel_for(0, total_chunks, 1, [&](int64_t begin, int64_t end) {
@@ -328,21 +349,24 @@ at::Tensor numerics_states_cpu(at::TensorList xs) {
       if (lo < hi) chunks[c] = chunk_numerics_of(v, lo, hi);
     }
   });
-  double* rows = out.data_ptr<double>();
-  for (int64_t i = 0; i < num_views; ++i) {
-    const core::StridedView& v = views[i];
-    double* row = rows + v.out_row * core::kNumNumericsColumns;
-    std::array<int64_t, core::kNumBins> bins{};
-    Moments m;
-    for (int64_t k = 0; k < v.chunks_per_item; ++k) {  // chunk order: deterministic moments
-      const ChunkNumerics& c = chunks[v.first_chunk + k];
-      for (int b = 0; b < core::kNumBins; ++b) bins[b] += c.bins[b];
-      m = core::merge(m, c.moments);
-    }
-    for (int b = 0; b < core::kNumBins; ++b) row[b] = static_cast<double>(bins[b] * v.repeat);
-    core::store_moments(core::repeat(m, static_cast<double>(v.repeat)), row);
+  return numerics_rows_of(views, chunks);
+}
+
+// The statistics states and the numerics rows of xs in one pass over memory: each chunk's numerics
+// are taken right after its state, while the chunk is in cache. The same bits as
+// multi_tensor_states and numerics_states.
+std::tuple<at::Tensor, at::Tensor> multi_tensor_states_and_numerics_cpu(at::TensorList xs) {
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, "multi_tensor_states_and_numerics", keep_alive);
+  const int64_t num_views = static_cast<int64_t>(views.size());
+  if (num_views == 0) {
+    return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, core::kNumNumericsColumns}, at::kDouble)};
   }
-  return out;
+  std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), num_views));
+  const auto states = compute_states(views, num_views, [&](const core::StridedView& v, int64_t c, int64_t lo, int64_t hi) {
+    if (lo < hi) chunks[c] = chunk_numerics_of(v, lo, hi);
+  });
+  return {states_to_tensor(states), numerics_rows_of(views, chunks)};
 }
 
 // [R, N, kNumNumericsColumns] rows (R partial results of N tensors) -> [N, ...], merged in order.
@@ -370,6 +394,7 @@ at::Tensor merge_numerics_states_cpu(const at::Tensor& states) {
 
 TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
   m.impl("numerics_states", &numerics_states_cpu);
+  m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);
   m.impl("merge_numerics_states", &merge_numerics_states_cpu);
 }
 

@@ -8,18 +8,19 @@
 
 #include "../core/stats_state.h"
 #include "../tensor_views.h"
+#include "stats_cpu.h"
 #include "stats_kernels.h"
 
 namespace gapmon {
-namespace {
 
 using core::State;
 
+namespace {
 // Below this many elements in total, one thread does all the work (no parallel region).
 constexpr int64_t kSerialElems = int64_t(1) << 15;
+}  // namespace
 
-// States of every item of every view, in output-row order: out[v.out_row + item].
-std::vector<State<double>> compute_states(std::vector<core::StridedView>& views, int64_t rows) {
+std::vector<State<double>> compute_states(std::vector<core::StridedView>& views, int64_t rows, const ChunkHook& hook) {
   std::vector<State<double>> out(rows);
   const int64_t num_views = static_cast<int64_t>(views.size());
   if (num_views == 0) return out;
@@ -49,6 +50,7 @@ std::vector<State<double>> compute_states(std::vector<core::StridedView>& views,
       const int64_t lo = (local % v.chunks_per_item) * core::kChunkElems;
       const int64_t hi = std::min(lo + core::kChunkElems, v.item_numel);
       const State<double> s = cpu::chunk_state(v, item, lo, hi);
+      if (hook && v.items == 1) hook(v, c, lo, hi);
       if (v.chunks_per_item == 1) {
         out[v.out_row + item] = core::repeat(s, static_cast<double>(v.repeat));
       } else {
@@ -79,6 +81,8 @@ at::Tensor states_to_tensor(const std::vector<State<double>>& states) {
   }
   return t;
 }
+
+namespace {
 
 at::Tensor finalize_all(const std::vector<State<double>>& states, int64_t correction) {
   at::Tensor t = at::empty({static_cast<int64_t>(states.size()), core::kNumStats}, at::kDouble);
