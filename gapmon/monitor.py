@@ -155,8 +155,8 @@ class GAPMonitor:
         numerics: formats (of gapmon.numerics.FORMATS: "bf16", "fp16", "fp8_e4m3", "fp8_e5m2") whose
             underflow/overflow shares to report for parameters, gradients and the monitored activations
             and activation gradients (over all their elements, micro-batches and ranks), with their kurtosis
-            (fields NUMERICS_FIELDS; one more pass over those tensors), and their exponent histograms
-            summed per kind and layer type (info["numerics_histograms"]: {"grads/Linear": {"e-7": n,
+            (fields NUMERICS_FIELDS; parameters and gradients in their statistics' pass on CPU, one more
+            pass elsewhere), and their exponent histograms summed per kind and layer type (info["numerics_histograms"]: {"grads/Linear": {"e-7": n,
             ...}}; histograms in TensorBoard and W&B). Default: none (no cost).
         numerics_alert: with numerics, warn (naming tensors and step) when a tensor's unscaled underflow
             or overflow share in a format exceeds this fraction; also listed in the sinks' info.
