@@ -250,14 +250,9 @@ class GradientDumper:
     def _setup(self, model: nn.Module, save_dir: str | Path, config: DumpConfig) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradientDumper: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.config = config
-        schedule = config.schedule
-        mode, save_first_n, async_write = config.mode, config.save_first_n, config.async_write
-        self.timeout = config.timeout
-        self.start_step, self.step_interval, self.end_step = schedule.start, schedule.every, schedule.end
+        self.config = config  # every option, read from here
         self.model = model
         self.save_dir = Path(save_dir)
-        self.mode, self.save_first_n, self.async_write = mode, save_first_n, async_write
         self._params = clean_named(model, model.named_parameters(), "parameters")
         refuse_complex(self._params, "GradientDumper",
                        "dumps hold real gradients. Store it as real and imaginary parts (torch.view_as_real)")
@@ -270,19 +265,19 @@ class GradientDumper:
         self._staging_made = 0
         # Async full dumps: DCP's collectives run in a background thread, on their own group.
         self._full_group = None
-        if mode == "full" and async_write and self.world > 1:
+        if config.mode == "full" and config.async_write and self.world > 1:
             self._full_group = dist.new_group(backend="gloo")  # collective: every rank builds the dumper
         self.closed = False
         self.run_id, self._peers = _share_identity(uuid.uuid4().hex)
         self._dumps: dict[int, int] = {}  # step -> how many times this run dumped it (generations)
         # What every step records in its COMPLETE: each step reads back with the layout it was written with.
-        self._config = {**self._layout, "mode": mode, "save_first_n": save_first_n}
+        self._recorded = {**self._layout, "mode": config.mode, "save_first_n": config.save_first_n}
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             # Temp files of killed writers (this host: their process is gone; others: older than timeout).
             remove_stale_temps([*self.save_dir.glob(".*.tmp"), *self.save_dir.glob(f"{STEP_PREFIX}*/.*.tmp")],
-                               self.timeout)
-            write_json(self.save_dir / CONFIG, {**self._config, "format_version": FORMAT_VERSION, "run_id": self.run_id})
+                               self.config.timeout)
+            write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def should_dump(self, step: int) -> bool:
@@ -309,9 +304,9 @@ class GradientDumper:
         if self.rank == 0:  # the step's earlier generation stops being complete before any new file lands
             (directory / COMPLETE).unlink(missing_ok=True)
         (directory / _FAILED.format(f"rank{self.rank}")).unlink(missing_ok=True)
-        if self.mode == "full":
+        if self.config.mode == "full":
             self._dump_full(step, generation, grads)
-        elif self.mode == "shards":
+        elif self.config.mode == "shards":
             local, records = {}, {}
             for name, g in grads:
                 local[name], records[name] = shard_record(g.detach(), self.rank)
@@ -328,7 +323,7 @@ class GradientDumper:
         sets (pinned for GPU tensors): no fresh pages to fault in every step, and host memory stays
         bounded at two copies. Waits if both sets are still being written.
         """
-        if not self.async_write and all(t.device.type == "cpu" for t in tensors.values()):
+        if not self.config.async_write and all(t.device.type == "cpu" for t in tensors.values()):
             return {n: t.contiguous() for n, t in tensors.items()}
         if self._staging_made < 2 and self._free_staging.empty():
             staging: dict[str, torch.Tensor] = {}
@@ -358,13 +353,13 @@ class GradientDumper:
                       "run_id": self.run_id, "generation": generation, "tensors": described}
             write_safetensors(directory / rank_file(self.rank), tensors, {HEADER_KEY: json.dumps(header)})
         finally:
-            if self.async_write:
+            if self.config.async_write:
                 self._free_staging.put(tensors)  # the staging set may be filled again
         if self.rank == 0:
             self._complete(directory, step, generation, [rank_file(r) for r in range(self.world)])
 
     def _gather_sampled(self, grads) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        n = self.save_first_n
+        n = self.config.save_first_n
         tensors, shapes = {}, {}
         for name, g in grads:  # one parameter at a time: memory bounded by the largest gradient
             full = g.full_tensor() if is_dtensor(g) else g
@@ -379,7 +374,7 @@ class GradientDumper:
         if self.rank != 0:
             return
         directory = step_dir(self.save_dir, step)
-        header = {"format_version": FORMAT_VERSION, "step": step, "save_first_n": self.save_first_n,
+        header = {"format_version": FORMAT_VERSION, "step": step, "save_first_n": self.config.save_first_n,
                   "run_id": self.run_id, "generation": generation, "global_shapes": shapes,
                   "checksums": {name: tensor_crc32(t) for name, t in tensors.items()}}
         write_safetensors(directory / SAMPLED, tensors, {HEADER_KEY: json.dumps(header)})
@@ -400,7 +395,7 @@ class GradientDumper:
         state = {name: g.detach() for name, g in grads}
         index = full_index({name: (list(g.shape), g.dtype) for name, g in grads})
         writer = dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True, enable_consolidation=False)
-        if not self.async_write:
+        if not self.config.async_write:
             try:
                 dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
             except CheckpointException as e:
@@ -455,7 +450,7 @@ class GradientDumper:
             for name in expected:
                 path = directory / name
                 records[name] = {"bytes": path.stat().st_size, CHECKSUM: file_crc32(path)}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.config.timeout
         missing = [name for name in expected if name not in records]
         while missing:
             for name in list(missing):
@@ -470,11 +465,11 @@ class GradientDumper:
             self._check_writers(directory, step, missing)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"GradientDumper: {directory} still lacks {missing} of this dump after "
-                                   f"{self.timeout:.0f}s (a rank died or is stuck?); step left incomplete")
+                                   f"{self.config.timeout:.0f}s (a rank died or is stuck?); step left incomplete")
             time.sleep(0.01)
         write_json(directory / COMPLETE, sealed({
             "format_version": FORMAT_VERSION, "step": step, "run_id": self.run_id, "generation": generation,
-            "world_size": self.world, "config": self._config, "checksum": CHECKSUM, "files": records}))
+            "world_size": self.world, "config": self._recorded, "checksum": CHECKSUM, "files": records}))
         _remove_unlisted(directory, records)
 
     def _check_writers(self, directory: Path, step: int, missing: list[str]) -> None:
@@ -493,7 +488,7 @@ class GradientDumper:
 
     # ----------------------------------------------------------------- background writes
     def _submit(self, step: int, fn, *args) -> None:
-        if not self.async_write:
+        if not self.config.async_write:
             self._run(step, fn, *args)
             return
         if self._thread is None:

@@ -204,9 +204,9 @@ class GAPMonitor:
         self.numerics, self.numerics_alert = config.numerics, config.numerics_alert
         self.model = model
         self.correction = config.correction
+        self._kinds = {kind: getattr(config, kind) for kind in ("params", "grads", "activations", "activation_grads")}
         params, grads = config.params, config.grads
         activations, activation_grads = config.activations, config.activation_grads
-        self._kinds = dict(params=params, grads=grads, activations=activations, activation_grads=activation_grads)
         self._group = config.process_group
         self.sinks: list[Sink] = list(config.sinks)
 
@@ -476,13 +476,8 @@ class GAPMonitor:
         keys, picks = self._picked("modules", module_rows, range(len(_STAT_FIELDS)))
         metrics.update(zip(keys, picks(host)))
         (global_batch,) = out.of(host, "batch")
-        for index, source in self._aliases.items():  # modules that output the same tensor as another
-            name, source_name = self._modules[index][0], self._modules[source][0]
-            for kind in ("activations", "activation_grads"):
-                for field in FIELD_COLUMNS:
-                    key = metric_name(kind, source_name, field)
-                    if key in metrics:
-                        metrics[metric_name(kind, name, field)] = metrics[key]
+        self._copy_to_aliases(metrics, FIELD_COLUMNS)  # modules that output the same tensor as another
+        for index, source in self._aliases.items():
             for order in self._first_seen:
                 order[index] = order[source]
         if self._batch_size or global_batch:
@@ -496,13 +491,19 @@ class GAPMonitor:
         info = self._localise_nonfinite(metrics, step)
         if numerics is not None:
             self._add_numerics(metrics, info, numerics, out, host, step)
-            for index, source in self._aliases.items():  # numerics of a shared output, as its statistics
-                for kind in ("activations", "activation_grads"):
-                    for field in NUMERICS_FIELDS:
-                        key = metric_name(kind, self._modules[source][0], field)
-                        if key in metrics:
-                            metrics[metric_name(kind, self._modules[index][0], field)] = metrics[key]
+            self._copy_to_aliases(metrics, NUMERICS_FIELDS)  # numerics of a shared output, as its statistics
         return metrics, info
+
+    def _copy_to_aliases(self, metrics: dict[str, float], fields) -> None:
+        """Gives each module that output the same tensor as another (self._aliases) that module's
+        activation metrics of `fields`."""
+        for index, source in self._aliases.items():
+            name, source_name = self._modules[index][0], self._modules[source][0]
+            for kind in ("activations", "activation_grads"):
+                for field in fields:
+                    key = metric_name(kind, source_name, field)
+                    if key in metrics:
+                        metrics[metric_name(kind, name, field)] = metrics[key]
 
     def _numerics_on_device(self, names, tensors, groups, out: _Segments,
                             rows: torch.Tensor | None) -> tuple[list, list[str], list[str]]:
@@ -519,15 +520,24 @@ class GAPMonitor:
         result = numerics_from_rows(rows, self.numerics)
         columns = [("kurtosis", result.kurtosis)]
         columns += [(numerics_field(f, s), result.shares[f][s]) for f in self.numerics for s in NUMERICS_SHARES]
-        groups_of = [f"{kind}/{(self._param_types if kind in ('params', 'grads') else self._module_types).get(name, 'Parameter')}"
-                     for kind, name in names]
-        keys = sorted(set(groups_of))
-        index = torch.tensor([keys.index(g) for g in groups_of], dtype=torch.long, device=rows.device)
+        keys, index = self._histogram_groups(tuple(names), rows.device)
         hists = torch.zeros(len(keys), NUM_BINS, dtype=torch.float64, device=rows.device).index_add_(
             0, index, rows[:, :NUM_BINS])  # exact counts
         out.add("numerics", torch.stack([c for _, c in columns], dim=1) if names else rows.new_empty(0))
         out.add("histograms", hists)
         return names, [field for field, _ in columns], keys
+
+    def _histogram_groups(self, names: tuple[tuple[str, str], ...], device: torch.device) -> tuple[list[str], torch.Tensor]:
+        """The histogram groups ("grads/Linear", ...) of numerics rows `names`, sorted, and the group of
+        each row as an index tensor on `device`: built once per set of rows (not every step)."""
+        cached = self._pickers.get("histogram_groups")
+        if cached is None or cached[0] != (names, device):
+            groups_of = [f"{kind}/{(self._param_types if kind in ('params', 'grads') else self._module_types).get(name, 'Parameter')}"
+                         for kind, name in names]
+            keys = sorted(set(groups_of))
+            index = torch.tensor([keys.index(g) for g in groups_of], dtype=torch.long, device=device)
+            cached = self._pickers["histogram_groups"] = ((names, device), keys, index)
+        return cached[1], cached[2]
 
     def _add_numerics(self, metrics: dict[str, float], info: dict[str, Any], numerics, out: _Segments, host: list,
                       step: int) -> None:

@@ -215,3 +215,21 @@ def test_report_names_bad_records_and_reads_the_rest(tmp_path):
     assert [s.split(": ")[0] for s in skipped] == [f"{tmp_path / 'metrics.jsonl'}:3", f"{tmp_path / 'metrics.jsonl'}:5"]
     text = report.read_text()
     assert "4 monitored steps (0..3)" in text and "metrics.jsonl:3" in text
+
+
+def test_sparse_gradients_with_numerics_on_give_the_dense_gradient_numbers():
+    """With numerics on, parameters and gradients take the one-pass statistics + numerics op, which
+    reads dense tensors only: a sparse gradient takes the separate path, and both its statistics and
+    its numerics are those of the dense gradient."""
+    torch.manual_seed(0)
+    model = SparseBag()
+    ids = torch.tensor([[1, 2, 2, 7], [7, 7, 3, 1], [40, 2, 9, 9]])
+    with gapmon.GAPMonitor(model, numerics=("bf16",)) as mon:
+        metrics = _step(mon, model, ids)
+    dense = model.emb.weight.grad.to_dense()
+    want = float64_stats(dense)
+    assert metrics["gap/grads/emb.weight/norm"] == pytest.approx(want["norm"], rel=1e-6)
+    assert metrics["gap/grads/emb.weight/mean"] == pytest.approx(want["mean"], rel=1e-6, abs=1e-12)
+    d = dense.double().flatten() - dense.double().mean()
+    assert metrics["gap/grads/emb.weight/kurtosis"] == pytest.approx((d.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item())
+    assert metrics["gap/params/head.weight/norm"] == pytest.approx(model.head.weight.double().norm().item(), rel=1e-6)

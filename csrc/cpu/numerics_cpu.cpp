@@ -111,49 +111,58 @@ struct ChunkAccumulator {
 };
 
 // Power sums of one block of float32-representable values (n <= kBlock), in vectors of 4 doubles
-// (two sets, for independent add chains); lanes summed in a fixed order.
+// (two sets, for independent add chains); lanes summed in a fixed order. The scalar tail below
+// finishes both forms, so that they give the same bits.
 typedef float F4 __attribute__((vector_size(16)));
 typedef double D4 __attribute__((vector_size(32)));
 
-#define GAPMON_BLOCK_SUMS_BODY                                                              \
-  D4 a1 = {}, a2 = {}, a3 = {}, a4 = {}, b1 = {}, b2 = {}, b3 = {}, b4 = {};                   \
-  const D4 sh = {shift, shift, shift, shift};                                                 \
-  int64_t i = 0;                                                                              \
-  for (; i + 8 <= n; i += 8) {                                                                \
-    F4 x, y;                                                                                  \
-    std::memcpy(&x, bits + i, sizeof x);                                                      \
-    std::memcpy(&y, bits + i + 4, sizeof y);                                                  \
-    const D4 d = __builtin_convertvector(x, D4) - sh, e = __builtin_convertvector(y, D4) - sh; \
-    const D4 d2 = d * d, e2 = e * e;                                                          \
-    a1 += d;                                                                                  \
-    a2 += d2;                                                                                 \
-    a3 += d2 * d;                                                                             \
-    a4 += d2 * d2;                                                                            \
-    b1 += e;                                                                                  \
-    b2 += e2;                                                                                 \
-    b3 += e2 * e;                                                                             \
-    b4 += e2 * e2;                                                                            \
-  }                                                                                           \
-  a1 += b1;                                                                                   \
-  a2 += b2;                                                                                   \
-  a3 += b3;                                                                                   \
-  a4 += b4;                                                                                   \
-  for (int k = 0; k < 4; ++k) {                                                               \
-    s[0] = k == 0 ? a1[0] : s[0] + a1[k];                                                     \
-    s[1] = k == 0 ? a2[0] : s[1] + a2[k];                                                     \
-    s[2] = k == 0 ? a3[0] : s[2] + a3[k];                                                     \
-    s[3] = k == 0 ? a4[0] : s[3] + a4[k];                                                     \
-  }                                                                                           \
-  for (; i < n; ++i) {                                                                        \
-    const double d = static_cast<double>(f32_of(bits[i])) - shift, d2 = d * d;                \
-    s[0] += d;                                                                                \
-    s[1] += d2;                                                                               \
-    s[2] += d2 * d;                                                                           \
-    s[3] += d2 * d2;                                                                          \
+inline void add_lanes_and_tail(const double (&l1)[4], const double (&l2)[4], const double (&l3)[4],
+                               const double (&l4)[4], const uint32_t* bits, int64_t i, int64_t n, double shift,
+                               double (&s)[4]) {
+  s[0] = l1[0], s[1] = l2[0], s[2] = l3[0], s[3] = l4[0];
+  for (int k = 1; k < 4; ++k) {
+    s[0] += l1[k];
+    s[1] += l2[k];
+    s[2] += l3[k];
+    s[3] += l4[k];
   }
+  for (; i < n; ++i) {
+    const double d = static_cast<double>(f32_of(bits[i])) - shift, d2 = d * d;
+    s[0] += d;
+    s[1] += d2;
+    s[2] += d2 * d;
+    s[3] += d2 * d2;
+  }
+}
 
-void block_sums_generic(const uint32_t* bits, int64_t n, double shift, double (&s)[4]) { GAPMON_BLOCK_SUMS_BODY }
-#undef GAPMON_BLOCK_SUMS_BODY
+void block_sums_generic(const uint32_t* bits, int64_t n, double shift, double (&s)[4]) {
+  D4 a1 = {}, a2 = {}, a3 = {}, a4 = {}, b1 = {}, b2 = {}, b3 = {}, b4 = {};
+  const D4 sh = {shift, shift, shift, shift};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    F4 x, y;
+    std::memcpy(&x, bits + i, sizeof x);
+    std::memcpy(&y, bits + i + 4, sizeof y);
+    const D4 d = __builtin_convertvector(x, D4) - sh, e = __builtin_convertvector(y, D4) - sh;
+    const D4 d2 = d * d, e2 = e * e;
+    a1 += d;
+    a2 += d2;
+    a3 += d2 * d;
+    a4 += d2 * d2;
+    b1 += e;
+    b2 += e2;
+    b3 += e2 * e;
+    b4 += e2 * e2;
+  }
+  double l1[4], l2[4], l3[4], l4[4];
+  for (int k = 0; k < 4; ++k) {
+    l1[k] = a1[k] + b1[k];
+    l2[k] = a2[k] + b2[k];
+    l3[k] = a3[k] + b3[k];
+    l4[k] = a4[k] + b4[k];
+  }
+  add_lanes_and_tail(l1, l2, l3, l4, bits, i, n, shift, s);
+}
 
 // The same sums (the same operations in the same order: the same bits) with AVX2 intrinsics: GCC's
 // generic tuning splits the vector extensions' float -> double conversion into four 2-lane converts
@@ -181,20 +190,7 @@ __attribute__((target("avx2,fma"))) void block_sums_avx2(const uint32_t* bits, i
   _mm256_storeu_pd(l2, _mm256_add_pd(a2, b2));
   _mm256_storeu_pd(l3, _mm256_add_pd(a3, b3));
   _mm256_storeu_pd(l4, _mm256_add_pd(a4, b4));
-  s[0] = l1[0], s[1] = l2[0], s[2] = l3[0], s[3] = l4[0];
-  for (int k = 1; k < 4; ++k) {
-    s[0] += l1[k];
-    s[1] += l2[k];
-    s[2] += l3[k];
-    s[3] += l4[k];
-  }
-  for (; i < n; ++i) {
-    const double d = static_cast<double>(f32_of(bits[i])) - shift, d2 = d * d;
-    s[0] += d;
-    s[1] += d2;
-    s[2] += d2 * d;
-    s[3] += d2 * d2;
-  }
+  add_lanes_and_tail(l1, l2, l3, l4, bits, i, n, shift, s);
 }
 
 // float16 values as float32 bits, 8 at a time by F16C (the scalar conversion was a third of the pass).
@@ -235,11 +231,10 @@ void add_run_f32(const T* p, int64_t len, ChunkAccumulator& acc) {
     } else {
       for (int64_t i = 0; i < n; ++i) bits[i] = f32_bits<T>(q + i);
     }
-    const uint32_t* b = bits;
     for (int64_t i = 0; i + kCopies <= n; i += kCopies) {
-      for (int k = 0; k < kCopies; ++k) ++acc.exps[k][(b[i + k] >> 23) & 0xFFu];
+      for (int k = 0; k < kCopies; ++k) ++acc.exps[k][(bits[i + k] >> 23) & 0xFFu];
     }
-    for (int64_t i = n & ~int64_t(kCopies - 1); i < n; ++i) ++acc.exps[0][(b[i] >> 23) & 0xFFu];
+    for (int64_t i = n & ~int64_t(kCopies - 1); i < n; ++i) ++acc.exps[0][(bits[i] >> 23) & 0xFFu];
     // Biased exponent 0 or 255 (zero or subnormal, Inf or NaN): seen by their counters growing, not
     // tested element by element.
     int64_t edges = 0;
@@ -247,13 +242,13 @@ void add_run_f32(const T* p, int64_t len, ChunkAccumulator& acc) {
     if (edges != acc.edges) [[unlikely]] {
       acc.edges = edges;
       for (int64_t i = 0; i < n; ++i) {
-        acc.zeros += (b[i] & 0x7FFFFFFFu) == 0;
-        acc.nans += (b[i] & 0x7FFFFFFFu) > 0x7F800000u;
+        acc.zeros += (bits[i] & 0x7FFFFFFFu) == 0;
+        acc.nans += (bits[i] & 0x7FFFFFFFu) > 0x7F800000u;
       }
     }
     double s[4];
-    const double shift = acc.shift_for(static_cast<double>(f32_of(b[0])));
-    sums(b, n, shift, s);
+    const double shift = acc.shift_for(static_cast<double>(f32_of(bits[0])));
+    sums(bits, n, shift, s);
     acc.add_block(static_cast<double>(n), shift, s);
   }
 }
@@ -310,8 +305,8 @@ ChunkNumerics chunk_numerics_of(const core::StridedView& v, int64_t lo, int64_t 
   return {};
 }
 
-// [N, kNumNumericsColumns] float64 rows: bins (exact integers below 2^53), then the moments.
-// The numerics rows of `views` from their chunks' results (in chunk order: deterministic moments).
+// The [N, kNumNumericsColumns] float64 rows of `views` from their chunks' results: bins (exact integers
+// below 2^53), then the moments, merged in chunk order (deterministic).
 at::Tensor numerics_rows_of(const std::vector<core::StridedView>& views, const std::vector<ChunkNumerics>& chunks) {
   const int64_t num_views = static_cast<int64_t>(views.size());
   at::Tensor out = at::zeros({num_views, core::kNumNumericsColumns}, at::kDouble);
