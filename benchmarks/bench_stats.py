@@ -225,7 +225,7 @@ def bench_numerics(device: str, sizes: list[int], rows: list[dict]) -> None:
             r["stats_s"] = timeit(lambda i: gapmon.tensor_stats(xs[i % n]), device)
             r["stats_and_numerics_s"] = timeit(
                 lambda i: (gapmon.tensor_stats(xs[i % n]), gapmon.numerics_states([xs[i % n]])), device)
-            # what the monitor runs over parameters and gradients: both in one pass (CPU; two on CUDA)
+            # what the monitor runs over parameters and gradients: both in one pass (one launch on CUDA)
             r["one_pass_s"] = timeit(lambda i: gapmon.numerics.states_and_numerics([xs[i % n]]), device)
             r["reference_s"] = timeit(lambda i: gapmon.reference.numerics_states([xs[i % n]]), device, max_reps=3)
             r["histc_s"] = timeit(lambda i: torch.histc(xs[i % n].float().abs().log2(), bins=256, min=-128, max=128),

@@ -15,7 +15,8 @@
 #                                   CUDA tests, the demo). Returns gapmon/_C*.so in OUT_DIR: copy it to
 #                                   .gpu-build/ (git-ignored) here and name .gpu-build in every later
 #                                   call's carry; their "reuse" phase installs it (no rebuild).
-#   call2  reuse stats ncu         limits 300 + 60 + 180 = 540 s   (#11's kernel targets; ncu per case)
+#   call2  reuse stats ncu         limits 300 + 90 + 180 = 570 s   (#11's kernel targets; ncu per case,
+#                                   the statistics-and-numerics kernel of #23 included)
 #   call3  reuse monitor persample numerics  limits 150 + 150 + 120 + 120 = 540 s  (#12's step targets;
 #                                   #23's numerics kernel against the statistics pass, x.sum and the reference)
 #   call4  reuse suite             limit 560 s: the whole test suite (~6 min), a call of its own
@@ -127,10 +128,10 @@ fi
 
 if want ncu; then
   section "ncu: one launch of every kernel_bench case a target names (clocks left as they are)"
-  run 60 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
-    csrc/cuda/stats_cuda.cu -o /tmp/gapmon_kernel_bench &&
+  run 90 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
+    csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu -o /tmp/gapmon_kernel_bench &&
     run 180 ncu --clock-control none --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
-      --kernel-name regex:stats_kernel /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
+      --kernel-name regex:"stats_kernel|stats_numerics_kernel" /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
   tail -80 "$out/ncu.txt" | tee -a "$log"
 fi
 

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -185,26 +186,49 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   return out;
 }
 
-// Numerics rows (csrc/core/numerics.h) of every tensor: two launches, chunk rows then item rows.
-at::Tensor numerics_states_cuda(at::TensorList xs) {
+// Numerics rows (csrc/core/numerics.h) of every tensor and, if `with_states`, their statistics states,
+// read in one pass (one launch): {states or an undefined tensor, numerics rows}. Items of several
+// chunks need chunk scratch for both (one allocation each, no memset) and counters.
+std::pair<at::Tensor, at::Tensor> run_with_numerics(at::TensorList xs, bool with_states, const char* op) {
   const auto columns = int64_t(core::kNumNumericsColumns);
-  if (xs.empty()) return at::empty({0, columns}, at::TensorOptions().dtype(at::kDouble));
+  const auto host = at::TensorOptions().dtype(at::kDouble);
+  if (xs.empty()) {
+    return {with_states ? at::empty({0, int64_t(core::kNumStateColumns)}, host) : at::Tensor(), at::empty({0, columns}, host)};
+  }
   std::vector<at::Tensor> keep_alive;
-  auto views = views_of(xs, "numerics_states", keep_alive);
+  auto views = views_of(xs, op, keep_alive);
   const at::Device device = xs[0].device();
   const c10::cuda::CUDAGuard guard(device);
   const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
   const int64_t rows = static_cast<int64_t>(xs.size());
   at::Tensor out = at::empty({rows, columns}, opts);
+  at::Tensor states = with_states ? at::empty({rows, int64_t(core::kNumStateColumns)}, opts) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
+  // Tensors are single items, never read by warps: the plan keeps their order and reads them by blocks.
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
   at::Tensor table_storage;
-  const cuda::ViewTable table = view_table(views, device, stream, table_storage, "numerics_states");
-  at::Tensor chunk_rows = at::empty({total_chunks, columns}, opts);
-  check_launch(cuda::launch_numerics(table, total_chunks, rows, chunk_rows.data_ptr<double>(), out.data_ptr<double>(),
-                                     stream),
-               "numerics_states");
-  return out;
+  const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
+  cuda::StatsTargets stats;
+  if (with_states) stats.out_states = states.data_ptr<double>();
+  cuda::NumericsTargets numerics;
+  numerics.out = out.data_ptr<double>();
+  at::Tensor chunk_states, chunk_rows, captured_counters;
+  if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
+    chunk_states = at::empty({plan.total_chunks * int64_t(core::kNumStateColumns)}, opts);
+    chunk_rows = at::empty({plan.total_chunks, columns}, opts);
+    stats.chunk_states = chunk_states.data_ptr<double>();
+    numerics.chunk_rows = chunk_rows.data_ptr<double>();
+    stats.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
+  }
+  check_launch(cuda::launch_stats_and_numerics(table, plan, rows, stats, numerics, stream), op);
+  return {states, out};
+}
+
+at::Tensor numerics_states_cuda(at::TensorList xs) { return run_with_numerics(xs, false, "numerics_states").second; }
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_states_and_numerics_cuda(at::TensorList xs) {
+  auto [states, numerics] = run_with_numerics(xs, true, "multi_tensor_states_and_numerics");
+  return {states, numerics};
 }
 
 at::Tensor merge_numerics_states_cuda(const at::Tensor& states) {
@@ -239,6 +263,7 @@ TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
   m.impl("finalize_states", &finalize_states_cuda);
   m.impl("numerics_states", &numerics_states_cuda);
   m.impl("merge_numerics_states", &merge_numerics_states_cuda);
+  m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cuda);
 }
 
 }  // namespace gapmon

@@ -202,11 +202,11 @@ def numerics_rows(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def states_and_numerics_rows(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """[N, 7 + C] float64: the mergeable states and the numerics rows of N local tensors on one
-    device, side by side. The CPU build reads each tensor once for both (the same bits as the two
-    ops); elsewhere (CUDA for now, the fallback) the two ops run one after the other."""
+    device, side by side. The compiled kernels read each tensor once for both, with the bits the two
+    separate ops give; the pure-PyTorch fallback runs its two references one after the other."""
     xs = list(xs)
     check_tensor_list(xs, "multi_tensor_states_and_numerics")
-    if xs and xs[0].device.type == "cpu" and _compiled_for(xs[0].device):
+    if xs and _compiled_for(xs[0].device):
         states, numerics = torch.ops.gapmon.multi_tensor_states_and_numerics(xs)
     else:
         states, numerics = multi_states(xs), numerics_rows(xs)

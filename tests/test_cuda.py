@@ -363,6 +363,30 @@ def test_numerics_kernel_matches_cpu_kernel_and_is_deterministic(dtype):
     torch.testing.assert_close(merged[0, nm.NUM_BINS:], want[-2, nm.NUM_BINS:], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_states_and_numerics_in_one_launch_equal_the_two_ops(dtype):
+    """The fused kernel (each chunk read once for both) gives the bits of multi_tensor_states and of
+    numerics_states, over every layout, edge values, several chunks and an empty tensor; a long list
+    (a view table in device memory) too; one kernel and nothing else per call; opcheck passes."""
+    from gapmon import numerics as nm
+
+    xs = [x.cuda() for _, x in _layouts(dtype)]
+    edges = torch.tensor([0.0, -0.0, 2.0**-126, 1e-45, float("inf"), float("nan"), 448.0, 65504.0], dtype=torch.float64)
+    xs += [edges.to(dtype).cuda(), (torch.randn(300_000, dtype=torch.float64) * 3 + 1).to(dtype).cuda(),
+           torch.empty(0, dtype=dtype, device="cuda")]
+    for tensors in (xs, xs * 3):
+        states, rows = torch.ops.gapmon.multi_tensor_states_and_numerics(tensors)
+        torch.testing.assert_close(states, gapmon.multi_tensor_states(tensors), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(rows, nm.numerics_states(tensors), rtol=0, atol=0, equal_nan=True)
+    want = nm.numerics_states([x.cpu() for x in xs])
+    assert torch.equal(rows[:len(xs), :nm.NUM_BINS].cpu(), want[:, :nm.NUM_BINS])
+    few = [xs[-2], xs[0]]
+    torch.ops.gapmon.multi_tensor_states_and_numerics(few)  # warm-up: counters of this stream
+    work = _cuda_work(lambda: torch.ops.gapmon.multi_tensor_states_and_numerics(few))
+    assert len(work) == 1 and "stats_numerics_kernel" in work[0], work
+    torch.library.opcheck(torch.ops.gapmon.multi_tensor_states_and_numerics.default, (few,))
+
+
 def test_a_tensors_bits_do_not_depend_on_the_list():
     """Warp or block per chunk is chosen per tensor (many short instance rows: warps), so a tensor's
     row has the same bits alone and in any list: 2100 small tensors (which a list used to read by

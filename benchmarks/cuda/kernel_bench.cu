@@ -1,10 +1,11 @@
-// Times the statistics kernels through their launchers, without torch: for comparing compile-time
-// variants (GAPMON_CUDA_GROUP, GAPMON_CUDA_VEC_UNROLL; see tune.sh) and for profiling with ncu.
-// Checks every case against a float64 host computation before timing it, so a fast but wrong
-// variant fails instead of winning.
+// Times the statistics kernels, and the statistics-and-numerics kernel, through their launchers,
+// without torch: for comparing compile-time variants (GAPMON_CUDA_GROUP, GAPMON_CUDA_VEC_UNROLL; see
+// tune.sh) and for profiling with ncu. Checks every case against a float64 host computation before
+// timing it (and a numerics case's histogram against the element count), so a fast but wrong variant
+// fails instead of winning.
 //
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 -I csrc \
-//        benchmarks/cuda/kernel_bench.cu csrc/cuda/stats_cuda.cu -o kernel_bench && ./kernel_bench
+//   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -arch=sm_90 -I csrc benchmarks/cuda/kernel_bench.cu \
+//        csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu -o kernel_bench && ./kernel_bench
 //
 // Prints one line per case: elements, time per call (median of CUDA-event timed runs of 20
 // back-to-back calls), GB/s read, and the device-to-device copy bandwidth (bytes read + written).
@@ -20,7 +21,9 @@
 #include <vector>
 
 #include "core/group_acc.h"
+#include "core/numerics.h"
 #include "core/strided_view.h"
+#include "cuda/numerics_cuda.h"
 #include "cuda/stats_cuda.h"
 
 namespace {
@@ -41,6 +44,7 @@ struct Case {
   const char* name;
   DType dtype;
   int64_t rows, row_numel;
+  bool numerics = false;  // launch_stats_and_numerics (statistics and numerics rows in one pass)
 };
 
 double median(std::vector<double> xs) {
@@ -115,8 +119,13 @@ void run(const Case& c, double copy_gbps, bool once) {
   table.inline_views[0] = v;
   double* scratch = nullptr;
   double* out = nullptr;
+  double* numerics_out = nullptr;
+  double* numerics_scratch = nullptr;
   unsigned* counters = nullptr;
+  const int64_t columns = core::kNumNumericsColumns;
   check(cudaMalloc(&scratch, chunks * core::kNumStateColumns * sizeof(double)), "cudaMalloc scratch");
+  check(cudaMalloc(&numerics_out, c.rows * columns * sizeof(double)), "cudaMalloc numerics out");
+  check(cudaMalloc(&numerics_scratch, chunks * columns * sizeof(double)), "cudaMalloc numerics scratch");
   check(cudaMalloc(&out, c.rows * core::kNumStats * sizeof(double)), "cudaMalloc out");
   check(cudaMalloc(&counters, (c.rows + 1) * sizeof(unsigned)), "cudaMalloc counters");
   cuda::StatsTargets targets;
@@ -127,10 +136,30 @@ void run(const Case& c, double copy_gbps, bool once) {
   // As csrc/cuda_ops.cpp does: the counters are zeroed once; every launch leaves them at zero (the
   // group that counts an item's last chunk resets its counter), so a call is one launch, no memset.
   check(cudaMemset(counters, 0, (c.rows + 1) * sizeof(unsigned)), "memset counters");
+  cuda::NumericsTargets numerics;
+  numerics.out = numerics_out;
+  numerics.chunk_rows = numerics_scratch;
   auto call = [&] {
-    check(cuda::launch_stats(table, plan, c.rows, targets, nullptr), "launch_stats");
+    if (c.numerics) {
+      check(cuda::launch_stats_and_numerics(table, plan, c.rows, targets, numerics, nullptr), "launch_stats_and_numerics");
+    } else {
+      check(cuda::launch_stats(table, plan, c.rows, targets, nullptr), "launch_stats");
+    }
   };
   call();
+  if (c.numerics) {  // every element in exactly one bin of its row
+    std::vector<double> rows(c.rows * columns);
+    check(cudaMemcpy(rows.data(), numerics_out, rows.size() * sizeof(double), cudaMemcpyDeviceToHost), "copy numerics");
+    for (int64_t r = 0; r < c.rows; ++r) {
+      double binned = 0;
+      for (int b = 0; b < core::kNumBins; ++b) binned += rows[r * columns + b];
+      if (binned != double(c.row_numel) || rows[r * columns + core::nCount] != double(c.row_numel)) {
+        std::fprintf(stderr, "%s row %lld: %g elements binned, %g counted, want %lld\n", c.name, (long long)r, binned,
+                     rows[r * columns + core::nCount], (long long)c.row_numel);
+        std::exit(1);
+      }
+    }
+  }
   std::vector<double> got(c.rows * core::kNumStats);
   check(cudaMemcpy(got.data(), out, got.size() * sizeof(double), cudaMemcpyDeviceToHost), "copy out");
   for (int64_t r : {int64_t(0), c.rows - 1}) {
@@ -159,6 +188,8 @@ void run(const Case& c, double copy_gbps, bool once) {
   cudaFree(scratch);
   cudaFree(out);
   cudaFree(counters);
+  cudaFree(numerics_out);
+  cudaFree(numerics_scratch);
 }
 
 
@@ -190,6 +221,8 @@ int main(int argc, char** argv) {
       {"instance_stats [64, 2^20]", DType::kFloat32, 64, int64_t(1) << 20},
       {"instance_stats [8192, 4096]", DType::kFloat32, 8192, 4096},
       {"instance_stats [65536, 64]", DType::kFloat32, 65536, 64},
+      {"stats+numerics fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true},
+      {"stats+numerics bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26, true},
   };
   for (const Case& c : cases) run(c, copy_gbps, once);
   return 0;

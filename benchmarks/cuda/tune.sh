@@ -13,7 +13,7 @@ variants=("32 4" "16 4" "64 4" "32 2" "32 8")
 for v in "${variants[@]}"; do
   set -- $v
   $nvcc -O3 -std=c++20 --expt-relaxed-constexpr -arch="$arch" -I csrc -DGAPMON_CUDA_GROUP="$1" \
-    -DGAPMON_CUDA_VEC_UNROLL="$2" benchmarks/cuda/kernel_bench.cu csrc/cuda/stats_cuda.cu -o "$work/bench_$1_$2" &
+    -DGAPMON_CUDA_VEC_UNROLL="$2" benchmarks/cuda/kernel_bench.cu csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu -o "$work/bench_$1_$2" &
 done
 wait
 for v in "${variants[@]}"; do

@@ -1,16 +1,17 @@
-// CUDA numerics kernels: the exponent histogram of |x| and the central moments to the 4th of every
-// item (csrc/core/numerics.h holds the math, shared with the CPU kernel). A block reads a chunk:
-// each thread bins its elements with integer atomics in shared memory (exact in any order) and
-// sums the powers of its elements' deviations from its first element in double; the threads'
-// moments merge over a fixed tree. A second launch merges each item's chunks in chunk order, so
-// the rows are bit-identical run to run. Launched through GAPMON_LAUNCH so that
+// CUDA numerics kernel: the exponent histogram of |x| and the central moments to the 4th of every
+// item (csrc/core/numerics.h holds the math, shared with the CPU kernel), read in the same pass as
+// the item's statistics state. A block reads a chunk with the statistics kernel's chunk reader
+// (csrc/cuda/chunk_reader.cuh), so the states have the bits launch_stats gives; a numerics observer
+// sees each element once: it bins it with an integer atomic in shared memory (exact in any order)
+// and adds the powers of its deviation from the thread's first element to double sums. The threads'
+// moments merge over a fixed tree. An item of several chunks is finished in the same launch by the
+// block that counts its last chunk, which sums the chunks' bins and merges their moments and states
+// in chunk order, so the rows are bit-identical run to run. Launched through GAPMON_LAUNCH so that
 // tests/cpp/cuda_emulator.h can run this file on the host.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstring>
 
 #include "../core/numerics.h"
+#include "chunk_reader.cuh"
 #include "launch.h"
 #include "numerics_cuda.h"
 
@@ -19,142 +20,145 @@ namespace gapmon {
 namespace cuda {
 namespace {
 
-using core::DType;
 using core::Moments;
-using core::StridedView;
 
-constexpr int kThreads = 256;
 constexpr int kColumns = core::kNumNumericsColumns;
+// Resident blocks per SM the kernel is compiled for (at most 128 registers a thread): the observer's
+// six double sums come on top of the statistics reader's registers, and the numerics arithmetic, not
+// the loads in flight, bounds this kernel (tests/cpp/check_kernels.py checks the budget).
+constexpr int kMinBlocksPerSM = 2;
 
-// (value, bin) of a float32 value given by its bits.
-__device__ __forceinline__ void from_f32_bits(uint32_t bits, double& value, int& bin) {
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  bin = core::exponent_bin_f32(bits);
-  value = f;
-}
+// Sees each element of a thread's share of a chunk: its exponent bin, counted in the block's shared
+// `bins`, and its power sums of deviations from the thread's first element (at most about
+// kChunkElems / kThreads = 256 elements: one block of sums, as the CPU kernel's), left as Moments in
+// `out` by finish().
+struct NumericsObserver {
+  static constexpr bool kSeesElements = true;
+  unsigned* bins;
+  Moments* out;
+  double n = 0, shift = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0;
 
-// (value, bin) of one element; float16/bfloat16 widen to float32 exactly.
-__device__ __forceinline__ void load_element(const void* p, DType dtype, double& value, int& bin) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      uint32_t bits;
-      memcpy(&bits, p, sizeof bits);
-      return from_f32_bits(bits, value, bin);
-    }
-    case DType::kFloat64: {
-      uint64_t bits;
-      memcpy(&bits, p, sizeof bits);
-      double d;
-      memcpy(&d, &bits, sizeof d);
-      bin = core::exponent_bin_f64(bits);
-      value = d;
-      return;
-    }
-    case DType::kBFloat16: {
-      uint16_t raw;
-      memcpy(&raw, p, sizeof raw);
-      return from_f32_bits(static_cast<uint32_t>(raw) << 16, value, bin);  // bfloat16 is float32's top half
-    }
-    case DType::kFloat16: {
-      __half h;
-      memcpy(&h, p, sizeof h);
-      const float f = __half2float(h);
-      uint32_t bits;
-      memcpy(&bits, &f, sizeof bits);
-      return from_f32_bits(bits, value, bin);
-    }
+  __device__ __forceinline__ NumericsObserver(unsigned* shared_bins, Moments* slot) : bins(shared_bins), out(slot) {}
+
+  // float32, and float16/bfloat16 widened to float32 exactly.
+  __device__ __forceinline__ void see(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    atomicAdd(bins + core::exponent_bin_f32(bits), 1u);
+    add(x);
   }
-}
 
-__device__ __forceinline__ int64_t element_bytes(DType dtype) {
-  return dtype == DType::kFloat64 ? 8 : dtype == DType::kFloat32 ? 4 : 2;
-}
+  __device__ __forceinline__ void see(double x) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    atomicAdd(bins + core::exponent_bin_f64(bits), 1u);
+    add(x);
+  }
 
-struct Chunk {
-  const StridedView* view;
-  int64_t item, lo, hi;
+  __device__ __forceinline__ void add(double x) {
+    if (n == 0) shift = core::is_finite(x) ? x : 0.0;
+    const double d = x - shift, d2 = d * d;
+    n += 1;
+    s1 += d;
+    s2 += d2;
+    s3 += d2 * d;
+    s4 += d2 * d2;
+  }
+
+  __device__ __forceinline__ void finish() { *out = core::from_power_sums(n, shift, s1, s2, s3, s4); }
 };
 
-__device__ __forceinline__ Chunk chunk_at(const StridedView* views, int64_t num_views, int64_t c) {
-  Chunk k;
-  k.view = views + core::find_view(views, num_views, c);
-  const int64_t local = c - k.view->first_chunk;
-  k.item = local / k.view->chunks_per_item;
-  k.lo = (local % k.view->chunks_per_item) * core::kChunkElems;
-  k.hi = k.lo + core::kChunkElems < k.view->item_numel ? k.lo + core::kChunkElems : k.view->item_numel;
-  return k;
-}
-
-// This thread's elements of a chunk (every kThreads-th of each run): bins into `bins` (shared), and
-// its moments, as power sums of deviations from its first element (at most kChunkElems / kThreads
-// = 256 elements: one block of sums, as the CPU kernel's).
-__device__ Moments thread_numerics(const Chunk& k, unsigned* bins) {
-  const StridedView& v = *k.view;
-  const char* base = static_cast<const char*>(v.data);
-  const int64_t size = element_bytes(v.dtype);
-  double n = 0, shift = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0;
-  core::RowCursor cursor(v, k.item, k.lo, k.hi);
-  int64_t offset, len, stride;
-  while (cursor.next(offset, len, stride)) {
-    for (int64_t i = threadIdx.x; i < len; i += kThreads) {
-      double x = 0;
-      int bin = core::nNaN;
-      load_element(base + (offset + i * stride) * size, v.dtype, x, bin);
-      atomicAdd(bins + bin, 1u);
-      if (n == 0) shift = core::is_finite(x) ? x : 0.0;
-      const double d = x - shift, d2 = d * d;
-      n += 1;
-      s1 += d;
-      s2 += d2;
-      s3 += d2 * d;
-      s4 += d2 * d2;
-    }
+// Merges the block's per-thread moments in `slots` over a fixed tree; slots[0] holds the result.
+__device__ void block_merge_moments(Moments* slots) {
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) slots[threadIdx.x] = core::merge(slots[threadIdx.x], slots[threadIdx.x + half]);
+    __syncthreads();
   }
-  return core::from_power_sums(n, shift, s1, s2, s3, s4);
 }
 
-__global__ void __launch_bounds__(kThreads) numerics_chunk_kernel(const __grid_constant__ ViewTable table,
-                                                                    int64_t total_chunks, double* chunk_rows) {
+// Writes row `row` of the numerics output: bins (this thread's share) and moments (thread 0), times
+// the view's repeat. `bin_count(b)` gives the item's count of bin b.
+template <typename BinCount>
+__device__ __forceinline__ void write_numerics_row(BinCount&& bin_count, const Moments& m, const StridedView& v,
+                                                   int64_t row, double* out) {
+  double* dst = out + row * kColumns;
+  const double times = static_cast<double>(v.repeat);
+  for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) dst[b] = bin_count(b) * times;
+  if (threadIdx.x == 0) core::store_moments(core::repeat(m, times), dst);
+}
+
+// Another block's chunk moments, published before its count (as published_chunk's states).
+__device__ __forceinline__ Moments published_moments(const double* chunk_rows, int64_t c) {
+  double columns[5];
+  load_from_l2(chunk_rows + c * kColumns + core::nCount, columns);
+  static_assert(core::nMean == core::nCount + 1 && core::nM4 == core::nCount + 4, "moments follow the count");
+  Moments m;
+  m.count = columns[0];
+  m.mean = columns[1];
+  m.m2 = columns[2];
+  m.m3 = columns[3];
+  m.m4 = columns[4];
+  return m;
+}
+
+// Statistics states and numerics rows of every item, a block per chunk (grid-stride over chunks).
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+    stats_numerics_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks, const StatsTargets stats,
+                          const NumericsTargets numerics) {
+  using Group = ChunkGroup<kThreads>;
+  __shared__ State<double> thread_states[kThreads];
+  __shared__ Moments thread_moments[kThreads];
   __shared__ unsigned bins[core::kNumBins];
-  __shared__ Moments moments[kThreads];
-  const StridedView* views = table.device != nullptr ? table.device : table.inline_views;
+  const StridedView* views = views_of(table);
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) bins[b] = 0u;
     __syncthreads();
-    moments[threadIdx.x] = thread_numerics(chunk_at(views, table.num, c), bins);
-    __syncthreads();
-    for (int half = kThreads / 2; half > 0; half /= 2) {  // a fixed merge tree
-      if (static_cast<int>(threadIdx.x) < half) moments[threadIdx.x] = core::merge(moments[threadIdx.x], moments[threadIdx.x + half]);
+    read_chunk<kThreads, NumericsObserver>(views, table.num, c, thread_states[threadIdx.x], bins,
+                                           thread_moments + threadIdx.x);
+    const ChunkPlace at = place_of(views, table.num, c);
+    const StridedView& v = *at.view;
+    State<double> s = Group::merge(thread_states[threadIdx.x]);
+    block_merge_moments(thread_moments);  // after it, every thread's bin counts are in `bins` too
+    if (v.chunks_per_item == 1) {
+      if (threadIdx.x == 0) write_row(s, v, at.row, stats);
+      write_numerics_row([&](int b) { return static_cast<double>(bins[b]); }, thread_moments[0], v, at.row,
+                         numerics.out);
+    } else {
+      // Publish the chunk's row and state, fenced by every thread that wrote, then count it.
+      double* chunk_row = numerics.chunk_rows + c * kColumns;
+      for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) chunk_row[b] = static_cast<double>(bins[b]);
+      if (threadIdx.x == 0) {
+        core::store_moments(thread_moments[0], chunk_row);
+        core::store_state(s, stats.chunk_states + c * core::kNumStateColumns);
+      }
+      __threadfence();
       __syncthreads();
+      bool last = false;
+      if (threadIdx.x == 0) last = count_and_check_last(stats.counters + at.row, v.chunks_per_item);
+      if (Group::any(last)) {  // this block counted the item's last chunk: merge all of them in chunk order
+        const int64_t first = c - at.index_in_item;
+        State<double> merged;
+        for (int64_t k = Group::lane(); k < v.chunks_per_item; k += kThreads) {
+          merged = core::merge(merged, published_chunk(stats.chunk_states, first + k));
+        }
+        s = Group::merge(merged);
+        Moments m;
+        if (threadIdx.x == 0) {
+          for (int64_t k = 0; k < v.chunks_per_item; ++k) m = core::merge(m, published_moments(numerics.chunk_rows, first + k));
+          write_row(s, v, at.row, stats);
+        }
+        const double* rows = numerics.chunk_rows + first * kColumns;
+        write_numerics_row(
+            [&](int b) {
+              double total = 0;  // exact: integer counts far below 2^53
+              for (int64_t k = 0; k < v.chunks_per_item; ++k) total += __ldcg(rows + k * kColumns + b);
+              return total;
+            },
+            m, v, at.row, numerics.out);
+      }
     }
-    double* row = chunk_rows + c * kColumns;
-    for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) row[b] = static_cast<double>(bins[b]);
-    if (threadIdx.x == 0) core::store_moments(moments[0], row);
-    __syncthreads();  // bins and moments are reused by the next chunk
-  }
-}
-
-// Row r of the output from its item's chunks: bins summed (exact integers), moments merged in
-// chunk order by one thread, all times the view's repeat.
-__global__ void __launch_bounds__(kThreads) numerics_rows_kernel(const __grid_constant__ ViewTable table, int64_t rows,
-                                                                   const double* chunk_rows, double* out) {
-  const StridedView* views = table.device != nullptr ? table.device : table.inline_views;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const StridedView& v = views[core::find_view_by_row(views, table.num, r)];
-    const int64_t first = v.first_chunk + (r - v.out_row) * v.chunks_per_item;
-    const double* chunks = chunk_rows + first * kColumns;
-    double* row = out + r * kColumns;
-    for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) {
-      double total = 0;
-      for (int64_t k = 0; k < v.chunks_per_item; ++k) total += chunks[k * kColumns + b];
-      row[b] = total * static_cast<double>(v.repeat);
-    }
-    if (threadIdx.x == 0) {
-      Moments m;
-      for (int64_t k = 0; k < v.chunks_per_item; ++k) m = core::merge(m, core::load_moments(chunks + k * kColumns));
-      core::store_moments(core::repeat(m, static_cast<double>(v.repeat)), row);
-    }
+    __syncthreads();  // bins, moments and states are reused by the next chunk
   }
 }
 
@@ -172,21 +176,20 @@ __global__ void merge_numerics_kernel(const double* states, int64_t parts, int64
   core::store_moments(m, row);
 }
 
-unsigned grid_for(int64_t n) {
-  constexpr int64_t kMaxGrid = int64_t(1) << 20;
-  return static_cast<unsigned>(n < kMaxGrid ? n : kMaxGrid);
-}
-
 }  // namespace
 
-cudaError_t launch_numerics(const ViewTable& views, int64_t total_chunks, int64_t rows, double* chunk_rows, double* out,
-                            cudaStream_t stream) {
+cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& plan, int64_t rows,
+                                      const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (chunk_rows == nullptr || out == nullptr) return cudaErrorInvalidValue;
-  GAPMON_LAUNCH(numerics_chunk_kernel, grid_for(total_chunks), kThreads, stream)(views, total_chunks, chunk_rows);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  GAPMON_LAUNCH(numerics_rows_kernel, grid_for(rows), kThreads, stream)(views, rows, chunk_rows, out);
+  const bool several = needs_chunk_states(plan.max_chunks_per_item);
+  if (numerics.out == nullptr || stats.acc_row != nullptr || plan.warp_chunks != 0 ||
+      (several && (stats.chunk_states == nullptr || stats.counters == nullptr || numerics.chunk_rows == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  constexpr int64_t kMaxGrid = int64_t(1) << 20;
+  const int64_t blocks = plan.total_chunks < kMaxGrid ? plan.total_chunks : kMaxGrid;
+  GAPMON_LAUNCH(stats_numerics_kernel, static_cast<unsigned>(blocks), kThreads, stream)(views, plan.total_chunks, stats,
+                                                                                        numerics);
   return cudaGetLastError();
 }
 

@@ -1,8 +1,10 @@
-"""Checks the register budget of the CUDA statistics kernel without a GPU (run by ctest).
+"""Checks the register budget of the CUDA kernels without a GPU (run by ctest).
 
-Compiles csrc/cuda/stats_cuda.cu with ``nvcc -Xptxas -v`` for sm_80 and sm_90 and checks that:
+Compiles csrc/cuda/stats_cuda.cu and csrc/cuda/numerics_cuda.cu with ``nvcc -Xptxas -v`` for sm_80
+and sm_90 and checks that:
 
-- the statistics kernels use at most 64 registers, so 4 blocks of 256 threads are resident per SM;
+- the statistics kernels use at most 64 registers, so 4 blocks of 256 threads are resident per SM,
+  and the statistics-and-numerics kernel at most 128 (2 blocks);
 - spill traffic stays within a small budget per function: the kernel keeps its loop state across
   the out-of-line per-chunk call (read_chunk), and that call saves the registers it uses, once per
   chunk (at least 256 elements per thread), which ptxas reports as spills;
@@ -22,7 +24,11 @@ import subprocess
 import sys
 import tempfile
 
-MAX_REGISTERS = 64
+# (source, kernel name, instantiations, register budget): each kernel's __launch_bounds__.
+KERNELS = (
+    ("stats_cuda.cu", "stats_kernel", 2, 64),
+    ("numerics_cuda.cu", "stats_numerics_kernel", 1, 128),
+)
 # Per function, stores or loads: the per-chunk call saves (a few hundred bytes per thread per chunk of
 # at least 256 elements per thread, from L1), not element-loop spills (checked on the SASS).
 MAX_SPILL_BYTES = 512
@@ -54,8 +60,10 @@ def function_properties(ptxas_log: str) -> dict[str, dict[str, int]]:
 
 def readable(mangled: str) -> str:
     """The function's name and template arguments out of its mangled name (enough to tell them apart)."""
-    m = re.search(r"\d(stats_kernel|read_chunk|accumulate_chunk_in_double|[a-z_]+_kernel)I(\w+?)EE", mangled)
-    return f"{m.group(1)}<{m.group(2)}>" if m else re.sub(r"^_ZN.*?\d+(?=[a-z])", "", mangled)[-40:]
+    m = re.search(r"\d(stats_kernel|read_chunk|accumulate_chunk_in_double|[a-z_]+_kernel)(?:I(\w+?)EE|E)", mangled)
+    if m:
+        return f"{m.group(1)}<{m.group(2)}>" if m.group(2) else m.group(1)
+    return re.sub(r"^_ZN.*?\d+(?=[a-z])", "", mangled)[-40:]
 
 
 def find_cuobjdump(nvcc: str) -> str | None:
@@ -64,6 +72,13 @@ def find_cuobjdump(nvcc: str) -> str | None:
         return here
     if found := shutil.which("cuobjdump"):
         return found
+    # NVIDIA's wheels (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): cuobjdump needs
+    # nvdisasm from the same directory, which it finds through NVDISASM_PATH.
+    for site in sys.path:
+        for binary in glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "cuobjdump")):
+            if os.path.exists(os.path.join(os.path.dirname(binary), "nvdisasm")):
+                os.environ.setdefault("NVDISASM_PATH", os.path.dirname(binary))
+                return binary
     try:
         import triton  # ships the CUDA binary utilities
 
@@ -98,28 +113,36 @@ def element_loops_with_local_memory(cuobjdump: str, cubin: str) -> list[str]:
     return bad
 
 
+def check_source(nvcc: str, source: str, kernel: str, instantiations: int, max_registers: int, cuobjdump: str | None,
+                 tmp: str) -> list[str]:
+    failures = []
+    for arch in ("sm_80", "sm_90"):
+        cubin = os.path.join(tmp, f"{arch}.cubin")
+        props = function_properties(compile_verbose(nvcc, source, arch, cubin))
+        kernels = {n: p for n, p in props.items() if re.search(rf"\d{kernel}[IE]", n)}
+        if len(kernels) != instantiations:
+            failures.append(f"{arch}: expected {instantiations} {kernel} instantiation(s), found {list(kernels)}")
+        for name, p in props.items():
+            short = readable(name)
+            if name in kernels and p["registers"] > max_registers:
+                failures.append(f"{arch} {short}: {p['registers']} registers > {max_registers}")
+            if max(p["spill_stores"], p["spill_loads"]) > MAX_SPILL_BYTES:
+                failures.append(f"{arch} {short}: spills {p['spill_stores']} B stored, {p['spill_loads']} B loaded")
+            if name in kernels:
+                print(f"{arch} {short}: {p['registers']} registers, spills {p['spill_stores']}/{p['spill_loads']} B")
+        if cuobjdump:
+            failures += [f"{arch} {b}" for b in element_loops_with_local_memory(cuobjdump, cubin)]
+    return failures
+
+
 def main() -> None:
     nvcc, root = sys.argv[1], sys.argv[2]
-    source = os.path.join(root, "csrc", "cuda", "stats_cuda.cu")
     failures = []
     cuobjdump = find_cuobjdump(nvcc)
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ("sm_80", "sm_90"):
-            cubin = os.path.join(tmp, f"{arch}.cubin")
-            props = function_properties(compile_verbose(nvcc, source, arch, cubin))
-            kernels = {n: p for n, p in props.items() if "stats_kernel" in n}
-            if len(kernels) != 2:
-                failures.append(f"{arch}: expected the 2 stats_kernel instantiations, found {list(kernels)}")
-            for name, p in props.items():
-                short = readable(name)
-                if name in kernels and p["registers"] > MAX_REGISTERS:
-                    failures.append(f"{arch} {short}: {p['registers']} registers > {MAX_REGISTERS}")
-                if max(p["spill_stores"], p["spill_loads"]) > MAX_SPILL_BYTES:
-                    failures.append(f"{arch} {short}: spills {p['spill_stores']} B stored, {p['spill_loads']} B loaded")
-                if name in kernels:
-                    print(f"{arch} {short}: {p['registers']} registers, spills {p['spill_stores']}/{p['spill_loads']} B")
-            if cuobjdump:
-                failures += [f"{arch} {b}" for b in element_loops_with_local_memory(cuobjdump, cubin)]
+        for source, kernel, instantiations, max_registers in KERNELS:
+            path = os.path.join(root, "csrc", "cuda", source)
+            failures += check_source(nvcc, path, kernel, instantiations, max_registers, cuobjdump, tmp)
     if cuobjdump:
         print(f"element loops checked for local memory with {cuobjdump}")
     else:

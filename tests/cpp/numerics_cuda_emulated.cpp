@@ -1,4 +1,4 @@
-// The CUDA numerics kernels compiled as host C++ on the emulator, for numerics_emulated_tests.
+// The CUDA numerics kernel compiled as host C++ on the emulator, for numerics_emulated_tests.
 #define GAPMON_CUDA_EMULATION
 #include "cuda_emulator.h"
 // The emulator's definitions come first.

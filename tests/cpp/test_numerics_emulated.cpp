@@ -1,5 +1,7 @@
-// Runs the CUDA numerics kernels (csrc/cuda/numerics_cuda.cu) on the host emulator against
-// references built without csrc/core: bins by std::frexp, moments by long-double two-pass sums.
+// Runs the CUDA numerics kernel (csrc/cuda/numerics_cuda.cu) on the host emulator against
+// references built without csrc/core: bins by std::frexp, moments by long-double two-pass sums; the
+// statistics states it reads in the same pass must have the bits of the statistics kernel
+// (csrc/cuda/stats_cuda.cu, also on the emulator).
 // Every dtype, items of several chunks, strided and expanded views, empty items, zeros, float32
 // subnormals, Inf, NaN and float64 values outside float32's range; the rows must not depend on the
 // block schedule (shuffled, interleaved blocks give the same bits). No GPU and no torch needed.
@@ -71,20 +73,55 @@ std::vector<double> reference_row(const std::vector<double>& xs) {
   return row;
 }
 
-// Rows as csrc/cuda_ops.cpp gets them (chunk scratch full of garbage: the kernel must overwrite it).
+cuda::ViewTable table_of(const std::vector<StridedView>& views) {
+  cuda::ViewTable table;
+  table.num = static_cast<int64_t>(views.size());
+  for (size_t i = 0; i < views.size(); ++i) table.inline_views[i] = views[i];
+  return table;
+}
+
+// The statistics states launch_stats gives for the same planned views (stats_cuda.cu on the emulator).
+std::vector<double> stats_states(const std::vector<StridedView>& views, const cuda::LaunchPlan& plan, int64_t rows) {
+  std::vector<double> out(rows * core::kNumStateColumns, -7.0), scratch(plan.total_chunks * core::kNumStateColumns);
+  std::vector<unsigned> counters(rows + 1, 0u);
+  cuda::StatsTargets targets;
+  targets.out_states = out.data();
+  targets.chunk_states = scratch.data();
+  targets.counters = counters.data();
+  CHECK(cuda::launch_stats(table_of(views), plan, rows, targets, nullptr) == cudaSuccess, "launch_stats");
+  return out;
+}
+
+// Numerics rows as csrc/cuda_ops.cpp gets them (scratch full of garbage: the kernel must overwrite
+// it), checking on the way that the states of the same pass have launch_stats' bits and that the
+// launch leaves its counters zeroed (the glue reuses them without a memset).
 std::vector<double> run(std::vector<StridedView> views) {
   int64_t rows = 0;
   for (auto& v : views) {
     v.out_row = rows;
     rows += v.items;
   }
-  const int64_t total_chunks = core::plan_chunks(views.data(), static_cast<int64_t>(views.size()));
-  cuda::ViewTable table;
-  table.num = static_cast<int64_t>(views.size());
-  for (size_t i = 0; i < views.size(); ++i) table.inline_views[i] = views[i];
-  std::vector<double> scratch(total_chunks * kColumns, -7.0), out(rows * kColumns, -7.0);
-  CHECK(cuda::launch_numerics(table, total_chunks, rows, scratch.data(), out.data(), nullptr) == cudaSuccess,
-        "launch_numerics");
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
+  std::vector<double> chunk_rows(plan.total_chunks * kColumns, -7.0), out(rows * kColumns, -7.0);
+  std::vector<double> states(rows * core::kNumStateColumns, -7.0), chunk_states(plan.total_chunks * core::kNumStateColumns, -7.0);
+  std::vector<unsigned> counters(rows + 1, 0u);
+  cuda::StatsTargets stats;
+  stats.out_states = states.data();
+  cuda::NumericsTargets numerics;
+  numerics.out = out.data();
+  if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
+    CHECK(cuda::launch_stats_and_numerics(table_of(views), plan, rows, stats, numerics, nullptr) == cudaErrorInvalidValue,
+          "items of several chunks without scratch are refused");
+    stats.chunk_states = chunk_states.data();
+    stats.counters = counters.data();
+    numerics.chunk_rows = chunk_rows.data();
+  }
+  CHECK(cuda::launch_stats_and_numerics(table_of(views), plan, rows, stats, numerics, nullptr) == cudaSuccess,
+        "launch_stats_and_numerics");
+  for (int64_t r = 0; r <= rows; ++r) CHECK(counters[r] == 0u, "counter %lld left at %u", static_cast<long long>(r), counters[r]);
+  const auto want = stats_states(views, plan, rows);
+  CHECK(std::memcmp(states.data(), want.data(), want.size() * sizeof(double)) == 0,
+        "the states read with the numerics differ from launch_stats' bits");
   return out;
 }
 
@@ -151,6 +188,31 @@ void test_nan_and_float64_range() {
   CHECK(std::isnan(got[core::nMean]) && got[core::nCount] == 7, "NaN propagates to the moments");
 }
 
+void test_refused_plans() {
+  // Many short instances are read by warps in launch_stats: the fused kernel reads blocks only, and
+  // says so rather than give states with other bits. No instance fold either.
+  const std::vector<float> data(4096, 1.0f);
+  std::vector<StridedView> views{view(data.data(), {2}, {1}, 2048, 2)};
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), 1);
+  CHECK(plan.warp_chunks > 0, "2048 items of 2 elements are read by warps");
+  std::vector<double> out(2048 * kColumns), states(2048 * core::kNumStateColumns), acc(core::kNumAccColumns);
+  cuda::StatsTargets stats;
+  stats.out_states = states.data();
+  cuda::NumericsTargets numerics;
+  numerics.out = out.data();
+  CHECK(cuda::launch_stats_and_numerics(table_of(views), plan, 2048, stats, numerics, nullptr) == cudaErrorInvalidValue,
+        "a plan with warp chunks is refused");
+  std::vector<StridedView> one{view(data.data(), {4096}, {1})};
+  const cuda::LaunchPlan single = cuda::plan_launch(one.data(), 1);
+  stats.acc_row = acc.data();
+  CHECK(cuda::launch_stats_and_numerics(table_of(one), single, 1, stats, numerics, nullptr) == cudaErrorInvalidValue,
+        "an instance fold is refused");
+  stats.acc_row = nullptr;
+  numerics.out = nullptr;
+  CHECK(cuda::launch_stats_and_numerics(table_of(one), single, 1, stats, numerics, nullptr) == cudaErrorInvalidValue,
+        "no numerics output is refused");
+}
+
 void test_merge_launcher() {
   // [2 parts, 1 tensor]: the two halves of one sequence merge to the whole's row.
   std::vector<double> xs;
@@ -173,6 +235,7 @@ int main() {
   test_dtype<__nv_bfloat16>("bfloat16");
   test_dtype<__half>("float16");
   test_nan_and_float64_range();
+  test_refused_plans();
   test_merge_launcher();
   if (failures) {
     std::printf("%d check(s) failed\n", failures);
