@@ -186,9 +186,30 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   return out;
 }
 
-// Numerics rows (csrc/core/numerics.h) of every tensor and, if `with_states`, their statistics states,
-// read in one pass (one launch): {states or an undefined tensor, numerics rows}. Items of several
+// Runs the statistics-and-numerics kernel over single-item `views` (tensors: never read by warps, so
+// the plan keeps their order and reads them by blocks): numerics rows into numerics.out (written, or
+// merged into with numerics.accumulate), states into stats.out_states if set. Items of several
 // chunks need chunk scratch for both (one allocation each, no memset) and counters.
+void launch_with_numerics(std::vector<core::StridedView>& views, int64_t rows, const at::Device& device,
+                          cuda::StatsTargets stats, cuda::NumericsTargets numerics, const char* op) {
+  const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
+  at::Tensor table_storage;
+  const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
+  at::Tensor chunk_states, chunk_rows, captured_counters;
+  if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
+    chunk_states = at::empty({plan.total_chunks * int64_t(core::kNumStateColumns)}, opts);
+    chunk_rows = at::empty({plan.total_chunks, int64_t(core::kNumNumericsColumns)}, opts);
+    stats.chunk_states = chunk_states.data_ptr<double>();
+    numerics.chunk_rows = chunk_rows.data_ptr<double>();
+    stats.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
+  }
+  check_launch(cuda::launch_stats_and_numerics(table, plan, rows, stats, numerics, stream), op);
+}
+
+// Numerics rows (csrc/core/numerics.h) of every tensor and, if `with_states`, their statistics states,
+// read in one pass (one launch): {states or an undefined tensor, numerics rows}.
 std::pair<at::Tensor, at::Tensor> run_with_numerics(at::TensorList xs, bool with_states, const char* op) {
   const auto columns = int64_t(core::kNumNumericsColumns);
   const auto host = at::TensorOptions().dtype(at::kDouble);
@@ -203,24 +224,11 @@ std::pair<at::Tensor, at::Tensor> run_with_numerics(at::TensorList xs, bool with
   const int64_t rows = static_cast<int64_t>(xs.size());
   at::Tensor out = at::empty({rows, columns}, opts);
   at::Tensor states = with_states ? at::empty({rows, int64_t(core::kNumStateColumns)}, opts) : at::Tensor();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // Tensors are single items, never read by warps: the plan keeps their order and reads them by blocks.
-  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
-  at::Tensor table_storage;
-  const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
   cuda::StatsTargets stats;
   if (with_states) stats.out_states = states.data_ptr<double>();
   cuda::NumericsTargets numerics;
   numerics.out = out.data_ptr<double>();
-  at::Tensor chunk_states, chunk_rows, captured_counters;
-  if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
-    chunk_states = at::empty({plan.total_chunks * int64_t(core::kNumStateColumns)}, opts);
-    chunk_rows = at::empty({plan.total_chunks, columns}, opts);
-    stats.chunk_states = chunk_states.data_ptr<double>();
-    numerics.chunk_rows = chunk_rows.data_ptr<double>();
-    stats.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
-  }
-  check_launch(cuda::launch_stats_and_numerics(table, plan, rows, stats, numerics, stream), op);
+  launch_with_numerics(views, rows, device, stats, numerics, op);
   return {states, out};
 }
 
@@ -251,6 +259,25 @@ void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_
       acc.data_ptr<double>() + row * core::kNumAccColumns);
 }
 
+// The instance fold (one launch, as accumulate_instance_stats), then x's numerics merged into the
+// table row (one launch over x as a single tensor): two reads of x on CUDA, where the CPU op reads
+// once. Merging in the kernel replaces a separate numerics op, a stack, a merge and a copy per call.
+void accumulate_instance_stats_and_numerics_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
+                                                 at::Tensor& numerics_table, int64_t numerics_row) {
+  const char* op = "accumulate_instance_stats_and_numerics";
+  check_accumulator(x, acc, row, op);
+  check_numerics_table(x, numerics_table, numerics_row);
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> instances{make_view(x, 1, op, keep_alive)};
+  run(instances, x.size(0), x.device(), correction, false, op, acc.data_ptr<double>() + row * core::kNumAccColumns);
+  std::vector<core::StridedView> whole{make_view(x, 0, op, keep_alive)};
+  cuda::NumericsTargets numerics;
+  numerics.out = numerics_table.data_ptr<double>() + numerics_row * core::kNumNumericsColumns;
+  numerics.accumulate = true;
+  launch_with_numerics(whole, 1, x.device(), cuda::StatsTargets(), numerics, op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
@@ -264,6 +291,7 @@ TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
   m.impl("numerics_states", &numerics_states_cuda);
   m.impl("merge_numerics_states", &merge_numerics_states_cuda);
   m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cuda);
+  m.impl("accumulate_instance_stats_and_numerics", &accumulate_instance_stats_and_numerics_cuda);
 }
 
 }  // namespace gapmon

@@ -69,6 +69,12 @@ TORCH_LIBRARY(gapmon, m) {
   m.def("merge_numerics_states(Tensor states) -> Tensor");
   // Both of the above in one pass over memory: (multi_tensor_states(xs), numerics_states(xs)).
   m.def("multi_tensor_states_and_numerics(Tensor[] xs) -> (Tensor, Tensor)");
+  // accumulate_instance_stats, and x's numerics row merged into row `numerics_row` of a float64
+  // [rows, C] table in place (after what the row holds), in one pass over x (GAPMonitor's activation
+  // hooks with numerics on).
+  m.def(
+      "accumulate_instance_stats_and_numerics(Tensor x, Tensor(a!) acc, int row, int correction, Tensor(b!) numerics, "
+      "int numerics_row) -> ()");
   m.def("_cpu_isa(str request) -> str", &cpu_isa);
   m.def("_layout() -> str[]", &layout);
 }
@@ -79,7 +85,8 @@ TORCH_LIBRARY(gapmon, m) {
 TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
   for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
                          "finalize_states", "accumulate_instance_stats", "numerics_states",
-                         "merge_numerics_states", "multi_tensor_states_and_numerics"}) {
+                         "merge_numerics_states", "multi_tensor_states_and_numerics",
+                         "accumulate_instance_stats_and_numerics"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -128,14 +128,26 @@ inline void check_numerics_states(const at::Tensor& states) {
 }
 
 // Checks the arguments of accumulate_instance_stats (GAPMonitor activation accumulators).
-inline void check_accumulator(const at::Tensor& x, const at::Tensor& acc, int64_t row) {
-  check_batch_dim(x, "accumulate_instance_stats");
+inline void check_accumulator(const at::Tensor& x, const at::Tensor& acc, int64_t row,
+                              const char* op = "accumulate_instance_stats") {
+  check_batch_dim(x, op);
   TORCH_CHECK_VALUE(acc.dim() == 2 && acc.size(1) == core::kNumAccColumns && acc.scalar_type() == at::kDouble &&
                         acc.is_contiguous() && acc.device() == x.device(),
-                    "gapmon.accumulate_instance_stats: expected a contiguous float64 [rows, ", core::kNumAccColumns,
+                    "gapmon.", op, ": expected a contiguous float64 [rows, ", core::kNumAccColumns,
                     "] accumulator on ", x.device(), ", got ", acc.scalar_type(), " ", acc.sizes(), " on ", acc.device());
-  TORCH_CHECK_INDEX(row >= 0 && row < acc.size(0), "gapmon.accumulate_instance_stats: row ", row,
+  TORCH_CHECK_INDEX(row >= 0 && row < acc.size(0), "gapmon.", op, ": row ", row,
                     " out of range for an accumulator of ", acc.size(0), " rows");
+}
+
+// Checks the numerics table of accumulate_instance_stats_and_numerics: rows merged into in place.
+inline void check_numerics_table(const at::Tensor& x, const at::Tensor& table, int64_t row) {
+  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(1) == core::kNumNumericsColumns &&
+                        table.scalar_type() == at::kDouble && table.is_contiguous() && table.device() == x.device(),
+                    "gapmon.accumulate_instance_stats_and_numerics: expected a contiguous float64 [rows, ",
+                    core::kNumNumericsColumns, "] numerics table on ", x.device(), ", got ", table.scalar_type(), " ",
+                    table.sizes(), " on ", table.device());
+  TORCH_CHECK_INDEX(row >= 0 && row < table.size(0), "gapmon.accumulate_instance_stats_and_numerics: numerics row ",
+                    row, " out of range for a table of ", table.size(0), " rows");
 }
 
 }  // namespace gapmon

@@ -108,6 +108,10 @@ if COMPILED:
     def _(x, acc, row, correction=1):
         return None
 
+    @torch.library.register_fake(f"{_LIB}::accumulate_instance_stats_and_numerics")
+    def _(x, acc, row, correction, numerics, numerics_row):
+        return None
+
     @torch.library.register_fake(f"{_LIB}::numerics_states")
     def _(xs):
             return xs[0].new_empty((len(xs), len(NUMERICS_COLUMNS)), dtype=torch.float64)
@@ -233,6 +237,17 @@ def accumulate_instance_stats(x: torch.Tensor, acc: torch.Tensor, row: int, corr
         reference.accumulate_instance_stats(x.detach(), acc, row, correction)
         return
     torch.ops.gapmon.accumulate_instance_stats(x, acc, row, correction)
+
+
+def accumulate_instance_stats_and_numerics(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int,
+                                           numerics: torch.Tensor, numerics_row: int) -> None:
+    """accumulate_instance_stats, and x's numerics row (gapmon.numerics) merged into row
+    `numerics_row` of a float64 [rows, C] table in place: what GAPMonitor's activation hooks run with
+    numerics on, one op (on CPU one pass over x)."""
+    if not _compiled_for(x.device):
+        reference.accumulate_instance_stats_and_numerics(x.detach(), acc, row, correction, numerics, numerics_row)
+        return
+    torch.ops.gapmon.accumulate_instance_stats_and_numerics(x, acc, row, correction, numerics, numerics_row)
 
 
 # ------------------------------------------------------------------ per-sample norm products

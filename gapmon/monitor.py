@@ -276,8 +276,6 @@ class GAPMonitor:
         recomputing = not torch.compiler.is_compiling() and _torch_compat.in_backward()
         if self._kinds["activations"] and not recomputing:
             self._fold(out, index, 0)
-            if self.numerics:
-                self._numerics_row(out, index, 0)
         if self._kinds["activation_grads"] and out.requires_grad:
             hook = self._grad_hook
             if self._untraced_grad_hook and torch.compiler.is_compiling():
@@ -287,20 +285,12 @@ class GAPMonitor:
     def _grad_hook(self, index: int, grad: torch.Tensor) -> None:
         if self._active and grad is not None and grad.dim() > 1 and grad.numel() > 0:
             self._fold(grad, index, 1)
-            if self.numerics:
-                self._numerics_row(grad, index, 1)
-
-    def _numerics_row(self, x: torch.Tensor, index: int, kind: int) -> None:
-        """Merges the numerics row of one activation (kind 0) or activation gradient (1) of module
-        `index` into its row of the step's table, in place (micro-batches in order; end_step merges
-        the ranks). Only tensor ops and gapmon ops on a preallocated row: torch.compile traces it
-        into the graph, as the statistics."""
-        if is_dtensor(x):
-            x = x.to_local()
-        row = self._num_rows[kind * len(self._modules) + index]
-        row.copy_(merge_numerics_states(torch.stack((row, numerics_states([x.detach()]).to(row.device)))))
 
     def _fold(self, x: torch.Tensor, index: int, kind: int) -> None:
+        """Folds one activation (kind 0) or activation gradient (1) of module `index` into the step's
+        accumulator rows: its per-instance statistics and, with numerics on, its numerics row, merged
+        in place (micro-batches in order; end_step merges the ranks) by the same op, which reads x
+        once on CPU. Only gapmon ops on preallocated rows: torch.compile traces them into the graph."""
         if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
             x = x.to_local()
         backward = kind == 1
@@ -314,10 +304,12 @@ class GAPMonitor:
         if not torch.compiler.is_compiling() and self._first_seen[kind][index] < 0:
             self._first_seen[kind][index] = self._order[kind]
             self._order[kind] += 1
-        if backward:
-            ops.accumulate_instance_stats(x, self._grad_rows[index], 0, self.correction)
+        acc, row = (self._grad_rows[index], 0) if backward else (self._acc, index)
+        if self.numerics:
+            numerics_row = self._num_rows[kind * len(self._modules) + index]
+            ops.accumulate_instance_stats_and_numerics(x, acc, row, self.correction, numerics_row, 0)
         else:
-            ops.accumulate_instance_stats(x, self._acc, index, self.correction)
+            ops.accumulate_instance_stats(x, acc, row, self.correction)
 
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:

@@ -12,7 +12,13 @@ from typing import Sequence
 import torch
 
 from . import _backend, distributed
-from ._backend import accumulate_instance_stats, backend, cpu_isa, cuda_kernels_compiled  # noqa: F401
+from ._backend import (  # noqa: F401
+    accumulate_instance_stats,
+    accumulate_instance_stats_and_numerics,
+    backend,
+    cpu_isa,
+    cuda_kernels_compiled,
+)
 from .stats import STAT_NAMES, Stats, check_tensor_list
 from .utils import is_dtensor, is_dtensor_type
 

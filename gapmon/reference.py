@@ -156,6 +156,15 @@ def merge_numerics_states(states: torch.Tensor) -> torch.Tensor:
     return torch.cat((bins, torch.stack((n, mean, m2, m3, m4), dim=-1)), dim=-1)
 
 
+def accumulate_instance_stats_and_numerics(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int,
+                                           numerics: torch.Tensor, numerics_row: int) -> None:
+    """accumulate_instance_stats, and x's numerics row merged into row `numerics_row` of a [rows, C]
+    float64 table in place (after what the row holds)."""
+    accumulate_instance_stats(x, acc, row, correction)
+    old = numerics[numerics_row].clone()
+    numerics[numerics_row] = merge_numerics_states(torch.stack((old, numerics_states([x])[0].to(numerics.device))).unsqueeze(1))[0]
+
+
 def per_sample_grad_norms(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[B] float64 norms of exact per-sample gradients of the trainable parameters, materialised with
     torch.func.vmap(grad(...)) (loss_fn(model(x_i[None]), y_i[None]) per sample): the independent

@@ -387,6 +387,30 @@ def test_states_and_numerics_in_one_launch_equal_the_two_ops(dtype):
     torch.library.opcheck(torch.ops.gapmon.multi_tensor_states_and_numerics.default, (few,))
 
 
+@pytest.mark.parametrize("shape", [(3, 70_001), (4096, 64), (5, 7, 9)], ids=str)
+def test_activation_fold_with_numerics_equals_the_separate_ops(shape):
+    """accumulate_instance_stats_and_numerics on CUDA: the accumulator gets the bits of
+    accumulate_instance_stats, the numerics row those of merging numerics_states([x]) after what it
+    held (block- and warp-read instances, several chunks); two kernels per call and nothing else."""
+    from gapmon import numerics as nm
+
+    x = (torch.randn(shape, device="cuda") * 3).bfloat16()
+    acc = torch.zeros(2, len(gapmon.stats.ACC_NAMES), dtype=torch.float64, device="cuda")
+    table = torch.zeros(3, len(nm.NUMERICS_COLUMNS), dtype=torch.float64, device="cuda")
+    table[1] = nm.numerics_states([torch.randn(100, device="cuda")])[0]
+    want_acc, old = acc.clone(), table[1].clone()
+    gapmon.ops.accumulate_instance_stats(x, want_acc, 1)
+    want_row = nm.merge_numerics_states(torch.stack((old, nm.numerics_states([x])[0])).unsqueeze(1))[0]
+    gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 1, 1, table, 1)
+    assert torch.equal(acc, want_acc) and torch.equal(table[1], want_row)
+    assert bool((table[[0, 2]] == 0).all())
+    cpu_table = torch.zeros(1, len(nm.NUMERICS_COLUMNS), dtype=torch.float64)
+    gapmon.ops.accumulate_instance_stats_and_numerics(x.cpu(), acc.cpu(), 1, 1, cpu_table, 0)
+    assert torch.equal(nm.numerics_states([x])[0][:nm.NUM_BINS].cpu(), cpu_table[0, :nm.NUM_BINS])
+    work = _cuda_work(lambda: gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 1, 1, table, 1))
+    assert len(work) == 2 and "stats_kernel" in work[0] and "stats_numerics_kernel" in work[1], work
+
+
 def test_a_tensors_bits_do_not_depend_on_the_list():
     """Warp or block per chunk is chosen per tensor (many short instance rows: warps), so a tensor's
     row has the same bits alone and in any list: 2100 small tensors (which a list used to read by

@@ -421,3 +421,83 @@ def test_monitor_takes_parameter_numerics_in_the_statistics_pass(monkeypatch):
     d = model[2].weight.grad.double().flatten()
     d = d - d.mean()
     assert metrics["gap/grads/2.weight/kurtosis"] == pytest.approx((d.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item())
+
+
+def _fold_inputs():
+    """Activations as the monitor folds them: several chunks per instance (bf16), a transposed and an
+    expanded layout, a NaN in one instance, a float64 one."""
+    torch.manual_seed(5)
+    big = (torch.randn(3, 70_001) * 4 + 2).bfloat16()
+    nan = torch.randn(4, 9)
+    nan[2, 3] = float("nan")
+    return [big, torch.randn(7, 5, 6).transpose(0, 2), torch.randn(5, 1).expand(5, 40), nan,
+            torch.randn(6, 300, dtype=torch.float64), torch.randn(2, 3).half()]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_activation_fold_with_numerics_in_one_op(case):
+    """accumulate_instance_stats_and_numerics: the accumulator row gets the bits of
+    accumulate_instance_stats; the numerics row becomes the merge of what it held and x's numerics
+    (bins exact, against frexp; moments against float64), in place; other rows untouched."""
+    x = _fold_inputs()[case]
+    acc = torch.zeros(3, len(gapmon.stats.ACC_NAMES), dtype=torch.float64)
+    gapmon.ops.accumulate_instance_stats(torch.randn(2, 8), acc, 1)  # the row already holds a micro-batch
+    want_acc = acc.clone()
+    gapmon.ops.accumulate_instance_stats(x, want_acc, 1)
+    earlier = torch.randn(50) * 1e-3
+    table = torch.zeros(4, len(nm.NUMERICS_COLUMNS), dtype=torch.float64)
+    table[2] = reference.numerics_states([earlier])[0]
+    table[0] = 7.0  # a row of another module: untouched
+    gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 1, 1, table, 2)
+    torch.testing.assert_close(acc, want_acc, rtol=0, atol=0, equal_nan=True)  # the same bits
+    assert bool((table[0] == 7.0).all()) and bool((table[[1, 3]] == 0).all())
+    values = torch.cat((earlier.double(), x.double().flatten()))
+    assert torch.equal(table[2, :nm.NUM_BINS].long(), _frexp_bins(values.tolist()))
+    count, mean, m2, m3, m4 = table[2, nm.NUM_BINS:].tolist()
+    assert count == values.numel()
+    if not values.isnan().any():
+        d = values - values.mean()
+        for got, want in ((mean, values.mean()), (m2, (d ** 2).sum()), (m4, (d ** 4).sum())):
+            assert got == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
+        assert m3 == pytest.approx((d ** 3).sum().item(), rel=1e-8, abs=1e-9 * count * (m2 / count) ** 1.5)
+    else:
+        assert math.isnan(mean)
+
+
+def test_activation_fold_with_numerics_checks_its_arguments():
+    x = torch.randn(3, 4)
+    acc = torch.zeros(2, len(gapmon.stats.ACC_NAMES), dtype=torch.float64)
+    table = torch.zeros(2, len(nm.NUMERICS_COLUMNS), dtype=torch.float64)
+    with pytest.raises(ValueError, match="numerics table"):
+        gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 0, 1, table.float(), 0)
+    with pytest.raises(ValueError, match="numerics table"):
+        gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 0, 1, table[:, :10], 0)
+    with pytest.raises(IndexError, match="numerics row 2 out of range"):
+        gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 0, 1, table, 2)
+    with pytest.raises(IndexError, match="row 5 out of range"):
+        gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 5, 1, table, 0)
+    assert bool((acc == 0).all()) and bool((table == 0).all())  # nothing written by a refused call
+
+
+def test_monitor_folds_activation_numerics_with_the_statistics(monkeypatch):
+    """With numerics on, each activation hook is one op for statistics and numerics together (no
+    separate numerics pass over the activation)."""
+    from gapmon import _backend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    calls = {"fused": 0, "plain": 0, "numerics": 0}
+
+    def counting(name, fn):
+        return lambda *a, **k: (calls.__setitem__(name, calls[name] + 1), fn(*a, **k))[1]
+
+    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats_and_numerics",
+                        counting("fused", _backend.accumulate_instance_stats_and_numerics))
+    monkeypatch.setattr(gapmon.ops, "accumulate_instance_stats", counting("plain", _backend.accumulate_instance_stats))
+    monkeypatch.setattr(_backend, "numerics_rows", counting("numerics", _backend.numerics_rows))
+    with gapmon.GAPMonitor(model, numerics=("bf16",), params=False, grads=False) as mon:
+        mon.begin_step(0, batch_size=5)
+        model(torch.randn(5, 6)).sum().backward()
+        metrics = mon.end_step()
+    assert calls == {"fused": 6, "plain": 0, "numerics": 0}  # 3 activations + 3 activation gradients
+    assert "gap/activations/0/kurtosis" in metrics and "gap/activation_grads/2/bf16_underflow" in metrics

@@ -278,10 +278,10 @@ void add_run_scalar(const T* p, int64_t len, int64_t stride, ChunkAccumulator& a
 }
 
 template <typename T>
-ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t lo, int64_t hi) {
+ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t item, int64_t lo, int64_t hi) {
   ChunkAccumulator acc;
   const T* base = static_cast<const T*>(v.data);
-  core::RowCursor cursor(v, 0, lo, hi);
+  core::RowCursor cursor(v, item, lo, hi);
   int64_t offset, len, stride;
   while (cursor.next(offset, len, stride)) {
     if constexpr (std::is_same_v<T, double>) {
@@ -295,34 +295,37 @@ ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t lo, int64_t hi)
   return acc.finish();
 }
 
-ChunkNumerics chunk_numerics_of(const core::StridedView& v, int64_t lo, int64_t hi) {
+// The numerics of elements [lo, hi) of item `item` of `v`.
+ChunkNumerics chunk_numerics_of(const core::StridedView& v, int64_t item, int64_t lo, int64_t hi) {
   switch (v.dtype) {
-    case core::DType::kFloat32: return chunk_numerics<float>(v, lo, hi);
-    case core::DType::kFloat64: return chunk_numerics<double>(v, lo, hi);
-    case core::DType::kBFloat16: return chunk_numerics<at::BFloat16>(v, lo, hi);
-    case core::DType::kFloat16: return chunk_numerics<at::Half>(v, lo, hi);
+    case core::DType::kFloat32: return chunk_numerics<float>(v, item, lo, hi);
+    case core::DType::kFloat64: return chunk_numerics<double>(v, item, lo, hi);
+    case core::DType::kBFloat16: return chunk_numerics<at::BFloat16>(v, item, lo, hi);
+    case core::DType::kFloat16: return chunk_numerics<at::Half>(v, item, lo, hi);
   }
   return {};
 }
 
-// The [N, kNumNumericsColumns] float64 rows of `views` from their chunks' results: bins (exact integers
-// below 2^53), then the moments, merged in chunk order (deterministic).
+// Merges chunks [first, first + count) of `v` (bins summed: exact integers below 2^53; moments merged
+// in chunk order: deterministic), times the view's repeat, into the numerics row `row`.
+void merge_chunks_into(const core::StridedView& v, const ChunkNumerics* chunks, int64_t count, double* row) {
+  std::array<int64_t, core::kNumBins> bins{};
+  Moments m;
+  for (int64_t k = 0; k < count; ++k) {
+    for (int b = 0; b < core::kNumBins; ++b) bins[b] += chunks[k].bins[b];
+    m = core::merge(m, chunks[k].moments);
+  }
+  for (int b = 0; b < core::kNumBins; ++b) row[b] += static_cast<double>(bins[b] * v.repeat);
+  core::store_moments(core::merge(core::load_moments(row), core::repeat(m, static_cast<double>(v.repeat))), row);
+}
+
+// The [N, kNumNumericsColumns] float64 rows of `views` (single items) from their chunks' results.
 at::Tensor numerics_rows_of(const std::vector<core::StridedView>& views, const std::vector<ChunkNumerics>& chunks) {
   const int64_t num_views = static_cast<int64_t>(views.size());
   at::Tensor out = at::zeros({num_views, core::kNumNumericsColumns}, at::kDouble);
   double* rows = out.data_ptr<double>();
-  for (int64_t i = 0; i < num_views; ++i) {
-    const core::StridedView& v = views[i];
-    double* row = rows + v.out_row * core::kNumNumericsColumns;
-    std::array<int64_t, core::kNumBins> bins{};
-    Moments m;
-    for (int64_t k = 0; k < v.chunks_per_item; ++k) {
-      const ChunkNumerics& c = chunks[v.first_chunk + k];
-      for (int b = 0; b < core::kNumBins; ++b) bins[b] += c.bins[b];
-      m = core::merge(m, c.moments);
-    }
-    for (int b = 0; b < core::kNumBins; ++b) row[b] = static_cast<double>(bins[b] * v.repeat);
-    core::store_moments(core::repeat(m, static_cast<double>(v.repeat)), row);
+  for (const core::StridedView& v : views) {
+    merge_chunks_into(v, chunks.data() + v.first_chunk, v.chunks_per_item, rows + v.out_row * core::kNumNumericsColumns);
   }
   return out;
 }
@@ -341,7 +344,7 @@ at::Tensor numerics_states_cpu(at::TensorList xs) {
       const core::StridedView& v = views[vi];
       const int64_t lo = (c - v.first_chunk) * core::kChunkElems;
       const int64_t hi = std::min(lo + core::kChunkElems, v.item_numel);
-      if (lo < hi) chunks[c] = chunk_numerics_of(v, lo, hi);
+      if (lo < hi) chunks[c] = chunk_numerics_of(v, 0, lo, hi);
     }
   });
   return numerics_rows_of(views, chunks);
@@ -358,10 +361,32 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_states_and_numerics_cpu(at::Tens
     return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, core::kNumNumericsColumns}, at::kDouble)};
   }
   std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), num_views));
-  const auto states = compute_states(views, num_views, [&](const core::StridedView& v, int64_t c, int64_t lo, int64_t hi) {
-    if (lo < hi) chunks[c] = chunk_numerics_of(v, lo, hi);
+  const auto states = compute_states(views, num_views, [&](const core::StridedView& v, int64_t c, int64_t item,
+                                                           int64_t lo, int64_t hi) {
+    if (lo < hi) chunks[c] = chunk_numerics_of(v, item, lo, hi);
   });
   return {states_to_tensor(states), numerics_rows_of(views, chunks)};
+}
+
+// The per-instance statistics of x folded into acc[row], as accumulate_instance_stats does, and x's
+// numerics merged into numerics[numerics_row], in one pass over x: each chunk's numerics are taken
+// right after its state, while it is in cache. x's numerics are its chunks' merged in order (items,
+// then each item's chunks): the bins of numerics_states([x]), its moments within float64 rounding.
+void accumulate_instance_stats_and_numerics_cpu(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
+                                                at::Tensor& numerics, int64_t numerics_row) {
+  const char* op = "accumulate_instance_stats_and_numerics";
+  check_accumulator(x, acc, row, op);
+  check_numerics_table(x, numerics, numerics_row);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 1, op, keep_alive)};
+  std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), 1));
+  const auto states = compute_states(views, x.size(0), [&](const core::StridedView& v, int64_t c, int64_t item,
+                                                           int64_t lo, int64_t hi) {
+    if (lo < hi) chunks[c] = chunk_numerics_of(v, item, lo, hi);
+  });
+  fold_instances(states, correction, acc.data_ptr<double>() + row * core::kNumAccColumns);
+  merge_chunks_into(views[0], chunks.data(), static_cast<int64_t>(chunks.size()),
+                    numerics.data_ptr<double>() + numerics_row * core::kNumNumericsColumns);
 }
 
 // [R, N, kNumNumericsColumns] rows (R partial results of N tensors) -> [N, ...], merged in order.
@@ -391,6 +416,7 @@ TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
   m.impl("numerics_states", &numerics_states_cpu);
   m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);
   m.impl("merge_numerics_states", &merge_numerics_states_cpu);
+  m.impl("accumulate_instance_stats_and_numerics", &accumulate_instance_stats_and_numerics_cpu);
 }
 
 }  // namespace gapmon

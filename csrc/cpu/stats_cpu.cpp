@@ -50,7 +50,7 @@ std::vector<State<double>> compute_states(std::vector<core::StridedView>& views,
       const int64_t lo = (local % v.chunks_per_item) * core::kChunkElems;
       const int64_t hi = std::min(lo + core::kChunkElems, v.item_numel);
       const State<double> s = cpu::chunk_state(v, item, lo, hi);
-      if (hook && v.items == 1) hook(v, c, lo, hi);
+      if (hook) hook(v, c, item, lo, hi);
       if (v.chunks_per_item == 1) {
         out[v.out_row + item] = core::repeat(s, static_cast<double>(v.repeat));
       } else {
@@ -70,6 +70,14 @@ std::vector<State<double>> compute_states(std::vector<core::StridedView>& views,
     }
   }
   return out;
+}
+
+void fold_instances(const std::vector<State<double>>& states, int64_t correction, double* acc_row) {
+  double stats[core::kNumStats];
+  for (const auto& s : states) {
+    core::finalize(s, correction, stats);
+    core::accumulate_instance(stats, acc_row);
+  }
 }
 
 at::Tensor states_to_tensor(const std::vector<State<double>>& states) {
@@ -143,13 +151,7 @@ void accumulate_instance_stats_cpu(const at::Tensor& x, at::Tensor& acc, int64_t
   check_accumulator(x, acc, row);
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> views{make_view(x, 1, "accumulate_instance_stats", keep_alive)};
-  const auto states = compute_states(views, x.size(0));
-  double* out = acc.data_ptr<double>() + row * core::kNumAccColumns;
-  double stats[core::kNumStats];
-  for (const auto& s : states) {
-    core::finalize(s, correction, stats);
-    core::accumulate_instance(stats, out);
-  }
+  fold_instances(compute_states(views, x.size(0)), correction, acc.data_ptr<double>() + row * core::kNumAccColumns);
 }
 
 }  // namespace

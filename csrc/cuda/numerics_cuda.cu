@@ -77,15 +77,21 @@ __device__ void block_merge_moments(Moments* slots) {
   }
 }
 
-// Writes row `row` of the numerics output: bins (this thread's share) and moments (thread 0), times
-// the view's repeat. `bin_count(b)` gives the item's count of bin b.
+// Writes row `row` of the numerics output, or merges into it (after what it holds) if `accumulate`:
+// bins (this thread's share) and moments (thread 0), times the view's repeat. `bin_count(b)` gives
+// the item's count of bin b. One block finishes each item, so the merge needs no atomics.
 template <typename BinCount>
 __device__ __forceinline__ void write_numerics_row(BinCount&& bin_count, const Moments& m, const StridedView& v,
-                                                   int64_t row, double* out) {
-  double* dst = out + row * kColumns;
+                                                   int64_t row, const NumericsTargets& numerics) {
+  double* dst = numerics.out + row * kColumns;
   const double times = static_cast<double>(v.repeat);
-  for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) dst[b] = bin_count(b) * times;
-  if (threadIdx.x == 0) core::store_moments(core::repeat(m, times), dst);
+  for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) {
+    dst[b] = (numerics.accumulate ? dst[b] : 0.0) + bin_count(b) * times;
+  }
+  if (threadIdx.x == 0) {
+    const Moments mine = core::repeat(m, times);
+    core::store_moments(numerics.accumulate ? core::merge(core::load_moments(dst), mine) : mine, dst);
+  }
 }
 
 // Another block's chunk moments, published before its count (as published_chunk's states).
@@ -122,8 +128,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     block_merge_moments(thread_moments);  // after it, every thread's bin counts are in `bins` too
     if (v.chunks_per_item == 1) {
       if (threadIdx.x == 0) write_row(s, v, at.row, stats);
-      write_numerics_row([&](int b) { return static_cast<double>(bins[b]); }, thread_moments[0], v, at.row,
-                         numerics.out);
+      write_numerics_row([&](int b) { return static_cast<double>(bins[b]); }, thread_moments[0], v, at.row, numerics);
     } else {
       // Publish the chunk's row and state, fenced by every thread that wrote, then count it.
       double* chunk_row = numerics.chunk_rows + c * kColumns;
@@ -155,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
               for (int64_t k = 0; k < v.chunks_per_item; ++k) total += __ldcg(rows + k * kColumns + b);
               return total;
             },
-            m, v, at.row, numerics.out);
+            m, v, at.row, numerics);
       }
     }
     __syncthreads();  // bins, moments and states are reused by the next chunk

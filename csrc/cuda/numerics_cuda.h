@@ -15,6 +15,7 @@ namespace cuda {
 struct NumericsTargets {
   double* out = nullptr;         // [rows, core::kNumNumericsColumns] float64: exponent histogram, count, mean, M2..M4
   double* chunk_rows = nullptr;  // [total_chunks, kNumNumericsColumns] scratch; needed when an item has > 1 chunk
+  bool accumulate = false;       // merge each item's row into `out`'s row (after what it holds), not overwrite it
 };
 
 // Numerics rows of every item of every view, and in the same pass (each chunk is read once) its

@@ -94,8 +94,9 @@ std::vector<double> stats_states(const std::vector<StridedView>& views, const cu
 
 // Numerics rows as csrc/cuda_ops.cpp gets them (scratch full of garbage: the kernel must overwrite
 // it), checking on the way that the states of the same pass have launch_stats' bits and that the
-// launch leaves its counters zeroed (the glue reuses them without a memset).
-std::vector<double> run(std::vector<StridedView> views) {
+// launch leaves its counters zeroed (the glue reuses them without a memset). With `into`, the rows
+// are merged into those rows (NumericsTargets::accumulate) rather than written.
+std::vector<double> run(std::vector<StridedView> views, const std::vector<double>* into = nullptr) {
   int64_t rows = 0;
   for (auto& v : views) {
     v.out_row = rows;
@@ -103,12 +104,14 @@ std::vector<double> run(std::vector<StridedView> views) {
   }
   const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
   std::vector<double> chunk_rows(plan.total_chunks * kColumns, -7.0), out(rows * kColumns, -7.0);
+  if (into != nullptr) out = *into;
   std::vector<double> states(rows * core::kNumStateColumns, -7.0), chunk_states(plan.total_chunks * core::kNumStateColumns, -7.0);
   std::vector<unsigned> counters(rows + 1, 0u);
   cuda::StatsTargets stats;
   stats.out_states = states.data();
   cuda::NumericsTargets numerics;
   numerics.out = out.data();
+  numerics.accumulate = into != nullptr;
   if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
     CHECK(cuda::launch_stats_and_numerics(table_of(views), plan, rows, stats, numerics, nullptr) == cudaErrorInvalidValue,
           "items of several chunks without scratch are refused");
@@ -188,6 +191,23 @@ void test_nan_and_float64_range() {
   CHECK(std::isnan(got[core::nMean]) && got[core::nCount] == 7, "NaN propagates to the moments");
 }
 
+void test_merging_into_rows() {
+  // The rows of a second launch merged into those of the first: the rows of each item's values twice.
+  std::mt19937 gen(11);
+  std::normal_distribution<double> normal(-1.0, 0.5);
+  std::vector<float> data(core::kChunkElems + 500);
+  for (auto& x : data) x = static_cast<float>(normal(gen));
+  const std::vector<StridedView> views{view(data.data(), {int64_t(data.size())}, {1}), view(data.data() + 7, {300}, {2})};
+  const auto first = run(views);
+  const auto merged = run(views, &first);
+  for (size_t r = 0; r < views.size(); ++r) {
+    auto twice = values_of<float>(views[r], 0);
+    const auto once = twice;
+    twice.insert(twice.end(), once.begin(), once.end());
+    expect_row(merged.data() + r * kColumns, reference_row(twice), "merged row " + std::to_string(r));
+  }
+}
+
 void test_refused_plans() {
   // Many short instances are read by warps in launch_stats: the fused kernel reads blocks only, and
   // says so rather than give states with other bits. No instance fold either.
@@ -235,6 +255,7 @@ int main() {
   test_dtype<__nv_bfloat16>("bfloat16");
   test_dtype<__half>("float16");
   test_nan_and_float64_range();
+  test_merging_into_rows();
   test_refused_plans();
   test_merge_launcher();
   if (failures) {
