@@ -244,6 +244,39 @@ def bench_numerics(device: str, sizes: list[int], rows: list[dict]) -> None:
                   f"in one pass {r['one_pass_over_off']:.2f}x", flush=True)
 
 
+def bench_activation_hook(device: str, sizes: list[int], rows: list[dict]) -> None:
+    """What an activation hook costs with numerics on: the one op that folds the instance statistics
+    and merges the numerics row in place (accumulate_instance_stats_and_numerics; one pass on CPU)
+    against the separate ops it replaced (the fold, numerics_states, then a stack, merge and copy into
+    the row), and against the fold alone (numerics off). Instances: [8, 2^exp / 8]."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for exp in sizes:
+            xs = rotation(torch.randn(8, 2**exp // 8, device=device).to(dtype), device)
+            n, x = len(xs), xs[0]
+            acc = torch.zeros(2, len(gapmon.stats.ACC_NAMES), dtype=torch.float64, device=device)
+            table = torch.zeros(2, len(gapmon.numerics.NUMERICS_COLUMNS), dtype=torch.float64, device=device)
+            row = table[1:2]
+
+            def separate(i):
+                gapmon.ops.accumulate_instance_stats(xs[i % n], acc, 1)
+                new = gapmon.numerics_states([xs[i % n]])
+                row.copy_(gapmon.numerics.merge_numerics_states(torch.stack((row, new))))
+
+            r = {"case": "activation hook with numerics", "dtype": str(dtype).replace("torch.", ""),
+                 "numel": x.numel(), "bytes": x.numel() * x.element_size(), "rotated_inputs": n}
+            r["fold_s"] = timeit(lambda i: gapmon.ops.accumulate_instance_stats(xs[i % n], acc, 1), device)
+            r["one_op_s"] = timeit(
+                lambda i: gapmon.ops.accumulate_instance_stats_and_numerics(xs[i % n], acc, 1, 1, table, 1), device)
+            r["separate_ops_s"] = timeit(separate, device)
+            r["gapmon_s"] = r["one_op_s"]
+            r["gapmon_GBps"] = r["bytes"] / r["one_op_s"] / 1e9
+            r["one_op_over_fold"] = r["one_op_s"] / r["fold_s"]
+            r["separate_over_fold"] = r["separate_ops_s"] / r["fold_s"]
+            rows.append(r)
+            print(f"activation hook {r['dtype']:>8} 2^{exp:<2}: fold alone {r['fold_s']*1e3:8.3f} ms, with numerics "
+                  f"one op {r['one_op_over_fold']:.2f}x, separate ops {r['separate_over_fold']:.2f}x", flush=True)
+
+
 def bench_host_cost(device: str, rows: list[dict]) -> None:
     """Host cost of one small call (1,000 elements) against x.sum()."""
     x = torch.randn(1000, device=device)
@@ -362,6 +395,7 @@ def main() -> None:
                 bench_instance(device, (8192, 4096), rows, dtype)
     if "numerics" in cases:
         bench_numerics(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
+        bench_activation_hook(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
     missed = [f"{r['case']} {r['dtype']}: {t['target']}" for r in rows for t in r.get("targets", []) if not t["met"]]
     print("\ntargets not met:" + "".join(f"\n  {m}" for m in missed) if missed else "\nall targets met")
     table = markdown(rows)

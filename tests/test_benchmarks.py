@@ -40,6 +40,8 @@ def test_bench_stats_reports_targets(tmp_path):
     assert {"tensor_stats", "host cost of one call", "multi_tensor_stats GPT-2 small", "numerics_states"} <= cases
     numerics = next(r for r in result["results"] if r["case"] == "numerics_states")
     assert numerics["gapmon_s"] > 0 and numerics["reference_s"] > 0 and numerics["on_over_off"] > 0
+    hook = next(r for r in result["results"] if r["case"] == "activation hook with numerics")
+    assert hook["one_op_s"] > 0 and hook["separate_ops_s"] > 0 and hook["fold_s"] > 0
     multi = next(r for r in result["results"] if r["case"].startswith("multi_tensor_stats"))
     assert multi["targets"] and all(isinstance(t["met"], bool) for t in multi["targets"])
 
