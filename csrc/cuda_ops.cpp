@@ -186,23 +186,28 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
   return out;
 }
 
-// Runs the statistics-and-numerics kernel over single-item `views` (tensors: never read by warps, so
-// the plan keeps their order and reads them by blocks): numerics rows into numerics.out (written, or
-// merged into with numerics.accumulate), states into stats.out_states if set. Items of several
-// chunks need chunk scratch for both (one allocation each, no memset) and counters.
-void launch_with_numerics(std::vector<core::StridedView>& views, int64_t rows, const at::Device& device,
-                          cuda::StatsTargets stats, cuda::NumericsTargets numerics, const char* op) {
+// Runs the statistics-and-numerics kernel over `views`, planned by cuda::plan_launch with no view
+// read by warps (tensors always; instances unless they are many short rows): numerics rows into
+// numerics.out, statistics where `stats` says. Adds the scratch the plan and the targets need: chunk
+// states and chunk numerics rows (one allocation each, no memset) and counters.
+void launch_with_numerics(std::vector<core::StridedView>& views, const cuda::LaunchPlan& plan, int64_t rows,
+                          const at::Device& device, cuda::StatsTargets stats, cuda::NumericsTargets numerics,
+                          const char* op) {
   const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
   at::Tensor table_storage;
   const cuda::ViewTable table = view_table(views, device, stream, table_storage, op);
+  const bool several = cuda::needs_chunk_states(plan.max_chunks_per_item);
   at::Tensor chunk_states, chunk_rows, captured_counters;
-  if (cuda::needs_chunk_states(plan.max_chunks_per_item)) {
+  if (several) {
     chunk_states = at::empty({plan.total_chunks * int64_t(core::kNumStateColumns)}, opts);
-    chunk_rows = at::empty({plan.total_chunks, int64_t(core::kNumNumericsColumns)}, opts);
     stats.chunk_states = chunk_states.data_ptr<double>();
+  }
+  if (several || numerics.merge_items) {
+    chunk_rows = at::empty({plan.total_chunks, int64_t(core::kNumNumericsColumns)}, opts);
     numerics.chunk_rows = chunk_rows.data_ptr<double>();
+  }
+  if (several || numerics.merge_items || stats.acc_row != nullptr) {
     stats.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
   }
   check_launch(cuda::launch_stats_and_numerics(table, plan, rows, stats, numerics, stream), op);
@@ -228,7 +233,8 @@ std::pair<at::Tensor, at::Tensor> run_with_numerics(at::TensorList xs, bool with
   if (with_states) stats.out_states = states.data_ptr<double>();
   cuda::NumericsTargets numerics;
   numerics.out = out.data_ptr<double>();
-  launch_with_numerics(views, rows, device, stats, numerics, op);
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), rows);  // single items: by blocks, in order
+  launch_with_numerics(views, plan, rows, device, stats, numerics, op);
   return {states, out};
 }
 
@@ -259,9 +265,11 @@ void accumulate_instance_stats_cuda(const at::Tensor& x, at::Tensor& acc, int64_
       acc.data_ptr<double>() + row * core::kNumAccColumns);
 }
 
-// The instance fold (one launch, as accumulate_instance_stats), then x's numerics merged into the
-// table row (one launch over x as a single tensor): two reads of x on CUDA, where the CPU op reads
-// once. Merging in the kernel replaces a separate numerics op, a stack, a merge and a copy per call.
+// The instance fold of accumulate_instance_stats (the same bits) and x's numerics merged into the table
+// row, in the kernel. Instances read by blocks: one launch, one read of x (the numerics of every chunk
+// of every instance are merged by the block that writes the last row). Many short instances, which the
+// statistics kernel reads by warps: the fold launch, then the numerics kernel over x as one tensor
+// (two reads of x).
 void accumulate_instance_stats_and_numerics_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
                                                  at::Tensor& numerics_table, int64_t numerics_row) {
   const char* op = "accumulate_instance_stats_and_numerics";
@@ -270,12 +278,25 @@ void accumulate_instance_stats_and_numerics_cuda(const at::Tensor& x, at::Tensor
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> keep_alive;
   std::vector<core::StridedView> instances{make_view(x, 1, op, keep_alive)};
-  run(instances, x.size(0), x.device(), correction, false, op, acc.data_ptr<double>() + row * core::kNumAccColumns);
-  std::vector<core::StridedView> whole{make_view(x, 0, op, keep_alive)};
+  const int64_t items = x.size(0);
+  double* acc_row = acc.data_ptr<double>() + row * core::kNumAccColumns;
   cuda::NumericsTargets numerics;
   numerics.out = numerics_table.data_ptr<double>() + numerics_row * core::kNumNumericsColumns;
   numerics.accumulate = true;
-  launch_with_numerics(whole, 1, x.device(), cuda::StatsTargets(), numerics, op);
+  const cuda::LaunchPlan plan = cuda::plan_launch(instances.data(), 1);
+  if (plan.warp_chunks == 0) {
+    at::Tensor rows = at::empty({items, int64_t(core::kNumStats)}, acc.options());
+    cuda::StatsTargets stats;
+    stats.out_stats = rows.data_ptr<double>();
+    stats.correction = correction;
+    stats.acc_row = acc_row;
+    numerics.merge_items = true;
+    launch_with_numerics(instances, plan, items, x.device(), stats, numerics, op);
+    return;
+  }
+  run(instances, items, x.device(), correction, false, op, acc_row);
+  std::vector<core::StridedView> whole{make_view(x, 0, op, keep_alive)};
+  launch_with_numerics(whole, cuda::plan_launch(whole.data(), 1), 1, x.device(), cuda::StatsTargets(), numerics, op);
 }
 
 }  // namespace

@@ -390,8 +390,9 @@ def test_states_and_numerics_in_one_launch_equal_the_two_ops(dtype):
 @pytest.mark.parametrize("shape", [(3, 70_001), (4096, 64), (5, 7, 9)], ids=str)
 def test_activation_fold_with_numerics_equals_the_separate_ops(shape):
     """accumulate_instance_stats_and_numerics on CUDA: the accumulator gets the bits of
-    accumulate_instance_stats, the numerics row those of merging numerics_states([x]) after what it
-    held (block- and warp-read instances, several chunks); two kernels per call and nothing else."""
+    accumulate_instance_stats; the numerics row is the merge of what it held and numerics_states([x])
+    (bins exact; moments the same bits where x is read as one tensor, i.e. many short instances, else
+    within float64 rounding). Instances read by blocks: one kernel per call; by warps: two."""
     from gapmon import numerics as nm
 
     x = (torch.randn(shape, device="cuda") * 3).bfloat16()
@@ -402,13 +403,20 @@ def test_activation_fold_with_numerics_equals_the_separate_ops(shape):
     gapmon.ops.accumulate_instance_stats(x, want_acc, 1)
     want_row = nm.merge_numerics_states(torch.stack((old, nm.numerics_states([x])[0])).unsqueeze(1))[0]
     gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 1, 1, table, 1)
-    assert torch.equal(acc, want_acc) and torch.equal(table[1], want_row)
+    by_warps = shape == (4096, 64)
+    assert torch.equal(acc, want_acc) and torch.equal(table[1, :nm.NUM_BINS], want_row[:nm.NUM_BINS])
+    if by_warps:
+        assert torch.equal(table[1], want_row)
+    torch.testing.assert_close(table[1], want_row, rtol=1e-12, atol=1e-12)
     assert bool((table[[0, 2]] == 0).all())
     cpu_table = torch.zeros(1, len(nm.NUMERICS_COLUMNS), dtype=torch.float64)
     gapmon.ops.accumulate_instance_stats_and_numerics(x.cpu(), acc.cpu(), 1, 1, cpu_table, 0)
     assert torch.equal(nm.numerics_states([x])[0][:nm.NUM_BINS].cpu(), cpu_table[0, :nm.NUM_BINS])
     work = _cuda_work(lambda: gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 1, 1, table, 1))
-    assert len(work) == 2 and "stats_kernel" in work[0] and "stats_numerics_kernel" in work[1], work
+    if by_warps:
+        assert len(work) == 2 and "stats_kernel" in work[0] and "stats_numerics_kernel" in work[1], work
+    else:
+        assert len(work) == 1 and "stats_numerics_kernel" in work[0], work
 
 
 def test_a_tensors_bits_do_not_depend_on_the_list():

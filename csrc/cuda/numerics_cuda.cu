@@ -108,15 +108,39 @@ __device__ __forceinline__ Moments published_moments(const double* chunk_rows, i
   return m;
 }
 
-// Statistics states and numerics rows of every item, a block per chunk (grid-stride over chunks).
+// The numerics of all chunks of the (single) view merged into row 0 of numerics.out: bins summed
+// over chunks by thread b (exact integers), moments merged lane-strided (thread t: chunks t, t +
+// kThreads, ...) and then over the block's fixed tree, all times the view's repeat. A fixed order:
+// the same bits on every run. Run by the block that finishes the last row (NumericsTargets::merge_items).
+__device__ void merge_all_chunks(const NumericsTargets& numerics, int64_t total_chunks, const StridedView& v,
+                                 Moments* thread_moments) {
+  Moments m;
+  for (int64_t k = threadIdx.x; k < total_chunks; k += kThreads) m = core::merge(m, published_moments(numerics.chunk_rows, k));
+  thread_moments[threadIdx.x] = m;
+  block_merge_moments(thread_moments);
+  write_numerics_row(
+      [&](int b) {
+        double total = 0;  // exact: integer counts far below 2^53
+        for (int64_t k = 0; k < total_chunks; ++k) total += __ldcg(numerics.chunk_rows + k * kColumns + b);
+        return total;
+      },
+      thread_moments[0], v, 0, numerics);
+}
+
+// Statistics and numerics of every item, a block per chunk (grid-stride over chunks). Each item's
+// statistics go where `stats` says (rows, states, and the instance fold by the block that writes the
+// last row, as launch_stats does); its numerics to its row of numerics.out, or, with merge_items,
+// every chunk's numerics are published and the block that finishes the last row merges them all
+// into one row.
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
-    stats_numerics_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks, const StatsTargets stats,
-                          const NumericsTargets numerics) {
+    stats_numerics_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks, int64_t rows,
+                          const StatsTargets stats, const NumericsTargets numerics) {
   using Group = ChunkGroup<kThreads>;
   __shared__ State<double> thread_states[kThreads];
   __shared__ Moments thread_moments[kThreads];
   __shared__ unsigned bins[core::kNumBins];
   const StridedView* views = views_of(table);
+  const bool count_rows = stats.acc_row != nullptr || numerics.merge_items;
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) bins[b] = 0u;
     __syncthreads();
@@ -126,42 +150,58 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     const StridedView& v = *at.view;
     State<double> s = Group::merge(thread_states[threadIdx.x]);
     block_merge_moments(thread_moments);  // after it, every thread's bin counts are in `bins` too
-    if (v.chunks_per_item == 1) {
-      if (threadIdx.x == 0) write_row(s, v, at.row, stats);
-      write_numerics_row([&](int b) { return static_cast<double>(bins[b]); }, thread_moments[0], v, at.row, numerics);
-    } else {
-      // Publish the chunk's row and state, fenced by every thread that wrote, then count it.
+    const bool several = v.chunks_per_item > 1;
+    if (several || numerics.merge_items) {
+      // Publish the chunk's numerics (and state), fenced by every thread that wrote, before any count.
       double* chunk_row = numerics.chunk_rows + c * kColumns;
       for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) chunk_row[b] = static_cast<double>(bins[b]);
       if (threadIdx.x == 0) {
         core::store_moments(thread_moments[0], chunk_row);
-        core::store_state(s, stats.chunk_states + c * core::kNumStateColumns);
+        if (several) core::store_state(s, stats.chunk_states + c * core::kNumStateColumns);
       }
       __threadfence();
       __syncthreads();
+    }
+    bool item_done = true;
+    if (!several) {
+      if (!numerics.merge_items) {
+        write_numerics_row([&](int b) { return static_cast<double>(bins[b]); }, thread_moments[0], v, at.row, numerics);
+      }
+    } else {
       bool last = false;
       if (threadIdx.x == 0) last = count_and_check_last(stats.counters + at.row, v.chunks_per_item);
-      if (Group::any(last)) {  // this block counted the item's last chunk: merge all of them in chunk order
+      item_done = Group::any(last);
+      if (item_done) {  // this block counted the item's last chunk: merge all of them in chunk order
         const int64_t first = c - at.index_in_item;
         State<double> merged;
         for (int64_t k = Group::lane(); k < v.chunks_per_item; k += kThreads) {
           merged = core::merge(merged, published_chunk(stats.chunk_states, first + k));
         }
         s = Group::merge(merged);
-        Moments m;
-        if (threadIdx.x == 0) {
-          for (int64_t k = 0; k < v.chunks_per_item; ++k) m = core::merge(m, published_moments(numerics.chunk_rows, first + k));
-          write_row(s, v, at.row, stats);
+        if (!numerics.merge_items) {
+          Moments m;
+          if (threadIdx.x == 0) {
+            for (int64_t k = 0; k < v.chunks_per_item; ++k) m = core::merge(m, published_moments(numerics.chunk_rows, first + k));
+          }
+          const double* item_rows = numerics.chunk_rows + first * kColumns;
+          write_numerics_row(
+              [&](int b) {
+                double total = 0;  // exact: integer counts far below 2^53
+                for (int64_t k = 0; k < v.chunks_per_item; ++k) total += __ldcg(item_rows + k * kColumns + b);
+                return total;
+              },
+              m, v, at.row, numerics);
         }
-        const double* rows = numerics.chunk_rows + first * kColumns;
-        write_numerics_row(
-            [&](int b) {
-              double total = 0;  // exact: integer counts far below 2^53
-              for (int64_t k = 0; k < v.chunks_per_item; ++k) total += __ldcg(rows + k * kColumns + b);
-              return total;
-            },
-            m, v, at.row, numerics);
       }
+    }
+    bool last_row = false;
+    if (item_done && threadIdx.x == 0) {
+      write_row(s, v, at.row, stats);
+      last_row = count_rows && count_and_check_last(stats.counters + rows, rows);
+    }
+    if (count_rows && Group::any(last_row)) {  // every row is written: fold them, merge every chunk's numerics
+      if (stats.acc_row != nullptr) fold_rows<kThreads>(stats.out_stats, rows, stats.acc_row);
+      if (numerics.merge_items) merge_all_chunks(numerics, total_chunks, v, thread_moments);
     }
     __syncthreads();  // bins, moments and states are reused by the next chunk
   }
@@ -187,14 +227,18 @@ cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& 
                                       const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const bool several = needs_chunk_states(plan.max_chunks_per_item);
-  if (numerics.out == nullptr || stats.acc_row != nullptr || plan.warp_chunks != 0 ||
-      (several && (stats.chunk_states == nullptr || stats.counters == nullptr || numerics.chunk_rows == nullptr))) {
+  const bool fold = stats.acc_row != nullptr;
+  if (numerics.out == nullptr || plan.warp_chunks != 0 || (fold && stats.out_stats == nullptr) ||
+      ((several || numerics.merge_items) && numerics.chunk_rows == nullptr) ||
+      (several && stats.chunk_states == nullptr) ||
+      ((several || fold || numerics.merge_items) && stats.counters == nullptr) ||
+      (numerics.merge_items && views.num != 1)) {
     return cudaErrorInvalidValue;
   }
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
   const int64_t blocks = plan.total_chunks < kMaxGrid ? plan.total_chunks : kMaxGrid;
-  GAPMON_LAUNCH(stats_numerics_kernel, static_cast<unsigned>(blocks), kThreads, stream)(views, plan.total_chunks, stats,
-                                                                                        numerics);
+  GAPMON_LAUNCH(stats_numerics_kernel, static_cast<unsigned>(blocks), kThreads, stream)(views, plan.total_chunks, rows,
+                                                                                        stats, numerics);
   return cudaGetLastError();
 }
 

@@ -14,18 +14,23 @@ namespace cuda {
 // Where launch_stats_and_numerics writes its numerics rows, and the scratch it needs.
 struct NumericsTargets {
   double* out = nullptr;         // [rows, core::kNumNumericsColumns] float64: exponent histogram, count, mean, M2..M4
-  double* chunk_rows = nullptr;  // [total_chunks, kNumNumericsColumns] scratch; needed when an item has > 1 chunk
-  bool accumulate = false;       // merge each item's row into `out`'s row (after what it holds), not overwrite it
+                                 // (with merge_items: one row)
+  double* chunk_rows = nullptr;  // [total_chunks, kNumNumericsColumns] scratch; needed when an item has > 1 chunk,
+                                 // or with merge_items
+  bool accumulate = false;       // merge into `out`'s rows (after what they hold) rather than overwrite them
+  bool merge_items = false;      // one row for all items of the single view (an activation's instances): every
+                                 // chunk's numerics merged by the block that finishes the last row
 };
 
 // Numerics rows of every item of every view, and in the same pass (each chunk is read once) its
-// statistics into `stats` (out_states and/or out_stats, or neither), with the bits launch_stats
-// gives: one launch, a block per chunk. An item of several chunks is finished by the block that
-// counts its last chunk (stats.chunk_states, stats.counters and numerics.chunk_rows are then
-// needed). Counts are exact; the rows do not depend on the schedule (bins are integer counts, the
-// moment and state merges run in a fixed order). The plan must read every view by blocks
-// (plan.warp_chunks == 0: tensors rather than many short instances), and no instance fold
-// (stats.acc_row) is done here; either is cudaErrorInvalidValue.
+// statistics into `stats` with the bits launch_stats gives: out_states and/or out_stats, and the
+// instance fold into acc_row (by the block that writes the last row). One launch, a block per chunk.
+// An item of several chunks is finished by the block that counts its last chunk. Scratch as for
+// launch_stats (stats.chunk_states, stats.counters: rows + 1), and numerics.chunk_rows (see
+// NumericsTargets). Counts are exact; the rows do not depend on the schedule (bins are integer
+// counts, the moment and state merges run in a fixed order). The plan must read every view by blocks
+// (plan.warp_chunks == 0: tensors, or instances that are not many short rows), and merge_items needs a
+// single view; anything else, or missing scratch, is cudaErrorInvalidValue.
 cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& plan, int64_t rows,
                                       const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream);
 

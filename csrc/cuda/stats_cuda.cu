@@ -24,50 +24,6 @@ namespace {
 // checks the count and that the element loops use no local memory.
 constexpr int kMinBlocksPerSM = 4;
 
-// A partial instance accumulator (core::InstanceAccColumn), as the lanes of a group fold rows.
-struct AccPart {
-  double v[core::kNumAccColumns];
-};
-
-__device__ __forceinline__ AccPart shfl_down(const AccPart& a, int delta) {
-  AccPart r;
-#pragma unroll
-  for (int k = 0; k < core::kNumAccColumns; ++k) r.v[k] = __shfl_down_sync(0xffffffffu, a.v[k], delta);
-  return r;
-}
-
-__device__ __forceinline__ AccPart warp_combine(AccPart a) {
-  for (int delta = 16; delta > 0; delta >>= 1) {
-    const AccPart b = shfl_down(a, delta);
-    core::combine_instance_acc(b.v, a.v);
-  }
-  return a;
-}
-
-// Folds the finalised rows of every item into the accumulator row, with every lane of the group
-// that counted the last row: lane t folds rows t, t + kLanes, ... in row order, then the lanes'
-// parts combine over a fixed tree (warp shuffles, then the block's warps in order) and lane 0 adds
-// the result to the row. Deterministic, and kLanes times shorter than one thread's loop over
-// [B*T, d] activations' rows.
-template <int kLanes>
-__device__ __noinline__ void fold_rows(const double* stats, int64_t rows, double* acc_row) {
-  AccPart part = {};
-  for (int64_t r = ChunkGroup<kLanes>::lane(); r < rows; r += kLanes) {
-    double row[core::kNumStats];
-    load_from_l2(stats + r * core::kNumStats, row);
-    core::accumulate_instance(row, part.v);
-  }
-  part = warp_combine(part);
-  if constexpr (kLanes == kThreads) {
-    __shared__ AccPart warp_parts[kThreads / 32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) warp_parts[warp] = part;
-    __syncthreads();
-    if (warp == 0) part = warp_combine(lane < kThreads / 32 ? warp_parts[lane] : AccPart{});
-  }
-  if (ChunkGroup<kLanes>::lane() == 0) core::combine_instance_acc(part.v, acc_row);
-}
-
 // Statistics of every item, in one launch: kLanes threads per chunk (grid-stride over chunks). An
 // item of one chunk is written by the group that reads it. For longer items every group publishes
 // its chunk's state and counts it; the group that counts an item's last chunk merges the item's

@@ -208,6 +208,63 @@ void test_merging_into_rows() {
   }
 }
 
+// The activation hook's launch (csrc/cuda_ops.cpp): instances folded into an accumulator row as
+// launch_stats folds them (the same bits), and the numerics of all instances merged into one row
+// after what it holds, in one launch; instances of one chunk and of several; schedules shuffled.
+template <typename T>
+void test_instance_fold_with_merged_numerics(int64_t items, int64_t item_numel, const char* name) {
+  std::mt19937 gen(static_cast<unsigned>(items));
+  std::normal_distribution<double> normal(0.25, 2.0);
+  std::vector<T> data(items * item_numel);
+  for (auto& x : data) x = from_double<T>(normal(gen));
+  std::vector<StridedView> views{view(data.data(), {item_numel}, {1}, items, item_numel)};
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), 1);
+  CHECK(plan.warp_chunks == 0, "%s: instances read by blocks", name);
+  cuda::ViewTable table = table_of(views);
+  // What launch_stats folds, from an accumulator row that already holds something.
+  const std::vector<double> held_acc{2, 0.5, 1.5, 3.0, 0, 4.0};
+  std::vector<double> want_acc(held_acc), stats_rows(items * core::kNumStats), scratch(plan.total_chunks * core::kNumStateColumns);
+  std::vector<unsigned> counters(items + 1, 0u);
+  cuda::StatsTargets stats;
+  stats.out_stats = stats_rows.data();
+  stats.correction = 1;
+  stats.acc_row = want_acc.data();
+  stats.chunk_states = scratch.data();
+  stats.counters = counters.data();
+  CHECK(cuda::launch_stats(table, plan, items, stats, nullptr) == cudaSuccess, "%s: launch_stats", name);
+  std::vector<double> earlier{0.125, -3.0, 7.5};
+  const StridedView earlier_view = view(earlier.data(), {3}, {1});
+  const std::vector<double> held = run({earlier_view});
+  std::vector<double> want_values = earlier;
+  for (int64_t b = 0; b < items; ++b) {
+    const auto xs = values_of<T>(views[0], b);
+    want_values.insert(want_values.end(), xs.begin(), xs.end());
+  }
+  const std::vector<double> want = reference_row(want_values);
+  std::vector<double> first;
+  for (unsigned seed : {0u, 1u, 2u}) {
+    gapmon_emu_set_numerics_schedule(seed);
+    std::vector<double> acc(held_acc), row(held), chunk_rows(plan.total_chunks * kColumns, -7.0);
+    std::fill(stats_rows.begin(), stats_rows.end(), -7.0);
+    std::fill(scratch.begin(), scratch.end(), -7.0);
+    stats.acc_row = acc.data();
+    cuda::NumericsTargets numerics;
+    numerics.out = row.data();
+    numerics.chunk_rows = chunk_rows.data();
+    numerics.accumulate = true;
+    numerics.merge_items = true;
+    CHECK(cuda::launch_stats_and_numerics(table, plan, items, stats, numerics, nullptr) == cudaSuccess,
+          "%s: launch_stats_and_numerics with a fold", name);
+    CHECK(std::memcmp(acc.data(), want_acc.data(), acc.size() * sizeof(double)) == 0,
+          "%s: the fold differs from launch_stats' bits", name);
+    for (int64_t r = 0; r <= items; ++r) CHECK(counters[r] == 0u, "%s: counter %lld left at %u", name, static_cast<long long>(r), counters[r]);
+    expect_row(row.data(), want, std::string(name) + " merged instances");
+    if (seed == 0) first = row;
+    CHECK(std::memcmp(row.data(), first.data(), row.size() * sizeof(double)) == 0, "%s: schedule %u changes the bits", name, seed);
+  }
+  gapmon_emu_set_numerics_schedule(0);
+}
+
 void test_refused_plans() {
   // Many short instances are read by warps in launch_stats: the fused kernel reads blocks only, and
   // says so rather than give states with other bits. No instance fold either.
@@ -224,10 +281,21 @@ void test_refused_plans() {
         "a plan with warp chunks is refused");
   std::vector<StridedView> one{view(data.data(), {4096}, {1})};
   const cuda::LaunchPlan single = cuda::plan_launch(one.data(), 1);
+  std::vector<unsigned> counters(2, 0u);
+  stats.counters = counters.data();
   stats.acc_row = acc.data();
   CHECK(cuda::launch_stats_and_numerics(table_of(one), single, 1, stats, numerics, nullptr) == cudaErrorInvalidValue,
-        "an instance fold is refused");
+        "an instance fold without statistics rows to fold is refused");
   stats.acc_row = nullptr;
+  std::vector<double> chunk_rows(2 * kColumns);
+  numerics.chunk_rows = chunk_rows.data();
+  numerics.merge_items = true;
+  std::vector<StridedView> two{one[0], one[0]};
+  two[1].out_row = 1;
+  const cuda::LaunchPlan pair = cuda::plan_launch(two.data(), 2);
+  CHECK(cuda::launch_stats_and_numerics(table_of(two), pair, 2, stats, numerics, nullptr) == cudaErrorInvalidValue,
+        "merging the items of two views into one row is refused");
+  numerics.merge_items = false;
   numerics.out = nullptr;
   CHECK(cuda::launch_stats_and_numerics(table_of(one), single, 1, stats, numerics, nullptr) == cudaErrorInvalidValue,
         "no numerics output is refused");
@@ -256,6 +324,8 @@ int main() {
   test_dtype<__half>("float16");
   test_nan_and_float64_range();
   test_merging_into_rows();
+  test_instance_fold_with_merged_numerics<float>(5, 3000, "[5, 3000] float32");
+  test_instance_fold_with_merged_numerics<__nv_bfloat16>(3, core::kChunkElems + 9, "[3, 65545] bfloat16");
   test_refused_plans();
   test_merge_launcher();
   if (failures) {
