@@ -87,12 +87,20 @@ def test_nan_and_inf(cpu_isa, dtype):
     assert_stats_match(gapmon.tensor_stats(only_inf), float64_stats(only_inf), where="all +inf")
 
 
-def test_zeros_counted(cpu_isa):
-    x = torch.randn(50_000)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zeros_counted_and_max_abs_of_a_negative_extreme(cpu_isa, dtype):
+    """Zeros and max|x| (16-bit floats take both from their raw bits in the vector loop): a sparse
+    tensor, one whose only zero is -0.0 deep inside a block, and a largest magnitude that is negative."""
+    x = torch.randn(50_000).to(dtype)
     x[::7] = 0.0
     x[3] = -0.0
-    assert gapmon.tensor_stats(x).zeros.item() == float((x == 0).sum())
-    assert gapmon.tensor_stats(torch.zeros(5000)).zeros.item() == 5000
+    x[20_001] = -300.0
+    s = gapmon.tensor_stats(x)
+    assert s.zeros.item() == float((x == 0).sum()) and s.max_abs.item() == 300.0
+    y = (torch.rand(9000) + 0.5).to(dtype)
+    y[4321] = -0.0
+    assert gapmon.tensor_stats(y).zeros.item() == 1
+    assert gapmon.tensor_stats(torch.zeros(5000, dtype=dtype)).zeros.item() == 5000
 
 
 def test_empty_tensor(cpu_isa):

@@ -164,14 +164,47 @@ struct VecSums {
 
   static GAPMON_ALWAYS_INLINE V abs(V x) { return (V)((M)x & kAbsMask); }  // clear the sign bit
 
-  GAPMON_ALWAYS_INLINE void add(V x, V shift) {
+  GAPMON_ALWAYS_INLINE void add_sums(V x, V shift) {
     const V d = x - shift;
     s1 += d;
     s2 += d * d;
     sq += x * x;
+  }
+
+  GAPMON_ALWAYS_INLINE void add(V x, V shift) {
+    add_sums(x, shift);
     const V a = abs(x);
     mx = a > mx ? a : mx;  // NaN is ignored here and restored from sq, as in core::accumulate
     mn = a < mn ? a : mn;
+  }
+};
+
+// max|x| and min|x| of 16-bit floats (float16, bfloat16) on their raw bits: with the sign bit
+// cleared, the order of the bits is the order of the magnitudes (Inf above every finite value,
+// NaN above Inf), so one unsigned 16-bit max and min covers twice the elements of a float32 one,
+// and nothing is converted. A NaN makes max|x| NaN; block_to_state gives NaN there anyway, from
+// the sum of squares.
+template <int kBytes>
+struct HalfMagnitudes {
+  using H = typename VecOf<uint16_t, kBytes>::type;
+  H mx = {}, mn = H{} + uint16_t(0xffffu);
+
+  GAPMON_ALWAYS_INLINE void add(const uint16_t* p) {
+    const H m = load_vec<H>(p) & uint16_t(0x7fffu);
+    mx = m > mx ? m : mx;
+    mn = m < mn ? m : mn;
+  }
+
+  // The largest and smallest magnitude bits over the lanes, as values of T.
+  template <typename T>
+  GAPMON_ALWAYS_INLINE void reduce(float& largest, float& smallest) const {
+    uint16_t hi = 0, lo = 0xffffu;
+    for (int j = 0; j < int(sizeof(H) / 2); ++j) {
+      hi = mx[j] > hi ? mx[j] : hi;
+      lo = mn[j] < lo ? mn[j] : lo;
+    }
+    largest = T::load(hi);
+    smallest = T::load(lo);
   }
 };
 
@@ -242,8 +275,11 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
       double S1 = 0, S2 = 0, SQ = 0, NF = 0, NZ = 0;
       block_t MX = 0;
       if (kUnitStride) {
-        // Independent accumulator sets (kSets) hide the add and FMA latency.
+        // Independent accumulator sets (kSets) hide the add and FMA latency. 16-bit floats take
+        // max|x| and min|x| on their raw bits (HalfMagnitudes), the sums on the widened values.
+        constexpr bool kHalf = sizeof(typename T::storage) == 2;
         VecSums<V> acc[kSets];
+        [[maybe_unused]] HalfMagnitudes<kBytes> magnitudes;
         const V vshift = V{} + shift;
         for (; i + kSets * kVec <= n; i += kSets * kVec) {
           for (int line = 0; line < int(kSets * kVec * sizeof(*q)); line += 64) {
@@ -252,8 +288,14 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
           for (int set = 0; set < kSets; set += 2) {
             V first, second;
             Loads<kBytes>::load_pair(q + i + set * kVec, T{}, first, second);
-            acc[set].add(first, vshift);
-            acc[set + 1].add(second, vshift);
+            if constexpr (kHalf) {
+              magnitudes.add(reinterpret_cast<const uint16_t*>(q + i + set * kVec));
+              acc[set].add_sums(first, vshift);
+              acc[set + 1].add_sums(second, vshift);
+            } else {
+              acc[set].add(first, vshift);
+              acc[set + 1].add(second, vshift);
+            }
           }
         }
         block_t MN = std::numeric_limits<block_t>::max();
@@ -265,6 +307,9 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
             MX = acc[set].mx[j] > MX ? acc[set].mx[j] : MX;
             MN = acc[set].mn[j] < MN ? acc[set].mn[j] : MN;
           }
+        }
+        if constexpr (kHalf) {
+          if (i > 0) magnitudes.template reduce<T>(MX, MN);
         }
         if (i > 0 && (MN == 0 || !(MX <= T::largest) || SQ != SQ)) count_block<kBytes, T>(q, i, NF, NZ);
       } else {
