@@ -408,7 +408,7 @@ class GAPMonitor:
         numerics_rows = None  # of the parameters and gradients, when taken in the statistics' pass
         if not tensors:
             rows = torch.empty(0, _ROW, device=device)
-        elif self.numerics and not any(t.is_sparse for t in tensors):  # one pass (on CPU) and one collective for both
+        elif self.numerics and not any(t.is_sparse for t in tensors):  # one pass and one collective for both
             states, numerics_rows = states_and_numerics(tensors, groups)
             rows = ops.finalize_rows(states, self.correction)
         elif any(g is not None for g in groups):  # FSDP1 flat shards: merge pieces over their groups

@@ -81,9 +81,9 @@ def numerics_states(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = N
 
 def states_and_numerics(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(statistics states [N, 7], numerics rows [N, C]) of N tensors, as multi_tensor_states and
-    numerics_states give them, in one pass over each tensor on CPU (each chunk's numerics are taken
-    while it is in cache; CUDA still runs two). DTensors and FSDP1 flat pieces are merged over their
-    groups with one collective for both."""
+    numerics_states give them, in one pass over each tensor (each chunk's numerics are taken while it
+    is in cache; on CUDA one launch). DTensors and FSDP1 flat pieces are merged over their groups with
+    one collective for both."""
     xs = list(xs)
     width = len(STATE_NAMES)
     if not xs:
