@@ -243,7 +243,7 @@ def accumulate_instance_stats_and_numerics(x: torch.Tensor, acc: torch.Tensor, r
                                            numerics: torch.Tensor, numerics_row: int) -> None:
     """accumulate_instance_stats, and x's numerics row (gapmon.numerics) merged into row
     `numerics_row` of a float64 [rows, C] table in place: what GAPMonitor's activation hooks run with
-    numerics on, one op (on CPU one pass over x)."""
+    numerics on, one op and one pass over x (on CUDA, many short instances take two launches)."""
     if not _compiled_for(x.device):
         reference.accumulate_instance_stats_and_numerics(x.detach(), acc, row, correction, numerics, numerics_row)
         return

@@ -290,7 +290,8 @@ class GAPMonitor:
         """Folds one activation (kind 0) or activation gradient (1) of module `index` into the step's
         accumulator rows: its per-instance statistics and, with numerics on, its numerics row, merged
         in place (micro-batches in order; end_step merges the ranks) by the same op, which reads x
-        once on CPU. Only gapmon ops on preallocated rows: torch.compile traces them into the graph."""
+        once (on CUDA, many short instances take two launches). Only gapmon ops on preallocated rows:
+        torch.compile traces them into the graph."""
         if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
             x = x.to_local()
         backward = kind == 1

@@ -477,6 +477,10 @@ def test_activation_fold_with_numerics_checks_its_arguments():
     with pytest.raises(IndexError, match="row 5 out of range"):
         gapmon.ops.accumulate_instance_stats_and_numerics(x, acc, 5, 1, table, 0)
     assert bool((acc == 0).all()) and bool((table == 0).all())  # nothing written by a refused call
+    table[1] = reference.numerics_states([torch.randn(9)])[0]
+    held = table.clone()
+    gapmon.ops.accumulate_instance_stats_and_numerics(torch.empty(0, 4), acc, 0, 1, table, 1)
+    assert torch.equal(table, held)  # no instances: the row keeps what it held
 
 
 def test_monitor_folds_activation_numerics_with_the_statistics(monkeypatch):

@@ -1,18 +1,8 @@
 // The AVX2 with FMA and F16C copy of the CPU statistics kernel. Every header is included before the
 // target pragma, so that only this unit's own copy of the body (an anonymous namespace) is compiled
 // for avx2; the dispatcher (stats_kernels.cpp) calls it only on CPUs that have it.
+#include "stats_kernels_deps.h"
 #include "stats_kernels_isa.h"
-
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#include "../core/stats_state.h"
-#include "../core/strided_view.h"
 
 #ifdef GAPMON_HAS_X86_ISAS
 #pragma GCC push_options

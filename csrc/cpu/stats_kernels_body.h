@@ -6,16 +6,7 @@
 // GAPMON_KERNEL_F16C / GAPMON_KERNEL_AVX512: the pragma does not define the ISA macros).
 #pragma once
 
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-#include "../core/stats_state.h"
-#include "../core/strided_view.h"
+#include "stats_kernels_deps.h"
 
 namespace gapmon {
 namespace cpu {
@@ -289,7 +280,7 @@ GAPMON_ALWAYS_INLINE void accumulate_row(const typename T::storage* p, int64_t l
             V first, second;
             Loads<kBytes>::load_pair(q + i + set * kVec, T{}, first, second);
             if constexpr (kHalf) {
-              magnitudes.add(reinterpret_cast<const uint16_t*>(q + i + set * kVec));
+              magnitudes.add(q + i + set * kVec);
               acc[set].add_sums(first, vshift);
               acc[set + 1].add_sums(second, vshift);
             } else {

@@ -6,7 +6,7 @@
 // and adds the powers of its deviation from the thread's first element to double sums. The threads'
 // moments merge over a fixed tree. An item of several chunks is finished in the same launch by the
 // block that counts its last chunk, which sums the chunks' bins and merges their moments and states
-// in chunk order, so the rows are bit-identical run to run. Launched through GAPMON_LAUNCH so that
+// in a fixed order, so the rows are bit-identical run to run. Launched through GAPMON_LAUNCH so that
 // tests/cpp/cuda_emulator.h can run this file on the host.
 #include <cstring>
 
@@ -108,23 +108,25 @@ __device__ __forceinline__ Moments published_moments(const double* chunk_rows, i
   return m;
 }
 
-// The numerics of all chunks of the (single) view merged into row 0 of numerics.out: bins summed
-// over chunks by thread b (exact integers), moments merged lane-strided (thread t: chunks t, t +
-// kThreads, ...) and then over the block's fixed tree, all times the view's repeat. A fixed order:
-// the same bits on every run. Run by the block that finishes the last row (NumericsTargets::merge_items).
-__device__ void merge_all_chunks(const NumericsTargets& numerics, int64_t total_chunks, const StridedView& v,
-                                 Moments* thread_moments) {
+// Row `row` of numerics.out from the published chunks [first, first + count) of view `v`: bins summed
+// over the chunks by thread b (exact integers), moments merged lane-strided (thread t: chunks first + t,
+// first + t + kThreads, ...) and then over the block's fixed tree, times the view's repeat. A fixed
+// order: the same bits on every run. Run by the block that finishes an item of several chunks, or
+// (NumericsTargets::merge_items) the last row, for every chunk of the view.
+__device__ void write_published_chunks(const NumericsTargets& numerics, int64_t first, int64_t count,
+                                       const StridedView& v, int64_t row, Moments* thread_moments) {
   Moments m;
-  for (int64_t k = threadIdx.x; k < total_chunks; k += kThreads) m = core::merge(m, published_moments(numerics.chunk_rows, k));
+  for (int64_t k = threadIdx.x; k < count; k += kThreads) m = core::merge(m, published_moments(numerics.chunk_rows, first + k));
   thread_moments[threadIdx.x] = m;
   block_merge_moments(thread_moments);
+  const double* chunk_rows = numerics.chunk_rows + first * kColumns;
   write_numerics_row(
       [&](int b) {
         double total = 0;  // exact: integer counts far below 2^53
-        for (int64_t k = 0; k < total_chunks; ++k) total += __ldcg(numerics.chunk_rows + k * kColumns + b);
+        for (int64_t k = 0; k < count; ++k) total += __ldcg(chunk_rows + k * kColumns + b);
         return total;
       },
-      thread_moments[0], v, 0, numerics);
+      thread_moments[0], v, row, numerics);
 }
 
 // Statistics and numerics of every item, a block per chunk (grid-stride over chunks). Each item's
@@ -171,27 +173,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
       bool last = false;
       if (threadIdx.x == 0) last = count_and_check_last(stats.counters + at.row, v.chunks_per_item);
       item_done = Group::any(last);
-      if (item_done) {  // this block counted the item's last chunk: merge all of them in chunk order
+      if (item_done) {  // this block counted the item's last chunk: merge all of them in a fixed order
         const int64_t first = c - at.index_in_item;
         State<double> merged;
         for (int64_t k = Group::lane(); k < v.chunks_per_item; k += kThreads) {
           merged = core::merge(merged, published_chunk(stats.chunk_states, first + k));
         }
         s = Group::merge(merged);
-        if (!numerics.merge_items) {
-          Moments m;
-          if (threadIdx.x == 0) {
-            for (int64_t k = 0; k < v.chunks_per_item; ++k) m = core::merge(m, published_moments(numerics.chunk_rows, first + k));
-          }
-          const double* item_rows = numerics.chunk_rows + first * kColumns;
-          write_numerics_row(
-              [&](int b) {
-                double total = 0;  // exact: integer counts far below 2^53
-                for (int64_t k = 0; k < v.chunks_per_item; ++k) total += __ldcg(item_rows + k * kColumns + b);
-                return total;
-              },
-              m, v, at.row, numerics);
-        }
+        if (!numerics.merge_items) write_published_chunks(numerics, first, v.chunks_per_item, v, at.row, thread_moments);
       }
     }
     bool last_row = false;
@@ -201,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     }
     if (count_rows && Group::any(last_row)) {  // every row is written: fold them, merge every chunk's numerics
       if (stats.acc_row != nullptr) fold_rows<kThreads>(stats.out_stats, rows, stats.acc_row);
-      if (numerics.merge_items) merge_all_chunks(numerics, total_chunks, v, thread_moments);
+      if (numerics.merge_items) write_published_chunks(numerics, 0, total_chunks, v, 0, thread_moments);
     }
     __syncthreads();  // bins, moments and states are reused by the next chunk
   }
