@@ -9,18 +9,24 @@ import sys
 
 from setuptools import setup
 
+# Commands that only package the sources (the sdist, metadata) need no torch: they compile nothing.
+SOURCE_ONLY = {"sdist", "egg_info", "dist_info", "check"}
+COMPILES = not (set(sys.argv[1:]) & SOURCE_ONLY) or {"build_ext", "bdist_wheel", "install", "develop"} & set(sys.argv[1:])
+
 # The extension must be compiled against the torch it will run with, so the build uses the
 # environment's torch (pip install --no-build-isolation). An isolated build has no torch: say so in
 # one line, at once, rather than compile against another torch pulled into the build.
-try:
-    import torch
-    from torch.utils import cpp_extension
-except ImportError:
-    sys.exit("gapmon: torch is not importable in this build environment. Install torch first, then build "
-             "without isolation: pip install --no-build-isolation -e .")
-if "pip-build-env" in torch.__file__:
-    sys.exit("gapmon: this is an isolated build (torch from a temporary build environment); build against your "
-             "own torch instead: pip install --no-build-isolation -e .")
+torch = cpp_extension = None
+if COMPILES:
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        sys.exit("gapmon: torch is not importable in this build environment. Install torch first, then build "
+                 "without isolation: pip install --no-build-isolation .")
+    if "pip-build-env" in torch.__file__:
+        sys.exit("gapmon: this is an isolated build (torch from a temporary build environment); build against your "
+                 "own torch instead: pip install --no-build-isolation .")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -83,7 +89,10 @@ def extension():
     )
 
 
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+if COMPILES:
+    setup(
+        ext_modules=[extension()],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    )
+else:
+    setup()

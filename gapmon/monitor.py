@@ -365,6 +365,11 @@ class GAPMonitor:
         self._order = [0, 0]
         self._last_output, self._aliases = None, {}
 
+    @property
+    def monitoring(self) -> bool:
+        """Whether a monitored step is open (between begin_step of a scheduled step and end_step)."""
+        return self._active
+
     def add_samples(self, n: int) -> None:
         """Counts `n` more samples of this rank in the current step, for loops that learn the batch
         size one micro-batch at a time (instead of passing batch_size to begin_step)."""

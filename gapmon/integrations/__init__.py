@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import torch
+
+from .. import _torch_compat
 from ..config import DumpConfig, MonitorConfig
 from ..dump import GradientDumper
 from ..monitor import GAPMonitor
+from ..utils import first_tensor
 
 
 def require(package: str, module: str, install: str) -> object:
@@ -50,3 +54,38 @@ def make_dumper(model: Any, dump_dir: str | Path | None, config: DumpConfig | No
         raise TypeError(f"gapmon: give the dumper's options either as dump_config or as dump_kwargs, not both "
                         f"(got dump_config and {sorted(options)})")
     return GradientDumper.from_config(model, dump_dir, config)
+
+
+# What a trainer's loss is, per micro-batch: (the model's forward args, kwargs, its number of samples) ->
+# the weights w with loss = sum_i w[i] * loss_i (see PerSampleGradNorms.set_loss_weights), or None.
+LossWeights = Callable[[tuple, dict, int], "float | torch.Tensor | None"]
+
+
+def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weights: LossWeights | None,
+                        count_samples: bool = True) -> torch.utils.hooks.RemovableHandle:
+    """A forward pre-hook on the trainer's model that sees each micro-batch of a monitored step: it counts
+    its samples (GAPMonitor.add_samples: the samples that were in the step, a short last batch included)
+    and, with per-sample norms on, declares how the trainer scales each sample's loss in it
+    (`loss_weights`), so that the norms are those of each sample's own loss. Registered after the
+    monitor's hooks, so that the micro-batch it describes is the one the norms just opened."""
+
+    def hook(module, args, kwargs):
+        if not monitor.monitoring or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
+            return  # a skipped step, or activation checkpointing recomputing the forward
+        x = first_tensor(args)
+        x = x if x is not None else first_tensor(kwargs)
+        if x is None or x.dim() == 0:
+            return
+        if count_samples:
+            monitor.add_samples(x.shape[0])
+        if monitor.per_sample is not None and loss_weights is not None:
+            weights = loss_weights(args, kwargs, x.shape[0])
+            if weights is not None:  # None: the loss_reduction the norms were configured with
+                monitor.per_sample.set_loss_weights(weights)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def tokens_per_sample(labels: torch.Tensor, samples: int, ignore_index: int = -100) -> torch.Tensor:
+    """The number of labels of each sample that count in the loss (not `ignore_index`), float64."""
+    return labels.ne(ignore_index).reshape(samples, -1).sum(1, dtype=torch.float64)

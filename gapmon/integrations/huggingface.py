@@ -8,14 +8,24 @@ optimizer step, so with gradient accumulation the statistics are those of the ac
 gradients; activations are averaged over every micro-batch. The Trainer clips gradients
 (`max_grad_norm`) before its pre-optimizer-step callback: the gradient statistics are those the
 optimizer receives. Metrics go through `trainer.log`, so they reach every reporter the user
-configured (TensorBoard, W&B, ...), at the step they belong to.
+configured (TensorBoard, W&B, ...), at the step they belong to, beside the Trainer's own logs
+(loss, grad_norm, learning_rate), which are left as they are. `gap/global_batch_size` counts the
+samples that were in the step (an epoch's short last batch too).
+
+Per-sample gradient norms are those of each sample's own loss, whatever the Trainer's scaling: for a
+causal LM the mean cross entropy of the sample's tokens (labels shifted, -100 ignored), though the
+Trainer divides the sum over all tokens of the step by their count (`num_items_in_batch`); for a model
+that returns its own mean loss, that mean, though the Trainer divides it by the micro-batches of the
+step. A sample with no label tokens has norm 0.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from . import make_dumper, make_monitor, require
+import torch
+
+from . import make_dumper, make_monitor, require, tokens_per_sample, watch_micro_batches
 
 transformers = require("transformers", "huggingface", "transformers")
 
@@ -36,15 +46,45 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         self.monitor: GAPMonitor | None = None
         self.dumper: GradientDumper | None = None
         self._pending: dict[str, float] = {}
+        self._watch = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = model if model is not None else self.trainer.model
         self.monitor = make_monitor(model, self.monitor_config, self.monitor_kwargs)
         self.dumper = make_dumper(model, self.dump_dir, self.dump_config, self.dump_kwargs)
+        self._watch = watch_micro_batches(model, self.monitor, self._loss_weights)
+
+    def _loss_weights(self, model_args: tuple, model_kwargs: dict, samples: int) -> torch.Tensor:
+        """Each sample's weight in the loss the Trainer backpropagates for this micro-batch (see
+        Trainer.compute_loss and training_step)."""
+        trainer = self.trainer
+        labels = model_kwargs.get("shift_labels")
+        if labels is None:
+            labels = model_kwargs.get("labels")
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and getattr(trainer, "_loss_shifts_labels", False):
+                labels = labels[..., 1:]  # a causal LM predicts token t + 1 at t
+        token_level = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.shape[0] == samples
+        num_items = model_kwargs.get("num_items_in_batch")
+        if token_level and num_items is not None:
+            # sum over the step's tokens / num_items_in_batch (the count over every micro-batch, and ranks)
+            weights = tokens_per_sample(labels, samples) / float(num_items)
+            if trainer.args.average_tokens_across_devices:  # compute_loss scales it back per rank
+                weights = weights * (trainer.accelerator.num_processes // trainer.get_tp_size())
+        elif token_level:  # the model's own mean over the micro-batch's tokens
+            tokens = tokens_per_sample(labels, samples)
+            weights = tokens / tokens.sum().clamp(min=1)
+        else:  # the model's own mean over the micro-batch's samples
+            weights = torch.full((samples,), 1.0 / samples, dtype=torch.float64)
+        scaled_for_accumulation = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if scaled_for_accumulation is None:
+            scaled_for_accumulation = ((trainer.model_accepts_loss_kwargs and num_items is not None)
+                                       or trainer.compute_loss_func is not None)
+        if not scaled_for_accumulation:  # training_step divides by the micro-batches of the step
+            weights = weights / getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
+        return weights
 
     def on_step_begin(self, args, state, control, **kwargs):
-        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        self.monitor.begin_step(state.global_step, batch_size=samples)
+        self.monitor.begin_step(state.global_step)  # the samples are counted as the micro-batches run
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._pending = self.monitor.end_step()
@@ -54,9 +94,17 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending:  # after global_step += 1: logged under the step the Trainer reports for it
             metrics, self._pending = self._pending, {}
+            # Trainer.log ends in on_log, which clears control.should_log: the Trainer would then skip
+            # its own log of this step (loss, grad_norm, learning_rate). Keep its decision.
+            should_log = control.should_log
             self.trainer.log(metrics)
+            control.should_log = self.trainer.control.should_log = should_log
+        return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self.monitor is not None:
             self.monitor.close()
         if self.dumper is not None:

@@ -9,11 +9,20 @@ before Lightning clips them. Metrics go to every logger of the Trainer (`trainer
 Trainer's global step. Under `ModelParallelStrategy` (FSDP2, `fully_shard` in `configure_model`)
 the statistics are those of the full, unsharded tensors (tested with 2 CPU processes). Lightning's
 `FSDPStrategy` (FSDP1) needs a GPU; GAPMonitor handles FSDP1 with `use_orig_params=True`.
+
+Per-sample gradient norms follow each batch from the tensors Lightning hands to `training_step` (the
+ones `batch_inputs` names, else every tensor of the batch with the first one's number of samples), so
+a `training_step` that calls `self.model(...)` rather than `self(...)` is followed too. They are the
+norms of each sample's own loss: `training_step` is taken to return the mean over its batch of the
+samples' losses (the sum with loss_reduction="sum"), which Lightning divides by
+`accumulate_grad_batches`.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from . import make_dumper, make_monitor, require
 
@@ -23,6 +32,28 @@ from ..config import DumpConfig, MonitorConfig  # noqa: E402
 from ..dump import GradientDumper  # noqa: E402
 from ..monitor import GAPMonitor  # noqa: E402
 from ..utils import first_tensor  # noqa: E402
+
+
+def _tensors(value: Any) -> list:
+    """Every tensor in a batch (nested dicts, lists and tuples), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def batched_tensors(batch: Any, batch_dim: int, names: Any = None) -> list:
+    """The tensors of `batch` that hold its samples on `batch_dim`: those `names` picks (keys of a dict
+    batch, positions of a sequence), else every tensor with the first one's size on that dim."""
+    if names is not None:
+        picked = [batch[k] for k in names if (isinstance(batch, dict) and k in batch)
+                  or (isinstance(batch, (list, tuple)) and isinstance(k, int) and k < len(batch))]
+        return [t for p in picked for t in _tensors(p)]
+    found = [t for t in _tensors(batch) if t.dim() > batch_dim]
+    return [t for t in found if t.shape[batch_dim] == found[0].shape[batch_dim]] if found else []
 
 
 class GAPMonitorCallback(pl.Callback):
@@ -53,6 +84,21 @@ class GAPMonitorCallback(pl.Callback):
         x = first_tensor(batch)
         if x is not None and x.dim() > 0:
             self.monitor.add_samples(x.shape[0])
+        per_sample = self.monitor.per_sample
+        if per_sample is not None and self.monitor.monitoring:
+            tensors = batched_tensors(batch, per_sample.batch_dim, per_sample.batch_inputs)
+            per_sample.begin_forward(*tensors)
+            samples = tensors[0].shape[per_sample.batch_dim]
+            share = 1.0 / samples if per_sample.loss_reduction == "mean" else 1.0
+            per_sample.set_loss_weights(share / trainer.accumulate_grad_batches)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.monitor is not None and self.monitor.per_sample is not None:
+            self.monitor.per_sample.end_forward()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.monitor is not None and self.monitor.per_sample is not None:
+            self.monitor.per_sample.end_forward()  # a step whose backward did not run (manual optimisation)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         metrics = self.monitor.end_step()

@@ -17,6 +17,11 @@ gapmon's own options (which kinds to measure, per-sample norms, numerics, sinks,
 `gapmon_config` (a gapmon.MonitorConfig; its schedule comes from `interval`); the dumper's
 (`dump_gradients_*`) map onto a gapmon.DumpConfig. `monitor_config()` and `dump_config()` show what
 the callback builds.
+
+Per-sample gradient norms are those of each sample's own loss (the mean cross entropy of its label
+tokens), whatever the train module's scaling: it sums the cross entropy of every micro-batch's tokens
+and divides by the rank's number of label tokens over the whole step (`loss_div_factor`), which the
+callback reads from each micro-batch's forward call. A sample with no label tokens has norm 0.
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from . import require
+import torch
+
+from . import require, tokens_per_sample, watch_micro_batches
 
 require("olmo_core", "olmo", "ai2-olmo-core")
 
@@ -57,6 +64,7 @@ class GAPMonitorCallback(Callback):
     _monitor: Optional[GAPMonitor] = dataclasses.field(default=None, repr=False)
     _dumper: Optional[GradientDumper] = dataclasses.field(default=None, repr=False)
     _in_step: bool = dataclasses.field(default=False, repr=False)
+    _watch: Any = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.enabled and (self.monitor or self.dump_gradients):
@@ -107,6 +115,8 @@ class GAPMonitorCallback(Callback):
             return
         if self.monitor:
             self._monitor = GAPMonitor.from_config(self.model, self.monitor_config())
+            # pre_step counts the rank's samples from the whole batch; the hook declares the loss scaling.
+            self._watch = watch_micro_batches(self.model, self._monitor, _loss_weights, count_samples=False)
         if self.dump_gradients:
             self._dumper = GradientDumper.from_config(self.model, self._dump_dir(), self.dump_config())
 
@@ -125,9 +135,30 @@ class GAPMonitorCallback(Callback):
             self._dumper.maybe_dump(self.step)
 
     def close(self):
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
         if self._dumper is not None:
             self._dumper.close()
             self._dumper = None
+
+
+def _loss_weights(args: tuple, kwargs: dict, samples: int):
+    """Each sample's weight in the loss of one micro-batch's forward call of an OLMo-core model
+    (`model(input_ids, labels=..., loss_reduction=..., loss_div_factor=...)`); None (loss_reduction's
+    default) when the call computes no loss."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 1 or labels.shape[0] != samples:
+        return None
+    reduction = kwargs.get("loss_reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        return None  # "none": the caller reduces the per-token losses itself
+    tokens = tokens_per_sample(labels, samples, kwargs.get("ignore_index", -100))
+    weights = tokens if reduction == "sum" else tokens / tokens.sum().clamp(min=1)
+    div = kwargs.get("loss_div_factor")
+    if div is not None:
+        weights = weights / float(div)
+    return weights

@@ -348,7 +348,9 @@ def _unbind(tracker, args, kwargs, inputs, out) -> int:
 
 
 def _cat(tracker, args, kwargs, inputs, out) -> int:
-    tensors = _arg(args, kwargs, 0, "tensors")
+    # torch.cat skips 1-D empty tensors whatever the others' shape (a KV cache starts as one: the
+    # transformers DynamicCache concatenates its keys onto torch.tensor([])).
+    tensors = [t for t in _arg(args, kwargs, 0, "tensors") if not (t.dim() == 1 and t.numel() == 0)] or [out]
     ndim = tensors[0].dim()
     dim = _dims(_arg(args, kwargs, 1, "dim", 0), ndim)[0]
     dims = {s for _, s in inputs}

@@ -108,6 +108,8 @@ class _MicroBatch:
     layers: dict[int, _LayerCalls] = field(default_factory=dict)  # layer index -> its calls
     mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)
     provenance: dict[int, set[tuple[int, str | None]]] = field(default_factory=dict)  # layer -> (batch dim, why not)
+    weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
+    used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
 
     def add(self, sq: torch.Tensor, acc: torch.dtype) -> None:
         """Adds a layer's squared norms (float64, summed in `acc`)."""
@@ -234,12 +236,18 @@ class PerSampleGradNorms:
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
+        # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
+        # hook (always first) and may reshard them in a post-forward hook that runs before the hook below
+        # (a layer wrapped as its own FSDP unit), after which the module holds its sharded parameters.
+        self._pre_handles = [m.register_forward_pre_hook(functools.partial(self._pre_forward_hook, i))
+                             for i, (_, m, _) in enumerate(self._layers)]
         self._handles = [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
                                                  prepend=config.bookkeeping)
                          for i, (_, m, _) in enumerate(self._layers)]
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._tracking: BatchTracker | None = None  # active during the model's forward pass
+        self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
         self._micro: list[_MicroBatch] = []
         self._read = False
         self._collecting = True  # off between pause() and start(): the hooks return at once
@@ -254,12 +262,17 @@ class PerSampleGradNorms:
         # A skipped step, activation-checkpoint recomputation, or the model run under torch.func.
         if not self._collecting or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
             return
+        if self._explicit:  # begin_forward named this micro-batch's inputs already (the model runs inside it)
+            return
+        storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        self._open_micro_batch(self._batched_inputs(module, args, kwargs), storages)
+
+    def _open_micro_batch(self, batched: list[torch.Tensor], storages: set[int]) -> None:
+        """Starts following a micro-batch whose samples lie along batch_dim of every tensor of `batched`."""
         if self._read:
             self.reset()
         self._hook_covered()
-        batched = self._batched_inputs(module, args, kwargs)
-        x = batched[0]
-        batch = x.shape[self.batch_dim]
+        batch = batched[0].shape[self.batch_dim]
         tracker = BatchTracker(batch)
         for t in batched:
             if t.dim() <= self.batch_dim or t.shape[self.batch_dim] != batch:
@@ -269,8 +282,50 @@ class PerSampleGradNorms:
         if self._tracking is not None:  # a forward pass that raised before its end hook could run
             self._tracking.__exit__(None, None, None)
         self._tracking = tracker.__enter__()
-        storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         self._micro.append(_MicroBatch(batch, storages))
+
+    def begin_forward(self, *batched: torch.Tensor) -> None:
+        """Starts a micro-batch whose samples lie along `batch_dim` of each tensor of `batched`, for loops
+        in which the watched module's own forward is not what runs the batch (a LightningModule whose
+        training_step calls `self.model(...)`): the layers that run until end_forward() are followed
+        from these tensors. The watched module's forward calls in between are part of this micro-batch."""
+        tensors = [t for t in batched if isinstance(t, torch.Tensor)]
+        if not tensors or tensors[0].dim() <= self.batch_dim:
+            raise ValueError(f"PerSampleGradNorms.begin_forward: give the micro-batch's batched tensors (samples on dim "
+                             f"{self.batch_dim}); got {[type(t).__name__ for t in batched]}")
+        self.end_forward()
+        if not self._collecting:
+            return
+        self._open_micro_batch(tensors, {t.untyped_storage().data_ptr() for t in tensors})
+        self._explicit = True
+
+    def end_forward(self) -> None:
+        """Ends the micro-batch begin_forward started (call it after the forward pass, before backward)."""
+        self._explicit = False
+        self._end_forward(None, None, None)
+
+    def set_loss_weights(self, weights: float | torch.Tensor) -> None:
+        """Declares the loss of the latest micro-batch: the loss its backward() is called on is
+        L = sum_i weights[i] * loss_i, where loss_i is sample i's own loss (a scalar weight: the same for
+        every sample). Its per-sample norms are then ||grad L_i|| / |weights[i]| = ||grad loss_i||
+        (0 for a sample of weight 0, which has no loss). Without it, loss_reduction says the weights:
+        1 / (micro-batch size) for "mean", 1 for "sum". Call it after the micro-batch's forward pass and
+        before local_norms() (the trainer integrations call it with the scaling their trainer applies:
+        gradient accumulation, token-count normalisation)."""
+        if not self._collecting:
+            return
+        if not self._micro:
+            raise RuntimeError("PerSampleGradNorms.set_loss_weights: no micro-batch yet; call it after the forward pass")
+        mb = self._micro[-1]
+        w = torch.as_tensor(weights, dtype=torch.float64).detach()
+        if w.dim() == 0:
+            w = w.expand(mb.batch)
+        w = w.reshape(-1)
+        if w.numel() != mb.batch:
+            raise ValueError(f"PerSampleGradNorms.set_loss_weights: {w.numel()} weights for a micro-batch of {mb.batch} samples")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("PerSampleGradNorms.set_loss_weights: the weights must be finite")
+        mb.weights = w
 
     def _batched_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self.batch_inputs is None:
@@ -288,6 +343,8 @@ class PerSampleGradNorms:
         return found
 
     def _end_forward(self, module, args, output) -> None:
+        if module is not None and self._explicit:  # the model ran inside a begin_forward micro-batch: not its end
+            return
         if self._tracking is not None:
             self._tracking.__exit__(None, None, None)
             self._tracking = None
@@ -329,6 +386,10 @@ class PerSampleGradNorms:
         if uses_batch and self._collecting and self._micro and not _torch_compat.functorch_transforms_active():
             self._micro[-1].mixing.add(f"{name} ({type(module).__name__})")
 
+    def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
+        if self._collecting and self._micro and not _torch_compat.functorch_transforms_active():
+            self._micro[-1].used[index] = self._layers[index][2].params(module)
+
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
         if not self._collecting or not self._micro or output is None:
@@ -341,7 +402,9 @@ class PerSampleGradNorms:
         name, _, rule = self._layers[index]
         mb = self._micro[-1]
         dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
-        params = rule.params(module)
+        params = mb.used.get(index)
+        if params is None:
+            params = mb.used[index] = rule.params(module)
         if not params:  # frozen now: nothing to measure (watched in case it is unfrozen)
             return
         for p in params:  # under FSDP2, the unsharded parameters the forward uses
@@ -403,7 +466,7 @@ class PerSampleGradNorms:
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
-            self._explain(index, rule.positions(module, record.calls[call], g, acc), g.dtype)
+            self._explain(index, mb, rule.positions(module, record.calls[call], g, acc), g.dtype)
         mb.add(sq, acc)
 
     def _finish(self, index: int, mb: _MicroBatch) -> None:
@@ -417,7 +480,7 @@ class PerSampleGradNorms:
             acc = torch.float64 if any(g.dtype == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
             for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
-                self._explain(index, piece, g.dtype)
+                self._explain(index, mb, piece, g.dtype)
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
         mb.add(sq, acc)
@@ -477,16 +540,20 @@ class PerSampleGradNorms:
                 check.total += sketch(grad, self._probe(p))
         check.widen(grad.dtype, check.repeats)
 
-    def _explain(self, index: int, piece: tuple, dtype: torch.dtype) -> None:
-        """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters."""
+    def _explain(self, index: int, mb: _MicroBatch, piece: tuple, dtype: torch.dtype) -> None:
+        """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters: to
+        the parameter objects the forward used (under FSDP2 the module may hold other ones by now)."""
         name, module, rule = self._layers[index]
-        sketches = rule.grad_sketch(module, piece, self._probe)
+        now = rule.params(module)
+        used = mb.used.get(index, now)
+        as_used = {id(p): u for p, u in zip(now, used)} if len(used) == len(now) else {}
+        sketches = rule.grad_sketch(module, piece, lambda p: self._probe(as_used.get(id(p), p)))
         if sketches is None:
-            for p in rule.params(module):
+            for p in used:
                 self._check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"
             return
         for p, s, repeats in sketches:
-            check = self._check(p, name)
+            check = self._check(as_used.get(id(p), p), name)
             check.explained += s
             check.widen(dtype, repeats)
 
@@ -564,8 +631,12 @@ class PerSampleGradNorms:
         for mb in self._micro:
             if mb.sq is None:
                 continue
-            sq = mb.sq * (mb.batch ** 2 if self.loss_reduction == "mean" else 1)
-            parts.append(sq.sqrt().to(mb.dtype))
+            if mb.weights is not None:
+                w = mb.weights.to(mb.sq.device).abs()
+                norms = torch.where(w > 0, mb.sq.sqrt() / w.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+            else:
+                norms = (mb.sq * (mb.batch ** 2 if self.loss_reduction == "mean" else 1)).sqrt()
+            parts.append(norms.to(mb.dtype))
         if not parts:
             return torch.empty(0)
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
@@ -641,9 +712,10 @@ class PerSampleGradNorms:
 
     def close(self) -> None:
         """Removes the hooks."""
-        for h in (*self._handles, *self._mixing, *self._grad_hooks.values(), self._root, self._root_end):
+        for h in (*self._handles, *self._pre_handles, *self._mixing, *self._grad_hooks.values(), self._root, self._root_end):
             h.remove()
         self._handles.clear()
+        self._pre_handles.clear()
         self._mixing.clear()
         self._grad_hooks.clear()
         if self._tracking is not None:

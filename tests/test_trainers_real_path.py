@@ -1,0 +1,257 @@
+"""gapmon driven by the real trainers as their users drive them: nothing of the trainer's own changes, the
+step's samples are counted as they were, and per-sample norms are those of each sample's own loss
+(checked against a float64 loop over the samples, one backward each) whatever the trainer's scaling.
+
+Needs transformers (+ accelerate) and lightning; CI installs the versions pyproject's `ci` extra pins."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gapmon.metric_names import GLOBAL_BATCH_SIZE, per_sample_norm_name
+
+VOCAB, SEQ = 29, 7
+# transformers computes the causal-LM loss in float32 (`logits.float()`, a float64 model's too), and a
+# token's loss gradient is divided by the step's token count in the Trainer, by the sample's in the
+# reference loop: the two round differently at float32's 1e-8. A scaling error is 1e-1 or more.
+HF_RTOL = 1e-6
+
+
+def _hf():
+    transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (CI installs it)")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (CI installs it)")
+    return transformers
+
+
+def _llama(transformers, seed: int = 0):
+    """A tiny LlamaForCausalLM (untied embeddings), float64."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).double(), cfg
+
+
+def _lm_data(n: int, seed: int = 1) -> list[dict]:
+    """Samples whose number of label tokens differs (-100 where they do not count), so that token-count
+    normalisation and a per-sample mean differ."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: i % 4] = -100  # 0..3 leading tokens ignored
+        data.append({"input_ids": ids, "labels": labels})
+    return data
+
+
+def _reference_norms(make_model, state: dict, samples: list[dict], covered: set[str], loss_of) -> list[float]:
+    """||grad loss_i|| over the covered parameters, one float64 backward per sample, on a fresh copy."""
+    model = make_model()
+    model.load_state_dict(state)
+    model.train()
+    norms = []
+    for sample in samples:
+        model.zero_grad()
+        loss_of(model, sample).backward()
+        sq = sum(p.grad.double().square().sum() for n, p in model.named_parameters() if n in covered and p.grad is not None)
+        norms.append(float(sq) ** 0.5)
+    return norms
+
+
+def _hf_args(transformers, tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], save_strategy="no",
+                use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def _trainer_logs(transformers, tmp_path, data, attach_kwargs=None, **kw):
+    """The Trainer's log_history of a run, with gapmon attached (attach_kwargs) or not (None)."""
+    from gapmon.integrations.huggingface import attach
+
+    model, _ = _llama(transformers)
+    trainer = transformers.Trainer(model=model, args=_hf_args(transformers, tmp_path, **kw), train_dataset=data)
+    if attach_kwargs is not None:
+        attach(trainer, **attach_kwargs)
+    trainer.train()
+    return trainer.state.log_history
+
+
+def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(tmp_path):
+    transformers = _hf()
+    data = _lm_data(26)  # batch 4: the epoch's last batch holds 2 samples
+    plain = _trainer_logs(transformers, tmp_path / "plain", data, None, num_train_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # LlamaRMSNorm has no per-sample rule: warned
+        watched = _trainer_logs(transformers, tmp_path / "gap", data, dict(interval=1), num_train_epochs=1)
+
+    def own(history):  # the Trainer's own entries and keys, gapmon's left out
+        return [{k: v for k, v in e.items() if not k.startswith("gap/")} for e in history
+                if any(not k.startswith("gap/") and k not in ("epoch", "step") for k in e)]
+
+    plain_own, watched_own = own(plain), own(watched)
+    assert len(plain_own) == 7 + 1  # 7 steps logged, then the run summary
+    assert [sorted(e) for e in watched_own] == [sorted(e) for e in plain_own]
+    for a, b in zip(plain_own, watched_own):
+        assert {"loss", "grad_norm", "learning_rate"} <= set(a) or "train_runtime" in a
+        for key in ("loss", "grad_norm", "learning_rate", "step", "epoch"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
+    batch_sizes = [e[GLOBAL_BATCH_SIZE] for e in watched if GLOBAL_BATCH_SIZE in e]
+    assert batch_sizes == [4] * 6 + [2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, accumulation):
+    """The Trainer sums every token's loss over the step and divides by their count: the norms still
+    are ||grad of the mean cross entropy of the sample's own tokens||, with or without accumulation."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    data = _lm_data(12)
+    model, _ = _llama(transformers)
+    args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
+                    max_steps=2, max_grad_norm=0.0, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        callback = attach(trainer, interval=1, per_sample_grad_norms=True)
+    seen: list[dict] = []  # each step's samples, as the model saw them
+    checks = []
+
+    def capture(module, args, kwargs):
+        if callback.monitor is not None and callback.monitor.monitoring:
+            for i in range(kwargs["input_ids"].shape[0]):
+                seen.append({"input_ids": kwargs["input_ids"][i].clone(), "labels": kwargs["labels"][i].clone()})
+
+    model.register_forward_pre_hook(capture, with_kwargs=True)
+
+    class Check(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # after gapmon's end_step
+            covered = set(callback.monitor.per_sample.coverage()["covered"])
+            got = callback.monitor.per_sample.local_norms().tolist()
+            state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+            def loss_of(m, s):
+                return m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss  # its own mean over tokens
+
+            want = _reference_norms(lambda: _llama(transformers)[0], state_dict, list(seen), covered, loss_of)
+            checks.append((got, want))
+            seen.clear()
+
+    trainer.add_callback(Check())
+    trainer.train()
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 2 * accumulation
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
+def _lightning_module(pl, transformers):
+    class LlamaModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _llama(transformers)[0]
+
+        def training_step(self, batch, batch_idx):  # calls self.model, not self: the usual Lightning style
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    return LlamaModule
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_lightning_per_sample_norms_with_a_hugging_face_model(tmp_path, accumulation):
+    """A real Lightning Trainer, an HF Llama with untied embeddings, training_step calling self.model:
+    no false refusal, and the norms are of each sample's own loss (the mean over its tokens, which the
+    model returns per micro-batch and Lightning divides by accumulate_grad_batches)."""
+    pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (CI installs it)")
+    transformers = _hf()
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    # Equal label counts per sample: the model's micro-batch mean over tokens is then the mean of the
+    # samples' own losses, which is what the callback takes training_step to return.
+    data = [{"input_ids": d["input_ids"], "labels": d["input_ids"].clone()} for d in _lm_data(12)]
+    checks = []
+    gap = GAPMonitorCallback(interval=3, per_sample_grad_norms=True)
+
+    class Check(pl.Callback):
+        def __init__(self):
+            self.samples = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step % 3 == 0:
+                self.samples += [{k: v[i].clone() for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # after gapmon's
+            if trainer.global_step % 3 == 0:
+                norms = gap.monitor.per_sample
+                covered = {n.removeprefix("model.") for n in norms.coverage()["covered"]}
+                state = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+
+                def loss_of(m, s):
+                    return m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss
+
+                want = _reference_norms(lambda: _llama(transformers)[0], state, self.samples, covered, loss_of)
+                checks.append((norms.local_norms().tolist(), want, gap.last_metrics))
+            self.samples = []
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=accumulation, accelerator="cpu", logger=False,
+                             callbacks=[gap, Check()], enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer.fit(_lightning_module(pl, transformers)(), torch.utils.data.DataLoader(data, batch_size=2))
+    assert len(checks) == 2  # steps 0 and 3
+    for got, want, metrics in checks:
+        assert len(got) == 2 * accumulation
+        assert got == pytest.approx(want, rel=HF_RTOL)
+        assert metrics[per_sample_norm_name("max")] == pytest.approx(max(want), rel=HF_RTOL)
+        assert metrics[GLOBAL_BATCH_SIZE] == 2 * accumulation
+
+
+def test_plain_api_loss_weights_give_each_samples_own_loss():
+    """The plain API: with the loss scaled by 1/micro-batches (accumulation), set_loss_weights says so and
+    the norms stay those of each sample's own loss; without it, loss_reduction='mean' is taken per micro-batch."""
+    import gapmon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+
+    def own_norm(i):
+        model.zero_grad()
+        nn.functional.mse_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        return float(sum(p.grad.square().sum() for p in model.parameters())) ** 0.5
+
+    want = [own_norm(i) for i in range(6)]
+    model.zero_grad()
+    norms = gapmon.PerSampleGradNorms(model)
+    for mb in range(2):  # two micro-batches, the loss divided by 2 as accumulation loops do
+        xs, ys = x[3 * mb: 3 * mb + 3], y[3 * mb: 3 * mb + 3]
+        loss = nn.functional.mse_loss(model(xs), ys, reduction="none").mean(1).mean() / 2
+        norms.set_loss_weights(1.0 / (3 * 2))
+        loss.backward()
+    assert norms.local_norms().tolist() == pytest.approx(want, rel=1e-10)
+    # per-sample weights: sample i's loss weighted by w[i]
+    norms.reset()
+    w = torch.tensor([0.5, 2.0, 0.0], dtype=torch.float64)
+    model.zero_grad()
+    losses = nn.functional.mse_loss(model(x[:3]), y[:3], reduction="none").mean(1)
+    norms.set_loss_weights(w)
+    (losses * w).sum().backward()
+    assert norms.local_norms().tolist() == pytest.approx([want[0], want[1], 0.0], rel=1e-10)
+    with pytest.raises(ValueError, match="3 samples"):
+        model(x[:3])
+        norms.set_loss_weights(torch.ones(4))
+    norms.close()
