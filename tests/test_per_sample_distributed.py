@@ -69,3 +69,77 @@ def _worker(rank: int, world: int):
 
 def test_fsdp2_and_ddp_global_norms():
     run_distributed(_worker, 2)
+
+
+def _granularity_worker(rank: int, world: int):
+    """FSDP2 at every granularity users wrap at (each Linear, each block, the root only), resharding
+    after forward or not, HSDP, DDP, two micro-batches with the loss divided by 2 (declared with
+    set_loss_weights), and GAPMonitor with interval=2: never a false refusal, always the float64
+    norms of each sample's own loss."""
+    import warnings
+
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = synthetic_batch(CFG, GLOBAL, step=3)
+    want = vmap_per_sample_norms(_model(), lm_loss, x, y)
+    mesh = init_device_mesh("cpu", (world,))
+    hsdp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+
+    def wrap(units: str, reshard: bool, on=mesh):
+        model = _model()
+        if units == "each Linear":
+            for m in model.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    fully_shard(m, mesh=on, reshard_after_forward=reshard)
+        elif units == "each block":
+            for block in model.blocks:
+                fully_shard(block, mesh=on, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=on, reshard_after_forward=reshard)
+
+    makers = {f"fsdp2 {units} reshard={reshard}": (lambda u=units, r=reshard: wrap(u, r))
+              for units in ("each Linear", "each block", "root only") for reshard in (True, False)}
+    makers["hsdp each Linear"] = lambda: wrap("each Linear", True, hsdp_mesh)
+    makers["ddp"] = lambda: DDP(_model())
+    ids = torch.arange(GLOBAL)
+    layouts = {"different samples": ids[rank::world], "same samples": ids}
+    for where, make in makers.items():
+        model = make()
+        psn = gapmon.PerSampleGradNorms(model, strict=True)
+        for layout, local_ids in layouts.items():
+            for micro in (1, 2):
+                for part in local_ids.chunk(micro):
+                    loss = lm_loss(model(x[part]), y[part]) / micro
+                    psn.set_loss_weights(1.0 / (part.numel() * micro))
+                    loss.backward()
+                got_ids, got = psn.global_norms(local_ids)
+                case = f"{where}, {layout}, {micro} micro-batches"
+                assert got_ids.tolist() == list(range(GLOBAL)), case
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
+                model.zero_grad()
+        psn.close()
+
+    # GAPMonitor with interval=2 over FSDP2 per-Linear units: the monitored steps' norms are exact, the
+    # skipped step leaves nothing behind.
+    model = wrap("each Linear", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing excluded, nothing refused
+        mon = gapmon.GAPMonitor(model, interval=2, per_sample_grad_norms=gapmon.PerSampleConfig(strict=True))
+    local_ids = ids[rank::world]
+    for step in range(3):
+        mon.begin_step(step, batch_size=local_ids.numel())
+        lm_loss(model(x[local_ids]), y[local_ids]).backward()
+        metrics = mon.end_step()
+        if step % 2 == 0:
+            assert metrics["gap/per_sample_grad_norm/max"] == pytest.approx(want.max().item(), rel=1e-4)
+            assert metrics["gap/per_sample_grad_norm/min"] == pytest.approx(want.min().item(), rel=1e-4)
+        else:
+            assert metrics == {}
+        model.zero_grad()
+    mon.close()
+
+
+def test_no_false_refusal_at_any_fsdp2_granularity():
+    run_distributed(_granularity_worker, 2)

@@ -229,8 +229,12 @@ class BatchTracker(TorchFunctionMode):
             s = self.status(args[1])
             return s if isinstance(s, int) else None
         base = args[0]
-        grown = [d for d in range(out.dim()) if out.shape[d] == self.batch and self.batch > 1
-                 and (d < out.dim() - base.dim() or base.shape[d - (out.dim() - base.dim())] == 1)]
+        new_dims = out.dim() - base.dim()
+        if self.batch == 1:  # a batch of one sample: only a dim the expand adds can be told to be the batch
+            grown = [d for d in range(new_dims) if out.shape[d] == 1]
+        else:
+            grown = [d for d in range(out.dim()) if out.shape[d] == self.batch
+                     and (d < new_dims or base.shape[d - new_dims] == 1)]
         return grown[0] if len(grown) == 1 else None
 
 
