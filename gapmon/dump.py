@@ -66,7 +66,7 @@ from .dump_format import (
     tensor_crc32,
 )
 from .safe_io import HOST, process_alive, read_safetensors_header, remove_stale_temps, write_json, write_safetensors
-from .utils import check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
+from .utils import ParameterWatch, check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
 
 _FAILED = ".{}.failed"  # step{S}/.rank{R}.failed: a rank's write of the step failed (its error inside)
 
@@ -253,11 +253,9 @@ class GradientDumper:
         self.config = config  # every option, read from here
         self.model = model
         self.save_dir = Path(save_dir)
-        self._params = clean_named(model, model.named_parameters(), "parameters")
-        refuse_complex(self._params, "GradientDumper",
-                       "dumps hold real gradients. Store it as real and imaginary parts (torch.view_as_real)")
+        self._watch = ParameterWatch(model)
+        self._derive_params()
         self.rank, self.world = rank_and_world()
-        self._layout = parallel_layout(model)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -280,6 +278,31 @@ class GradientDumper:
             write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
         atexit.register(_close_at_exit, weakref.ref(self))
 
+    def _derive_params(self) -> None:
+        """The parameters to dump and their parallel layout, as the model holds them now."""
+        self._params = clean_named(self.model, self.model.named_parameters(), "parameters")
+        refuse_complex(self._params, "GradientDumper",
+                       "dumps hold real gradients. Store it as real and imaginary parts (torch.view_as_real)")
+        self._layout = parallel_layout(self.model)
+
+    def _follow_parameters(self) -> None:
+        """Re-derives the parameters when the model's were replaced since the last dump (meta-device init
+        then to_empty, load_state_dict(assign=True), assignment). A new parallel layout is recorded in
+        config.json while this directory holds no step of this run; after that it is refused."""
+        if not self._watch.changed():
+            return
+        old_layout = self._layout
+        self._derive_params()
+        if self._layout == old_layout:
+            return
+        if self._dumps:
+            raise RuntimeError(f"GradientDumper: the model's parallel layout changed after steps {sorted(self._dumps)} were "
+                               f"dumped into {self.save_dir} ({old_layout} -> {self._layout}); dump the new layout into "
+                               "a new directory with a new GradientDumper")
+        self._recorded = {**self._layout, "mode": self.config.mode, "save_first_n": self.config.save_first_n}
+        if self.rank == 0:
+            write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
+
     def should_dump(self, step: int) -> bool:
         return self.config.schedule.includes(check_step(step, "GradientDumper.should_dump"))
 
@@ -293,6 +316,7 @@ class GradientDumper:
         self._raise_background_error()
         if not self.should_dump(step):
             return False
+        self._follow_parameters()
         # Sparse gradients (nn.Embedding(sparse=True)) are dumped as the dense tensors they stand for.
         grads = [(n, p.grad.to_dense() if p.grad.is_sparse else p.grad) for n, p in self._params if p.grad is not None]
         if not grads:

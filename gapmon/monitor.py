@@ -39,7 +39,16 @@ from .metric_names import (
 from .numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram, states_and_numerics
 from .sinks import Sink
 from .stats import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
-from .utils import check_int, check_step, clean_named, first_tensor, is_dtensor, rank_and_world, refuse_complex
+from .utils import (
+    ParameterWatch,
+    check_int,
+    check_step,
+    clean_named,
+    first_tensor,
+    is_dtensor,
+    rank_and_world,
+    refuse_complex,
+)
 
 logger = logging.getLogger("gapmon")
 
@@ -205,22 +214,15 @@ class GAPMonitor:
         self.model = model
         self.correction = config.correction
         self._kinds = {kind: getattr(config, kind) for kind in ("params", "grads", "activations", "activation_grads")}
-        params, grads = config.params, config.grads
         activations, activation_grads = config.activations, config.activation_grads
         self._group = config.process_group
         self.sinks: list[Sink] = list(config.sinks)
 
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         self._modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
-        self._params = clean_named(model, model.named_parameters(), "parameters")
-        if params or grads:
-            refuse_complex(self._params, "GAPMonitor", "the statistics are of real tensors. Store it as real and "
-                           "imaginary parts (torch.view_as_real) or pass params=False, grads=False")
-        owner_types = {id(p): type(m).__name__ for _, m in self._modules for p in m.parameters(recurse=False)}
-        self._param_types = {n: owner_types.get(id(p), type(model).__name__) for n, p in self._params}
         self._module_types = {n: type(m).__name__ for n, m in self._modules}  # numerics histogram groups
-        shard_groups = fsdp1_shard_groups(model)
-        self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
+        self._watch = ParameterWatch(model)
+        self._derive_params()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if activations or activation_grads:
             for index, (_, module) in enumerate(self._modules):
@@ -254,6 +256,19 @@ class GAPMonitor:
         self._num_rows: list[torch.Tensor] = []  # one-row views of it, one per (kind, module)
         self.nonfinite_report: dict[str, Any] = {}
         self.closed = False
+
+    def _derive_params(self) -> None:
+        """What the monitor keeps of the model's parameters: re-derived at a monitored step's begin_step
+        when they were replaced (meta-device init then to_empty, load_state_dict(assign=True), assignment)."""
+        model = self.model
+        self._params = clean_named(model, model.named_parameters(), "parameters")
+        if self.config.params or self.config.grads:
+            refuse_complex(self._params, "GAPMonitor", "the statistics are of real tensors. Store it as real and "
+                           "imaginary parts (torch.view_as_real) or pass params=False, grads=False")
+        owner_types = {id(p): type(m).__name__ for _, m in self._modules for p in m.parameters(recurse=False)}
+        self._param_types = {n: owner_types.get(id(p), type(model).__name__) for n, p in self._params}
+        shard_groups = fsdp1_shard_groups(model)
+        self._flat_groups = [shard_groups.get(id(p)) for _, p in self._params]  # FSDP1 flat shards
 
     # ---------------------------------------------------------------- hooks
     def _forward_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
@@ -352,6 +367,8 @@ class GAPMonitor:
             self.per_sample.pause()  # skipped steps: its hooks return at once
         if not self._active:
             return
+        if self._watch.changed():
+            self._derive_params()
         self._batch_size = batch_size or 0
         if self._acc is None and (self._kinds["activations"] or self._kinds["activation_grads"]):
             first = next(self.model.parameters(), None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -109,3 +110,27 @@ def refuse_complex(params: list[tuple[str, torch.Tensor]], who: str, advice: str
     found = [f"'{n}' ({p.dtype})" for n, p in params if p.is_complex()]
     if found:
         raise TypeError(f"{who}: parameter {', '.join(found)} is complex; {advice}")
+
+
+class ParameterWatch:
+    """Tells when a model's parameters are no longer the objects they were: large models are built on
+    the meta device and materialised later (`to_empty`), checkpoints load with
+    `load_state_dict(..., assign=True)`, and a layer's parameter may be replaced by assignment. Those
+    who cache parameters re-derive what they cached when `changed()` says so. Weak references: an old
+    parameter is never kept alive."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._refs = self._snapshot()
+
+    def _snapshot(self) -> list[tuple[str, weakref.ref]]:
+        return [(n, weakref.ref(p)) for n, p in self.model.named_parameters()]
+
+    def changed(self) -> bool:
+        """Whether a parameter was replaced, added or removed since the last call (or construction)."""
+        current = list(self.model.named_parameters())
+        if len(current) == len(self._refs) and all(
+                ref() is p and name == n for (n, p), (name, ref) in zip(current, self._refs)):
+            return False
+        self._refs = [(n, weakref.ref(p)) for n, p in current]
+        return True

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import clean_named, first_tensor, is_dtensor, name_cleaner
+from ..utils import ParameterWatch, clean_named, first_tensor, is_dtensor, name_cleaner
 from .batch_provenance import BatchTracker
 from .rules import Call, NormRule, rule_for, sketch, sketch_rows, why_no_rule
 
@@ -188,11 +188,10 @@ class PerSampleGradNorms:
         self.batch_dim, self.batch_inputs = config.batch_dim, config.batch_inputs
         self.loss_reduction, self.bookkeeping, self.strict = config.loss_reduction, config.bookkeeping, config.strict
         self._group = config.process_group
-        owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
         clean_name = name_cleaner(model)
-        names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
-        for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters"):
-            names.setdefault(id(p), n)
+        self.model = model
+        self._derive_params()
+        names = self._param_names
         owned: set[int] = set()  # submodules whose parameters their parent's rule covers (MHA's out_proj)
         for module in model.modules():
             rule = rule_for(module)
@@ -200,11 +199,6 @@ class PerSampleGradNorms:
                 owned.update(id(sub) for sub in module.modules() if sub is not module)
         self._layers: list[tuple[str, nn.Module, Any]] = []  # (name, module, rule)
         reasons: dict[str, str] = {}  # uncovered parameter -> why
-        # Tied weights: a parameter of several *different* modules. One module registered under
-        # several names (a block reused in a ModuleList) is a module called several times: exact.
-        for name, module in model.named_modules(remove_duplicate=False):
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
         for name, module in model.named_modules():
             if id(module) in owned:
                 continue
@@ -218,17 +212,8 @@ class PerSampleGradNorms:
                 self._layers.append((clean_name(name), module, rule))
             else:
                 reasons.update({names[id(p)]: why for p in params})
-        tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
-        if tied:
-            raise ValueError(
-                "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
-                f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
-            )
-        self._param_names = names
-        self._params = [(names[id(p)], p) for p in model.parameters()]
         self._reasons = reasons  # parameter -> why no rule holds for it
         self._warned: set[str] = set()  # uncovered parameters already warned about
-        self._checked_state: tuple | None = None  # what _warn_uncovered last looked at
         self.skipped: set[str] = set()  # layers found not to be per-sample at run time
         self._warn_uncovered(ValueError, stacklevel=3)
         # Layers that mix the samples of a batch when they use batch statistics.
@@ -251,11 +236,39 @@ class PerSampleGradNorms:
         self._micro: list[_MicroBatch] = []
         self._read = False
         self._collecting = True  # off between pause() and start(): the hooks return at once
+        self._hook_covered()
+
+    def _derive_params(self) -> None:
+        """Names of the model's parameters (by identity), refusing tied ones. Re-derived when the
+        parameters were replaced (meta-device init then to_empty, load_state_dict(assign=True),
+        assignment): what was keyed by the old objects (probes, use checks, gradient hooks) is dropped."""
+        model = self.model
+        clean_name = name_cleaner(model)
+        names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
+        for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters"):
+            names.setdefault(id(p), n)
+        # Tied weights: a parameter of several *different* modules. One module registered under
+        # several names (a block reused in a ModuleList) is a module called several times: exact.
+        owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
+        for name, module in model.named_modules(remove_duplicate=False):
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
+        tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
+        if tied:
+            raise ValueError(
+                "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
+                f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
+            )
+        self._param_names = names
+        self._params = [(names[id(p)], p) for p in model.parameters()]
+        for handle in getattr(self, "_grad_hooks", {}).values():
+            handle.remove()
+        self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> handle of its gradient hook
         self._probes: dict[int, torch.Tensor] = {}  # id(parameter) -> its random probe
         self._checks: dict[int, _UseCheck] = {}  # id(parameter) -> sketches since the last reset
-        self._grad_hooks: dict[int, Any] = {}  # id(parameter) -> handle of its gradient hook
         self._hooked_state: tuple | None = None
-        self._hook_covered()
+        self._checked_state: tuple | None = None  # what _warn_uncovered last looked at
+        self._watch = ParameterWatch(model)
 
     # ------------------------------------------------------------------ hooks
     def _new_micro_batch(self, module, args, kwargs) -> None:
@@ -271,6 +284,8 @@ class PerSampleGradNorms:
         """Starts following a micro-batch whose samples lie along batch_dim of every tensor of `batched`."""
         if self._read:
             self.reset()
+        if not self._micro and self._watch.changed():  # the first micro-batch of a step: parameters replaced?
+            self._derive_params()
         self._hook_covered()
         batch = batched[0].shape[self.batch_dim]
         tracker = BatchTracker(batch)
