@@ -166,7 +166,10 @@ class GAPMonitor:
             and activation gradients (over all their elements, micro-batches and ranks), with their kurtosis
             (fields NUMERICS_FIELDS; parameters and gradients in their statistics' pass on CPU, one more
             pass elsewhere), and their exponent histograms summed per kind and layer type (info["numerics_histograms"]: {"grads/Linear": {"e-7": n,
-            ...}}; histograms in TensorBoard and W&B). Default: none (no cost).
+            ...}}; histograms in TensorBoard and W&B), with the elements of each group that under/overflow
+            at their tensor's own power-of-two scale (info["numerics_scaled"]: {"grads/Linear": {"fp8_e4m3":
+            {"underflow": n, "overflow": n}}}: what a scaled recipe sees). Groups without elements are left
+            out. Default: none (no cost).
         numerics_alert: with numerics, warn (naming tensors and step) when a tensor's unscaled underflow
             or overflow share in a format exceeds this fraction; also listed in the sinks' info.
 
@@ -538,8 +541,17 @@ class GAPMonitor:
         keys, index = self._histogram_groups(tuple(names), rows.device)
         hists = torch.zeros(len(keys), NUM_BINS, dtype=torch.float64, device=rows.device).index_add_(
             0, index, rows[:, :NUM_BINS])  # exact counts
+        # Per group and format, the elements that under/overflow at each tensor's own power-of-two scale
+        # (what a scaled recipe sees): share x count per tensor, summed exactly (integers in float64).
+        count = rows[:, NUM_BINS]
+        scaled = [torch.nan_to_num(result.shares[f][s]) * count for f in self.numerics
+                  for s in ("underflow_scaled", "overflow_scaled")]
+        scaled_counts = torch.zeros(len(keys), 2 * len(self.numerics), dtype=torch.float64, device=rows.device)
+        if names:
+            scaled_counts.index_add_(0, index, torch.stack(scaled, dim=1).round())
         out.add("numerics", torch.stack([c for _, c in columns], dim=1) if names else rows.new_empty(0))
         out.add("histograms", hists)
+        out.add("scaled_counts", scaled_counts)
         return names, [field for field, _ in columns], keys
 
     def _histogram_groups(self, names: tuple[tuple[str, str], ...], device: torch.device) -> tuple[list[str], torch.Tensor]:
@@ -558,9 +570,13 @@ class GAPMonitor:
                       step: int) -> None:
         """The numerics metrics, histograms and alerts from end_step's host copy."""
         names, fields, keys = numerics
-        table, counts = out.of(host, "numerics"), out.of(host, "histograms")
-        info["numerics_histograms"] = {k: sparse_histogram(counts[i * NUM_BINS:(i + 1) * NUM_BINS])
-                                       for i, k in enumerate(keys)}
+        table, counts, scaled = out.of(host, "numerics"), out.of(host, "histograms"), out.of(host, "scaled_counts")
+        # Groups that hold no element this step (containers whose output is a child's, read once) are left out.
+        held = [(i, k) for i, k in enumerate(keys) if any(counts[i * NUM_BINS:(i + 1) * NUM_BINS])]
+        info["numerics_histograms"] = {k: sparse_histogram(counts[i * NUM_BINS:(i + 1) * NUM_BINS]) for i, k in held}
+        width = 2 * len(self.numerics)
+        info["numerics_scaled"] = {k: {f: {"underflow": int(scaled[i * width + 2 * j]), "overflow": int(scaled[i * width + 2 * j + 1])}
+                                       for j, f in enumerate(self.numerics)} for i, k in held}
         alerts = []
         for i, (kind, name) in enumerate(names):
             row = table[i * len(fields):(i + 1) * len(fields)]

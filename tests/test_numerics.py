@@ -543,3 +543,49 @@ def test_monitor_folds_activation_numerics_with_the_statistics(monkeypatch):
         metrics = mon.end_step()
     assert calls == {"fused": 6, "plain": 0, "numerics": 0}  # 3 activations + 3 activation gradients
     assert "gap/activations/0/kurtosis" in metrics and "gap/activation_grads/2/bf16_underflow" in metrics
+
+
+def test_report_shows_only_groups_with_data_and_the_scaled_shares(tmp_path):
+    """A container whose output is its child's (read once) holds no numerics data: no group, no nan% row.
+    The scaled shares (each tensor at the power of two that puts its max |x| in fp8 e4m3's top binade)
+    are exact element counts, against a float64 reference."""
+    import torch.nn as nn
+
+    pytest.importorskip("matplotlib")
+    from gapmon.apps.report import make_report
+
+    class MLP(nn.Module):  # its output is fc's output: the monitor reads it once
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(), nn.Tanh(), nn.Linear(16, 4))
+    records = []
+    with gapmon.GAPMonitor(model, numerics=("fp8_e4m3",), sinks=[gapmon.JSONLSink(tmp_path / "metrics.jsonl"),
+                                                                 lambda step, m: None]) as mon:
+        mon.sinks.append(type("Keep", (gapmon.Sink,), {"write": lambda self, s, m, info: records.append(info)})())
+        for step in range(3):
+            mon.begin_step(step, batch_size=8)
+            (model(torch.randn(8, 16)) * 1e-3).square().sum().backward()
+            grads = [p.grad.double() for p in model.parameters()]
+            mon.end_step()
+            model.zero_grad()
+
+            def scaled_underflow(t):  # fp8 e4m3: smallest normal 2^-6, top binade [2^8, 2^9)
+                a = t.abs()
+                k = 9 - math.frexp(a.max().item())[1]
+                return int(((a > 0) & (a * 2.0 ** k < 2.0 ** -6)).sum())
+
+            info = records[-1]
+            assert "activations/MLP" not in info["numerics_histograms"]
+            assert info["numerics_scaled"]["grads/Linear"]["fp8_e4m3"]["underflow"] == sum(map(scaled_underflow, grads))
+    text = make_report(tmp_path).read_text()
+    assert "nan%" not in text and "MLP" not in text
+    total = sum(p.numel() for p in model.parameters())
+    row = next(line for line in text.splitlines() if line.startswith("| grads/Linear"))
+    last_scaled = float(row.split("|")[6].split("→")[1].strip().rstrip("%")) / 100
+    assert last_scaled == pytest.approx(sum(map(scaled_underflow, grads)) / total, abs=5e-5)

@@ -63,15 +63,25 @@ def numerics_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     formats = sorted({m.field.removesuffix("_underflow") for r in records for m in map(parse_metric_name, r)
                       if m is not None and m.field.endswith("_underflow")} & set(FORMATS)) or ["bf16"]
     groups: dict[str, dict[int, dict[str, int]]] = defaultdict(dict)
+    scaled: dict[str, dict[int, dict]] = defaultdict(dict)
     for r in records:  # a step written again (a resumed run into the same folder): its last record counts
         for group, bins in (r.get("numerics_histograms") or {}).items():
-            if isinstance(bins, dict):
+            if isinstance(bins, dict) and any(bins.values()):  # a group with no element this step: no data
                 groups[group][r["step"]] = bins
+                counts = (r.get("numerics_scaled") or {}).get(group)
+                if isinstance(counts, dict):
+                    scaled[group][r["step"]] = counts
     out = {}
     for group, by_step in groups.items():
         seen = sorted(by_step.items())
         rows = histogram_rows([bins for _, bins in seen])
+        total = rows[:, len(BIN_NAMES)].tolist()
         shares = {f: {k: v.tolist() for k, v in format_shares(rows, f).items()} for f in formats}
+        for f in formats:  # at each tensor's own power-of-two scale, where the run recorded it
+            per_step = [scaled[group].get(step, {}).get(f) for step, _ in seen]
+            if all(isinstance(c, dict) for c in per_step):
+                for kind in ("underflow", "overflow"):
+                    shares[f][f"{kind}_scaled"] = [c[kind] / n if n else math.nan for c, n in zip(per_step, total)]
         out[group] = {"steps": [s for s, _ in seen], "histograms": rows[:, :len(BIN_NAMES)].tolist(), "shares": shares}
     return out
 
@@ -79,7 +89,8 @@ def numerics_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> None:
     """Per group: the exponent histogram over steps (steps across, exponent up, colour the log10
     share of the group's elements), and the per-format underflow/overflow shares."""
-    groups = sorted(series)[:8]
+    order = {"grads": 0, "activation_grads": 1, "activations": 2, "params": 3}  # gradients first: what a recipe casts
+    groups = sorted(series, key=lambda g: (order.get(g.split("/")[0], 4), g))[:10]
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 2.8 * len(groups)), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 2]})
     for (heat, lines), group in zip(axes, groups):
@@ -88,16 +99,20 @@ def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> 
         exps = hist[:, 2:2 + EXP_MAX - EXP_MIN + 1]
         rows = np.concatenate([hist[:, 0:2], exps], axis=1)  # zero, float32 subnormal, then e-125..e128
         labels = ["zero", "sub"] + [str(e) for e in range(EXP_MIN, EXP_MAX + 1)]
+        # Rows: "zero" and "sub" where they hold data, then the exponents from the lowest to the highest
+        # that holds data (not the empty binades between zero and them).
         used = np.nonzero(rows[:, 2:].sum(0))[0] + 2
-        lo, hi = (0 if rows[:, :2].any() else used[0], used[-1]) if used.size else (0, 1)
+        shown = [i for i in (0, 1) if rows[:, i].any()] + (list(range(used[0], used[-1] + 1)) if used.size else [])
+        shown = shown or [0]
         total = np.maximum(hist.sum(1, keepdims=True), 1)
         with np.errstate(divide="ignore"):
-            share = np.log10(rows[:, lo:hi + 1] / total).T
+            share = np.log10(rows[:, shown] / total).T
         share[~np.isfinite(share)] = np.nan
         im = heat.imshow(share, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
-        ticks = range(0, hi - lo + 1, max(1, (hi - lo + 1) // 8))
-        ticks = sorted(({*ticks} - {1 - lo}) | ({0} if lo == 0 else set()))  # "zero" labelled, "sub" next to it not
-        heat.set_yticks(list(ticks), [labels[lo + t] for t in ticks], fontsize=7)
+        special = [t for t, i in enumerate(shown) if i < 2]
+        exps = [t for t, i in enumerate(shown) if i >= 2]
+        ticks = sorted(set(special) | set(exps[::max(1, len(exps) // 8)]) | set(exps[-1:]))
+        heat.set_yticks(ticks, [labels[shown[t]] for t in ticks], fontsize=7)
         heat.set_xticks(range(len(data["steps"])), data["steps"], fontsize=6)
         heat.set_ylabel("exponent e: |x| in [2^(e-1), 2^e)", fontsize=7)
         heat.set_title(f"{group}: exponent histogram (log10 share)", fontsize=9)
@@ -107,6 +122,9 @@ def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> 
             colour = plt.cm.tab10(i % 10)
             lines.plot(data["steps"], shares["underflow"], color=colour, label=f"{fmt} underflow")
             lines.plot(data["steps"], shares["overflow"], color=colour, linestyle="--", label=f"{fmt} overflow")
+            if "underflow_scaled" in shares:  # what a recipe that scales each tensor sees
+                lines.plot(data["steps"], shares["underflow_scaled"], color=colour, linestyle=":", linewidth=2,
+                           label=f"{fmt} underflow, scaled")
         lines.set_ylim(bottom=0)
         lines.set_xlabel("step", fontsize=7)
         lines.set_title(f"{group}: share of elements", fontsize=9)
@@ -117,16 +135,23 @@ def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> 
 
 
 def _numerics_table(series: dict[str, dict[str, Any]]) -> list[str]:
-    lines = ["| group | format | zeros, first → last step | underflow, first → last step | overflow, last step |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    lines = ["| group | format | zeros, first → last step | underflow, first → last step | overflow, last step "
+             "| scaled underflow, first → last step | scaled overflow, last step |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+
+    def pct(value: float) -> str:
+        return "–" if value is None or math.isnan(value) else f"{value:.2%}"
+
     for group in sorted(series):
         data = series[group]
         hist = data["histograms"]
         zeros = [h[0] / max(sum(h), 1) for h in (hist[0], hist[-1])]
         first, last = data["steps"][0], data["steps"][-1]
         for fmt, shares in data["shares"].items():
-            lines.append(f"| {group} | {fmt} | {zeros[0]:.2%} → {zeros[1]:.2%} | {shares['underflow'][0]:.2%} → "
-                         f"{shares['underflow'][-1]:.2%} | {shares['overflow'][-1]:.2%} |")
+            under_s, over_s = shares.get("underflow_scaled"), shares.get("overflow_scaled")
+            scaled = (f"{pct(under_s[0])} → {pct(under_s[-1])} | {pct(over_s[-1])}" if under_s else "– | –")
+            lines.append(f"| {group} | {fmt} | {zeros[0]:.2%} → {zeros[1]:.2%} | {pct(shares['underflow'][0])} → "
+                         f"{pct(shares['underflow'][-1])} | {pct(shares['overflow'][-1])} | {scaled} |")
         lines[-len(data["shares"]):] = [line.replace(f"| {group} |", f"| {group} (steps {first}..{last}) |", 1)
                                         for line in lines[-len(data["shares"]):]]
     return lines
@@ -248,10 +273,12 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     lines.append("")
     if numerics:
         lines += ["## Low-precision numerics", "",
-                  "Shares of all elements of each group (parameters or gradients of one layer type), unscaled. "
-                  "Zeros: exact zeros (in a 16-bit tensor, also values that already flushed). Underflow: finite "
-                  "non-zero values below the format's smallest normal (they become subnormal or zero in it). "
-                  "Overflow: at or above 2^E of the format's largest binade.", "",
+                  "Shares of all elements of each group (parameters, gradients, activations or their gradients "
+                  "of one layer type). Zeros: exact zeros (in a 16-bit tensor, also values that already flushed). "
+                  "Underflow: finite non-zero values below the format's smallest normal (they become subnormal or "
+                  "zero in it). Overflow: at or above 2^E of the format's largest binade. Unscaled: cast as they "
+                  "are. Scaled: each tensor first multiplied by the power of two that puts its largest |x| in the "
+                  "format's top binade (OCP MX per-tensor scaling): what a scaled fp8 recipe sees.", "",
                   *_numerics_table(numerics), ""]
     if skipped:
         lines += ["## Records left out", "", *[f"- `{line}`" for line in skipped], ""]

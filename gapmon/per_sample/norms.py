@@ -259,7 +259,7 @@ class PerSampleGradNorms:
                 "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
                 f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
             )
-        self._param_names = names
+        self._param_names = {**getattr(self, "_param_names", {}), **names}
         self._params = [(names[id(p)], p) for p in model.parameters()]
         for handle in getattr(self, "_grad_hooks", {}).values():
             handle.remove()
@@ -683,8 +683,10 @@ class PerSampleGradNorms:
         covered: dict[str, int] = {}
         reasons: dict[str, str] = {}
         for name, module, rule in self._layers:
+            # By attribute: under FSDP2 the module holds sharded or unsharded parameter objects by turns.
+            attrs = {id(p): attr for attr, p in module.named_parameters(recurse=rule.owns_submodules)}
             for p in rule.params(module):
-                full = self._param_names[id(p)]
+                full = self._param_names.get(id(p)) or (f"{name}.{attrs[id(p)]}" if name else attrs[id(p)])
                 if name in self.skipped:
                     reasons[full] = _SKIPPED
                 else:
