@@ -255,3 +255,63 @@ def test_plain_api_loss_weights_give_each_samples_own_loss():
         model(x[:3])
         norms.set_loss_weights(torch.ones(4))
     norms.close()
+
+
+@pytest.mark.slow
+def test_olmo_core_per_sample_norms_with_micro_batches(tmp_path):
+    """OLMo-core's TransformerTrainModule splits the rank's batch into micro-batches, sums each token's
+    loss and divides by the rank's label tokens of the whole step: the callback's norms are still those of
+    each sample's own loss (mean over its label tokens), against a loop over the samples. The callback is
+    driven as olmo_core's Trainer drives it (pre_step, train_batch, pre_optim_step)."""
+    pytest.importorskip("olmo_core", reason="needs ai2-olmo-core (CI installs it)")
+    from types import SimpleNamespace
+
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModule
+
+    import gapmon
+    from gapmon.integrations.olmo import GAPMonitorCallback
+
+    seq, vocab = 8, 64
+    config = TransformerConfig.olmo2_1M(vocab_size=vocab, n_layers=2)
+    torch.manual_seed(0)
+    model = config.build(init_device="cpu")
+    module = TransformerTrainModule(model, optim=AdamWConfig(lr=1e-3), rank_microbatch_size=2 * seq,
+                                    max_sequence_length=seq, device=torch.device("cpu"))
+    recorded: dict[str, float] = {}
+    trainer = SimpleNamespace(global_step=1, global_batch_size=4 * seq, dp_process_group=None, train_module=module,
+                              save_folder=str(tmp_path), work_dir=tmp_path,
+                              record_metric=lambda name, value, *a, **k: recorded.__setitem__(name, value),
+                              record_ce_loss=lambda value, *a, **k: None)
+    module._trainer = trainer
+    callback = GAPMonitorCallback(gapmon_config=gapmon.MonitorConfig(per_sample=gapmon.PerSampleConfig()))
+    callback.trainer = trainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # OLMo's RMSNorm has no per-sample rule: warned
+        callback.pre_train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (4, seq), generator=g)
+    label_mask = torch.ones(4, seq, dtype=torch.bool)
+    for i in range(4):
+        label_mask[i, : 2 * i] = False  # 7, 5, 3 and 1 label tokens: the token normalisation matters
+    callback.pre_step({"input_ids": ids, "label_mask": label_mask})
+    module.train_batch({"input_ids": ids.clone(), "label_mask": label_mask.clone()})
+    callback.pre_optim_step()
+    norms = callback._monitor.per_sample
+    got = norms.local_norms().tolist()
+    covered = set(norms.coverage()["covered"])
+
+    from olmo_core.data.utils import get_labels
+
+    labels = get_labels({"input_ids": ids, "label_mask": label_mask})
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def loss_of(m, s):
+        return m(s["input_ids"][None], labels=s["labels"][None]).loss  # the mean over its label tokens
+
+    want = _reference_norms(lambda: config.build(init_device="cpu"), state,
+                            [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)], covered, loss_of)
+    assert got == pytest.approx(want, rel=1e-4)
+    assert recorded[GLOBAL_BATCH_SIZE] == 4
+    callback.close()
