@@ -10,6 +10,7 @@ from .dump_format import DumpCorruptError, DumpError, DumpMissingError
 from .export import ALL_GRADIENTS_GLOB
 from .ops import multi_tensor_stats
 from .reconstruct import list_steps, reconstruct_gradients
+from .utils import check_real
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Anomaly:
 
 def anomaly_scan(grads: dict[str, torch.Tensor], max_norm: float = 1e3, min_norm: float = 1e-8) -> list[Anomaly]:
     """Gradients with NaN/Inf, or an L2 norm above max_norm or below min_norm (one fused pass)."""
+    max_norm = check_real(max_norm, "gapmon.analysis.anomaly_scan", "max_norm", minimum=0.0)
+    min_norm = check_real(min_norm, "gapmon.analysis.anomaly_scan", "min_norm", minimum=0.0, maximum=max_norm)
     names = list(grads)
     if not names:
         return []

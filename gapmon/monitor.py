@@ -393,8 +393,9 @@ class GAPMonitor:
     def add_samples(self, n: int) -> None:
         """Counts `n` more samples of this rank in the current step, for loops that learn the batch
         size one micro-batch at a time (instead of passing batch_size to begin_step)."""
+        n = check_int(n, "GAPMonitor.add_samples", "n")
         if self._active:
-            self._batch_size += int(n)
+            self._batch_size += n
 
     def end_step(self) -> dict[str, float]:
         """Metrics of the step (after backward, before the optimizer step); {} on skipped steps."""

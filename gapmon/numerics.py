@@ -32,7 +32,7 @@ import torch
 
 from . import _backend, distributed
 from .stats import BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
-from .utils import is_dtensor_type
+from .utils import check_int, is_dtensor_type
 
 _FIRST_EXP = 2  # column of bin e = EXP_MIN
 
@@ -59,6 +59,9 @@ def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
     """The format names, validated: ValueError naming the known ones otherwise."""
     if isinstance(formats, str):
         formats = (formats,)
+    if formats is None or not isinstance(formats, (tuple, list, set, frozenset)):
+        raise TypeError(f"gapmon numerics: the formats must be a sequence of format names (e.g. ('bf16', 'fp8_e4m3'), "
+                        f"or () for none), got {formats!r} ({type(formats).__name__}); known: {sorted(FORMATS)}")
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"gapmon numerics: unknown format(s) {unknown}; known: {sorted(FORMATS)}")
@@ -147,6 +150,7 @@ def mx_scale_exp(rows: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
     """k of the MX power-of-two scale 2^k that puts each row's largest finite |x| in the format's
     largest binade, `margin` binades lower (0 where a row has no finite non-zero value)."""
     f = FORMATS[check_formats((fmt,))[0]]
+    margin = check_int(margin, "gapmon numerics", "margin (binades below the format's top)")
     top = top_exponent(rows)
     return torch.where(top >= EXP_MIN - 1, f.top_exp - top - margin, torch.zeros_like(top))
 
@@ -162,6 +166,7 @@ class Numerics(NamedTuple):
 
 def numerics_from_rows(rows: torch.Tensor, formats: Sequence[str] = tuple(FORMATS), margin: int = 0) -> Numerics:
     """Numerics of numerics rows (from numerics_states)."""
+    margin = check_int(margin, "gapmon numerics", "margin (binades below the format's top)")
     shares = {}
     for fmt in check_formats(formats):
         plain = format_shares(rows, fmt)
@@ -174,6 +179,8 @@ def multi_tensor_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str] = t
                           margin: int = 0) -> Numerics:
     """Exponent histograms, kurtosis and per-format underflow/overflow shares of N tensors (mixed
     sizes, dtypes, DTensors), from one pass over each."""
+    formats = check_formats(formats)  # before the pass: a bad argument costs no read of the tensors
+    margin = check_int(margin, "gapmon.multi_tensor_numerics", "margin (binades below the format's top)")
     return numerics_from_rows(numerics_states(xs), formats, margin)
 
 

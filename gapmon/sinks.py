@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from .metric_names import numerics_histogram_name
 from .numerics import log2_buckets
+from .utils import check_int
 
 
 @runtime_checkable
@@ -33,7 +34,8 @@ class JSONLSink:
 
     def __init__(self, path: str | Path, max_pending: int = 10_000):
         self.path = Path(path)
-        self.max_pending = max_pending
+        self.max_pending = check_int(max_pending, "gapmon.JSONLSink", "max_pending (steps kept in memory while the file "
+                                     "cannot be written)")
         self._fd: int | None = None
         self._pending: list[bytes] = []  # whole lines not yet in the file, oldest first
         self._outage = False  # a write failed and none has succeeded since

@@ -99,6 +99,22 @@ def check_int(value: Any, who: str, name: str, minimum: int = 0) -> int:
     return int(value)
 
 
+def check_real(value: Any, who: str, name: str, minimum: float | None = None, maximum: float | None = None,
+               above: float | None = None) -> float:
+    """`value` as a finite float in [minimum, maximum] (and > `above`): any real number, never a bool, NaN or
+    Inf. Raises TypeError/ValueError naming `who`, `name`, the type and the range."""
+    parts = [f">= {minimum}" if minimum is not None else "", f"<= {maximum}" if maximum is not None else "",
+             f"> {above}" if above is not None else ""]
+    wanted = "a finite real number" + "".join(f" {p}" for p in parts if p)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{who}: {name} must be {wanted}, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if (v != v or v in (float("inf"), float("-inf")) or (minimum is not None and v < minimum)
+            or (maximum is not None and v > maximum) or (above is not None and v <= above)):
+        raise ValueError(f"{who}: {name} must be {wanted}, got {value!r}")
+    return v
+
+
 def check_step(step: Any, who: str) -> int:
     """`step` as a non-negative int (see check_int), errors naming `who` (e.g. "GradientDumper.maybe_dump")."""
     return check_int(step, who, "step")

@@ -15,6 +15,7 @@ from ..metric_names import parse_metric_name
 from ..numerics import FORMATS, format_shares, histogram_rows
 from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
 from ..stats import BIN_NAMES, EXP_MAX, EXP_MIN
+from ..utils import check_real
 
 
 def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:
@@ -39,6 +40,7 @@ def global_grad_norms(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 def anomalies(records: list[dict[str, Any]], spike: float = 10.0) -> list[tuple[int, str, str]]:
     """(step, tensor, what): non-finite values, and gradient norms above `spike` x their median."""
+    spike = check_real(spike, "gapmon report", "spike (a multiple of the median norm)", above=1.0)
     found = []
     for r in records:
         for key, value in r.items():
