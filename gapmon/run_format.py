@@ -57,10 +57,71 @@ class PerSampleRecord:
 REQUIRED = {METRICS_FILE: ("step",), TRAIN_FILE: ("step", "loss"), PER_SAMPLE_FILE: ("step", "norms")}
 
 
-def read_jsonl(path: Path, skipped: list[str] | None = None, required: tuple[str, ...] = ("step",)) -> list[dict[str, Any]]:
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _bad_histograms(value: Any) -> str | None:
+    """Why a record's numerics_histograms ({group: {bin name: count}}) cannot be read (None: it can)."""
+    from .stats import BIN_NAMES
+
+    if not isinstance(value, dict):
+        return f"numerics_histograms is a {type(value).__name__}, not an object"
+    for group, bins in value.items():
+        if not isinstance(bins, dict):
+            return f"numerics_histograms[{group!r}] is a {type(bins).__name__}, not an object"
+        for name, count in bins.items():
+            if name not in BIN_NAMES:
+                return f"numerics_histograms[{group!r}] has an unknown bin {name!r}"
+            if not _is_count(count):
+                return f"numerics_histograms[{group!r}][{name!r}] is {count!r}, not a count"
+    return None
+
+
+def _bad_scaled(value: Any) -> str | None:
+    """Why a record's numerics_scaled ({group: {format: {"underflow": n, "overflow": n}}}) cannot be read."""
+    if not isinstance(value, dict):
+        return f"numerics_scaled is a {type(value).__name__}, not an object"
+    for group, formats in value.items():
+        if not isinstance(formats, dict):
+            return f"numerics_scaled[{group!r}] is a {type(formats).__name__}, not an object"
+        for fmt, counts in formats.items():
+            if not isinstance(counts, dict) or not all(_is_count(counts.get(k)) for k in ("underflow", "overflow")):
+                return f"numerics_scaled[{group!r}][{fmt!r}] is {counts!r}, not underflow and overflow counts"
+    return None
+
+
+def _bad_fields(name: str, record: dict[str, Any]) -> str | None:
+    """Why a record of run file `name` cannot be used (a field of the wrong type), or None."""
+    if name == METRICS_FILE:
+        if "numerics_histograms" in record:
+            why = _bad_histograms(record["numerics_histograms"])
+            if why:
+                return why
+        if "numerics_scaled" in record:
+            return _bad_scaled(record["numerics_scaled"])
+    elif name == TRAIN_FILE:
+        if not _is_real(record["loss"]):
+            return f"loss is {record['loss']!r}, not a number"
+    elif name == PER_SAMPLE_FILE:
+        norms = record["norms"]
+        if not isinstance(norms, list) or not all(_is_real(v) for v in norms):
+            return f"norms is {str(norms)[:40]!r}, not a list of numbers"
+        ids = record.get("ids", [])
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return f"ids is {str(ids)[:40]!r}, not a list of integers"
+    return None
+
+
+def read_jsonl(path: Path, skipped: list[str] | None = None, required: tuple[str, ...] = ("step",),
+               check: Any = None) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, one per line ([] when there is no file). A line that is not
-    a JSON object with the `required` keys and an integer step is left out and named, as
-    "file:line: why", in `skipped`; the other lines are read."""
+    a JSON object with the `required` keys and an integer step (or that `check(record)` finds a reason
+    against) is left out and named, as "file:line: why", in `skipped`; the other lines are read."""
     if not path.exists():
         return []
     records = []
@@ -71,12 +132,17 @@ def read_jsonl(path: Path, skipped: list[str] | None = None, required: tuple[str
             try:
                 record = json.loads(raw.decode("utf-8"))
                 why = None if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                why = f"not valid JSON ({e})"
+            except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, or an integer of too many digits
+                why = f"not valid JSON ({str(e)[:120]})"
+            except RecursionError:
+                why = "nested too deeply to read"
             if why is None:
                 lacking = [key for key in required if key not in record]
-                if lacking or not isinstance(record.get("step", 0), int):
+                step = record.get("step", 0)
+                if lacking or not isinstance(step, int) or isinstance(step, bool):
                     why = f"lacks {', '.join(lacking)}" if lacking else f"step is {record['step']!r}, not an integer"
+                elif check is not None:
+                    why = check(record)
             if why is None:
                 records.append(record)
             elif skipped is not None:
@@ -88,4 +154,4 @@ def read_run_file(run_dir: str | Path, name: str, skipped: list[str] | None = No
     """The records of run file `name` (METRICS_FILE, TRAIN_FILE or PER_SAMPLE_FILE) of `run_dir`."""
     if name not in REQUIRED:
         raise ValueError(f"{name!r} is not a JSONL file of a run directory; one of {sorted(REQUIRED)}")
-    return read_jsonl(Path(run_dir) / name, skipped, REQUIRED[name])
+    return read_jsonl(Path(run_dir) / name, skipped, REQUIRED[name], lambda record: _bad_fields(name, record))

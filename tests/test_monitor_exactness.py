@@ -233,3 +233,31 @@ def test_sparse_gradients_with_numerics_on_give_the_dense_gradient_numbers():
     d = dense.double().flatten() - dense.double().mean()
     assert metrics["gap/grads/emb.weight/kurtosis"] == pytest.approx((d.numel() * (d ** 4).sum() / (d ** 2).sum() ** 2).item())
     assert metrics["gap/params/head.weight/norm"] == pytest.approx(model.head.weight.double().norm().item(), rel=1e-6)
+
+
+def test_report_names_hostile_records_of_every_run_file_and_reads_the_rest(tmp_path):
+    """Records that parse as JSON but cannot be used (or cannot be parsed at all without crashing a naive
+    reader) are named as file:line and left out; every good record of every file is still reported."""
+    pytest.importorskip("matplotlib")
+    hist = {"grads/Linear": {"e-3": 5, "zero": 1}}
+    metrics = [json.dumps({"step": s, "gap/grads/w/norm": 1.0 + s, "numerics_histograms": hist,
+                           "gap/grads/w/bf16_underflow": 0.0}) for s in range(3)]
+    bad_metrics = ["[" * 100_000 + "]" * 100_000,  # nested too deeply for Python's json
+                   '{"step": ' + "9" * 5000 + "}",  # more digits than Python converts
+                   json.dumps({"step": 7, "numerics_histograms": {"grads/Linear": {"e999": 1}}}),  # unknown bin
+                   json.dumps({"step": 8, "numerics_histograms": {"grads/Linear": {"e-3": -1}}}),  # negative count
+                   json.dumps({"step": True}),  # a bool is not a step
+                   json.dumps({"step": 6, "numerics_scaled": {"grads/Linear": {"bf16": {"underflow": "x"}}}})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(metrics + bad_metrics) + "\n")
+    train = [json.dumps({"step": s, "loss": 2.0 - s / 10}) for s in range(3)] + [json.dumps({"step": 3, "loss": "low"})]
+    (tmp_path / "train.jsonl").write_text("\n".join(train) + "\n")
+    per_sample = [json.dumps({"step": 0, "ids": [0, 1], "norms": [1.0, 2.0]}), json.dumps({"step": 1, "norms": 3.0}),
+                  json.dumps({"step": 2, "ids": ["a"], "norms": [1.0]})]
+    (tmp_path / "per_sample_norms.jsonl").write_text("\n".join(per_sample) + "\n")
+    skipped = []
+    text = make_report(tmp_path, skipped).read_text()
+    named = sorted(line.split(": ")[0].rsplit("/", 1)[1] for line in skipped)
+    assert named == sorted([f"metrics.jsonl:{n}" for n in range(4, 10)] + ["train.jsonl:4", "per_sample_norms.jsonl:2",
+                                                                            "per_sample_norms.jsonl:3"]), skipped
+    assert "3 monitored steps (0..2)" in text
+    assert "Loss: 2.0000 at step 0 -> 1.8000 at step 2" in text
