@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import queue
-import shutil
 import threading
 import time
 import uuid
@@ -65,7 +64,16 @@ from .dump_format import (
     step_dir,
     tensor_crc32,
 )
-from .safe_io import HOST, process_alive, read_safetensors_header, remove_stale_temps, write_json, write_safetensors
+from .safe_io import (
+    HOST,
+    ensure_real_dir,
+    process_alive,
+    read_safetensors_header,
+    remove_entry,
+    remove_stale_temps,
+    write_json,
+    write_safetensors,
+)
 from .utils import ParameterWatch, check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
 
 _FAILED = ".{}.failed"  # step{S}/.rank{R}.failed: a rank's write of the step failed (its error inside)
@@ -178,10 +186,8 @@ def _remove_unlisted(directory: Path, listed: dict[str, Any]) -> None:
         if name in tops:
             continue
         try:
-            if name == FULL_DIR and path.is_dir():
-                shutil.rmtree(path)
-            elif name in (SAMPLED, FULL_INDEX) or (name.startswith("rank") and name.endswith(".safetensors")):
-                path.unlink()
+            if name == FULL_DIR or name in (SAMPLED, FULL_INDEX) or (name.startswith("rank") and name.endswith(".safetensors")):
+                remove_entry(path)  # a link is removed, never followed
         except OSError:
             pass
 
@@ -275,7 +281,7 @@ class GradientDumper:
             # Temp files of killed writers (this host: their process is gone; others: older than timeout).
             remove_stale_temps([*self.save_dir.glob(".*.tmp"), *self.save_dir.glob(f"{STEP_PREFIX}*/.*.tmp")],
                                self.config.timeout)
-            write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
+            self._write_config()
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _derive_params(self) -> None:
@@ -301,7 +307,21 @@ class GradientDumper:
                                "a new directory with a new GradientDumper")
         self._recorded = {**self._layout, "mode": self.config.mode, "save_first_n": self.config.save_first_n}
         if self.rank == 0:
-            write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
+            self._write_config()
+
+    def _write_config(self) -> None:
+        write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
+
+    def _keep_config(self) -> None:
+        """Writes config.json again if it vanished (the dump directory deleted during the run), so that
+        every step dumped from now on can be read; says so, since the steps written before are gone."""
+        if (self.save_dir / CONFIG).is_file():
+            return
+        warnings.warn(f"GradientDumper: {self.save_dir / CONFIG} vanished during the run (was the dump directory "
+                      "deleted?); writing it again: steps dumped before are gone, the next ones are readable",
+                      RuntimeWarning, stacklevel=3)
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
 
     def should_dump(self, step: int) -> bool:
         return self.config.schedule.includes(check_step(step, "GradientDumper.should_dump"))
@@ -324,7 +344,10 @@ class GradientDumper:
                           "zero_grad, or before backward?)", RuntimeWarning, stacklevel=2)
         count = self._dumps[step] = self._dumps.get(step, -1) + 1
         generation = generation_id(self.run_id, step, count)
-        directory = step_dir(self.save_dir, step)
+        if self.rank == 0:
+            self._keep_config()
+        # A real directory inside save_dir: never a symbolic link planted there (every rank checks its own view).
+        directory = ensure_real_dir(self.save_dir, step_dir(self.save_dir, step))
         if self.rank == 0:  # the step's earlier generation stops being complete before any new file lands
             (directory / COMPLETE).unlink(missing_ok=True)
         (directory / _FAILED.format(f"rank{self.rank}")).unlink(missing_ok=True)
@@ -412,18 +435,23 @@ class GradientDumper:
         directory = step_dir(self.save_dir, step)
         staging = directory / FULL_STAGING
         if self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            # Left by an interrupted dump of this step: none of its files may join this one. No rank
-            # writes before DCP's first collective, which needs rank 0 past this point.
-            shutil.rmtree(staging, ignore_errors=True)
-        state = {name: g.detach() for name, g in grads}
+            # Left by an interrupted dump of this step (or planted: a link is removed, never followed):
+            # none of its files may join this one. No rank writes before DCP's first collective, which
+            # needs rank 0 past this point.
+            remove_entry(staging)
+        # DCP's safetensors writer takes contiguous tensors (a channels_last conv's gradient is not).
+        state = {name: g.detach() if is_dtensor(g) else g.detach().contiguous() for name, g in grads}
         index = full_index({name: (list(g.shape), g.dtype) for name, g in grads})
         writer = dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True, enable_consolidation=False)
         if not self.config.async_write:
             try:
                 dcp.save(state, storage_writer=writer, no_dist=self.world == 1)
-            except CheckpointException as e:
-                raise _checkpoint_failure(step, e) from None
+            except BaseException as e:
+                if self.rank == 0:
+                    remove_entry(staging)  # a failed dump leaves nothing behind
+                if isinstance(e, CheckpointException):
+                    raise _checkpoint_failure(step, e) from None
+                raise
             if self.world > 1:
                 dist.barrier()
             self._run(step, self._finish_full, step, generation, index)
@@ -443,8 +471,12 @@ class GradientDumper:
 
         try:
             future.result()  # DCP's coordinator (rank 0) finishes only after every rank reported its writes
-        except CheckpointException as e:
-            raise _checkpoint_failure(step, e) from None
+        except BaseException as e:
+            if self.rank == 0:
+                remove_entry(step_dir(self.save_dir, step) / FULL_STAGING)  # a failed dump leaves nothing behind
+            if isinstance(e, CheckpointException):
+                raise _checkpoint_failure(step, e) from None
+            raise
         finally:
             self._free_staging.put(staged)
         self._finish_full(step, generation, index)
@@ -455,10 +487,10 @@ class GradientDumper:
         directory = step_dir(self.save_dir, step)
         full = directory / FULL_DIR
         old = directory / f".{FULL_DIR}.old.{uuid.uuid4().hex}"
-        if full.exists():  # an earlier generation's checkpoint (its COMPLETE is withdrawn already)
+        if os.path.lexists(full):  # an earlier generation's checkpoint (its COMPLETE is withdrawn already)
             os.replace(full, old)
         os.replace(directory / FULL_STAGING, full)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_entry(old)
         write_json(directory / FULL_INDEX, index)
         files = [f"{FULL_DIR}/{p.relative_to(full).as_posix()}" for p in sorted(full.rglob("*")) if p.is_file()]
         self._complete(directory, step, generation, [*files, FULL_INDEX], gapmon_files=False)

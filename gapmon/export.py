@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .dump_format import DumpError, dtype_name
-from .safe_io import FILE_MODE, write_json
+from .safe_io import file_mode, write_json
 
 ALL_GRADIENTS_GLOB = "step*_all_gradients.safetensors"  # how analysis.load_gradients finds the file in a directory
 
@@ -100,7 +100,7 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
         if taken:
             raise DumpError(f"{output_dir / taken[0]} exists and is not a file; nothing was written")
         for name in written:
-            os.chmod(staging / name, FILE_MODE)  # safetensors' save_file makes 0600 files
+            os.chmod(staging / name, file_mode())  # safetensors' save_file makes 0600 files
         _move_all(staging, output_dir, written)
         return [output_dir / name for name in written]
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import struct
@@ -28,14 +29,71 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def current_umask() -> int:
+    """The process's umask as it is now, read without changing it where the OS says it (Linux's
+    /proc/self/status); elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-# Files get the mode the user's umask gives new files (mkstemp alone would make them 0600).
-FILE_MODE = 0o666 & ~_umask()
+def file_mode() -> int:
+    """The mode the user's umask gives a new file now (mkstemp alone would make it 0600): read at every
+    write, so a process that tightens its umask later gets files as private as it asked."""
+    return 0o666 & ~current_umask()
+
+
+class UnsafePathError(OSError):
+    """A path gapmon would write through is a symbolic link (or not a directory) inside the directory
+    it was given: it refuses rather than write where the link points."""
+
+
+def ensure_real_dir(root: str | Path, path: str | Path) -> Path:
+    """Creates directory `path`, which must lie under `root`, with its missing parents below root. Every
+    component below root must be a real directory, never a symbolic link (root itself, named by the
+    user, may be one): gapmon never writes through a link it did not create, nor outside root."""
+    root, path = Path(root), Path(path)
+    relative = path.relative_to(root)  # ValueError: not under root
+    if ".." in relative.parts:
+        raise UnsafePathError(f"gapmon: {path} leaves {root}")
+    root.mkdir(parents=True, exist_ok=True)
+    current = root
+    for part in relative.parts:
+        current = current / part
+        try:
+            current.mkdir()
+        except FileExistsError:
+            pass
+        info = os.lstat(current)
+        if stat.S_ISLNK(info.st_mode):
+            raise UnsafePathError(f"gapmon: {current} is a symbolic link inside {root}; refusing to write through it "
+                                  "(remove it, or choose another directory)")
+        if not stat.S_ISDIR(info.st_mode):
+            raise UnsafePathError(f"gapmon: {current} is not a directory; refusing to write there")
+    return path
+
+
+def remove_entry(path: str | Path) -> None:
+    """Removes a file, a symbolic link (never what it points to) or a directory tree; nothing if absent."""
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
 
 # A temp file's name says who writes it (host and pid), so that one left by a killed writer can be
 # told from one a live writer is still filling: `.{name}.@{host}@{pid}@.{random}.tmp`.
@@ -82,11 +140,13 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Calls write(tmp_path), then fsyncs and renames tmp_path to `path`; cleans up on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent.is_symlink():
+        raise UnsafePathError(f"gapmon: {path.parent} is a symbolic link; refusing to write {path.name} through it")
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, FILE_MODE)  # after writing: a writer may replace the file it was given
+        os.chmod(tmp, file_mode())  # after writing: a writer may replace the file it was given
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)

@@ -309,3 +309,80 @@ def test_format_records_convert_both_ways_and_refuse_malformed_input(tmp_path):
         path.write_text(text)
         with pytest.raises(gapmon.DumpCorruptError):
             read_full_index(path)
+
+
+# ------------------------------------------------------------------ round 3: links, modes, vanished dirs
+@pytest.mark.parametrize("mode", ["shards", "sampled", "full"])
+def test_a_step_directory_that_is_a_link_is_refused_and_nothing_lands_outside(tmp_path, mode):
+    outside, dumps = tmp_path / "outside", tmp_path / "dumps"
+    outside.mkdir()
+    dumps.mkdir()
+    (dumps / "step0").symlink_to(outside, target_is_directory=True)
+    options = dict(mode=mode, save_first_n=2) if mode == "sampled" else dict(mode=mode)
+    with gapmon.GradientDumper(_linear_with_grad(), dumps, async_write=False, **options) as dumper:
+        with pytest.raises(OSError, match="symbolic link"):
+            dumper.maybe_dump(0)
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_a_link_planted_at_the_full_staging_dir_is_removed_not_followed(tmp_path, async_write):
+    outside, dumps = tmp_path / "outside", tmp_path / "dumps"
+    outside.mkdir()
+    (dumps / "step0").mkdir(parents=True)
+    (dumps / "step0" / ".full.tmp").symlink_to(outside, target_is_directory=True)
+    model = _linear_with_grad()
+    with gapmon.GradientDumper(model, dumps, mode="full", async_write=async_write) as dumper:
+        dumper.maybe_dump(0)
+    assert list(outside.iterdir()) == []
+    torch.testing.assert_close(reconstruct_gradients(dumps, 0)["weight"], model.weight.grad, rtol=0, atol=0)
+
+
+def test_files_follow_the_umask_set_after_import(tmp_path):
+    old = os.umask(0o077)
+    try:
+        _dump(tmp_path / "dumps", _linear_with_grad())
+        written = write_reconstruction(reconstruct_gradients(tmp_path / "dumps", 0), tmp_path / "out", 0, {})
+    finally:
+        os.umask(old)
+    for path in [tmp_path / "dumps" / "step0" / "rank0.safetensors", tmp_path / "dumps" / "config.json", *written]:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+
+
+def test_a_dump_directory_deleted_between_dumps_leaves_the_next_step_readable(tmp_path):
+    model = _linear_with_grad()
+    with gapmon.GradientDumper(model, tmp_path / "dumps", async_write=False) as dumper:
+        dumper.maybe_dump(0)
+        shutil.rmtree(tmp_path / "dumps")
+        with pytest.warns(RuntimeWarning, match="vanished"):
+            dumper.maybe_dump(1)
+    assert list_steps(tmp_path / "dumps") == ([1], [])
+    torch.testing.assert_close(reconstruct_gradients(tmp_path / "dumps", 1)["weight"], model.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_full_mode_dumps_a_channels_last_cnn(tmp_path, async_write):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).to(memory_format=torch.channels_last)
+    model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    assert not model[0].weight.grad.is_contiguous()
+    with gapmon.GradientDumper(model, tmp_path, mode="full", async_write=async_write) as dumper:
+        dumper.maybe_dump(0)
+    got = reconstruct_gradients(tmp_path, 0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=0, atol=0)
+
+
+def test_a_failed_full_dump_leaves_no_staging_directory(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    def fail(*args, **kwargs):  # a write that got half way
+        (tmp_path / "step0" / ".full.tmp").mkdir(exist_ok=True)
+        (tmp_path / "step0" / ".full.tmp" / "model-00001.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", fail)
+    with gapmon.GradientDumper(_linear_with_grad(), tmp_path, mode="full", async_write=False) as dumper:
+        with pytest.raises(OSError):
+            dumper.maybe_dump(0)
+    assert not (tmp_path / "step0" / ".full.tmp").exists()
