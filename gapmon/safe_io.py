@@ -95,14 +95,38 @@ def remove_entry(path: str | Path) -> None:
         except FileNotFoundError:
             pass
 
-# A temp file's name says who writes it (host and pid), so that one left by a killed writer can be
-# told from one a live writer is still filling: `.{name}.@{host}@{pid}@.{random}.tmp`.
+# A temp file's name says who writes it (host, pid and the process's start time), so that one left by a
+# killed writer can be told from one a live writer is still filling, even once its pid was given to a
+# new process: `.{name}.@{host}@{pid}@{start}@.{random}.tmp` (older names lack the start).
 HOST = socket.gethostname()  # this host, as temp names and the dumper's peers record it
-_OWNER = re.compile(r"\.@([^@/]*)@(\d+)@\.")
+_OWNER = re.compile(r"\.@([^@/]*)@(\d+)@(?:(\d+)@)?\.")
+
+
+def process_start(pid: int) -> int:
+    """When process `pid` of this host started (clock ticks since boot, /proc/PID/stat's field 22); 0 where
+    that cannot be read. With the pid it names one process: a pid given again to a new process differs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_MY_START = process_start(os.getpid())
 
 
 def _temp_prefix(name: str) -> str:
-    return f".{name}.@{HOST}@{os.getpid()}@."
+    return f".{name}.@{HOST}@{os.getpid()}@{_MY_START}@."
+
+
+def writer_gone(host: str, pid: int, started: int | None) -> bool:
+    """Whether the writer (host, pid, start time) provably no longer runs: a process of this host whose pid
+    is gone, or now belongs to a process that started at another time."""
+    if host != HOST:
+        return False
+    if not process_alive(pid):
+        return True
+    return bool(started) and process_start(pid) not in (0, started)
 
 
 def process_alive(pid: int) -> bool:
@@ -129,7 +153,7 @@ def remove_stale_temps(paths: Iterable[Path], max_age: float) -> None:
     for tmp in paths:
         owner = _OWNER.search(tmp.name)
         try:
-            dead = owner is not None and owner.group(1) == HOST and not process_alive(int(owner.group(2)))
+            dead = owner is not None and writer_gone(owner.group(1), int(owner.group(2)), int(owner.group(3) or 0))
             if tmp.is_file() and (dead or tmp.stat().st_mtime < cutoff):
                 tmp.unlink()
         except OSError:

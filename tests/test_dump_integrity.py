@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import gapmon
-from gapmon.export import write_reconstruction
+from gapmon.export import gradient_file, write_reconstruction
 from gapmon.reconstruct import DumpError, _place, list_steps, reconstruct_gradients
 
 
@@ -133,11 +134,13 @@ def test_ddp_prefix_is_still_removed():
 
 
 def test_reconstruction_file_names_are_injective(tmp_path):
-    grads = {"a/b": torch.ones(2), "a_b": torch.zeros(2), "x" * 300: torch.ones(1)}
-    files = write_reconstruction(grads, tmp_path, 0, {})
-    individual = [f for f in files if f.name.startswith("step0_") and "all_gradients" not in f.name
+    # 100 CJK characters are 300 bytes in UTF-8: a valid torch name, too long for a file name as it is.
+    grads = {"a/b": torch.ones(2), "a_b": torch.zeros(2), "x" * 300: torch.ones(1), "层" * 100: torch.ones(3),
+             "层" * 99 + "x": torch.zeros(3)}
+    files = write_reconstruction(grads, tmp_path, 123456789, {})
+    individual = [f for f in files if f.name.startswith("step123456789_") and "all_gradients" not in f.name
                   and f.suffix == ".safetensors"]
-    assert len(individual) == 3 and all(len(f.name) < 200 for f in individual)
+    assert len(individual) == 5 and all(len(f.name.encode()) <= 255 for f in individual)
     from safetensors.torch import load_file
 
     assert {k for f in individual for k in load_file(str(f))} == set(grads)
@@ -386,3 +389,90 @@ def test_a_failed_full_dump_leaves_no_staging_directory(tmp_path, monkeypatch):
         with pytest.raises(OSError):
             dumper.maybe_dump(0)
     assert not (tmp_path / "step0" / ".full.tmp").exists()
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import sys, torch
+    from gapmon.export import write_reconstruction
+    out = sys.argv[1]
+    i = 0
+    while True:
+        i += 1
+        names = ["w1", "w2", "w3"] if i % 2 else ["w1", "w2", "w4"]  # some names only one generation has
+        write_reconstruction({n: torch.full((64, 64), float(i)) for n in names}, out, 0, {})
+        if i == 1:
+            print("ready", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_reconstruction_output_survives_sigkill_at_random_instants(tmp_path):
+    """A writer SIGKILLed at random instants, again and again, over the same output directory: every file
+    a reader can open belongs to one generation (old or new, never a mix), the metadata agrees with it,
+    and the next write removes what the killed writers left."""
+    import random
+    import signal
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    rng = random.Random(0)
+    for attempt in range(8):
+        child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.2))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        values = set()
+        for path in out.glob("step0_*"):
+            if not path.exists():  # a name only the other generation has: dangling, as an absent file
+                continue
+            if path.suffix == ".json":
+                norms = json.loads(path.read_text())["parameter_norms"]
+                values |= {round(v / 64) for v in norms.values()}
+            else:
+                values |= {t.unique().item() for t in load_file(str(path)).values()}
+        assert len(values) == 1, (attempt, values)
+        generation = values.pop()
+        present = {p.name for p in out.glob("step0_*") if p.exists()}
+        wanted = {"w1", "w2", "w3"} if generation % 2 else {"w1", "w2", "w4"}
+        assert present == {f"step0_{n}.safetensors" for n in wanted} | {"step0_all_gradients.safetensors",
+                                                                         "step0_metadata.json"}, (attempt, present)
+    write_reconstruction({"w1": torch.zeros(2)}, out, 0, {})
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".step0.")) == [os.readlink(out / ".step0")]
+    assert {p.name for p in out.glob("step0_*") if p.exists()} == {"step0_w1.safetensors", "step0_all_gradients.safetensors",
+                                                                   "step0_metadata.json"}
+
+
+def test_a_name_collision_is_refused_before_anything_is_written(tmp_path):
+    from safetensors.torch import load_file
+
+    write_reconstruction({"w": torch.ones(2)}, tmp_path, 0, {})
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("step0_*")}
+    with pytest.raises(DumpError, match="all_gradients.*nothing was written"):
+        write_reconstruction({"all_gradients": torch.zeros(2), "w": torch.zeros(2)}, tmp_path, 0, {})
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("step0_*")} == before
+    assert load_file(str(tmp_path / "step0_all_gradients.safetensors"))["w"].tolist() == [1.0, 1.0]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".step0.")] == [os.readlink(tmp_path / ".step0")]
+
+
+def test_the_cli_reconstructs_a_model_with_names_too_long_for_file_names(tmp_path):
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add_module("层" * 100, nn.Linear(3, 2))
+
+    model = Deep()
+    getattr(model, "层" * 100)(torch.randn(4, 3)).sum().backward()
+    _dump(tmp_path / "dumps", model)
+    proc = subprocess.run([sys.executable, "-m", "gapmon", "reconstruct", str(tmp_path / "dumps"), str(tmp_path / "out"),
+                           "--step", "0", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    got = {k: v for f in (tmp_path / "out").glob("step0_*.safetensors") if "all_gradients" not in f.name
+           for k, v in load_file(str(f)).items()}
+    assert set(got) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert len(gradient_file(0, name).encode()) <= 255
+        torch.testing.assert_close(got[name], p.grad)
