@@ -93,7 +93,9 @@ def read_config(grad_dir: str | Path) -> dict[str, Any]:
         raise DumpMissingError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
     config = read_json_object(path, "the dump's configuration")
     check_version(config, path)
-    _world_size(config.get("world_size", 1), path)
+    if "world_size" not in config:
+        raise DumpCorruptError(f"{path}: field 'world_size' is missing (how many ranks wrote the dump)")
+    _world_size(config["world_size"], path)
     return config
 
 
@@ -262,7 +264,13 @@ def _boxes_tile(pieces: list[tuple[list[int], torch.Tensor]], shape: list[int]) 
 
 def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, Any], step: int, verify: bool,
                  progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
-    world = _world_size(complete.get("world_size", config.get("world_size", 1)), directory / COMPLETE)
+    if "world_size" in complete:
+        world = _world_size(complete["world_size"], directory / COMPLETE)
+    elif "world_size" in config:
+        world = _world_size(config["world_size"], directory.parent / CONFIG)
+    else:  # without it the rank files cannot be counted: name the field, not a coverage gap it would cause
+        raise DumpCorruptError(f"{directory / COMPLETE} and its configuration lack field 'world_size' (how many rank "
+                               "files the step has)")
     paths = [directory / rank_file(r) for r in range(world)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:

@@ -113,3 +113,44 @@ def _diverged_replicas_are_caught(model, save: str, rank: int):
 
 def test_dumps_under_fsdp_and_hsdp(tmp_path):
     run_distributed(_worker, 4, str(tmp_path))
+
+
+DEAD_RANK = """
+import os, sys, time, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
+import gapmon
+
+def work(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = nn.Linear(4, 3)
+    model(torch.randn(2, 4)).sum().backward()
+    dumper = gapmon.GradientDumper(model, out, async_write=False, timeout=600)
+    if rank == 1:
+        os.kill(os.getpid(), 9)  # dies before writing its file of step 0
+    start = time.monotonic()
+    try:
+        dumper.maybe_dump(0)
+        print("RESULT no error")
+    except Exception as e:
+        print(f"RESULT {time.monotonic() - start:.1f}s {e}")
+    sys.stdout.flush()
+    os._exit(0)
+
+if __name__ == "__main__":
+    context = mp.spawn(work, args=(2, int(sys.argv[2]), sys.argv[1]), nprocs=2, join=False)
+    context.processes[0].join(120)  # rank 1 is SIGKILLed on purpose: wait for rank 0 alone
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_synchronous_dump_names_a_dead_rank_in_seconds(tmp_path):
+    from helpers import free_port
+
+    script = tmp_path / "dead.py"
+    script.write_text(DEAD_RANK)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "dumps"), str(free_port())], capture_output=True,
+                          text=True, timeout=300)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result and "rank 1" in result[0] and "exited without writing" in result[0], (proc.stdout, proc.stderr[-2000:])
+    assert float(result[0].split()[1].removesuffix("s")) < 10
+    assert gapmon.reconstruct.list_steps(tmp_path / "dumps") == ([], [0])

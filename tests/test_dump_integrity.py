@@ -476,3 +476,18 @@ def test_the_cli_reconstructs_a_model_with_names_too_long_for_file_names(tmp_pat
     for name, p in model.named_parameters():
         assert len(gradient_file(0, name).encode()) <= 255
         torch.testing.assert_close(got[name], p.grad)
+
+
+def test_a_configuration_without_world_size_names_the_field(tmp_path):
+    _dump(tmp_path, _linear_with_grad())
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["world_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DumpError, match="'world_size' is missing"):
+        gapmon.reconstruct.read_config(tmp_path)
+    complete = json.loads((tmp_path / "step0" / "COMPLETE").read_text())
+    del complete["world_size"], complete["config"]["world_size"]
+    (tmp_path / "step0" / "COMPLETE").write_text(json.dumps(complete))
+    reseal_complete(tmp_path / "step0")
+    with pytest.raises(DumpError, match="world_size"):
+        reconstruct_gradients(tmp_path, 0)
