@@ -34,11 +34,11 @@ std::string joined(const char* const* names, int count) {
   return out;
 }
 
-// Names of a numerics row's columns: zero, subnormal, e-125 .. e128, inf, nan, then the moments.
+// Names of a numerics row's columns: zero, subnormal, e-125 .. e128, inf, nan, tiny, huge, then the moments.
 std::string numerics_names() {
   std::string out = "zero,subnormal";
   for (int e = core::kExpMin; e <= core::kExpMax; ++e) out += ",e" + std::to_string(e);
-  return out + ",inf,nan," + joined(core::kMomentNames, 5);
+  return out + "," + joined(core::kTrailingBinNames, 4) + "," + joined(core::kMomentNames, 5);
 }
 
 // The column layouts of statistics rows, partial states, activation accumulators and numerics rows,

@@ -5,23 +5,28 @@ The compiled kernels (csrc/core/numerics.h) return one float64 row per tensor: t
 |x| over exponent bins, then count, mean and the central moments M2, M3, M4. Everything else here
 is derived from those rows, exactly, because the format thresholds used are powers of two.
 
-Bins: ``zero``; ``subnormal`` (float32 subnormals, 0 < |x| < 2^-126); ``e`` for each frexp exponent
-e = -125..128, holding |x| in [2^(e-1), 2^e); ``inf``; ``nan``. float16/bfloat16 values are widened
-to float32 exactly; float64 values below float32's normal range count as subnormal, finite ones at
-or above 2^128 in bin e = 128.
+Bins: ``zero``; ``subnormal`` (float32 subnormals, 2^-149 <= |x| < 2^-126); ``e`` for each frexp
+exponent e = -125..128, holding |x| in [2^(e-1), 2^e); ``inf``; ``nan``; and two that only float64
+values reach: ``tiny`` (0 < |x| < 2^-149) and ``huge`` (finite |x| >= 2^128). float16/bfloat16 values
+are widened to float32 exactly.
 
 Shares, of all elements, for a format with smallest normal 2^a and largest finite value in the
 binade [2^(E-1), 2^E), at a power-of-two scale s = 2^k (values are multiplied by s before the cast):
 - ``underflow``: finite non-zero values with |x·s| < 2^a: they become subnormal or zero in the
-  format (round to nearest even), losing precision or vanishing. float32 subnormals count as
-  underflowing unless the whole bin is lifted to 2^a or above.
+  format (round to nearest even), losing precision or vanishing. Values below 2^-126 (float32
+  subnormals, float64 tiny values) count as underflowing unless the scale lifts their whole bin to 2^a
+  or above (never for tiny): where the scale splits the bin, the underflow share is an upper bound.
 - ``overflow``: finite values with |x·s| >= 2^E, beyond the format's largest binade: they round to
   Inf (bf16, fp16, e5m2) or saturate (e4m3). Values between the format's largest finite value and
   2^E (e4m3: [448, 512); fp16: [65520, 65536)) also overflow but share their bin with values that
   do not: they are not counted.
 - ``*_scaled``: the same at the power-of-two scale of MX formats (OCP MX v1.0): s = 2^k with
   k = E - e_max - margin, e_max the exponent bin of the tensor's largest finite |x|, so that amax·s
-  lands in the format's largest binade (``margin`` binades lower). Unscaled: k = 0.
+  lands in the format's largest binade (``margin`` binades lower). Unscaled: k = 0. Every unscaled share
+  is exact; the scaled ones are exact when the largest finite |x| lies in [2^-126, 2^128) and no value
+  lies below 2^-126 in a bin the scale splits. With float64 values at or above 2^128, e_max is taken as
+  129 (its least possible value): underflow_scaled is then a lower bound; with only float64 values below
+  2^-149, k = 0.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import _backend, distributed
-from .stats import BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
+from .stats import BIN, BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
 from .utils import check_int, is_dtensor_type
 
 _FIRST_EXP = 2  # column of bin e = EXP_MIN
@@ -122,11 +127,13 @@ def _exponents(device) -> torch.Tensor:
 
 
 def top_exponent(rows: torch.Tensor) -> torch.Tensor:
-    """Exponent bin of each row's largest finite |x| (EXP_MIN - 1 for subnormals only, and a very
-    small number when there are no finite non-zero values)."""
+    """Exponent bin of each row's largest finite |x|: EXP_MAX + 1 when float64 values at or above 2^128
+    are present (their exponent is at least that), EXP_MIN - 1 for float32 subnormals only, and a very
+    small number when there are no finite non-zero values or only float64 ones below 2^-149."""
     bins = rows[..., _FIRST_EXP:_FIRST_EXP + EXP_MAX - EXP_MIN + 1] > 0
     e = torch.where(bins, _exponents(rows.device), torch.full_like(bins, -10**6, dtype=torch.int64)).amax(-1)
-    return torch.where((e < EXP_MIN) & (rows[..., 1] > 0), torch.full_like(e, EXP_MIN - 1), e)
+    e = torch.where((e < EXP_MIN) & (rows[..., BIN["subnormal"]] > 0), torch.full_like(e, EXP_MIN - 1), e)
+    return torch.where(rows[..., BIN["huge"]] > 0, torch.full_like(e, EXP_MAX + 1), e)
 
 
 def format_shares(rows: torch.Tensor, fmt: str, scale_exp: torch.Tensor | int = 0) -> dict[str, torch.Tensor]:
@@ -138,9 +145,14 @@ def format_shares(rows: torch.Tensor, fmt: str, scale_exp: torch.Tensor | int = 
     counts = rows[..., _FIRST_EXP:_FIRST_EXP + exps.numel()]
     scaled = exps + k  # bin e holds [2^(e-1), 2^e); scaled, [2^(e-1+k), 2^(e+k))
     under = (counts * (scaled <= f.min_normal_exp)).sum(-1)
-    # float32 subnormals lie in [2^-149, 2^-126): below 2^a unless the scale lifts the whole bin.
-    under = under + rows[..., 1] * ((k.squeeze(-1) - 149) < f.min_normal_exp)
-    over = (counts * (scaled - 1 >= f.top_exp)).sum(-1)
+    k0 = k.squeeze(-1)
+    # float32 subnormals lie in [2^-149, 2^-126): below 2^a unless the scale lifts the whole bin (a bound
+    # where the scale splits it: README); float64 values below 2^-149 count as underflowing (exact
+    # unscaled, where k <= a + 149, a bound beyond).
+    under = under + rows[..., BIN["subnormal"]] * ((k0 - 149) < f.min_normal_exp) + rows[..., BIN["tiny"]]
+    # float64 values at or above 2^128 overflow every format unscaled; the MX scale takes the largest
+    # into the top binade, which is not counted.
+    over = (counts * (scaled - 1 >= f.top_exp)).sum(-1) + rows[..., BIN["huge"]] * (128 + k0 >= f.top_exp)
     total = rows[..., NUM_BINS]
     nan = torch.full_like(total, math.nan)
     return {"underflow": torch.where(total > 0, under / total, nan), "overflow": torch.where(total > 0, over / total, nan)}
@@ -220,7 +232,7 @@ def log2_buckets(bins: dict[str, int]) -> tuple[list[float], list[int]]:
     from the lowest to the highest bin present; zeros, infinities and NaNs are not on this axis (the
     monitor's scalars count them). ([], []) when there are none."""
     dense = dense_histogram(bins)
-    present = [i for i in range(1, NUM_BINS - 2) if dense[i]]
+    present = [i for i in range(BIN["subnormal"], BIN["inf"]) if dense[i]]
     if not present:
         return [], []
     lo, hi = present[0], present[-1]

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .stats import ACC_NAMES, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
+from .stats import ACC_NAMES, BIN, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +122,10 @@ def numerics_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
         finite, zero = torch.isfinite(a), a == 0
         _, e = torch.frexp(torch.where(finite & ~zero, a, torch.ones_like(a)))
         e = e.long()
-        idx = torch.where(e < EXP_MIN, 1, 2 + e.clamp(max=EXP_MAX) - EXP_MIN)
-        idx = torch.where(zero, 0, idx)
-        idx = torch.where(torch.isinf(a), NUM_BINS - 2, torch.where(torch.isnan(a), NUM_BINS - 1, idx))
+        idx = torch.where(e < EXP_MIN, torch.where(e >= -148, BIN["subnormal"], BIN["tiny"]),
+                          torch.where(e > EXP_MAX, BIN["huge"], BIN["e0"] + e.clamp(EXP_MIN, EXP_MAX)))
+        idx = torch.where(zero, BIN["zero"], idx)
+        idx = torch.where(torch.isinf(a), BIN["inf"], torch.where(torch.isnan(a), BIN["nan"], idx))
         row = torch.zeros(len(NUMERICS_COLUMNS), dtype=torch.float64, device=x.device)
         row[:NUM_BINS] = torch.bincount(idx, minlength=NUM_BINS).double()
         if xd.numel():

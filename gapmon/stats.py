@@ -13,9 +13,11 @@ STATE_NAMES = ("count", "mean", "m2", "max_abs", "sumsq", "nonfinite", "zeros")
 # (sums over instances; divided by the instance count when the step ends).
 ACC_NAMES = ("instances", "sum_mean", "sum_var", "sum_norm", "nonfinite", "max_abs")
 # Columns of a numerics row (csrc/core/numerics.h, gapmon.numerics): the exponent-histogram bins of
-# |x| (zero, float32 subnormal, one per frexp exponent EXP_MIN..EXP_MAX, inf, nan), then the moments.
+# |x| (zero, float32 subnormal, one per frexp exponent EXP_MIN..EXP_MAX, inf, nan, then the two only
+# float64 values reach: tiny, 0 < |x| < 2^-149, and huge, finite |x| >= 2^128), then the moments.
 EXP_MIN, EXP_MAX = -125, 128
-BIN_NAMES = ("zero", "subnormal", *(f"e{e}" for e in range(EXP_MIN, EXP_MAX + 1)), "inf", "nan")
+BIN_NAMES = ("zero", "subnormal", *(f"e{e}" for e in range(EXP_MIN, EXP_MAX + 1)), "inf", "nan", "tiny", "huge")
+BIN = {name: i for i, name in enumerate(BIN_NAMES)}  # column of each bin
 NUM_BINS = len(BIN_NAMES)
 MOMENT_NAMES = ("count", "mean", "m2", "m3", "m4")
 NUMERICS_COLUMNS = BIN_NAMES + MOMENT_NAMES

@@ -23,14 +23,20 @@ def _frexp_bins(values: list[float]) -> torch.Tensor:
     hist = torch.zeros(nm.NUM_BINS, dtype=torch.int64)
     for v in values:
         if math.isnan(v):
-            hist[-1] += 1
+            name = "nan"
         elif math.isinf(v):
-            hist[-2] += 1
+            name = "inf"
         elif v == 0:
-            hist[0] += 1
+            name = "zero"
+        elif abs(v) < 2.0 ** -149:
+            name = "tiny"
+        elif abs(v) < 2.0 ** -126:
+            name = "subnormal"
+        elif abs(v) >= 2.0 ** 128:
+            name = "huge"
         else:
-            e = math.frexp(abs(v))[1]
-            hist[1 if e < nm.EXP_MIN else nm.BIN_NAMES.index(f"e{min(e, nm.EXP_MAX)}")] += 1
+            name = f"e{math.frexp(abs(v))[1]}"
+        hist[nm.BIN_NAMES.index(name)] += 1
     return hist
 
 
@@ -46,10 +52,21 @@ def test_histogram_of_edge_values_matches_frexp(dtype):
     assert torch.equal(gapmon.exponent_histogram(both), _frexp_bins(both.double().tolist()))
 
 
-def test_float64_beyond_float32_range_is_clamped_as_documented():
-    x = torch.tensor([1e-300, 5e-324, 2.0 ** 128, 1e300, -1e308], dtype=torch.float64)
+def test_float64_beyond_float32_range_has_its_own_bins_and_exact_unscaled_shares():
+    """float64 values at or above 2^128 overflow every format (bf16's cast makes them Inf), and those below
+    2^-149 underflow every format (the cast flushes them): counted so, unscaled, against the real casts."""
+    x = torch.tensor([1e-300, 5e-324, 2.0 ** 128, 1e300, -1e308, 2.0 ** -150, 2.0 ** -149, 1.0], dtype=torch.float64)
     h = gapmon.exponent_histogram(x)
-    assert h[1] == 2 and h[nm.BIN_NAMES.index("e128")] == 3 and h.sum() == 5
+    assert (h[nm.BIN["tiny"]], h[nm.BIN["huge"]], h[nm.BIN["subnormal"]], h[nm.BIN["e1"]]) == (3, 3, 1, 1)
+    result = gapmon.multi_tensor_numerics([x], formats=["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+    bf16 = x.to(torch.bfloat16).double()
+    assert result.shares["bf16"]["overflow"].item() == torch.isinf(bf16).sum().item() / 8 == 3 / 8
+    assert result.shares["bf16"]["underflow"].item() == 4 / 8  # the tiny ones and 2^-149: below bf16's normals
+    for fmt in ("fp16", "fp8_e4m3", "fp8_e5m2"):
+        assert result.shares[fmt]["overflow"].item() == 3 / 8, fmt
+        assert result.shares[fmt]["underflow"].item() == 4 / 8, fmt
+    # Scaled: the largest value is >= 2^128, so the scale takes it into the top binade: nothing overflows.
+    assert result.shares["bf16"]["overflow_scaled"].item() == 0
 
 
 def test_subnormals_of_each_format_underflow_and_normals_do_not():

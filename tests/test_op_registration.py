@@ -30,7 +30,7 @@ def _samples():
         (torch.ops.gapmon.numerics_states.default, ([x, torch.randn(4).bfloat16()],)),
         (torch.ops.gapmon.multi_tensor_states_and_numerics.default, ([x, torch.randn(4).bfloat16()],)),
         (torch.ops.gapmon.accumulate_instance_stats_and_numerics.default,
-         (x.bfloat16(), torch.zeros(3, 6, dtype=torch.float64), 1, 1, torch.zeros(2, 263, dtype=torch.float64), 1)),
+         (x.bfloat16(), torch.zeros(3, 6, dtype=torch.float64), 1, 1, torch.zeros(2, len(gapmon.stats.NUMERICS_COLUMNS), dtype=torch.float64), 1)),
         (torch.ops.gapmon.merge_numerics_states.default, (torch.ops.gapmon.numerics_states([x, x]).unsqueeze(0).repeat(2, 1, 1),)),
     ]
 

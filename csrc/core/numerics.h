@@ -1,11 +1,12 @@
 // Low-precision numerics of a tensor, mergeable: an exponent histogram of |x| and the central
 // moments up to the fourth (kurtosis). The single source of this math, torch-free, host and device.
 //
-// Histogram bins (kNumBins, in this order): exact zeros; float32 subnormals (0 < |x| < 2^-126);
-// one bin per frexp exponent e = kExpMin..kExpMax, holding |x| in [2^(e-1), 2^e); +-Inf; NaN.
-// float16/bfloat16 values are widened to float32 exactly, so their own subnormals land in the
-// bins of their exponents. float64 values below float32's normal range count as subnormal, and
-// finite ones at or above 2^128 in the top exponent bin. Counts are integers (exact, any order).
+// Histogram bins (kNumBins, in this order): exact zeros; float32 subnormals (2^-149 <= |x| < 2^-126);
+// one bin per frexp exponent e = kExpMin..kExpMax, holding |x| in [2^(e-1), 2^e); +-Inf; NaN; then
+// two bins only float64 values reach: "tiny", 0 < |x| < 2^-149 (below float32's subnormals), and
+// "huge", finite |x| >= 2^128 (beyond float32's range). float16/bfloat16 values are widened to
+// float32 exactly, so their own subnormals land in the bins of their exponents. Counts are integers
+// (exact, any order).
 //
 // Moments: count, mean and the sums of 2nd, 3rd and 4th powers of deviations (M2, M3, M4) in
 // float64, merged with Pebay's pairwise formulas, so chunks, shards and ranks combine exactly
@@ -29,7 +30,9 @@ enum NumericsColumn : int {
   nFirstExponent = 2,  // bin of e = kExpMin; e's bin is nFirstExponent + e - kExpMin
   nInf = nFirstExponent + (kExpMax - kExpMin + 1),
   nNaN = nInf + 1,
-  kNumBins = nNaN + 1,
+  nTiny = nNaN + 1,  // float64 only: 0 < |x| < 2^-149
+  nHuge = nNaN + 2,  // float64 only: finite |x| >= 2^128
+  kNumBins = nNaN + 3,
   nCount = kNumBins,
   nMean = kNumBins + 1,
   nM2 = kNumBins + 2,
@@ -39,6 +42,9 @@ enum NumericsColumn : int {
 };
 
 inline constexpr const char* kMomentNames[5] = {"count", "mean", "m2", "m3", "m4"};
+// The bins after the exponent bins, in column order (nInf .. nHuge).
+inline constexpr const char* kTrailingBinNames[4] = {"inf", "nan", "tiny", "huge"};
+static_assert(nInf + 4 == kNumBins, "kTrailingBinNames names every bin after the exponents");
 
 // Bin of a float32 value from its bits: the biased exponent E gives frexp's e = E - 126.
 GAPMON_HD int exponent_bin_f32(uint32_t bits) {
@@ -48,15 +54,17 @@ GAPMON_HD int exponent_bin_f32(uint32_t bits) {
   return static_cast<int>(biased) + 1;  // nFirstExponent + (E - 126) - kExpMin
 }
 
-// Bin of a float64 value from its bits (frexp's e = E - 1022), clamped to float32's range.
+// Bin of a float64 value from its bits (frexp's e = E - 1022): float32's bins where its range holds
+// the value, else "tiny" or "huge".
 GAPMON_HD int exponent_bin_f64(uint64_t bits) {
   const int biased = static_cast<int>((bits >> 52) & 0x7FFu);
   const uint64_t mantissa = bits & 0xFFFFFFFFFFFFFull;
-  if (biased == 0) return mantissa == 0 ? nZero : nSubnormal;
+  if (biased == 0) return mantissa == 0 ? nZero : nTiny;  // float64 subnormals: below 2^-1022
   if (biased == 0x7FF) return mantissa == 0 ? nInf : nNaN;
-  const int e = biased - 1022;
-  if (e < kExpMin) return nSubnormal;
-  return nFirstExponent + (e > kExpMax ? kExpMax : e) - kExpMin;
+  const int e = biased - 1022;  // |x| in [2^(e-1), 2^e)
+  if (e > kExpMax) return nHuge;
+  if (e >= kExpMin) return nFirstExponent + e - kExpMin;
+  return e >= -148 ? nSubnormal : nTiny;  // float32's subnormals are [2^-149, 2^-126)
 }
 
 struct Moments {

@@ -14,7 +14,7 @@ from typing import Any
 from ..metric_names import parse_metric_name
 from ..numerics import FORMATS, format_shares, histogram_rows
 from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
-from ..stats import BIN_NAMES, EXP_MAX, EXP_MIN
+from ..stats import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
 from ..utils import check_real
 
 
@@ -98,21 +98,24 @@ def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> 
     for (heat, lines), group in zip(axes, groups):
         data = series[group]
         hist = np.asarray(data["histograms"], dtype=float)  # [steps, bins]
-        exps = hist[:, 2:2 + EXP_MAX - EXP_MIN + 1]
-        rows = np.concatenate([hist[:, 0:2], exps], axis=1)  # zero, float32 subnormal, then e-125..e128
-        labels = ["zero", "sub"] + [str(e) for e in range(EXP_MIN, EXP_MAX + 1)]
-        # Rows: "zero" and "sub" where they hold data, then the exponents from the lowest to the highest
-        # that holds data (not the empty binades between zero and them).
-        used = np.nonzero(rows[:, 2:].sum(0))[0] + 2
-        shown = [i for i in (0, 1) if rows[:, i].any()] + (list(range(used[0], used[-1] + 1)) if used.size else [])
+        # Rows, bottom up: zero, tiny (float64 below 2^-149), float32 subnormal, e-125..e128, huge (>= 2^128).
+        order = ["zero", "tiny", "subnormal", *(f"e{e}" for e in range(EXP_MIN, EXP_MAX + 1)), "huge"]
+        rows = hist[:, [BIN[name] for name in order]]
+        labels = ["zero", "tiny", "sub", *(str(e) for e in range(EXP_MIN, EXP_MAX + 1)), "huge"]
+        # Shown: the special rows that hold data, and the exponents from the lowest to the highest that
+        # holds data (not the empty binades between zero and them).
+        first, last = 3, len(order) - 2  # e-125 and e128
+        used = np.nonzero(rows[:, first:last + 1].sum(0))[0] + first
+        shown = ([i for i in (0, 1, 2) if rows[:, i].any()] + (list(range(used[0], used[-1] + 1)) if used.size else [])
+                 + ([len(order) - 1] if rows[:, -1].any() else []))
         shown = shown or [0]
         total = np.maximum(hist.sum(1, keepdims=True), 1)
         with np.errstate(divide="ignore"):
             share = np.log10(rows[:, shown] / total).T
         share[~np.isfinite(share)] = np.nan
         im = heat.imshow(share, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
-        special = [t for t, i in enumerate(shown) if i < 2]
-        exps = [t for t, i in enumerate(shown) if i >= 2]
+        special = [t for t, i in enumerate(shown) if i < first or i > last]
+        exps = [t for t, i in enumerate(shown) if first <= i <= last]
         ticks = sorted(set(special) | set(exps[::max(1, len(exps) // 8)]) | set(exps[-1:]))
         heat.set_yticks(ticks, [labels[shown[t]] for t in ticks], fontsize=7)
         heat.set_xticks(range(len(data["steps"])), data["steps"], fontsize=6)

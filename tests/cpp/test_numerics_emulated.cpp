@@ -46,11 +46,13 @@ std::vector<double> reference_row(const std::vector<double>& xs) {
     if (std::isnan(x)) bin = core::nNaN;
     else if (std::isinf(x)) bin = core::nInf;
     else if (a == 0) bin = core::nZero;
+    else if (a < std::ldexp(1.0, -149)) bin = core::nTiny;
     else if (a < std::ldexp(1.0, -126)) bin = core::nSubnormal;
+    else if (a >= std::ldexp(1.0, 128)) bin = core::nHuge;
     else {
       int e;
       std::frexp(a, &e);
-      bin = first + std::min(e, core::kExpMax) - core::kExpMin;
+      bin = first + e - core::kExpMin;
     }
     row[bin] += 1;
   }
@@ -181,14 +183,17 @@ void test_dtype(const char* name) {
 }
 
 void test_nan_and_float64_range() {
-  const std::vector<double> data{std::nan(""), 1.0, 1e300, -1e-300, 3e-39, 0.0, 2.0};
-  const StridedView v = view(data.data(), {7}, {1}, 1, 0);
+  // 2^128 and 2^-149 exactly: the first huge value, the smallest float32 subnormal; 5e-324: a float64 subnormal.
+  const std::vector<double> data{std::nan(""), 1.0, 1e300, -1e-300, 3e-39, 0.0, 2.0, std::ldexp(1.0, 128),
+                                 std::ldexp(1.0, -149), std::ldexp(1.0, -150), 5e-324, std::nextafter(std::ldexp(1.0, 128), 0.0)};
+  const StridedView v = view(data.data(), {static_cast<int64_t>(data.size())}, {1}, 1, 0);
   const auto got = run({v});
   const auto want = reference_row(data);
   for (int b = 0; b < core::kNumBins; ++b) CHECK(got[b] == want[b], "float64 range: bin %d %.0f vs %.0f", b, got[b], want[b]);
-  CHECK(got[core::nNaN] == 1 && got[core::nSubnormal] == 2 && got[core::nFirstExponent + core::kExpMax - core::kExpMin] == 1,
-        "NaN, below float32's normals and above 2^128 have their bins");
-  CHECK(std::isnan(got[core::nMean]) && got[core::nCount] == 7, "NaN propagates to the moments");
+  CHECK(got[core::nNaN] == 1 && got[core::nSubnormal] == 2 && got[core::nTiny] == 3 && got[core::nHuge] == 2 &&
+            got[core::nFirstExponent + core::kExpMax - core::kExpMin] == 1,
+        "NaN, float32's subnormal range, below and at or above float32's range have their bins");
+  CHECK(std::isnan(got[core::nMean]) && got[core::nCount] == static_cast<double>(data.size()), "NaN propagates to the moments");
 }
 
 void test_merging_into_rows() {
