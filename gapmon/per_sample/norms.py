@@ -416,6 +416,8 @@ class PerSampleGradNorms:
             return
         name, _, rule = self._layers[index]
         mb = self._micro[-1]
+        if mb.batch == 0:  # an empty micro-batch: no sample, nothing to follow (local_norms gives none)
+            return
         dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
         params = mb.used.get(index)
         if params is None:
@@ -638,13 +640,21 @@ class PerSampleGradNorms:
                 "the samples: no layer has per-sample gradients of the form gapmon computes, so no norms are "
                 "returned. Put it in eval mode (running statistics), or replace it (GroupNorm, LayerNorm).")
         self._warn_uncovered(RuntimeError, stacklevel=3)
+        waiting = [mb for mb in self._micro if mb.sq is None and mb.layers
+                   and not any(g is not None for calls in mb.layers.values() for g in calls.grads)]
+        if waiting:  # no recorded call of a micro-batch has its gradient yet: backward has not run through it
+            self._read = False
+            raise RuntimeError(
+                f"PerSampleGradNorms.local_norms: {len(waiting)} micro-batch(es) of {sum(mb.batch for mb in waiting)} "
+                "samples have had no backward pass yet; call it after loss.backward()")
         parts = []
         for mb in self._micro:
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._finish(index, mb)
         self._refuse_unseen_uses()
         for mb in self._micro:
-            if mb.sq is None:
+            if mb.sq is None:  # no covered layer was per-sample (all excluded or frozen): one 0 per sample
+                parts.append(torch.zeros(mb.batch, dtype=self._result_dtype()))
                 continue
             if mb.weights is not None:
                 w = mb.weights.to(mb.sq.device).abs()
@@ -653,9 +663,15 @@ class PerSampleGradNorms:
                 norms = (mb.sq * (mb.batch ** 2 if self.loss_reduction == "mean" else 1)).sqrt()
             parts.append(norms.to(mb.dtype))
         if not parts:
-            return torch.empty(0)
+            return torch.empty(0, dtype=self._result_dtype())
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
-        return torch.cat([p.to(dtype) for p in parts])
+        device = next((p.device for p in parts if p.numel()), parts[0].device)
+        return torch.cat([p.to(device, dtype) for p in parts])
+
+    def _result_dtype(self) -> torch.dtype:
+        """The dtype of norms no layer computed: float64 for a float64 model, else float32."""
+        floats = [p.dtype for _, p in self._params if p.is_floating_point()]
+        return torch.float64 if floats and all(d == torch.float64 for d in floats) else torch.float32
 
     def global_norms(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, norms) of every rank's samples, ordered by global sample id, each sample once.
@@ -664,8 +680,8 @@ class PerSampleGradNorms:
         different samples are all-gathered and reordered (never summed: that would inflate norms by
         sqrt(world size)); samples seen by several ranks (replicated data) appear once.
         """
+        ids = _sample_ids(sample_ids)
         norms = self.local_norms()
-        ids = torch.as_tensor(sample_ids).reshape(-1).to(torch.int64)
         if ids.numel() != norms.numel():
             raise ValueError(f"PerSampleGradNorms.global_norms: got {ids.numel()} sample ids for {norms.numel()} samples")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
@@ -741,18 +757,41 @@ class PerSampleGradNorms:
         self.reset()
 
 
+def _sample_ids(sample_ids: Any) -> torch.Tensor:
+    """Sample ids as an int64 vector, exact (ids of any size a 64-bit integer holds); ValueError naming
+    ids that are not integers, or that repeat (each of this rank's samples has its own id)."""
+    ids = torch.as_tensor(sample_ids).detach().reshape(-1).cpu()
+    if ids.dtype == torch.bool or ids.is_complex():
+        raise TypeError(f"PerSampleGradNorms.global_norms: sample ids must be integers, got {ids.dtype}")
+    if ids.is_floating_point():
+        fractional = ids[(ids != ids.trunc()) | ~torch.isfinite(ids)]
+        if fractional.numel():
+            raise ValueError(f"PerSampleGradNorms.global_norms: sample ids must be integers, got {fractional[:8].tolist()}")
+        if ids.numel() and ids.abs().max() >= 2.0 ** 53:
+            raise ValueError("PerSampleGradNorms.global_norms: float sample ids of 2^53 or more are not exact; pass "
+                             "them as an integer tensor (torch.int64) or Python ints")
+    ids = ids.to(torch.int64)
+    unique, counts = torch.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"PerSampleGradNorms.global_norms: sample ids repeat on this rank: {unique[counts > 1][:8].tolist()} "
+                         "(each sample needs its own id; a sample seen twice would be reported once)")
+    return ids
+
+
 def _all_gather_varlen(ids: torch.Tensor, norms: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gathers per-rank vectors of different lengths (ids and norms packed together)."""
+    """All-gathers per-rank vectors of different lengths: ids as int64 (exact), norms as float64, returned
+    in the dtype of this rank's norms."""
     device = norms.device if norms.device.type != "cpu" or dist.get_backend(group) == "gloo" else torch.device("cuda")
     world = dist.get_world_size(group)
-    packed = torch.stack((ids.double(), norms.double())).to(device)  # ids < 2^53 are exact in float64
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([packed.shape[1]], device=device), group=group)
+    dist.all_gather(sizes, torch.tensor([ids.numel()], device=device), group=group)
     counts = torch.cat(sizes).tolist()  # one host read for all ranks
     longest = int(max(counts))
-    padded = torch.zeros(2, longest, dtype=torch.float64, device=device)
-    padded[:, : packed.shape[1]] = packed
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    gathered = torch.cat([p[:, : int(n)] for p, n in zip(parts, counts)], dim=1)
-    return gathered[0].to(torch.int64).cpu(), gathered[1].float().cpu()
+    gathered = []
+    for values, dtype in ((ids, torch.int64), (norms, torch.float64)):
+        padded = torch.zeros(longest, dtype=dtype, device=device)
+        padded[: values.numel()] = values.to(device, dtype)
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        gathered.append(torch.cat([p[: int(n)] for p, n in zip(parts, counts)]).cpu())
+    return gathered[0], gathered[1].to(norms.dtype)
