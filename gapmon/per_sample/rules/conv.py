@@ -13,7 +13,7 @@ from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, tr
 from .linear import product_norm_sq
 
 
-def _unfold(x: torch.Tensor, module: _torch_compat.ConvNdBase) -> torch.Tensor:
+def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase) -> torch.Tensor:
     """[B, C, *spatial] -> [B, L, C·k] patches in the column order of weight.reshape(out, -1)."""
     n = len(module.kernel_size)
     if isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
@@ -51,7 +51,7 @@ class ConvRule(NormRule):
 
     def positions(self, module, call, g, acc):
         a, b, groups = call.arg(0, "input"), g.shape[0], module.groups
-        cols = _unfold(a.to(acc), module)  # [B, L, C·k]
+        cols = unfold_patches(a.to(acc), module)  # [B, L, C·k]
         grads = g.to(acc).reshape(b, g.shape[1], -1).transpose(1, 2)  # [B, L, out]
         if groups > 1:  # each group is its own product: [B, L, G, ·] -> [B·G, L, ·]
             cols = cols.reshape(b, cols.shape[1], groups, -1).transpose(1, 2).reshape(b * groups, cols.shape[1], -1)
