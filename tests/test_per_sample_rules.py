@@ -312,3 +312,75 @@ def test_a_decoder_of_convolutions_and_transposed_convolutions_end_to_end():
                           nn.ConvTranspose2d(2, 1, 3, padding=1))
     x = torch.randn(4, 1, 8, 8)
     _check(model, x, torch.randn_like(x), strict=True)
+
+
+class _Recurrent(nn.Module):
+    """A recurrent layer and a Linear head; the loss reads the sequence and the final states."""
+
+    def __init__(self, kind, batch_first, **kwargs):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = getattr(nn, kind)(4, 5, batch_first=batch_first, **kwargs)
+        dirs = 2 if kwargs.get("bidirectional") else 1
+        self.head = nn.Linear(5 * dirs, 3)
+
+    def forward(self, x):
+        out, state = self.rnn(x)
+        h = state[0] if isinstance(state, tuple) else state
+        last = h[-1]  # [B, H]: the last layer's final state (of its last direction)
+        extra = (state[1][-1].sum(-1) if isinstance(state, tuple) else 0.0)  # an LSTM's cell state too
+        seq = out if self.batch_first else out.transpose(0, 1)
+        return self.head(seq).mean(1) + last.sum(-1, keepdim=True) + torch.as_tensor(extra).reshape(-1, 1)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first, kwargs", [
+    (True, {}), (False, {"num_layers": 2}), (True, {"bidirectional": True, "bias": False}),
+    (False, {"num_layers": 2, "bidirectional": True}),
+])
+def test_recurrent_layers_are_exact(kind, batch_first, kwargs):
+    if kind == "RNN":
+        kwargs = {**kwargs, "nonlinearity": "relu"} if kwargs.get("bias") is False else kwargs
+    torch.manual_seed(0)
+    model = _Recurrent(kind, batch_first, **kwargs)
+    x = torch.randn(3, 6, 4) if batch_first else torch.randn(6, 3, 4)
+    batch_dim = 0 if batch_first else 1
+    model = model.double()
+    psn = gapmon.PerSampleGradNorms(model, strict=True, batch_dim=batch_dim, loss_reduction="sum")
+    y = torch.randn(3, 3, dtype=torch.float64)
+    (model(x.double()) - y).square().sum().backward()
+    got = psn.local_norms()
+    want = []
+    for i in range(3):
+        model.zero_grad()
+        xi = x[i:i + 1] if batch_first else x[:, i:i + 1]
+        (model(xi.double()) - y[i:i + 1]).square().sum().backward()
+        want.append(float(sum(p.grad.square().sum() for p in model.parameters())) ** 0.5)
+    assert set(psn.coverage()["covered"]) == {n for n, _ in model.named_parameters()}
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    psn.close()
+
+
+def test_recurrent_layers_refuse_what_they_cannot_replay():
+    lstm = nn.LSTM(4, 5, num_layers=2, dropout=0.5)
+    psn = gapmon.PerSampleGradNorms(lstm, batch_dim=1)
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        lstm(torch.randn(6, 3, 4))[0].sum().backward()
+    psn.close()
+
+    class Packed(nn.Module):  # packs its padded batch: the GRU's time steps interleave the samples
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(4, 5, batch_first=True)
+
+        def forward(self, x):
+            packed = nn.utils.rnn.pack_padded_sequence(x, [6, 4, 2], batch_first=True)
+            return nn.utils.rnn.pad_packed_sequence(self.gru(packed)[0], batch_first=True)[0]
+
+    model = Packed()
+    psn = gapmon.PerSampleGradNorms(model)
+    with pytest.warns(RuntimeWarning, match="'gru' is not per-sample.*packed"):
+        model(torch.randn(3, 6, 4)).sum().backward()
+    assert psn.local_norms().tolist() == [0.0, 0.0, 0.0]
+    with pytest.warns(RuntimeWarning, match="proj_size"):
+        gapmon.PerSampleGradNorms(nn.LSTM(4, 5, proj_size=2))

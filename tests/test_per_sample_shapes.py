@@ -11,25 +11,28 @@ import torch.nn as nn
 import gapmon
 
 
-class _LSTMHead(nn.Module):
+class _PackedLSTMHead(nn.Module):
+    """An LSTM over a packed sequence (its time steps interleave the samples) and a Linear head after it."""
+
     def __init__(self):
         super().__init__()
         self.rnn = nn.LSTM(4, 6, batch_first=True)
         self.head = nn.Linear(6, 3)
 
     def forward(self, x):
-        return self.head(self.rnn(x)[0])
+        packed = nn.utils.rnn.pack_padded_sequence(x, [7, 5, 5, 3, 1], batch_first=True)
+        return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0])
 
 
 def _excluded_everywhere():
     """Models whose every covered layer is excluded at run time (the batch cannot be followed to them)."""
     torch.manual_seed(0)
-    yield "LSTM + Linear head", _LSTMHead(), torch.randn(5, 7, 4)
+    yield "packed LSTM + Linear head", _PackedLSTMHead(), torch.randn(5, 7, 4)
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)  # sequence-first, batch_dim left at 0
     yield "sequence-first TransformerEncoderLayer", layer, torch.randn(7, 5, 8)
 
 
-@pytest.mark.parametrize("case", ["LSTM + Linear head", "sequence-first TransformerEncoderLayer"])
+@pytest.mark.parametrize("case", ["packed LSTM + Linear head", "sequence-first TransformerEncoderLayer"])
 def test_norms_have_one_entry_per_sample_when_every_layer_is_excluded(case):
     name, model, x = next(c for c in _excluded_everywhere() if c[0] == case)
     batch = x.shape[0]  # batch_dim=0 as given: the first dim is what gapmon calls the batch

@@ -327,6 +327,22 @@ def _along_dim(name: str):
     return rule
 
 
+def _recurrent(tracker, args, kwargs, inputs, out) -> list:
+    """torch's fused RNN ops (`_VF.lstm/gru/rnn_tanh/rnn_relu(input, hx, params, has_biases, layers,
+    dropout, train, bidirectional, batch_first)`): each sample's sequence runs on its own, so the
+    output keeps the input's batch dim (0 when batch_first, else 1) and the final states hold it on
+    dim 1. A packed sequence (input, batch_sizes, ...) interleaves the samples' time steps: lost."""
+    x = args[0]
+    if len(args) < 9 or not isinstance(args[8], bool):
+        raise Lost("a packed sequence (its time steps interleave the samples)")
+    status = tracker.status(x)
+    if not isinstance(status, int):
+        raise Lost("an RNN whose input does not carry the batch")
+    if status != (0 if args[8] else 1):
+        raise Lost(f"an RNN with batch_first={args[8]} on input batched on dim {status}")
+    return [status] + [1] * (len(out) - 1)
+
+
 def _select(tracker, args, kwargs, inputs, out) -> int:
     x, d = args[0], tracker.input_dim(args, inputs)
     dim = _dims(_arg(args, kwargs, 1, "dim"), x.dim())[0]
@@ -564,4 +580,5 @@ _RULES: dict[str, Callable] = {
     "layer_norm": _last_dims_norm, "rms_norm": _last_dims_norm, "pad": _pad,
     "scaled_dot_product_attention": _attention, "multi_head_attention_forward": _mha, "one_hot": _one_hot,
     "view_as_real": _one_hot, "view_as_complex": _one_hot,
+    "lstm": _recurrent, "gru": _recurrent, "rnn_tanh": _recurrent, "rnn_relu": _recurrent,
 }

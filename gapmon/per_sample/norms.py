@@ -406,10 +406,19 @@ class PerSampleGradNorms:
             self._micro[-1].used[index] = self._layers[index][2].params(module)
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
+        outputs = output
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
-        if not self._collecting or not self._micro or output is None:
+        if not self._collecting or not self._micro:
             return
         if _torch_compat.functorch_transforms_active():  # e.g. the model run under torch.func.vmap
+            return
+        if output is None:  # nothing to hook: a layer that still trains is left out, saying why
+            name, _, rule = self._layers[index]
+            if rule.params(module):
+                packed = isinstance(outputs, nn.utils.rnn.PackedSequence) or (
+                    isinstance(outputs, tuple) and any(isinstance(o, nn.utils.rnn.PackedSequence) for o in outputs))
+                self._skip(name, "its output is a packed sequence (its time steps interleave the samples); pad it instead"
+                           if packed else "its output holds no tensor gapmon can follow")
             return
         if not output.requires_grad:  # reentrant checkpointing's no-grad pass: the provenance is needed later
             self._batch_dim(index, self._micro[-1], module, self._layers[index][2], args, kwargs)
@@ -452,7 +461,21 @@ class PerSampleGradNorms:
                                      functools.partial(self._bookkept, index, mb, at))
             if replaced is not None:
                 return replaced
-        output.register_hook(functools.partial(self._backward_hook, index, mb, at))
+        graded = rule.graded_outputs(module, outputs)
+        if len(graded) == 1:
+            output.register_hook(functools.partial(self._backward_hook, index, mb, at))
+            return None
+        # Several outputs carry the loss (an RNN's sequence and its final states): one hook gets all their
+        # gradients at once (None for an output the loss does not use).
+        live = [i for i, t in enumerate(graded) if t.requires_grad]
+
+        def all_grads(grads, index=index, mb=mb, at=at, live=live, n=len(graded)):
+            full = [None] * n
+            for i, g in zip(live, grads):
+                full[i] = g
+            self._backward_hook(index, mb, at, tuple(full))
+
+        torch.autograd.graph.register_multi_grad_hook([graded[i] for i in live], all_grads, mode="all")
         return None
 
     def _backward_hook(self, index: int, mb: _MicroBatch, call: int, g: torch.Tensor) -> None:
@@ -463,7 +486,10 @@ class PerSampleGradNorms:
                 "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
                 "combined. Sum the losses and call backward once."
             )
-        calls.grads[call] = g.detach().movedim(calls.dims[call], 0)
+        if isinstance(g, tuple):  # a rule of several outputs (graded_outputs) reads its layout itself
+            calls.grads[call] = tuple(None if t is None else t.detach() for t in g)
+        else:
+            calls.grads[call] = g.detach().movedim(calls.dims[call], 0)
         if calls.complete():
             self._finish(index, mb)
 
@@ -494,10 +520,10 @@ class PerSampleGradNorms:
         if not pairs:
             return
         with torch.no_grad():
-            acc = torch.float64 if any(g.dtype == torch.float64 for _, g in pairs) else torch.float32
+            acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
             for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
-                self._explain(index, mb, piece, g.dtype)
+                self._explain(index, mb, piece, _dtype_of(g))
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
         mb.add(sq, acc)
@@ -755,6 +781,13 @@ class PerSampleGradNorms:
             self._tracking.__exit__(None, None, None)
             self._tracking = None
         self.reset()
+
+
+def _dtype_of(g: torch.Tensor | tuple) -> torch.dtype:
+    """The dtype of an output gradient, or the widest of several (a rule of several outputs)."""
+    if isinstance(g, torch.Tensor):
+        return g.dtype
+    return functools.reduce(torch.promote_types, [t.dtype for t in g if t is not None], torch.float16)
 
 
 def _sample_ids(sample_ids: Any) -> torch.Tensor:

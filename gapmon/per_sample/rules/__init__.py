@@ -4,7 +4,7 @@ A rule turns one call of a layer into per-sample squared norms of its trainable 
 (gapmon.per_sample.rules.base says how). Register a rule for your own layer type with
 ``register_norm_rule(MyLayer)(MyRule)``.
 """
-from . import attention, conv, conv_transpose, embedding, linear, norms
+from . import attention, conv, conv_transpose, embedding, linear, norms, recurrent
 from .attention import MultiheadAttentionRule
 from .base import Call, NormRule, Sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
 from .conv import ConvRule
@@ -12,11 +12,12 @@ from .conv_transpose import ConvTransposeRule
 from .embedding import EmbeddingBagRule, EmbeddingRule
 from .linear import LinearRule, product_norm_sq, use_ghost
 from .norms import GroupNormRule, InstanceNormRule, LastDimsNormRule
+from .recurrent import RecurrentRule
 
-RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention)
+RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent)
 
 __all__ = [
     "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "sketch_rows",
     "LinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "GroupNormRule",
-    "InstanceNormRule", "MultiheadAttentionRule", "product_norm_sq", "use_ghost", "RULE_MODULES",
+    "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule", "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

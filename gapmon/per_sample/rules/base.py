@@ -136,6 +136,14 @@ class NormRule:
             return f"its input {list(a.shape)} / output {list(output.shape)} has no batch dim of size {batch}"
         return None
 
+    def graded_outputs(self, module: nn.Module, output: Any) -> list[torch.Tensor]:
+        """The outputs whose gradients `positions` needs. Default: the first tensor output alone (g is its
+        gradient); a rule naming several gets g as a tuple of their gradients, None where the loss does not
+        use one, in the layout they have (it moves no batch dim)."""
+        first = output if isinstance(output, torch.Tensor) else next(
+            (t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
+        return [first]
+
     def batch_operands(self, module: nn.Module, call: Call) -> list[tuple[Any, int | None]]:
         """The call's inputs that must carry the batch, each with the dim it must be on (None: any
         dim, or none the provenance can follow, as long as the input comes from the batch). Default:

@@ -1,0 +1,166 @@
+"""Per-sample norms of nn.RNN, nn.LSTM and nn.GRU: per time step, every weight gradient is an outer product.
+
+For layer l and direction d, with the input sequence x_t, the previous hidden state h_{t-1} and the
+gradients δi_t = dL/d(x_t W_ihᵀ + b_ih) and δh_t = dL/d(h_{t-1} W_hhᵀ + b_hh) of the cell's two
+pre-activations, a sample's gradients are
+    W_ih: Σ_t δi_t x_tᵀ,   W_hh: Σ_t δh_t h_{t-1}ᵀ,   b_ih: Σ_t δi_t,   b_hh: Σ_t δh_t
+(δi = δh for RNN and LSTM; GRU's candidate gate multiplies its hidden part by the reset gate, so they
+differ), Linear products whose norms take the ghost or the direct form. The δ's come from the loss's
+gradients of the layer's outputs (the sequence and the final states, whichever the loss uses): the rule
+replays the layer unrolled, with the module's weights, and backpropagates them through it (one more
+backward of this layer alone; no per-sample gradient is formed). Packed sequences are refused (their
+time steps interleave the samples); so are dropout between layers in training mode (it cannot be
+replayed) and LSTM projections (proj_size).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .linear import product_norm_sq, product_sketch
+
+
+def _directions(module: nn.RNNBase) -> list[tuple[int, int, str]]:
+    """(layer, direction, parameter suffix) of every cell, in torch's order."""
+    dirs = 2 if module.bidirectional else 1
+    return [(layer, d, f"_l{layer}" + ("_reverse" if d else "")) for layer in range(module.num_layers) for d in range(dirs)]
+
+
+def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None):
+    """One time step of torch's cells from the two pre-activations: (h, c)."""
+    if mode == "LSTM":
+        i, f, g, o = (gi + gh).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if mode == "GRU":
+        ri, zi, ni = gi.chunk(3, -1)
+        rh, zh, nh = gh.chunk(3, -1)
+        r, z = torch.sigmoid(ri + rh), torch.sigmoid(zi + zh)
+        n = torch.tanh(ni + r * nh)
+        return (1 - z) * n + z * h, None
+    pre = gi + gh
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
+
+
+@register_norm_rule(nn.RNN, nn.LSTM, nn.GRU)
+class RecurrentRule(NormRule):
+    param_names = None  # weight_ih_l0, ..._reverse: checked in unsupported
+
+    def unsupported(self, module):
+        if getattr(module, "proj_size", 0):
+            return "an LSTM with proj_size (its projection weight_hr has no rule)"
+        known = {f"{kind}{sfx}" for _, _, sfx in _directions(module) for kind in ("weight_ih", "weight_hh", "bias_ih",
+                                                                                  "bias_hh")}
+        extra = sorted(set(dict(module.named_parameters(recurse=False))) - known)
+        if extra:
+            return f"it has parameters {extra} that the recurrent rule does not know"
+        return None
+
+    def batch_operands(self, module, call):
+        return [(call.arg(0, "input"), 0 if module.batch_first else 1)]
+
+    def graded_outputs(self, module, output):
+        out, state = output
+        return [out, *(state if isinstance(state, tuple) else (state,))]
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        x = call.arg(0, "input")
+        if isinstance(x, nn.utils.rnn.PackedSequence):
+            return "its input is a packed sequence (its time steps interleave the samples); pad it instead"
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return "its input is unbatched"
+        if x.shape[0 if module.batch_first else 1] != batch:
+            return f"its input {list(x.shape)} has no batch of {batch} on dim {0 if module.batch_first else 1}"
+        if module.training and module.dropout > 0 and module.num_layers > 1:
+            return "dropout between its layers in training mode (random: it cannot be replayed)"
+        return None
+
+    def positions(self, module, call, g, acc):
+        """(x, δi, h_prev, δh) of every cell, batch first: [B, T, ·] each."""
+        x, hx = call.arg(0, "input"), call.arg(1, "hx")
+        grads = list(g) + [None] * (3 - len(g))
+        x = x.to(acc)
+        if not module.batch_first:
+            x = x.transpose(0, 1)
+            grads[0] = None if grads[0] is None else grads[0].transpose(0, 1)
+        b, steps = x.shape[0], x.shape[1]
+        dirs, hidden = (2 if module.bidirectional else 1), module.hidden_size
+        lstm = module.mode == "LSTM"
+        if hx is None:
+            zeros = x.new_zeros(module.num_layers * dirs, b, hidden)
+            h0, c0 = zeros, (zeros if lstm else None)
+        else:
+            h0, c0 = (hx[0].to(acc), hx[1].to(acc)) if lstm else (hx.to(acc), None)
+        params = {n: p.detach().to(acc) for n, p in module.named_parameters(recurse=False)}
+        pos: list[torch.Tensor] = []
+        wrt: list[torch.Tensor] = []  # the pre-activations whose gradients are δi and δh
+        with torch.enable_grad():
+            layer_in, h_n, c_n = x, [], []
+            for layer in range(module.num_layers):
+                outs = []
+                for d in range(dirs):
+                    sfx = f"_l{layer}" + ("_reverse" if d else "")
+                    seq = layer_in.flip(1) if d else layer_in
+                    gi = seq @ params[f"weight_ih{sfx}"].T
+                    if f"bias_ih{sfx}" in params:
+                        gi = gi + params[f"bias_ih{sfx}"]
+                    if not gi.requires_grad:
+                        gi.requires_grad_()
+                    h, c = h0[layer * dirs + d], (c0[layer * dirs + d] if lstm else None)
+                    prev, ghs, hs = [], [], []
+                    for t in range(steps):
+                        gh = h @ params[f"weight_hh{sfx}"].T
+                        if f"bias_hh{sfx}" in params:
+                            gh = gh + params[f"bias_hh{sfx}"]
+                        if not gh.requires_grad:
+                            gh.requires_grad_()
+                        prev.append(h.detach())
+                        ghs.append(gh)
+                        h, c = _cell(module.mode, gi[:, t], gh, h, c)
+                        hs.append(h)
+                    out = torch.stack(hs, 1)
+                    outs.append(out.flip(1) if d else out)
+                    h_n.append(h)
+                    c_n.append(c)
+                    wrt += [gi, *ghs]
+                    pos += [seq.detach(), None, torch.stack(prev, 1), None]  # δ's filled in below
+                layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
+            produced = [layer_in, torch.stack(h_n)] + ([torch.stack(c_n)] if lstm else [])
+            targets = [(t, gr.to(acc)) for t, gr in zip(produced, grads) if gr is not None]
+            found = torch.autograd.grad([t for t, _ in targets], wrt, [gr for _, gr in targets], allow_unused=True)
+        found = [torch.zeros_like(w) if d is None else d for w, d in zip(wrt, found)]
+        per_cell = 1 + steps
+        for k in range(len(pos) // 4):
+            cell = found[k * per_cell:(k + 1) * per_cell]
+            pos[4 * k + 1] = cell[0].detach()
+            pos[4 * k + 3] = torch.stack(cell[1:], 1).detach()
+        return tuple(pos)
+
+    def norm_sq(self, module, pos):
+        out = torch.zeros(pos[0].shape[0], dtype=pos[0].dtype, device=pos[0].device)
+        for k, (_, _, sfx) in enumerate(_directions(module)):
+            x, di, prev, dh = pos[4 * k:4 * k + 4]
+            if trainable(getattr(module, f"weight_ih{sfx}")):
+                out = out + product_norm_sq(x, di)
+            if trainable(getattr(module, f"weight_hh{sfx}")):
+                out = out + product_norm_sq(prev, dh)
+            if trainable(getattr(module, f"bias_ih{sfx}", None)):
+                out = out + bias_norm_sq(di)
+            if trainable(getattr(module, f"bias_hh{sfx}", None)):
+                out = out + bias_norm_sq(dh)
+        return out
+
+    def grad_sketch(self, module, pos, probe):
+        out = []
+        for k, (_, _, sfx) in enumerate(_directions(module)):
+            x, di, prev, dh = pos[4 * k:4 * k + 4]
+            for name, a, d in ((f"weight_ih{sfx}", x, di), (f"weight_hh{sfx}", prev, dh)):
+                p = getattr(module, name)
+                if trainable(p):
+                    out.append(Sketch(p, product_sketch(a, d, probe(p))))
+            for name, d in ((f"bias_ih{sfx}", di), (f"bias_hh{sfx}", dh)):
+                p = getattr(module, name, None)
+                if trainable(p):
+                    out.append(Sketch(p, sketch(d.sum((0, 1)), probe(p))))
+        return out
