@@ -87,6 +87,9 @@ def _is_pointwise(name: str) -> bool:
     return found
 
 
+_NAMES: dict = {}  # function -> its op name, looked up once per function
+
+
 def _op_name(func: Callable) -> str:
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a Tensor property: x.T, x.mT, x.data
@@ -147,7 +150,14 @@ class BatchTracker(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not self._status:
             return out
-        name = _op_name(func)
+        try:
+            name = _NAMES[func]
+        except (KeyError, TypeError):  # first sight of this function (or an unhashable one)
+            name = _op_name(func)
+            try:
+                _NAMES[func] = name
+            except TypeError:
+                pass
         if name in _SHAPE_ONLY:
             return out
         if name != "__setitem__" and not _has_tensor(out):  # x.shape, x.size(0), x.dim()
@@ -165,14 +175,20 @@ class BatchTracker(TorchFunctionMode):
         return out
 
     def _inputs(self, args: Sequence, kwargs: dict) -> list[tuple[torch.Tensor, int | str]]:
+        """(tensor, status) of the op's arguments (and the items of list/tuple arguments) that carry a status.
+        The hot path of the mode (every op): the status lookup is inlined."""
         found = []
-        for value in (*args, *kwargs.values()):
-            items = value if isinstance(value, (tuple, list)) else (value,)
-            for t in items:
-                if isinstance(t, torch.Tensor):
-                    s = self.status(t)
-                    if s is not None:
-                        found.append((t, s))
+        status = self._status
+        for value in (args if not kwargs else (*args, *kwargs.values())):
+            if type(value) in (tuple, list):
+                for t in value:
+                    entry = status.get(id(t))
+                    if entry is not None and entry[0]() is t:
+                        found.append((t, entry[1]))
+            else:
+                entry = status.get(id(value))
+                if entry is not None and entry[0]() is value:
+                    found.append((value, entry[1]))
         return found
 
     def _mark_outputs(self, name: str, args: Sequence, out: Any, result: Any) -> None:
