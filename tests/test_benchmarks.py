@@ -51,3 +51,9 @@ def test_bench_persample_training_steps(tmp_path):
     (r,) = result["results"]
     assert r["seq_len"] == 16 and r["norms_s"] > 0 and r["skipped_s"] > 0 and isinstance(r["met"], bool)
     assert r["bookkeeping_s"] > 0 and isinstance(r["moonshot_met"], bool)
+
+
+def test_bench_provenance_reports_the_cost_per_op(tmp_path):
+    result = _run("bench_provenance.py", "--rounds", "3", out=tmp_path / "provenance.json")
+    assert result["ops_per_forward_gpt2_small"] > 100 and result["forward_tracked_ms"] > 0
+    assert isinstance(result["met"], bool) and result["target"]

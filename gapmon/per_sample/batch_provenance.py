@@ -160,18 +160,29 @@ class BatchTracker(TorchFunctionMode):
                 pass
         if name in _SHAPE_ONLY:
             return out
-        if name != "__setitem__" and not _has_tensor(out):  # x.shape, x.size(0), x.dim()
+        one = type(out) is torch.Tensor
+        if not one and name != "__setitem__" and not _has_tensor(out):  # x.shape, x.size(0), x.dim()
             return out
         inputs = self._inputs(args, kwargs)
         if not inputs and name not in _EXPANDS and name != "__setitem__":
             return out
+        if one and len(inputs) == 1 and _POINTWISE.get(name) and type(inputs[0][1]) is int and name not in _RULES:
+            # The hot path (activations, residual adds with a scalar, casts): one batched input of a
+            # pointwise op keeps its dim when the output has its rank (else the general rule decides).
+            t, s = inputs[0]
+            if t.dim() == out.dim() and out.shape[s] == self.batch:
+                self._status[id(out)] = (weakref.ref(out), s)
+                return out
         try:
             result = self._rule(name, args, kwargs, inputs, out)
         except Lost as why:
             result = f"{why}"
         except Exception as error:  # a rule's own bug must never break the user's forward pass
             result = f"{name} (no batch rule could read it: {type(error).__name__})"
-        self._mark_outputs(name, args, out, result)
+        if one:
+            self.mark(out, result[0] if type(result) is list else result)
+        else:
+            self._mark_outputs(name, args, out, result)
         return out
 
     def _inputs(self, args: Sequence, kwargs: dict) -> list[tuple[torch.Tensor, int | str]]:
