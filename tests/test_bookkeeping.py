@@ -208,3 +208,24 @@ def test_book_kept_output_can_be_modified_in_place():
     model = Residual().double()
     x, y = torch.randn(3, 20, 8, dtype=torch.float64), torch.randn(3, 20, 2, dtype=torch.float64)
     _check_exact(model, [(x, y)], _mse, bookkept=2)
+
+
+def test_a_bookkept_weight_used_outside_its_layer_is_still_refused():
+    """The use check of a book-kept call sketches the weight gradient it formed: a use of the weight
+    outside the layer's forward still shows."""
+    import torch.nn.functional as F
+
+    class Reused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x) + F.linear(x, self.a.weight))
+
+    torch.manual_seed(0)
+    model = Reused()
+    norms = gapmon.PerSampleGradNorms(model, bookkeeping=True)  # T=100 > dp/(d+p): the direct form, book-kept
+    model(torch.randn(3, 100, 64)).sum().backward()
+    with pytest.raises(RuntimeError, match="a.weight"):
+        norms.local_norms()

@@ -31,7 +31,8 @@ class _Carried:
 class BookkeepingLinear(torch.autograd.Function):
     """Identity on the output of F.linear(x, weight, bias) (carried detached); its backward is
     Linear's, with the weight gradient summed from per-sample gradients whose squared norms ([B], or
-    None for a frozen weight) go to `report(g, sq)`, g the output gradient as [B, T, p]."""
+    None for a frozen weight) go to `report(g, sq, weight_grad)`, g the output gradient as [B, T, p] and
+    weight_grad the sum (float32 or wider; None for a frozen weight)."""
 
     @staticmethod
     def forward(ctx, carried: _Carried, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -46,17 +47,17 @@ class BookkeepingLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         a, weight = ctx.saved_tensors
         compute = grad_out.dtype  # the dtype F.linear ran in (bfloat16 under bf16 autocast)
-        grad_x = grad_w = grad_b = sq = None
+        grad_x = grad_w = grad_b = sq = summed = None
         if ctx.needs_input_grad[1]:
             grad_x = (grad_out @ weight.to(compute)).to(ctx.x_dtype)
         b = grad_out.shape[0]
         g = grad_out.reshape(b, -1, grad_out.shape[-1])
         if ctx.needs_input_grad[2]:
-            sq, grad_w = _backend.direct_norm_sq_and_grad(a.reshape(b, -1, a.shape[-1]), g)
-            grad_w = grad_w.to(weight.dtype)
+            sq, summed = _backend.direct_norm_sq_and_grad(a.reshape(b, -1, a.shape[-1]), g)
+            grad_w = summed.to(weight.dtype)
         if ctx.needs_input_grad[3]:
             grad_b = g.sum((0, 1), dtype=_backend.product_dtype(g)).to(ctx.bias_dtype)
-        ctx.report(g, sq)
+        ctx.report(g, sq, summed)
         return None, grad_x, grad_w, grad_b, None
 
 

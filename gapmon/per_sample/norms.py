@@ -493,9 +493,11 @@ class PerSampleGradNorms:
         if calls.complete():
             self._finish(index, mb)
 
-    def _bookkept(self, index: int, mb: _MicroBatch, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None) -> None:
+    def _bookkept(self, index: int, mb: _MicroBatch, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None,
+                  weight_grad: torch.Tensor | None = None) -> None:
         """BookkeepingLinear's backward of call `call` of layer `index`: g is the output gradient
-        [B, T, p], weight_sq the weight part of the squared norms (formed with the weight gradient)."""
+        [B, T, p], weight_sq the weight part of the squared norms and weight_grad the weight gradient
+        (the sum of the per-sample gradients it formed: the use check sketches it, not them again)."""
         calls = mb.layers.get(index)
         if calls is not None and len(calls.calls) > 1:
             # The layer ran several times: its per-sample gradient is the sum over the calls, whose
@@ -509,7 +511,7 @@ class PerSampleGradNorms:
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
-            self._explain(index, mb, rule.positions(module, record.calls[call], g, acc), g.dtype)
+            self._explain(index, mb, rule.positions(module, record.calls[call], g, acc), g.dtype, weight_grad)
         mb.add(sq, acc)
 
     def _finish(self, index: int, mb: _MicroBatch) -> None:
@@ -583,14 +585,17 @@ class PerSampleGradNorms:
                 check.total += sketch(grad, self._probe(p))
         check.widen(grad.dtype, check.repeats)
 
-    def _explain(self, index: int, mb: _MicroBatch, piece: tuple, dtype: torch.dtype) -> None:
+    def _explain(self, index: int, mb: _MicroBatch, piece: tuple, dtype: torch.dtype,
+                 weight_grad: torch.Tensor | None = None) -> None:
         """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters: to
         the parameter objects the forward used (under FSDP2 the module may hold other ones by now)."""
         name, module, rule = self._layers[index]
         now = rule.params(module)
         used = mb.used.get(index, now)
         as_used = {id(p): u for p, u in zip(now, used)} if len(used) == len(now) else {}
-        sketches = rule.grad_sketch(module, piece, lambda p: self._probe(as_used.get(id(p), p)))
+        probe = lambda p: self._probe(as_used.get(id(p), p))  # noqa: E731
+        sketches = (rule.grad_sketch(module, piece, probe) if weight_grad is None
+                    else rule.bookkept_sketch(module, piece, weight_grad, probe))
         if sketches is None:
             for p in used:
                 self._check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"

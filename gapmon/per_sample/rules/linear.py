@@ -81,6 +81,16 @@ class LinearRule(NormRule):
             return bookkeeping.bookkeep(output, x, module, report)
         return None
 
+    def bookkept_sketch(self, module, pos, weight_grad: torch.Tensor | None, probe):
+        """grad_sketch of a book-kept call from the weight gradient it formed (no second read of A and G)."""
+        a, g = pos
+        out = []
+        if trainable(module.weight) and weight_grad is not None:
+            out.append(Sketch(module.weight, sketch(weight_grad, probe(module.weight))))
+        if trainable(module.bias):
+            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
+        return out
+
     def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None) -> torch.Tensor:
         """Squared norms of a book-kept call (gapmon.per_sample.bookkeeping): the weight part formed with the
         weight gradient, plus the bias part from the output gradient g [B, T, p]."""
