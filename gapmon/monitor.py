@@ -310,7 +310,7 @@ class GAPMonitor:
         in place (micro-batches in order; end_step merges the ranks) by the same op, which reads x
         once (on CUDA, many short instances take two launches). Only gapmon ops on preallocated rows:
         torch.compile traces them into the graph."""
-        if is_dtensor(x):  # tensor-parallel activations: the local part (see README limits)
+        if is_dtensor(x):  # tensor-parallel activations: the local part (see docs/limits.md)
             x = x.to_local()
         backward = kind == 1
         # Under torch.compile the gradient hooks run in the traced backward, where only their own row

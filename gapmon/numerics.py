@@ -147,7 +147,7 @@ def format_shares(rows: torch.Tensor, fmt: str, scale_exp: torch.Tensor | int = 
     under = (counts * (scaled <= f.min_normal_exp)).sum(-1)
     k0 = k.squeeze(-1)
     # float32 subnormals lie in [2^-149, 2^-126): below 2^a unless the scale lifts the whole bin (a bound
-    # where the scale splits it: README); float64 values below 2^-149 count as underflowing (exact
+    # where the scale splits it: docs/numerics.md); float64 values below 2^-149 count as underflowing (exact
     # unscaled, where k <= a + 149, a bound beyond).
     under = under + rows[..., BIN["subnormal"]] * ((k0 - 149) < f.min_normal_exp) + rows[..., BIN["tiny"]]
     # float64 values at or above 2^128 overflow every format unscaled; the MX scale takes the largest

@@ -216,7 +216,7 @@ def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[
                           for kind, r in ratios.items())
         print(f"  monitor cost    {costs}: added step time, median of {len(plain_times)} paired steps, on this small "
               f"model ({mcfg.n_layers} layers, d={mcfg.d_model}, {cfg.batch_per_rank}x{mcfg.seq_len} tokens per rank), "
-              "where per-call costs weigh more than on the README's benchmark model; rough on a shared CPU")
+              "where per-call costs weigh more than on the benchmark model of docs/benchmarks.md; rough on a shared CPU")
     print("  top grad norms  " + ", ".join(f"{n} {v:.3g}" for n, v in grad_norms[:3]))
     print(f"  non-finite      {nonfinite or 'none'}")
     verified = " and its 2 replicas compared" if cfg.hsdp else ""
