@@ -13,23 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
-from .conv import unfold_patches
+from .base import Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .conv import ConvRule, unfold_patches
 from .linear import product_norm_sq
 
 
 @register_norm_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-class ConvTransposeRule(NormRule):
-    def unsupported(self, module):
-        if module.padding_mode != "zeros":
-            return f"padding_mode={module.padding_mode!r} (only 'zeros' is unfolded)"
-        return None
-
-    def not_per_sample(self, module, call, output, batch, model_inputs):
-        a = call.arg(0, "input")
-        if isinstance(a, torch.Tensor) and a.dim() == len(module.kernel_size) + 1:
-            return "its input is unbatched"
-        return super().not_per_sample(module, call, output, batch, model_inputs)
+class ConvTransposeRule(ConvRule):
+    """A convolution's checks (padding mode, unbatched input); its own products."""
 
     def positions(self, module, call, g, acc):
         """(patches of g [B·G, L, (C_out/G)·k], inputs [B·G, L, C_in/G], output gradient [B, Q, C_out])."""
