@@ -137,8 +137,8 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
     except BaseException:
         remove_entry(generation)
         raise
-    if old is not None and old != generation.name and "/" not in old:
-        remove_entry(output_dir / old)
+    if old is not None and old != generation.name and re.fullmatch(rf"\.step{step}\.@[^/]*", old):
+        remove_entry(output_dir / old)  # only a generation directory of ours, whatever a planted pointer named
     for link in output_dir.glob(f"step{step}_*"):  # names of the old generation this one does not have
         if link.name not in planned and link.is_symlink() and os.readlink(link) == f"{pointer.name}/{link.name}":
             link.unlink(missing_ok=True)

@@ -491,3 +491,11 @@ def test_a_configuration_without_world_size_names_the_field(tmp_path):
     reseal_complete(tmp_path / "step0")
     with pytest.raises(DumpError, match="world_size"):
         reconstruct_gradients(tmp_path, 0)
+
+
+def test_a_planted_pointer_never_makes_the_writer_remove_what_it_names(tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "data").write_bytes(b"keep")
+    (tmp_path / ".step0").symlink_to("precious", target_is_directory=True)
+    write_reconstruction({"w": torch.ones(2)}, tmp_path, 0, {})
+    assert (tmp_path / "precious" / "data").read_bytes() == b"keep"

@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import warnings
 
 import numpy as np
@@ -261,3 +262,22 @@ def test_report_names_hostile_records_of_every_run_file_and_reads_the_rest(tmp_p
                                                                             "per_sample_norms.jsonl:3"]), skipped
     assert "3 monitored steps (0..2)" in text
     assert "Loss: 2.0000 at step 0 -> 1.8000 at step 2" in text
+
+
+def test_the_report_writes_nothing_through_a_planted_link(tmp_path):
+    pytest.importorskip("matplotlib")
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "gap/grads/w/norm": 1.0}) + "\n")
+    victim = outside / "victim.png"
+    victim.write_bytes(b"keep")
+    (run / "report").mkdir()
+    (run / "report" / "grad_norm_heatmap.png").symlink_to(victim)  # a file link: replaced, not written through
+    make_report(run)
+    assert victim.read_bytes() == b"keep" and not (run / "report" / "grad_norm_heatmap.png").is_symlink()
+    shutil.rmtree(run / "report")
+    (run / "report").symlink_to(outside, target_is_directory=True)  # a directory link: refused
+    with pytest.raises(OSError, match="symbolic link"):
+        make_report(run)
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.png"]

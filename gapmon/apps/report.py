@@ -14,6 +14,7 @@ from typing import Any
 from ..metric_names import parse_metric_name
 from ..numerics import FORMATS, format_shares, histogram_rows
 from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
+from ..safe_io import atomic_write, ensure_real_dir
 from ..stats import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
 from ..utils import check_real
 
@@ -88,6 +89,11 @@ def numerics_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _save(fig, path: Path, dpi: int) -> None:
+    """A figure as a PNG, written atomically (a link planted at `path` is replaced, never written through)."""
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+
+
 def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> None:
     """Per group: the exponent histogram over steps (steps across, exponent up, colour the log10
     share of the group's elements), and the per-format underflow/overflow shares."""
@@ -135,7 +141,7 @@ def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> 
         lines.set_title(f"{group}: share of elements", fontsize=9)
         lines.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
@@ -180,7 +186,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     if not records:
         raise FileNotFoundError(f"{run_dir}/{METRICS_FILE} is missing or empty: not a GAPMonitor run directory")
     out = run_dir / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_real_dir(run_dir, out)  # never a link planted there: nothing is written outside run_dir
     images = []
 
     # 1. Gradient-norm heat map: layers x steps, log scale.
@@ -200,7 +206,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     ax.set_title("Gradient norm per parameter (log10)")
     fig.colorbar(im, ax=ax, label="log10 ||grad||")
     fig.tight_layout()
-    fig.savefig(out / "grad_norm_heatmap.png", dpi=110)
+    _save(fig, out / "grad_norm_heatmap.png", 110)
     plt.close(fig)
     images.append(("Gradient norm per parameter", "grad_norm_heatmap.png"))
 
@@ -217,7 +223,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     ax.set_title("Activation max over steps (largest 12 modules)")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(out / "activation_max.png", dpi=110)
+    _save(fig, out / "activation_max.png", 110)
     plt.close(fig)
     images.append(("Activation max", "activation_max.png"))
 
@@ -236,7 +242,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         ax2.set_ylabel("loss", color="tab:red")
     ax.set_title("Loss and global gradient norm")
     fig.tight_layout()
-    fig.savefig(out / "loss_grad_norm.png", dpi=110)
+    _save(fig, out / "loss_grad_norm.png", 110)
     plt.close(fig)
     images.append(("Loss and global gradient norm", "loss_grad_norm.png"))
 
@@ -250,7 +256,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         ax.set_ylabel("samples")
         ax.set_title(f"Per-sample gradient norms ({len(values)} samples over {len(per_sample)} steps)")
         fig.tight_layout()
-        fig.savefig(out / "per_sample_norms.png", dpi=110)
+        _save(fig, out / "per_sample_norms.png", 110)
         plt.close(fig)
         images.append(("Per-sample gradient norms", "per_sample_norms.png"))
 
@@ -290,5 +296,5 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     for title, image in images:
         lines += [f"## {title}", "", f"![{title}]({image})", ""]
     path = out / "report.md"
-    path.write_text("\n".join(lines), encoding="utf-8")
+    atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines), encoding="utf-8"))
     return path
