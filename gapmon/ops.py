@@ -7,6 +7,7 @@ the compiled kernels are missing.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -23,12 +24,21 @@ from .stats import STAT_NAMES, Stats, check_tensor_list
 from .utils import is_dtensor, is_dtensor_type
 
 
+def _correction(value, op: str) -> int:
+    """The Bessel correction as an int (any integer, as torch.var takes it); TypeError naming the op otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"gapmon.{op}: correction must be an integer (1: Bessel's correction, 0: none), "
+                        f"got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
     """Count, mean, var (with `correction`), max|x|, L2 norm, non-finite and zero counts of `x`.
 
     One pass over memory for any float dtype and layout. A DTensor gives the statistics of the
     full tensor on every rank.
     """
+    correction = _correction(correction, "tensor_stats")
     if is_dtensor(x):
         return Stats.from_rows(multi_tensor_rows([x], correction)[0])
     return Stats.from_rows(_backend.tensor_rows(x, correction))
@@ -36,6 +46,7 @@ def tensor_stats(x: torch.Tensor, correction: int = 1) -> Stats:
 
 def instance_stats(x: torch.Tensor, correction: int = 1) -> Stats:
     """Statistics of each x[b] along dim 0: every field has shape [x.shape[0]]."""
+    correction = _correction(correction, "instance_stats")
     if is_dtensor(x):
         return distributed.dtensor_instance_stats(x, correction)
     return Stats.from_rows(_backend.instance_rows(x, correction))
@@ -43,12 +54,14 @@ def instance_stats(x: torch.Tensor, correction: int = 1) -> Stats:
 
 def multi_tensor_stats(xs: Sequence[torch.Tensor], correction: int = 1) -> Stats:
     """Statistics of each of N tensors (mixed sizes and dtypes) in one launch: fields have shape [N]."""
+    correction = _correction(correction, "multi_tensor_stats")
     return Stats.from_rows(multi_tensor_rows(xs, correction))
 
 
 def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
     """The [N, 7] float64 buffer behind `multi_tensor_stats` (columns in STAT_NAMES order), for
     callers that read every statistic at once, e.g. in one device-to-host copy."""
+    correction = _correction(correction, "multi_tensor_rows")
     xs = list(xs)
     if not xs:
         return torch.empty(0, len(STAT_NAMES), dtype=torch.float64)
@@ -70,9 +83,11 @@ def merge_states(states: torch.Tensor) -> torch.Tensor:
 
 def finalize_states(states: torch.Tensor, correction: int = 1) -> Stats:
     """[N, 7] partial states -> Stats with [N] fields."""
+    correction = _correction(correction, "finalize_states")
     return Stats.from_rows(finalize_rows(states, correction))
 
 
 def finalize_rows(states: torch.Tensor, correction: int = 1) -> torch.Tensor:
     """[N, 7] partial states -> the [N, 7] float64 statistics buffer behind `finalize_states`."""
+    correction = _correction(correction, "finalize_rows")
     return _backend.finalize_rows(states, correction)
