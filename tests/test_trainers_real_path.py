@@ -315,3 +315,65 @@ def test_olmo_core_per_sample_norms_with_micro_batches(tmp_path):
     assert got == pytest.approx(want, rel=1e-4)
     assert recorded[GLOBAL_BATCH_SIZE] == 4
     callback.close()
+
+
+HF_DDP = """'''HF Trainer under DDP (2 CPU processes, gloo): per-sample norms of each sample's own loss on every rank.'''
+import json, os, sys, warnings
+warnings.simplefilter("ignore")
+import torch, transformers
+sys.path.insert(0, sys.argv[2])
+import test_trainers_real_path as t
+from gapmon.integrations.huggingface import attach
+
+data = t._lm_data(16)
+model, _ = t._llama(transformers)
+args = t._hf_args(transformers, sys.argv[1], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+                  max_grad_norm=0.0, learning_rate=1e-2, ddp_backend="gloo", logging_steps=100)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+cb = attach(trainer, interval=1, per_sample_grad_norms=True)
+seen, checks = [], []
+
+def capture(module, a, kw):
+    if cb.monitor is not None and cb.monitor.monitoring:
+        for i in range(kw["input_ids"].shape[0]):
+            seen.append({"input_ids": kw["input_ids"][i].clone(), "labels": kw["labels"][i].clone()})
+
+model.register_forward_pre_hook(capture, with_kwargs=True)
+
+class Check(transformers.TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        covered = set(cb.monitor.per_sample.coverage()["covered"])
+        got = cb.monitor.per_sample.local_norms().tolist()
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        want = t._reference_norms(lambda: t._llama(transformers)[0], sd, list(seen), covered,
+                                  lambda m, s: m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss)
+        checks.append(max(abs(g / w - 1) for g, w in zip(got, want)))
+        seen.clear()
+
+trainer.add_callback(Check())
+trainer.train()
+print("RESULT", os.environ.get("RANK"), json.dumps(checks))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_huggingface_trainer_under_ddp_gives_each_samples_own_norm(tmp_path):
+    """2 CPU processes (gloo), accumulation 2: the Trainer divides the token sum by the token count over
+    every rank and multiplies back by the world size; each rank's norms are still of its samples' own loss."""
+    _hf()
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "ddp.py"
+    script.write_text(HF_DDP)
+    tests_dir = str(Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+                           str(tmp_path / "out"), tests_dir], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    results = [line.split(maxsplit=2) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and len(results) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for _, rank, errors in results:
+        errors = json.loads(errors)
+        assert len(errors) == 2 and max(errors) < HF_RTOL, (rank, errors)
