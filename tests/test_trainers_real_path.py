@@ -353,6 +353,10 @@ class Check(transformers.TrainerCallback):
 trainer.add_callback(Check())
 trainer.train()
 print("RESULT", os.environ.get("RANK"), json.dumps(checks))
+sys.stdout.flush()
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort it (std::terminate)
+os._exit(0)
 """
 
 
@@ -370,8 +374,12 @@ def test_huggingface_trainer_under_ddp_gives_each_samples_own_norm(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(HF_DDP)
     tests_dir = str(Path(__file__).resolve().parent)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                           str(tmp_path / "out"), tests_dir], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    from helpers import free_port
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port())]
+    proc = subprocess.run([*launch, str(script), str(tmp_path / "out"), tests_dir], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
     results = [line.split(maxsplit=2) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and len(results) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     for _, rank, errors in results:
