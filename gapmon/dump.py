@@ -351,6 +351,8 @@ class GradientDumper:
         if self.rank == 0:  # the step's earlier generation stops being complete before any new file lands
             (directory / COMPLETE).unlink(missing_ok=True)
         (directory / _FAILED.format(f"rank{self.rank}")).unlink(missing_ok=True)
+        if self.world > 1 and (self.config.mode == "full" or any(is_dtensor(g) for _, g in grads)):
+            self._check_peers_alive(step)  # modes whose collectives need every rank
         if self.config.mode == "full":
             self._dump_full(step, generation, grads)
         elif self.config.mode == "shards":
@@ -527,6 +529,14 @@ class GradientDumper:
             "format_version": FORMAT_VERSION, "step": step, "run_id": self.run_id, "generation": generation,
             "world_size": self.world, "config": self._recorded, "checksum": CHECKSUM, "files": records}))
         _remove_unlisted(directory, records)
+
+    def _check_peers_alive(self, step: int) -> None:
+        """Raises at once, naming the rank, if a rank of this host has exited: the collectives of the full
+        and sampled modes would otherwise wait for it until the process group's timeout."""
+        for rank, (peer_host, pid) in enumerate(self._peers):
+            if peer_host == HOST and pid != os.getpid() and not process_alive(pid):
+                raise RuntimeError(f"GradientDumper: rank {rank} (pid {pid}) has exited; step {step} is not dumped "
+                                   "(its collectives would wait for it)")
 
     def _check_writers(self, directory: Path, step: int, missing: list[str]) -> None:
         """Raises at once, naming the rank, if a rank whose file is missing reported a failed write
