@@ -61,7 +61,10 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         labels = model_kwargs.get("shift_labels")
         if labels is None:
             labels = model_kwargs.get("labels")
-            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and getattr(trainer, "_loss_shifts_labels", False):
+            shifts = getattr(trainer, "_loss_shifts_labels", None)
+            if shifts is None:  # transformers before 5: a causal LM's loss shifts its labels
+                shifts = type(trainer.model).__name__.endswith("ForCausalLM")
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and shifts:
                 labels = labels[..., 1:]  # a causal LM predicts token t + 1 at t
         token_level = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.shape[0] == samples
         num_items = model_kwargs.get("num_items_in_batch")
