@@ -121,8 +121,19 @@ def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, acc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         callback = attach(trainer, interval=1, per_sample_grad_norms=True)
+    checks = hf_own_loss_checks(transformers, trainer, model, callback)
+    trainer.train()
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 2 * accumulation
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
+def hf_own_loss_checks(transformers, trainer, model, callback) -> list:
+    """Adds to `trainer` a callback that, at each optimizer step (after gapmon's), appends (gapmon's norms,
+    the float64-loop norms of the samples the model saw in the step) to the list it returns."""
     seen: list[dict] = []  # each step's samples, as the model saw them
-    checks = []
+    checks: list = []
 
     def capture(module, args, kwargs):
         if callback.monitor is not None and callback.monitor.monitoring:
@@ -132,7 +143,7 @@ def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, acc
     model.register_forward_pre_hook(capture, with_kwargs=True)
 
     class Check(transformers.TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # after gapmon's end_step
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
             covered = set(callback.monitor.per_sample.coverage()["covered"])
             got = callback.monitor.per_sample.local_norms().tolist()
             state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -140,16 +151,11 @@ def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, acc
             def loss_of(m, s):
                 return m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss  # its own mean over tokens
 
-            want = _reference_norms(lambda: _llama(transformers)[0], state_dict, list(seen), covered, loss_of)
-            checks.append((got, want))
+            checks.append((got, _reference_norms(lambda: _llama(transformers)[0], state_dict, list(seen), covered, loss_of)))
             seen.clear()
 
     trainer.add_callback(Check())
-    trainer.train()
-    assert len(checks) == 2
-    for got, want in checks:
-        assert len(got) == 2 * accumulation
-        assert got == pytest.approx(want, rel=HF_RTOL)
+    return checks
 
 
 def _lightning_module(pl, transformers):
@@ -331,28 +337,10 @@ args = t._hf_args(transformers, sys.argv[1], per_device_train_batch_size=2, grad
                   max_grad_norm=0.0, learning_rate=1e-2, ddp_backend="gloo", logging_steps=100)
 trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
 cb = attach(trainer, interval=1, per_sample_grad_norms=True)
-seen, checks = [], []
-
-def capture(module, a, kw):
-    if cb.monitor is not None and cb.monitor.monitoring:
-        for i in range(kw["input_ids"].shape[0]):
-            seen.append({"input_ids": kw["input_ids"][i].clone(), "labels": kw["labels"][i].clone()})
-
-model.register_forward_pre_hook(capture, with_kwargs=True)
-
-class Check(transformers.TrainerCallback):
-    def on_pre_optimizer_step(self, args, state, control, **kw):
-        covered = set(cb.monitor.per_sample.coverage()["covered"])
-        got = cb.monitor.per_sample.local_norms().tolist()
-        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        want = t._reference_norms(lambda: t._llama(transformers)[0], sd, list(seen), covered,
-                                  lambda m, s: m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss)
-        checks.append(max(abs(g / w - 1) for g, w in zip(got, want)))
-        seen.clear()
-
-trainer.add_callback(Check())
+checks = t.hf_own_loss_checks(transformers, trainer, model, cb)
 trainer.train()
-print("RESULT", os.environ.get("RANK"), json.dumps(checks))
+errors = [max(abs(g / w - 1) for g, w in zip(got, want)) for got, want in checks]
+print("RESULT", os.environ.get("RANK"), json.dumps(errors))
 sys.stdout.flush()
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort it (std::terminate)
