@@ -82,6 +82,13 @@ def tree_map_tensors(fn: Callable, tree: Any) -> Any:
     return tree_map_only(torch.Tensor, fn, tree)
 
 
+def tensor_leaves(tree: Any) -> list:
+    """Every tensor in `tree` (nested dicts, lists, tuples), in order (torch.utils._pytree.tree_leaves)."""
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
 def dynamo_disable(fn: Callable) -> Callable:
     """fn, run untraced by Dynamo when called from a compiled region."""
     return torch._dynamo.disable(fn)

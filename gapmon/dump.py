@@ -530,11 +530,16 @@ class GradientDumper:
             "world_size": self.world, "config": self._recorded, "checksum": CHECKSUM, "files": records}))
         _remove_unlisted(directory, records)
 
+    def _peer_exited(self, rank: int) -> bool:
+        """Whether rank `rank` is a process of this host (not this one) that no longer runs."""
+        peer_host, pid = self._peers[rank] if rank < len(self._peers) else (None, 0)
+        return peer_host == HOST and pid != os.getpid() and not process_alive(pid)
+
     def _check_peers_alive(self, step: int) -> None:
         """Raises at once, naming the rank, if a rank of this host has exited: the collectives of the full
         and sampled modes would otherwise wait for it until the process group's timeout."""
-        for rank, (peer_host, pid) in enumerate(self._peers):
-            if peer_host == HOST and pid != os.getpid() and not process_alive(pid):
+        for rank, (_, pid) in enumerate(self._peers):
+            if self._peer_exited(rank):
                 raise RuntimeError(f"GradientDumper: rank {rank} (pid {pid}) has exited; step {step} is not dumped "
                                    "(its collectives would wait for it)")
 
@@ -547,9 +552,8 @@ class GradientDumper:
             if marker.exists():
                 raise RuntimeError(f"GradientDumper: rank {rank} failed to write step {step}: "
                                    f"{marker.read_text(errors='replace').strip()}; step left incomplete")
-            peer_host, pid = self._peers[rank] if rank < len(self._peers) else (None, 0)
-            if peer_host == HOST and pid != os.getpid() and not process_alive(pid):
-                raise RuntimeError(f"GradientDumper: rank {rank} (pid {pid}) exited without writing {directory / name}; "
+            if self._peer_exited(rank):
+                raise RuntimeError(f"GradientDumper: rank {rank} (pid {self._peers[rank][1]}) exited without writing {directory / name}; "
                                    "step left incomplete")
 
     # ----------------------------------------------------------------- background writes

@@ -88,6 +88,12 @@ def first_tensor(value: Any) -> torch.Tensor | None:
     return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
+def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The first tensor of a call's positional arguments, else of its keyword arguments."""
+    found = first_tensor(args)
+    return found if found is not None else first_tensor(kwargs)
+
+
 def check_int(value: Any, who: str, name: str, minimum: int = 0) -> int:
     """`value` as an int >= minimum: any integral number (int, numpy.int64, a 0-dim integer tensor's
     item), never a float or bool. Raises TypeError/ValueError naming `who` and `name`."""
@@ -137,10 +143,7 @@ class ParameterWatch:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self._refs = self._snapshot()
-
-    def _snapshot(self) -> list[tuple[str, weakref.ref]]:
-        return [(n, weakref.ref(p)) for n, p in self.model.named_parameters()]
+        self._refs = [(n, weakref.ref(p)) for n, p in model.named_parameters()]
 
     def changed(self) -> bool:
         """Whether a parameter was replaced, added or removed since the last call (or construction)."""

@@ -19,7 +19,7 @@ from .. import _torch_compat
 from ..config import DumpConfig, MonitorConfig
 from ..dump import GradientDumper
 from ..monitor import GAPMonitor
-from ..utils import first_tensor
+from ..utils import first_input
 
 
 def require(package: str, module: str, install: str) -> object:
@@ -72,8 +72,7 @@ def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weight
     def hook(module, args, kwargs):
         if not monitor.monitoring or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
             return  # a skipped step, or activation checkpointing recomputing the forward
-        x = first_tensor(args)
-        x = x if x is not None else first_tensor(kwargs)
+        x = first_input(args, kwargs)
         if x is None or x.dim() == 0:
             return
         if count_samples:

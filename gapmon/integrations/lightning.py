@@ -22,27 +22,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import make_dumper, make_monitor, require
 
 pl = require("lightning.pytorch", "lightning", "lightning")
 
+from .._torch_compat import tensor_leaves  # noqa: E402
 from ..config import DumpConfig, MonitorConfig  # noqa: E402
 from ..dump import GradientDumper  # noqa: E402
 from ..monitor import GAPMonitor  # noqa: E402
 from ..utils import first_tensor  # noqa: E402
-
-
-def _tensors(value: Any) -> list:
-    """Every tensor in a batch (nested dicts, lists and tuples), in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def batched_tensors(batch: Any, batch_dim: int, names: Any = None) -> list:
@@ -51,8 +39,8 @@ def batched_tensors(batch: Any, batch_dim: int, names: Any = None) -> list:
     if names is not None:
         picked = [batch[k] for k in names if (isinstance(batch, dict) and k in batch)
                   or (isinstance(batch, (list, tuple)) and isinstance(k, int) and k < len(batch))]
-        return [t for p in picked for t in _tensors(p)]
-    found = [t for t in _tensors(batch) if t.dim() > batch_dim]
+        return [t for p in picked for t in tensor_leaves(p)]
+    found = [t for t in tensor_leaves(batch) if t.dim() > batch_dim]
     return [t for t in found if t.shape[batch_dim] == found[0].shape[batch_dim]] if found else []
 
 

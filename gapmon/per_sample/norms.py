@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, clean_named, first_tensor, is_dtensor, name_cleaner
+from ..utils import ParameterWatch, clean_named, first_input, first_tensor, is_dtensor, name_cleaner
 from .batch_provenance import BatchTracker
 from .rules import Call, NormRule, rule_for, sketch, sketch_rows, why_no_rule
 
@@ -115,11 +115,6 @@ class _MicroBatch:
         """Adds a layer's squared norms (float64, summed in `acc`)."""
         self.sq = sq if self.sq is None else self.sq + sq
         self.dtype = acc if self.dtype is None else torch.promote_types(self.dtype, acc)
-
-
-def _root_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    found = first_tensor(args)
-    return found if found is not None else first_tensor(kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -344,7 +339,7 @@ class PerSampleGradNorms:
 
     def _batched_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self.batch_inputs is None:
-            x = _root_input(args, kwargs)
+            x = first_input(args, kwargs)
             found = [] if x is None else [x]
         else:
             found = [_named_input(module, args, kwargs, key) for key in self.batch_inputs]
@@ -825,11 +820,11 @@ def _all_gather_varlen(ids: torch.Tensor, norms: torch.Tensor, group) -> tuple[t
     dist.all_gather(sizes, torch.tensor([ids.numel()], device=device), group=group)
     counts = torch.cat(sizes).tolist()  # one host read for all ranks
     longest = int(max(counts))
-    gathered = []
-    for values, dtype in ((ids, torch.int64), (norms, torch.float64)):
-        padded = torch.zeros(longest, dtype=dtype, device=device)
-        padded[: values.numel()] = values.to(device, dtype)
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded, group=group)
-        gathered.append(torch.cat([p[: int(n)] for p, n in zip(parts, counts)]).cpu())
-    return gathered[0], gathered[1].to(norms.dtype)
+    # One all-gather: int64 ids beside the bits of float64 norms (both exact).
+    padded = torch.zeros(2, longest, dtype=torch.int64, device=device)
+    padded[0, : ids.numel()] = ids.to(device)
+    padded[1, : norms.numel()] = norms.to(device, torch.float64).view(torch.int64)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    gathered = torch.cat([p[:, : int(n)] for p, n in zip(parts, counts)], dim=1).cpu()
+    return gathered[0], gathered[1].view(torch.float64).to(norms.dtype)

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ... import _backend
+from ...utils import first_tensor
 
 _RULES: dict[type, "NormRule"] = {}
 
@@ -140,9 +141,7 @@ class NormRule:
         """The outputs whose gradients `positions` needs. Default: the first tensor output alone (g is its
         gradient); a rule naming several gets g as a tuple of their gradients, None where the loss does not
         use one, in the layout they have (it moves no batch dim)."""
-        first = output if isinstance(output, torch.Tensor) else next(
-            (t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
-        return [first]
+        return [first_tensor(output)]
 
     def batch_operands(self, module: nn.Module, call: Call) -> list[tuple[Any, int | None]]:
         """The call's inputs that must carry the batch, each with the dim it must be on (None: any
