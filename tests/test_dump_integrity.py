@@ -499,3 +499,43 @@ def test_a_planted_pointer_never_makes_the_writer_remove_what_it_names(tmp_path)
     (tmp_path / ".step0").symlink_to("precious", target_is_directory=True)
     write_reconstruction({"w": torch.ones(2)}, tmp_path, 0, {})
     assert (tmp_path / "precious" / "data").read_bytes() == b"keep"
+
+
+def test_a_full_disk_mid_reconstruction_leaves_the_earlier_one_and_nothing_else(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    write_reconstruction({"w": torch.ones(2), "v": torch.ones(3)}, tmp_path, 0, {})
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("step0_*")}
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    real, calls = safetensors.torch.save_file, []
+
+    def fills_up(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:  # the second file of the new generation finds the disk full
+            raise OSError(28, "No space left on device")
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_up)
+    with pytest.raises(OSError):
+        write_reconstruction({"w": torch.zeros(2), "v": torch.zeros(3)}, tmp_path, 0, {})
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("step0_*")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == entries
+
+
+def test_loss_weights_are_copied_when_declared():
+    model = nn.Linear(3, 2).double()
+    norms = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    x = torch.randn(2, 3, dtype=torch.float64)
+    w = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    losses = model(x).square().sum(1)
+    norms.set_loss_weights(w)
+    (losses * w).sum().backward()
+    w.mul_(10)  # the caller reuses its buffer: the declared weights stay as they were
+    got = norms.local_norms().tolist()
+    norms.close()
+    want = []
+    for i in range(2):
+        model.zero_grad()
+        model(x[i:i + 1]).square().sum().backward()
+        want.append(float(sum(p.grad.square().sum() for p in model.parameters())) ** 0.5)
+    assert got == pytest.approx(want, rel=1e-12)

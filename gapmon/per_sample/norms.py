@@ -327,7 +327,7 @@ class PerSampleGradNorms:
         if not self._micro:
             raise RuntimeError("PerSampleGradNorms.set_loss_weights: no micro-batch yet; call it after the forward pass")
         mb = self._micro[-1]
-        w = torch.as_tensor(weights, dtype=torch.float64).detach()
+        w = torch.as_tensor(weights, dtype=torch.float64).detach().clone()  # a later in-place change is not ours
         if w.dim() == 0:
             w = w.expand(mb.batch)
         w = w.reshape(-1)
