@@ -373,3 +373,59 @@ def test_huggingface_trainer_under_ddp_gives_each_samples_own_norm(tmp_path):
     for _, rank, errors in results:
         errors = json.loads(errors)
         assert len(errors) == 2 and max(errors) < HF_RTOL, (rank, errors)
+
+
+def test_lightning_keeps_everything_it_logs_without_gapmon(tmp_path):
+    """What a LightningModule logs (self.log) reaches the Trainer's loggers with gapmon attached exactly as
+    without it; gapmon only adds its own gap/ metrics."""
+    pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (CI installs it)")
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = ((self.net(x) - y) ** 2).mean()
+            self.log("train_loss", loss)
+            self.log("lr", self.optimizers().param_groups[0]["lr"])
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(callbacks):
+        records = []
+
+        class Logger(pl.loggers.Logger):
+            name, version = "memory", 0
+
+            @property
+            def experiment(self):
+                return None
+
+            def log_hyperparams(self, params, *args, **kwargs):
+                pass
+
+            def log_metrics(self, metrics, step=None):
+                records.append((step, {k: v for k, v in metrics.items() if not k.startswith("gap/")}))
+
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 1))
+        trainer = pl.Trainer(max_steps=4, accumulate_grad_batches=2, accelerator="cpu", logger=Logger(),
+                             callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path), log_every_n_steps=1)
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=3))
+        return [r for r in records if r[1]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = run([])
+        watched = run([GAPMonitorCallback(interval=1, per_sample_grad_norms=True)])
+    assert plain and [s for s, _ in watched] == [s for s, _ in plain]
+    for (_, a), (_, b) in zip(plain, watched):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-6), key
