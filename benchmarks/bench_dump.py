@@ -37,8 +37,8 @@ def model_100m() -> nn.Module:
 @contextmanager
 def checksums_stubbed():
     """The writer records 0 and the reader checks nothing: the same dump without checksum work."""
-    import gapmon.dump as dump
-    import gapmon.reconstruct as reconstruct
+    import gapmon.dump.dumper as dump
+    import gapmon.dump.reconstruct as reconstruct
 
     saved = dump.tensor_crc32, reconstruct._check_checksum
     dump.tensor_crc32, reconstruct._check_checksum = (lambda t: 0), (lambda t, *args: t)
@@ -51,7 +51,7 @@ def checksums_stubbed():
 def checksum_cost(root: Path, gigabytes: float, rounds: int = 3) -> dict:
     """Sync shards dump + reconstruction of `gigabytes` of float32 gradients, with and without
     checksums, alternating; medians of `rounds` rounds each."""
-    from gapmon.dump_format import tensor_crc32
+    from gapmon.dump.format import tensor_crc32
 
     n = int(gigabytes * 1e9 / 4 / 4096**2 + 0.5)
     model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(n)])

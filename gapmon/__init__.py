@@ -1,11 +1,21 @@
-"""gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training."""
-from . import analysis, numerics, reference
+"""gapmon: fused one-pass statistics of gradients, activations and parameters for PyTorch training.
+
+Subsystems, one folder each: stats/ (the ops), monitor/ (GAPMonitor), per_sample/ (per-sample
+gradient norms), dump/ (gradient dumps), integrations/ (trainers) and apps/ (CLI, demo, report).
+"""
+import importlib as _importlib
+import sys as _sys
+
 from .config import DumpConfig, MonitorConfig, PerSampleConfig, Schedule
-from .dump import GradientDumper
-from .dump_format import DumpCorruptError, DumpError, DumpIncompleteError, DumpInconsistentError, DumpMissingError
-from .monitor import GAPMonitor
-from .numerics import FORMATS, Numerics, exponent_histogram, multi_tensor_numerics, numerics_states
-from .ops import (
+from .dump.dumper import GradientDumper
+from .dump.format import DumpCorruptError, DumpError, DumpIncompleteError, DumpInconsistentError, DumpMissingError
+from .dump.reconstruct import reconstruct_gradients
+from .monitor.gap_monitor import GAPMonitor
+from .monitor.sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
+from .per_sample import PerSampleGradNorms
+from .stats.layout import STAT_NAMES, Stats
+from .stats.numerics import FORMATS, Numerics, exponent_histogram, multi_tensor_numerics, numerics_states
+from .stats.ops import (
     accumulate_instance_stats,
     backend,
     cpu_isa,
@@ -16,10 +26,6 @@ from .ops import (
     multi_tensor_stats,
     tensor_stats,
 )
-from .per_sample import PerSampleGradNorms
-from .reconstruct import reconstruct_gradients
-from .sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
-from .stats import STAT_NAMES, Stats
 
 __all__ = [
     "Stats",
@@ -60,3 +66,20 @@ __all__ = [
     "WandbSink",
 ]
 __version__ = "0.1.0"
+
+# Module paths of earlier releases (and of the docs), each the module that now holds it: `import
+# gapmon.ops` and `from gapmon.reconstruct import ...` keep working, as the same module objects.
+MOVED_MODULES = {
+    "ops": "stats.ops",
+    "numerics": "stats.numerics",
+    "reference": "stats.reference",
+    "sinks": "monitor.sinks",
+    "metric_names": "monitor.metric_names",
+    "dump_format": "dump.format",
+    "reconstruct": "dump.reconstruct",
+    "export": "dump.export",
+    "analysis": "dump.analysis",
+}
+for _old, _new in MOVED_MODULES.items():
+    _sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _importlib.import_module(f".{_new}", __name__)
+

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from .numerics import check_formats
-from .sinks import Sink, as_sink
+from .stats.numerics import check_formats
 from .utils import check_int
+
+if TYPE_CHECKING:
+    from .monitor.sinks import Sink
 
 
 def _bool(value: Any, who: str, name: str) -> bool:
@@ -122,6 +124,8 @@ class MonitorConfig:
                              "activation_grads, per_sample_grad_norms")
         if isinstance(self.sinks, (str, bytes)) or not isinstance(self.sinks, Sequence):
             raise TypeError(f"{who}: sinks must be a list of sinks, got {self.sinks!r}")
+        from .monitor.sinks import as_sink  # here, not at the top: the monitor package imports this module
+
         _set(self, sinks=tuple(as_sink(s) for s in self.sinks))
         try:
             correction = check_int(self.correction, who, "correction", 0)

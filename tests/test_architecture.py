@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import gapmon
-from gapmon.dump_format import FORMAT_VERSION, DumpError, check_version
-from gapmon.metric_names import metric_name, parse_metric_name
+from gapmon.dump.format import FORMAT_VERSION, DumpError, check_version
+from gapmon.monitor.metric_names import metric_name, parse_metric_name
 
 PACKAGE = Path(gapmon.__file__).parent
 

@@ -265,7 +265,7 @@ def test_multi_tensor_stats_bits_repeat():
 def test_16bit_norm_products_on_tensor_cores_without_copies():
     """bfloat16 Grams and products with float32 results: no widening copy of the operands, and the
     float64 products of the same values within 1e-5."""
-    if not gapmon._backend.COMPILED:
+    if not gapmon.stats._backend.COMPILED:
         pytest.skip("needs the compiled ops")
     a = torch.randn(4, 128, 64, device="cuda").bfloat16()
     g = torch.randn(4, 128, 48, device="cuda").bfloat16()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import gapmon
 from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from gapmon.reconstruct import DumpError, list_steps, reconstruct_gradients
+from gapmon.dump.reconstruct import DumpError, list_steps, reconstruct_gradients
 
 CFG = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_heads=2, n_layers=2)
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import gapmon
 from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
-from gapmon.reconstruct import DumpError, reconstruct_gradients
+from gapmon.dump.reconstruct import DumpError, reconstruct_gradients
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -158,7 +158,7 @@ def test_a_synchronous_dump_names_a_dead_rank_in_seconds(tmp_path, mode):
     assert float(result[0].split()[1].removesuffix("s")) < 10  # in seconds, never the 600 s timeout
     if mode == "shards":  # rank 0 waits for rank 1's file: the death is named
         assert "rank 1" in result[0] and "exited" in result[0], result[0]
-        assert gapmon.reconstruct.list_steps(tmp_path / "dumps") == ([], [0])
+        assert gapmon.dump.reconstruct.list_steps(tmp_path / "dumps") == ([], [0])
     elif mode == "full":  # named by gapmon, or by gloo's collective when the death races the check
         assert ("rank 1" in result[0] and "exited" in result[0]) or "closed by peer" in result[0], result[0]
     # sampled: rank 0 holds the replicated gradient and writes alone; it may finish before the death shows

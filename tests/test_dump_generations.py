@@ -16,8 +16,8 @@ from helpers import reseal_complete
 from safetensors.torch import save_file
 
 import gapmon
-from gapmon.export import write_reconstruction
-from gapmon.reconstruct import DumpError, list_steps, reconstruct_gradients
+from gapmon.dump.export import write_reconstruction
+from gapmon.dump.reconstruct import DumpError, list_steps, reconstruct_gradients
 
 
 def _model(seed=0):

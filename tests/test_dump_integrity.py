@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import gapmon
-from gapmon.export import gradient_file, write_reconstruction
-from gapmon.reconstruct import DumpError, _place, list_steps, reconstruct_gradients
+from gapmon.dump.export import gradient_file, write_reconstruction
+from gapmon.dump.reconstruct import DumpError, _place, list_steps, reconstruct_gradients
 
 
 def _linear_with_grad(seed=0):
@@ -286,7 +286,7 @@ def test_dump_errors_say_which_kind_of_failure(tmp_path):
 
 
 def test_format_records_convert_both_ways_and_refuse_malformed_input(tmp_path):
-    from gapmon.dump_format import ShardRecord, dtype_from_name, dtype_name, full_index, read_full_index
+    from gapmon.dump.format import ShardRecord, dtype_from_name, dtype_name, full_index, read_full_index
 
     rec = ShardRecord(global_shape=[6, 4], local_shape=[3, 4], offsets=[3, 0], placements=["R", "S(0)"],
                       mesh_shape=[2, 2], coordinate=[1, 1], dtype="bfloat16", checksum=7)
@@ -393,7 +393,7 @@ def test_a_failed_full_dump_leaves_no_staging_directory(tmp_path, monkeypatch):
 
 KILLED_WRITER = textwrap.dedent("""
     import sys, torch
-    from gapmon.export import write_reconstruction
+    from gapmon.dump.export import write_reconstruction
     out = sys.argv[1]
     i = 0
     while True:
@@ -484,7 +484,7 @@ def test_a_configuration_without_world_size_names_the_field(tmp_path):
     del config["world_size"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(DumpError, match="'world_size' is missing"):
-        gapmon.reconstruct.read_config(tmp_path)
+        gapmon.dump.reconstruct.read_config(tmp_path)
     complete = json.loads((tmp_path / "step0" / "COMPLETE").read_text())
     del complete["world_size"], complete["config"]["world_size"]
     (tmp_path / "step0" / "COMPLETE").write_text(json.dumps(complete))

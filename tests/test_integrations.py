@@ -149,7 +149,7 @@ def test_olmo_core_callback_driven_as_the_trainer_drives_it(tmp_path):
         assert metrics["gap/grads/1.weight/norm"] == pytest.approx(grad_norms[step], rel=1e-5)
         assert {"gap/params/1.weight/max", "gap/params/1.weight/mean", "gap/params/1.weight/var",
                 "gap/activations/1/max", "gap/activation_grads/1/var"} <= set(metrics)
-    assert gapmon.reconstruct.list_steps(tmp_path / "gradients") == ([1, 2, 3, 4], [])
+    assert gapmon.dump.reconstruct.list_steps(tmp_path / "gradients") == ([1, 2, 3, 4], [])
     sampled = gapmon.reconstruct_gradients(tmp_path / "gradients", 4)
     assert sampled["1.weight"].shape == (4, 4)
 

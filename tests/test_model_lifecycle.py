@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import gapmon
-from gapmon.metric_names import metric_name
+from gapmon.monitor.metric_names import metric_name
 
 
 def _net() -> nn.Module:

@@ -399,5 +399,5 @@ def test_any_subset_of_kinds(kinds):
             metrics = mon.end_step()
             model.zero_grad()
     reported = {key.split("/")[1] for key in metrics}
-    wanted = {kind for kind in gapmon.metric_names.KINDS if kinds.get(kind, True)}
+    wanted = {kind for kind in gapmon.monitor.metric_names.KINDS if kinds.get(kind, True)}
     assert reported == wanted | {"global_batch_size", "per_sample_grad_norm"}

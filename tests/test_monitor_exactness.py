@@ -16,7 +16,7 @@ from helpers import assert_metrics_close, brute_force_gap_metrics, float64_stats
 
 import gapmon
 from gapmon.apps.report import make_report
-from gapmon.metric_names import metric_name, parse_metric_name
+from gapmon.monitor.metric_names import metric_name, parse_metric_name
 
 
 def _step(mon, model, x, step=0):
@@ -174,7 +174,7 @@ def test_a_briefly_full_disk_loses_no_jsonl_line(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    monkeypatch.setattr("gapmon.sinks.os.write", write)
+    monkeypatch.setattr("gapmon.monitor.sinks.os.write", write)
     sink.write(0, {"gap/x": 1.0}, {})
     full["on"] = True
     with pytest.warns(RuntimeWarning, match="cannot write metrics"):
@@ -197,7 +197,7 @@ def test_unwritable_lines_raise_at_close(tmp_path, monkeypatch):
     def write(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("gapmon.sinks.os.write", write)
+    monkeypatch.setattr("gapmon.monitor.sinks.os.write", write)
     with pytest.warns(RuntimeWarning):
         sink.write(0, {"gap/x": 1.0}, {})
     with pytest.raises(OSError, match=r"1 step\(s\) could not be written"):

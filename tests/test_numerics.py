@@ -455,7 +455,7 @@ def test_states_and_numerics_in_one_pass_equal_the_two_ops():
 def test_monitor_takes_parameter_numerics_in_the_statistics_pass(monkeypatch):
     """With numerics on, the parameters and gradients are read once for both (no separate statistics
     op over them), and the metrics are those of the separate ops."""
-    from gapmon import _backend
+    from gapmon.stats import _backend
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -541,7 +541,7 @@ def test_activation_fold_with_numerics_checks_its_arguments():
 def test_monitor_folds_activation_numerics_with_the_statistics(monkeypatch):
     """With numerics on, each activation hook is one op for statistics and numerics together (no
     separate numerics pass over the activation)."""
-    from gapmon import _backend
+    from gapmon.stats import _backend
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))

@@ -172,13 +172,13 @@ def test_16bit_products_sum_in_float32(dtype):
     ids = torch.randint(0, 7, (3, 40))
     a64, g64 = a.double(), g.double()
     want = torch.bmm(g64.transpose(1, 2), a64).square().sum((1, 2))
-    for got in (gapmon._backend.ghost_norm_sq(a, g), gapmon._backend.direct_norm_sq(a, g),
-                gapmon._backend.ghost_norm_sq(a, g64.float())):
+    for got in (gapmon.stats._backend.ghost_norm_sq(a, g), gapmon.stats._backend.direct_norm_sq(a, g),
+                gapmon.stats._backend.ghost_norm_sq(a, g64.float())):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
     same = ids.unsqueeze(2) == ids.unsqueeze(1)
     want_emb = (torch.bmm(g64, g64.transpose(1, 2)) * same).sum((1, 2))
-    got_emb = gapmon._backend.embedding_norm_sq(ids, g)
+    got_emb = gapmon.stats._backend.embedding_norm_sq(ids, g)
     assert got_emb.dtype == torch.float32
     torch.testing.assert_close(got_emb.double(), want_emb, rtol=1e-5, atol=0)
 

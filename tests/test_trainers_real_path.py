@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gapmon.metric_names import GLOBAL_BATCH_SIZE, per_sample_norm_name
+from gapmon.monitor.metric_names import GLOBAL_BATCH_SIZE, per_sample_norm_name
 
 VOCAB, SEQ = 29, 7
 # transformers computes the causal-LM loss in float32 (`logits.float()`, a float64 model's too), and a

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .. import ops, reference
-from ..stats import STAT_NAMES
+from ..stats import ops, reference
+from ..stats.layout import STAT_NAMES
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -88,9 +88,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _reconstruct(args: argparse.Namespace) -> int:
-    from ..dump_format import step_dir
-    from ..export import write_reconstruction
-    from ..reconstruct import read_complete, reconstruct_gradients, step_config
+    from ..dump.export import write_reconstruction
+    from ..dump.format import step_dir
+    from ..dump.reconstruct import read_complete, reconstruct_gradients, step_config
     from .progress import Progress
 
     progress = Progress(f"step {args.step}", quiet=args.quiet)
@@ -115,7 +115,7 @@ def _reconstruct(args: argparse.Namespace) -> int:
 
 
 def _steps(args: argparse.Namespace) -> int:
-    from ..reconstruct import list_steps, read_config
+    from ..dump.reconstruct import list_steps, read_config
 
     read_config(args.grad_dir)  # refuses a folder that is not a dump
     complete, incomplete = list_steps(args.grad_dir)
@@ -125,7 +125,7 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from ..analysis import compare, load_gradients
+    from ..dump.analysis import compare, load_gradients
 
     a, b = load_gradients(args.a), load_gradients(args.b)
     rows = compare(a, b)

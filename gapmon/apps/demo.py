@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..metric_names import parse_metric_name
-from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, SUMMARY_FILE, TRAIN_FILE, PerSampleRecord, TrainRecord, read_run_file
+from ..monitor.metric_names import parse_metric_name
+from .run_format import METRICS_FILE, PER_SAMPLE_FILE, SUMMARY_FILE, TRAIN_FILE, PerSampleRecord, TrainRecord, read_run_file
 
 MARKER = ".gapmon-demo"  # in a run directory the demo made (and may replace)
 TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics")
@@ -81,9 +81,9 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..dump import GradientDumper
-    from ..monitor import GAPMonitor
-    from ..sinks import JSONLSink
+    from ..dump.dumper import GradientDumper
+    from ..monitor.gap_monitor import GAPMonitor
+    from ..monitor.sinks import JSONLSink
     from .examples import TinyGPT, lm_loss, synthetic_batch
     from .progress import Progress
 
@@ -169,8 +169,8 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
 
 def _finish(out: Path, cfg: DemoConfig, world: int, mcfg, times: dict[str, list[float]], last_metrics, nonfinite,
             dumped) -> None:
-    from ..export import write_reconstruction
-    from ..reconstruct import read_config, reconstruct_gradients
+    from ..dump.export import write_reconstruction
+    from ..dump.reconstruct import read_config, reconstruct_gradients
     from .report import make_report
 
     recon_step = dumped[-1] if dumped else None

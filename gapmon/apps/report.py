@@ -11,12 +11,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..metric_names import parse_metric_name
-from ..numerics import FORMATS, format_shares, histogram_rows
-from ..run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
-from ..safe_io import atomic_write, ensure_real_dir
-from ..stats import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
+from ..dump.safe_io import atomic_write, ensure_real_dir
+from ..monitor.metric_names import parse_metric_name
+from ..stats.layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
+from ..stats.numerics import FORMATS, format_shares, histogram_rows
 from ..utils import check_real
+from .run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
 
 
 def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:

@@ -17,8 +17,8 @@ import torch
 
 from .. import _torch_compat
 from ..config import DumpConfig, MonitorConfig
-from ..dump import GradientDumper
-from ..monitor import GAPMonitor
+from ..dump.dumper import GradientDumper
+from ..monitor.gap_monitor import GAPMonitor
 from ..utils import first_input
 
 

@@ -30,8 +30,8 @@ from . import make_dumper, make_monitor, require, tokens_per_sample, watch_micro
 transformers = require("transformers", "huggingface", "transformers")
 
 from ..config import DumpConfig, MonitorConfig  # noqa: E402
-from ..dump import GradientDumper  # noqa: E402
-from ..monitor import GAPMonitor  # noqa: E402
+from ..dump.dumper import GradientDumper  # noqa: E402
+from ..monitor.gap_monitor import GAPMonitor  # noqa: E402
 
 
 class GAPMonitorTrainerCallback(transformers.TrainerCallback):

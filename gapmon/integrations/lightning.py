@@ -28,8 +28,8 @@ pl = require("lightning.pytorch", "lightning", "lightning")
 
 from .._torch_compat import tensor_leaves  # noqa: E402
 from ..config import DumpConfig, MonitorConfig  # noqa: E402
-from ..dump import GradientDumper  # noqa: E402
-from ..monitor import GAPMonitor  # noqa: E402
+from ..dump.dumper import GradientDumper  # noqa: E402
+from ..monitor.gap_monitor import GAPMonitor  # noqa: E402
 from ..utils import first_tensor  # noqa: E402
 
 

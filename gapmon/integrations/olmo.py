@@ -39,8 +39,8 @@ require("olmo_core", "olmo", "ai2-olmo-core")
 from olmo_core.train.callbacks.callback import Callback  # noqa: E402
 
 from ..config import DumpConfig, MonitorConfig, Schedule  # noqa: E402
-from ..dump import GradientDumper  # noqa: E402
-from ..monitor import GAPMonitor  # noqa: E402
+from ..dump.dumper import GradientDumper  # noqa: E402
+from ..monitor.gap_monitor import GAPMonitor  # noqa: E402
 
 
 @dataclass

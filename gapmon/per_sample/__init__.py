@@ -5,7 +5,7 @@
 - batch_provenance.py: which dim of each tensor holds the batch, followed op by op;
 - bookkeeping.py: Linear weight gradients formed from the per-sample gradients.
 """
-from .norms import PerSampleGradNorms
+from .grad_norms import PerSampleGradNorms
 from .rules import NormRule, register_norm_rule
 
 __all__ = ["PerSampleGradNorms", "NormRule", "register_norm_rule"]

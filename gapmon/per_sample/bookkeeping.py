@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from .. import _backend, _torch_compat
+from .. import _torch_compat
+from ..stats import _backend
 
 
 class _Carried:

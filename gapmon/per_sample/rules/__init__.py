@@ -4,14 +4,15 @@ A rule turns one call of a layer into per-sample squared norms of its trainable 
 (gapmon.per_sample.rules.base says how). Register a rule for your own layer type with
 ``register_norm_rule(MyLayer)(MyRule)``.
 """
-from . import attention, conv, conv_transpose, embedding, linear, norms, recurrent
+from . import attention, conv, conv_transpose, embedding, linear, recurrent
+from . import normalization as norms
 from .attention import MultiheadAttentionRule
 from .base import Call, NormRule, Sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
 from .conv import ConvRule
 from .conv_transpose import ConvTransposeRule
 from .embedding import EmbeddingBagRule, EmbeddingRule
 from .linear import LinearRule, product_norm_sq, use_ghost
-from .norms import GroupNormRule, InstanceNormRule, LastDimsNormRule
+from .normalization import GroupNormRule, InstanceNormRule, LastDimsNormRule
 from .recurrent import RecurrentRule
 
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent)

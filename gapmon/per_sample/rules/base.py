@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.nn as nn
 
-from ... import _backend
+from ...stats import _backend
 from ...utils import first_tensor
 
 _RULES: dict[type, "NormRule"] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ... import _backend
+from ...stats import _backend
 from .base import NormRule, Sketch, register_norm_rule, trainable
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ... import _backend
+from ...stats import _backend
 from .. import bookkeeping
 from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, sketch, trainable
 

@@ -35,9 +35,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ..utils import check_int, is_dtensor_type
 from . import _backend, distributed
-from .stats import BIN, BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
-from .utils import check_int, is_dtensor_type
+from .layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
 
 _FIRST_EXP = 2  # column of bin e = EXP_MIN
 

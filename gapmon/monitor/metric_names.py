@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .numerics import FORMATS
+from ..stats.numerics import FORMATS
 
 PREFIX = "gap"
 KINDS = ("params", "grads", "activations", "activation_grads")

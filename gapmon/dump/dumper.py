@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _torch_compat
-from .config import DumpConfig, dump_schedule
-from .distributed import materialize_partial
-from .dump_format import (
+from .. import _torch_compat
+from ..config import DumpConfig, dump_schedule
+from ..stats.distributed import materialize_partial
+from ..utils import ParameterWatch, check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
+from .format import (
     CHECKSUM,
     COMPLETE,
     CONFIG,
@@ -74,7 +75,6 @@ from .safe_io import (
     write_json,
     write_safetensors,
 )
-from .utils import ParameterWatch, check_step, clean_named, is_dtensor, rank_and_world, refuse_complex
 
 _FAILED = ".{}.failed"  # step{S}/.rank{R}.failed: a rank's write of the step failed (its error inside)
 

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ..utils import is_dtensor, is_dtensor_type
 from . import _backend, distributed
 from ._backend import (  # noqa: F401
     accumulate_instance_stats,
@@ -20,8 +21,7 @@ from ._backend import (  # noqa: F401
     cpu_isa,
     cuda_kernels_compiled,
 )
-from .stats import STAT_NAMES, Stats, check_tensor_list
-from .utils import is_dtensor, is_dtensor_type
+from .layout import STAT_NAMES, Stats, check_tensor_list
 
 
 def _correction(value, op: str) -> int:

@@ -23,9 +23,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _torch_compat, ops
-from .config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
-from .distributed import dtensor_multi_states, fsdp1_shard_groups
+from .. import _torch_compat
+from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
+from ..stats import ops
+from ..stats.distributed import dtensor_multi_states, fsdp1_shard_groups
+from ..stats.layout import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
+from ..stats.numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram, states_and_numerics
+from ..utils import (
+    ParameterWatch,
+    check_int,
+    check_step,
+    clean_named,
+    first_tensor,
+    is_dtensor,
+    rank_and_world,
+    refuse_complex,
+)
 from .metric_names import (
     FIELD_COLUMNS,
     GLOBAL_BATCH_SIZE,
@@ -36,19 +49,7 @@ from .metric_names import (
     parse_metric_name,
     per_sample_norm_name,
 )
-from .numerics import merge_numerics_states, numerics_from_rows, numerics_states, sparse_histogram, states_and_numerics
 from .sinks import Sink
-from .stats import ACC_NAMES, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
-from .utils import (
-    ParameterWatch,
-    check_int,
-    check_step,
-    clean_named,
-    first_tensor,
-    is_dtensor,
-    rank_and_world,
-    refuse_complex,
-)
 
 logger = logging.getLogger("gapmon")
 
@@ -232,7 +233,7 @@ class GAPMonitor:
                 self._handles.append(module.register_forward_hook(functools.partial(self._forward_hook, index)))
         self.per_sample = None
         if config.per_sample is not None:
-            from .per_sample import PerSampleGradNorms
+            from ..per_sample import PerSampleGradNorms
 
             per_sample = config.per_sample
             if per_sample.process_group is None:  # the monitor's group, unless it names its own

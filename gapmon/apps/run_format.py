@@ -67,7 +67,7 @@ def _is_count(v: Any) -> bool:
 
 def _bad_histograms(value: Any) -> str | None:
     """Why a record's numerics_histograms ({group: {bin name: count}}) cannot be read (None: it can)."""
-    from .stats import BIN_NAMES
+    from ..stats.layout import BIN_NAMES
 
     if not isinstance(value, dict):
         return f"numerics_histograms is a {type(value).__name__}, not an object"

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..utils import is_dtensor
 from . import _backend
-from .stats import Stats
-from .utils import is_dtensor
+from .layout import Stats
 
 
 def materialize_partial(x):

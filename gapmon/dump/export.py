@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .dump_format import DumpError, dtype_name
+from .format import DumpError, dtype_name
 from .safe_io import HOST, current_umask, file_mode, fsync_path, process_start, remove_entry, write_json, writer_gone
 
 ALL_GRADIENTS_GLOB = "step*_all_gradients.safetensors"  # how analysis.load_gradients finds the file in a directory
@@ -71,8 +71,8 @@ def write_reconstruction(grads: dict[str, torch.Tensor], output_dir: str | Path,
     before anything is written; generations of writers that died are removed by the next write."""
     from safetensors.torch import save_file
 
-    from .ops import multi_tensor_rows
-    from .stats import STAT_NAMES
+    from ..stats.layout import STAT_NAMES
+    from ..stats.ops import multi_tensor_rows
 
     if fmt not in ("safetensors", "pt"):
         raise ValueError(f"format must be 'safetensors' or 'pt', got {fmt!r}")

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from .dump_format import (
+from ..utils import check_step
+from .format import (
     CHECKSUM,
     COMPLETE,
     CONFIG,
@@ -43,7 +44,6 @@ from .dump_format import (
     tensor_crc32,
 )
 from .safe_io import read_safetensors_header
-from .utils import check_step
 
 _MAX_WORLD = 1 << 20
 

@@ -9,9 +9,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from ..stats.numerics import log2_buckets
+from ..utils import check_int
 from .metric_names import numerics_histogram_name
-from .numerics import log2_buckets
-from .utils import check_int
 
 
 @runtime_checkable

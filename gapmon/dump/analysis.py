@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from .dump_format import DumpCorruptError, DumpError, DumpMissingError
+from ..stats.ops import multi_tensor_stats
+from ..utils import check_real
 from .export import ALL_GRADIENTS_GLOB
-from .ops import multi_tensor_stats
+from .format import DumpCorruptError, DumpError, DumpMissingError
 from .reconstruct import list_steps, reconstruct_gradients
-from .utils import check_real
 
 
 @dataclass

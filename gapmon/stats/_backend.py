@@ -12,8 +12,9 @@ from typing import Sequence
 
 import torch
 
-from . import _torch_compat, reference
-from .stats import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
+from .. import _torch_compat
+from . import reference
+from .layout import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
 
 _LIB = "gapmon"
 
@@ -22,7 +23,7 @@ def _load_extension() -> bool:
     if os.environ.get("GAPMON_BACKEND", "").lower() == "torch":
         return False
     try:
-        from . import _C  # noqa: F401  (registers torch.ops.gapmon.*)
+        from .. import _C  # noqa: F401  (registers torch.ops.gapmon.*)
     except ImportError as e:
         warnings.warn(
             f"gapmon: compiled extension not available ({e}); using the slow pure-PyTorch reference. "

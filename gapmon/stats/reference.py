@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .stats import ACC_NAMES, BIN, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
+from .layout import ACC_NAMES, BIN, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
