@@ -1,0 +1,108 @@
+"""Which layers PerSampleGradNorms covers (a rule holds for them), why each other parameter is not covered,
+and the layers found not to be per-sample at run time: what coverage() reports and what is warned about
+(or, with strict=True, refused)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .rules import NormRule, rule_for, why_no_rule
+
+SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
+
+
+def trainable_state(params: list[tuple[str, torch.Tensor]]) -> tuple[bool, ...]:
+    """Every parameter's requires_grad: what coverage and the gradient hooks follow between steps."""
+    return tuple(p.requires_grad for _, p in params)
+
+
+class LayerCoverage:
+    """The covered layers of `model` ((name, module, rule) each) and the reasons of the uncovered parameters
+    (named by `names`, id(parameter) -> name)."""
+
+    def __init__(self, model: nn.Module, names: dict[int, str], clean_name: Callable[[str], str], strict: bool):
+        self.strict = strict
+        owned: set[int] = set()  # submodules whose parameters their parent's rule covers (MHA's out_proj)
+        for module in model.modules():
+            rule = rule_for(module)
+            if rule is not None and rule.owns_submodules:
+                owned.update(id(sub) for sub in module.modules() if sub is not module)
+        self.layers: list[tuple[str, nn.Module, NormRule]] = []  # (name, module, rule)
+        reasons: dict[str, str] = {}  # uncovered parameter -> why
+        for name, module in model.named_modules():
+            if id(module) in owned:
+                continue
+            rule = rule_for(module)
+            # Every parameter, trainable or not: a layer frozen now may be unfrozen later.
+            params = list(module.parameters(recurse=rule is not None and rule.owns_submodules))
+            if not params:
+                continue
+            why = why_no_rule(module) if rule is None else rule.why_not(module)
+            if why is None:
+                self.layers.append((clean_name(name), module, rule))
+            else:
+                reasons.update({names[id(p)]: why for p in params})
+        self.reasons = reasons  # parameter -> why no rule holds for it
+        self.warned: set[str] = set()  # uncovered parameters already warned about
+        self.skipped: set[str] = set()  # layers found not to be per-sample at run time
+        self.checked_state: tuple | None = None  # what warn_uncovered last looked at
+
+    def skip(self, name: str, why: str) -> None:
+        message = f"PerSampleGradNorms: layer '{name}' is not per-sample ({why}); excluded from the norms"
+        if self.strict:
+            raise RuntimeError(message)
+        if name not in self.skipped:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self.skipped.add(name)
+
+    def report(self, params: list[tuple[str, torch.Tensor]], param_names: dict[int, str]) -> dict[str, Any]:
+        """Covered and uncovered parameters (name -> numel) as of now (requires_grad is read at each
+        call), why each uncovered one is, and the layers found not to be per-sample at run time
+        (their parameters count as uncovered)."""
+        covered: dict[str, int] = {}
+        reasons: dict[str, str] = {}
+        for name, module, rule in self.layers:
+            # By attribute: under FSDP2 the module holds sharded or unsharded parameter objects by turns.
+            attrs = {id(p): attr for attr, p in module.named_parameters(recurse=rule.owns_submodules)}
+            for p in rule.params(module):
+                full = param_names.get(id(p)) or (f"{name}.{attrs[id(p)]}" if name else attrs[id(p)])
+                if name in self.skipped:
+                    reasons[full] = SKIPPED
+                else:
+                    covered[full] = p.numel()
+        uncovered = {n: p.numel() for n, p in params if p.requires_grad and n not in covered}
+        reasons = {n: reasons.get(n) or self.reasons.get(n, "not covered") for n in uncovered}
+        return {
+            "covered": covered,
+            "uncovered": uncovered,
+            "uncovered_reasons": reasons,
+            "covered_numel": sum(covered.values()),
+            "uncovered_numel": sum(uncovered.values()),
+            "skipped_layers": sorted(self.skipped),
+        }
+
+    def warn_uncovered(self, error: type, stacklevel: int, params: list[tuple[str, torch.Tensor]],
+                       param_names: dict[int, str]) -> None:
+        """Warns (strict: raises `error`) about trainable parameters left out of the norms that were
+        not warned about yet: at construction, and again when unfreezing adds some. Checked again
+        only when some parameter's requires_grad (or the set of skipped layers) changed."""
+        state = (trainable_state(params), len(self.skipped))
+        if state == self.checked_state:
+            return
+        self.checked_state = state
+        cov = self.report(params, param_names)
+        # Parameters of layers found not to be per-sample at run time were warned about by _skip.
+        new = [n for n in cov["uncovered"] if n not in self.warned and cov["uncovered_reasons"][n] != SKIPPED]
+        if not new:
+            return
+        self.warned.update(new)
+        listed = [f"{n} ({cov['uncovered_reasons'][n]})" for n in new[:8]]
+        message = (f"PerSampleGradNorms: {len(new)} parameters ({sum(cov['uncovered'][n] for n in new):,} elements) "
+                   f"are excluded from the norms: {listed}{' ...' if len(new) > 8 else ''}")
+        if self.strict:
+            raise error(message + " (strict=True)")
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+

@@ -1,0 +1,211 @@
+"""The layer hooks of PerSampleGradNorms: a forward hook on every covered layer keeps each call's inputs
+(after checking by provenance that its batch dim is known), a tensor hook on its output receives the
+output gradient in backward, and once every call of the layer has its gradient the rule turns them into
+per-sample squared norms, added to the micro-batch's accumulator."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from .. import _torch_compat
+from ..utils import first_tensor
+from .coverage import LayerCoverage
+from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first
+from .rules import Call, NormRule
+from .use_check import UseChecker
+
+
+def _dtype_of(g: torch.Tensor | tuple) -> torch.dtype:
+    """The dtype of an output gradient, or the widest of several (a rule of several outputs)."""
+    if isinstance(g, torch.Tensor):
+        return g.dtype
+    return functools.reduce(torch.promote_types, [t.dtype for t in g if t is not None], torch.float16)
+
+
+
+class LayerHooks:
+    """The hooks on the covered `layers` ((name, module, rule) each). With `bookkeeping`, a Linear layer's
+    output is replaced so that its weight gradient is formed from the per-sample gradients."""
+
+    def __init__(self, layers: list[tuple[str, nn.Module, NormRule]], state: Collection, checker: UseChecker,
+                 coverage: LayerCoverage, bookkeeping: bool):
+        self.layers, self.state, self.checker, self.coverage = layers, state, checker, coverage
+        self.bookkeeping = bookkeeping
+        # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
+        # so that they (a GAPMonitor's among them) see the output that gets the gradient.
+        # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
+        # hook (always first) and may reshard them in a post-forward hook that runs before the hook below
+        # (a layer wrapped as its own FSDP unit), after which the module holds its sharded parameters.
+        self._handles = [m.register_forward_pre_hook(functools.partial(self._pre_forward_hook, i))
+                         for i, (_, m, _) in enumerate(layers)]
+        self._handles += [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
+                                                  prepend=bookkeeping)
+                          for i, (_, m, _) in enumerate(layers)]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _batch_dim(self, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule, args: tuple,
+                   kwargs: dict) -> tuple[int, str | None]:
+        """(dim of the call's batch, None) or (0, why it is not per-sample), by the inputs' provenance."""
+        if self.state.tracking is None:  # outside the model's forward pass: activation checkpointing recomputes
+            seen = mb.provenance.get(index, set())
+            if len(seen) == 1:
+                return next(iter(seen))
+            return 0, ("its batch dim could not be followed: the layer ran outside the model's forward pass"
+                       if not seen else "its calls have their batch on different dims")
+        found = None
+        for t, want in rule.batch_operands(module, Call(tuple(args), dict(kwargs))):
+            if not isinstance(t, torch.Tensor):
+                continue
+            status = self.state.tracking.status(t)
+            if want is None and status is not None:  # from the batch, on a dim the rule finds itself
+                found = found or (0, None)
+            elif isinstance(status, str):
+                found = (0, f"the batch dim of its input was lost at {status}")
+            elif status is None:
+                found = (0, f"its input {list(t.shape)} does not come from the model's batched inputs (e.g. position "
+                            "ids shared by every sample); name per-sample model inputs in batch_inputs=")
+            elif want is not None and status != want and not (rule.moves_batch and want == 0):
+                found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
+            elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it
+                found = (status if rule.moves_batch and want == 0 else 0, None)
+            if found[1] is not None:
+                break
+        found = found or (0, None)
+        mb.provenance.setdefault(index, set()).add(found)
+        return found
+
+    def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
+        if self.state.collecting and self.state.micro and not _torch_compat.functorch_transforms_active():
+            self.state.micro[-1].used[index] = self.layers[index][2].params(module)
+
+    def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
+        outputs = output
+        output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
+        if not self.state.collecting or not self.state.micro:
+            return
+        if _torch_compat.functorch_transforms_active():  # e.g. the model run under torch.func.vmap
+            return
+        if output is None:  # nothing to hook: a layer that still trains is left out, saying why
+            name, _, rule = self.layers[index]
+            if rule.params(module):
+                packed = isinstance(outputs, nn.utils.rnn.PackedSequence) or (
+                    isinstance(outputs, tuple) and any(isinstance(o, nn.utils.rnn.PackedSequence) for o in outputs))
+                self.coverage.skip(name, "its output is a packed sequence (its time steps interleave the samples); pad it instead"
+                           if packed else "its output holds no tensor gapmon can follow")
+            return
+        if not output.requires_grad:  # reentrant checkpointing's no-grad pass: the provenance is needed later
+            self._batch_dim(index, self.state.micro[-1], module, self.layers[index][2], args, kwargs)
+            return
+        name, _, rule = self.layers[index]
+        mb = self.state.micro[-1]
+        if mb.batch == 0:  # an empty micro-batch: no sample, nothing to follow (local_norms gives none)
+            return
+        dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
+        params = mb.used.get(index)
+        if params is None:
+            params = mb.used[index] = rule.params(module)
+        if not params:  # frozen now: nothing to measure (watched in case it is unfrozen)
+            return
+        for p in params:  # under FSDP2, the unsharded parameters the forward uses
+            self.checker.watch(p, name)
+        if why is not None:
+            self.coverage.skip(name, why)
+            return
+        call = batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
+        why = rule.not_per_sample(module, call, output.movedim(dim, 0), mb.batch, mb.inputs)
+        if why is not None:
+            self.coverage.skip(name, why)
+            return
+        calls = mb.layers.setdefault(index, LayerCalls())
+        # A forward inside backward is activation checkpointing recomputing the layer. Non-reentrant
+        # checkpointing recorded the calls in the forward pass already (their outputs get the
+        # gradients); reentrant checkpointing ran that pass without grad, so the recomputed calls
+        # are the ones whose outputs get gradients.
+        # (Inside a torch.compile'd region this is the forward pass: Dynamo cannot trace the check, and
+        # the compiled region is not recomputed by checkpointing.)
+        if torch.compiler.is_compiling() or not _torch_compat.in_backward():
+            calls.in_forward += 1
+        elif calls.in_forward:
+            return
+        at = calls.add(call, dim)
+        if self.bookkeeping and not dim:
+            replaced = rule.bookkeep(module, args[0] if args else kwargs.get("input"), output,
+                                     functools.partial(self._bookkept, index, mb, at))
+            if replaced is not None:
+                return replaced
+        graded = rule.graded_outputs(module, outputs)
+        if len(graded) == 1:
+            output.register_hook(functools.partial(self._backward_hook, index, mb, at))
+            return None
+        # Several outputs carry the loss (an RNN's sequence and its final states): one hook gets all their
+        # gradients at once (None for an output the loss does not use).
+        live = [i for i, t in enumerate(graded) if t.requires_grad]
+
+        def all_grads(grads, index=index, mb=mb, at=at, live=live, n=len(graded)):
+            full = [None] * n
+            for i, g in zip(live, grads):
+                full[i] = g
+            self._backward_hook(index, mb, at, tuple(full))
+
+        torch.autograd.graph.register_multi_grad_hook([graded[i] for i in live], all_grads, mode="all")
+        return None
+
+    def _backward_hook(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
+        calls = mb.layers.get(index)
+        if calls is None or calls.grads[call] is not None:
+            raise RuntimeError(
+                "PerSampleGradNorms: a second backward pass through the same forward pass (retain_graph=True) "
+                "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
+                "combined. Sum the losses and call backward once."
+            )
+        if isinstance(g, tuple):  # a rule of several outputs (graded_outputs) reads its layout itself
+            calls.grads[call] = tuple(None if t is None else t.detach() for t in g)
+        else:
+            calls.grads[call] = g.detach().movedim(calls.dims[call], 0)
+        if calls.complete():
+            self.finish(index, mb)
+
+    def _bookkept(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None,
+                  weight_grad: torch.Tensor | None = None) -> None:
+        """BookkeepingLinear's backward of call `call` of layer `index`: g is the output gradient
+        [B, T, p], weight_sq the weight part of the squared norms and weight_grad the weight gradient
+        (the sum of the per-sample gradients it formed: the use check sketches it, not them again)."""
+        calls = mb.layers.get(index)
+        if calls is not None and len(calls.calls) > 1:
+            # The layer ran several times: its per-sample gradient is the sum over the calls, whose
+            # norm needs all their gradients together (the weight gradient itself is exact).
+            self._backward_hook(index, mb, call, g)
+            return
+        if calls is None or calls.grads[call] is not None:
+            self._backward_hook(index, mb, call, g)  # raises: a second backward through this call
+        record = mb.layers.pop(index)
+        _, module, rule = self.layers[index]
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+        with torch.no_grad():
+            sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
+            self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), rule.positions(module, record.calls[call], g, acc),
+                                 g.dtype, weight_grad)
+        mb.add(sq, acc)
+
+    def finish(self, index: int, mb: MicroBatch) -> None:
+        """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
+        calls = mb.layers.pop(index)
+        _, module, rule = self.layers[index]
+        pairs = [(call, g) for call, g in zip(calls.calls, calls.grads) if g is not None]
+        if not pairs:
+            return
+        with torch.no_grad():
+            acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
+            pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
+            for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
+                self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
+            pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+            sq = rule.norm_sq(module, pos).double()
+        mb.add(sq, acc)
+

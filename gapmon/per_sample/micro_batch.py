@@ -1,0 +1,99 @@
+"""What PerSampleGradNorms keeps of a forward pass: its micro-batches (samples, the calls of each layer
+waiting for their gradients, the squared norms summed so far) and the state the hooks share."""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .batch_provenance import BatchTracker
+from .rules import Call
+
+
+@dataclass
+class LayerCalls:
+    """The calls of one layer in one micro-batch, waiting for their output gradients."""
+
+    calls: list[Call] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)  # each call's output gradient, batch first
+    dims: list[int] = field(default_factory=list)  # each call's batch dim
+    in_forward: int = 0  # calls recorded in the forward pass (not recomputed by checkpointing)
+
+    def add(self, call: Call, dim: int) -> int:
+        """Records a call; returns its index."""
+        self.calls.append(call)
+        self.grads.append(None)
+        self.dims.append(dim)
+        return len(self.calls) - 1
+
+    def complete(self) -> bool:
+        return all(g is not None for g in self.grads)
+
+
+@dataclass
+class MicroBatch:
+    """What one forward pass of the model collected."""
+
+    batch: int  # its number of samples
+    inputs: set[int]  # storages of the model's own tensor inputs
+    sq: torch.Tensor | None = None  # accumulated per-sample squared norms, float64
+    dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
+    layers: dict[int, LayerCalls] = field(default_factory=dict)  # layer index -> its calls
+    mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)
+    provenance: dict[int, set[tuple[int, str | None]]] = field(default_factory=dict)  # layer -> (batch dim, why not)
+    weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
+    used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
+
+    def add(self, sq: torch.Tensor, acc: torch.dtype) -> None:
+        """Adds a layer's squared norms (float64, summed in `acc`)."""
+        self.sq = sq if self.sq is None else self.sq + sq
+        self.dtype = acc if self.dtype is None else torch.promote_types(self.dtype, acc)
+
+
+@functools.lru_cache(maxsize=64)
+def _positional_names(forward: Any, bound: bool) -> tuple[str, ...]:
+    """Names of a forward's positional parameters (without self for a method), read once per function."""
+    names = tuple(n for n, p in inspect.signature(forward).parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return names[1:] if bound else names
+
+
+def named_input(module: nn.Module, args: tuple, kwargs: dict, key: int | str) -> Any:
+    """The root forward's argument `key`: a position, or a name (passed by keyword or by position)."""
+    if isinstance(key, int):
+        return args[key] if key < len(args) else None
+    if key in kwargs:
+        return kwargs[key]
+    forward = module.forward
+    names = _positional_names(getattr(forward, "__func__", forward), hasattr(forward, "__func__"))
+    return args[names.index(key)] if key in names and names.index(key) < len(args) else None
+
+
+def batch_first(call: Call, dim: int) -> Call:
+    """The call with the batch of its first input moved from `dim` to dim 0."""
+    if not dim:
+        return call
+    if call.args:
+        return Call((call.args[0].movedim(dim, 0), *call.args[1:]), call.kwargs)
+    return Call(call.args, {**call.kwargs, "input": call.kwargs["input"].movedim(dim, 0)})
+
+
+class Collection:
+    """The state the hooks share: whether they collect (off between pause() and start()), the micro-batches
+    since the last reset, the batch tracker of the forward pass running now, and whether the norms were read
+    (the next forward pass then starts over)."""
+
+    def __init__(self) -> None:
+        self.collecting = True
+        self.micro: list[MicroBatch] = []
+        self.tracking: BatchTracker | None = None  # active during the model's forward pass
+        self.read = False
+
+    def stop_tracking(self) -> None:
+        if self.tracking is not None:
+            self.tracking.__exit__(None, None, None)
+            self.tracking = None
