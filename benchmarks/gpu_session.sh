@@ -106,7 +106,7 @@ fi
 
 if want tests; then
   section "CUDA tests"
-  run 180 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee -a "$log"
+  run 180 $py -m pytest -q -p no:cacheprovider tests/stats/test_cuda.py 2>&1 | tee -a "$log"
   tests_rc=${PIPESTATUS[0]}
 fi
 

@@ -9,7 +9,7 @@ import pytest
 
 import gapmon
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled ops")]
 

@@ -361,7 +361,7 @@ def test_huggingface_trainer_under_ddp_gives_each_samples_own_norm(tmp_path):
 
     script = tmp_path / "ddp.py"
     script.write_text(HF_DDP)
-    tests_dir = str(Path(__file__).resolve().parent)
+    tests_dir = str(Path(__file__).resolve().parents[1])  # helpers.py
     from helpers import free_port
 
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

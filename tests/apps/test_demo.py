@@ -186,7 +186,7 @@ def test_isolated_build_stops_at_once_with_one_line(tmp_path):
     """setup.py without an importable torch (what an isolated pip build sees) names the fix."""
     from pathlib import Path
 
-    setup = Path(__file__).resolve().parents[1] / "setup.py"
+    setup = Path(__file__).resolve().parents[2] / "setup.py"
     code = f"import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; exec(open({str(setup)!r}).read())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode != 0 and "--no-build-isolation" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
