@@ -140,8 +140,9 @@ def test_moved_modules_are_the_same_modules_under_their_old_paths():
     for old, new in gapmon.MOVED_MODULES.items():
         assert importlib.import_module(f"gapmon.{old}") is importlib.import_module(f"gapmon.{new}"), old
         assert getattr(gapmon, old) is importlib.import_module(f"gapmon.{new}")
-    from gapmon.monitor import GAPMonitor
     from gapmon.reconstruct import reconstruct_gradients  # the old path of a documented function
+
+    from gapmon.monitor import GAPMonitor
     assert GAPMonitor is gapmon.GAPMonitor and reconstruct_gradients is gapmon.reconstruct_gradients
 
 
