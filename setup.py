@@ -58,10 +58,9 @@ def rel(paths):
 
 
 def extension():
-    sources = rel(
-        [os.path.join(ROOT, "csrc", "ops.cpp"), os.path.join(ROOT, "csrc", "per_sample.cpp")]
-        + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
-    )
+    # csrc/torch: the op registration and all torch glue; csrc/cpu: the torch-free CPU kernels.
+    glue = [p for p in glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")) if not p.endswith("cuda_ops.cpp")]
+    sources = rel(glue + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
     cxx = ["-O3", "-std=c++20", "-ffp-contract=fast", "-Wno-psabi", "-fvisibility=hidden"]
     link = []
     if sys.platform.startswith("linux"):
@@ -77,7 +76,7 @@ def extension():
         # No GPU to ask: build for the data-centre GPUs the kernels are tuned for (A100, H100/H200).
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
         print("gapmon: no GPU visible, building the CUDA kernels for TORCH_CUDA_ARCH_LIST=8.0;9.0", file=sys.stderr)
-    sources += rel([os.path.join(ROOT, "csrc", "cuda_ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources += rel([os.path.join(ROOT, "csrc", "torch", "cuda_ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     if os.environ.get("GAPMON_PTXAS_VERBOSE") == "1":  # registers and spills per kernel in the build log
         nvcc.append("-Xptxas=-v")

@@ -38,8 +38,11 @@ class Schedule:
     None: no end). Shared by the monitor (which steps it measures) and the dumper (which it writes)."""
 
     every: int = 1
+    """Steps between two that count (a positive int)."""
     start: int = 0
+    """The first step that counts."""
     end: int | None = None
+    """The last step that may count (inclusive); None: no end."""
 
     def __post_init__(self) -> None:
         _set(self, every=check_int(self.every, "Schedule", "every (the interval)", 1),
@@ -71,11 +74,22 @@ class PerSampleConfig:
     """Options of PerSampleGradNorms (see its docstring for what each means)."""
 
     loss_reduction: str = "mean"
+    """How the loss of a micro-batch is made of its samples' losses: "mean" (the norms are rescaled by the
+    micro-batch size) or "sum". set_loss_weights() overrides it per micro-batch."""
     strict: bool = False
+    """Raise instead of warning when a parameter is left out of the norms or a layer is not per-sample."""
     bookkeeping: bool = False
+    """Form the weight gradients of direct-form Linear layers from their per-sample gradients (no extra GEMM)."""
     batch_dim: int = 0
+    """The dim of the batched inputs that holds the samples."""
     batch_inputs: tuple[int | str, ...] | None = None
+    """Positions or names of the forward's arguments that hold per-sample data; None: its first tensor input."""
     process_group: Any = None
+    """The group global_norms gathers over (None: the world, or the monitor's group)."""
+
+    def constructor_arguments(self) -> dict[str, Any]:
+        """The keywords of PerSampleGradNorms(model, ...) that make this config (what from_config passes)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def __post_init__(self) -> None:
         who = "PerSampleGradNorms"
@@ -101,16 +115,34 @@ class MonitorConfig:
     per-sample gradient norms, else their options (its process_group defaults to the monitor's)."""
 
     schedule: Schedule = Schedule()
+    """The monitored steps (an int is an interval: every that many steps from 0)."""
     params: bool = True
+    """Statistics of the parameters (of the full tensors when sharded)."""
     grads: bool = True
+    """Statistics of the gradients (of the full tensors when sharded)."""
     activations: bool = True
+    """Per-instance statistics of every module's output, averaged over the global batch."""
     activation_grads: bool = True
+    """Per-instance statistics of the gradient of every module's output."""
     per_sample: PerSampleConfig | None = None
+    """Per-sample gradient norms and their options; None: none."""
     sinks: tuple[Sink, ...] = ()
+    """Where each monitored step's metrics go (rank 0): gapmon sinks or callables fn(step, metrics)."""
     process_group: Any = None
+    """The data-parallel group over which activations are averaged (None: the world)."""
     correction: int = 1
+    """Bessel's correction of the variances (1, as torch.var)."""
     numerics: tuple[str, ...] = ()
+    """Formats (gapmon.numerics.FORMATS) whose under/overflow shares, kurtosis and histograms to report."""
     numerics_alert: float | None = None
+    """Warn when a tensor's unscaled under/overflow share in a format exceeds this fraction (needs numerics)."""
+
+    def constructor_arguments(self) -> dict[str, Any]:
+        """The keywords of GAPMonitor(model, ...) that make this config (what from_config passes)."""
+        return {"interval": self.schedule, "params": self.params, "grads": self.grads, "activations": self.activations,
+                "activation_grads": self.activation_grads, "per_sample_grad_norms": self.per_sample or False,
+                "sinks": self.sinks, "process_group": self.process_group, "correction": self.correction,
+                "numerics": self.numerics, "numerics_alert": self.numerics_alert}
 
     def __post_init__(self) -> None:
         who = "GAPMonitor"
@@ -148,10 +180,22 @@ class DumpConfig:
     """Options of GradientDumper (see its docstring for what each means)."""
 
     schedule: Schedule = Schedule()
+    """The dumped steps (GradientDumper's start_step, step_interval and end_step)."""
     mode: str = "shards"
+    """"shards" (each rank its local shards), "full" (a distributed checkpoint) or "sampled" (rank 0, the
+    first save_first_n elements along every dim)."""
     save_first_n: int | None = None
+    """With mode="sampled": how many leading elements along every dim to keep."""
     async_write: bool = True
+    """Write in a background thread from host copies (two staging sets at most)."""
     timeout: float = 600.0
+    """Seconds rank 0 waits for the other ranks' files of a step before leaving it incomplete."""
+
+    def constructor_arguments(self) -> dict[str, Any]:
+        """The keywords of GradientDumper(model, save_dir, ...) that make this config (what from_config passes)."""
+        return {"start_step": self.schedule.start, "step_interval": self.schedule.every, "end_step": self.schedule.end,
+                "mode": self.mode, "save_first_n": self.save_first_n, "async_write": self.async_write,
+                "timeout": self.timeout}
 
     def __post_init__(self) -> None:
         who = "GradientDumper"

@@ -133,7 +133,7 @@ void run(const Case& c, double copy_gbps, bool once) {
   targets.correction = 1;
   targets.chunk_states = scratch;
   targets.counters = counters;
-  // As csrc/cuda_ops.cpp does: the counters are zeroed once; every launch leaves them at zero (the
+  // As csrc/torch/cuda_ops.cpp does: the counters are zeroed once; every launch leaves them at zero (the
   // group that counts an item's last chunk resets its counter), so a call is one launch, no memset.
   check(cudaMemset(counters, 0, (c.rows + 1) * sizeof(unsigned)), "memset counters");
   cuda::NumericsTargets numerics;

@@ -61,6 +61,11 @@ State<double> chunk_state(const StridedView& view, int64_t item, int64_t lo, int
   return g_chunk_fn.load(std::memory_order_relaxed)(view, item, lo, hi);
 }
 
+bool selected_isa_has_avx2() {
+  ensure_selected();
+  return g_chunk_fn.load(std::memory_order_relaxed) != chunk_state_generic;
+}
+
 std::string active_isa() {
   ensure_selected();
   return g_isa_name.load();

@@ -16,6 +16,10 @@ core::State<double> chunk_state(const core::StridedView& view, int64_t item, int
 // Name of the instruction set in use: "avx512", "avx2" or "generic".
 std::string active_isa();
 
+// Whether the instruction set in use has AVX2, FMA and F16C ("avx2" or "avx512"): the numerics kernels
+// follow the same selection.
+bool selected_isa_has_avx2();
+
 // Selects an instruction set ("avx512", "avx2", "generic" or "auto" for the best supported).
 // Throws std::invalid_argument if the name is unknown or this CPU does not support it.
 void select_isa(const std::string& name);

@@ -1,5 +1,5 @@
 // Torch-free CUDA launchers for the numerics kernels (csrc/core/numerics.h): raw pointers and a
-// cudaStream_t. The torch glue is csrc/cuda_ops.cpp.
+// cudaStream_t. The torch glue is csrc/torch/cuda_ops.cpp.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,5 @@
 // Torch-free CUDA launchers for the statistics kernels (raw pointers + cudaStream_t).
-// The torch glue that allocates buffers and picks the stream is csrc/cuda_ops.cpp.
+// The torch glue that allocates buffers and picks the stream is csrc/torch/cuda_ops.cpp.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -93,9 +93,8 @@ class GradientDumper:
         """A dumper of `model`'s gradients into `save_dir` with the options of `config` (a gapmon.DumpConfig)."""
         if not isinstance(config, DumpConfig):
             raise TypeError(f"GradientDumper.from_config: config must be a gapmon.DumpConfig, got {type(config).__name__}")
-        dumper = cls.__new__(cls)
-        GradientDumper._setup(dumper, model, save_dir, config)
-        return dumper
+        # Through the constructor, so that a subclass's __init__ runs; the config it rebuilds equals `config`.
+        return cls(model, save_dir, **config.constructor_arguments())
 
     def _setup(self, model: nn.Module, save_dir: str | Path, config: DumpConfig) -> None:
         if not isinstance(model, nn.Module):

@@ -124,9 +124,8 @@ class GAPMonitor:
         """A monitor of `model` with the options of `config` (a gapmon.MonitorConfig)."""
         if not isinstance(config, MonitorConfig):
             raise TypeError(f"GAPMonitor.from_config: config must be a gapmon.MonitorConfig, got {type(config).__name__}")
-        monitor = cls.__new__(cls)
-        GAPMonitor._setup(monitor, model, config)
-        return monitor
+        # Through the constructor, so that a subclass's __init__ runs; the config it rebuilds equals `config`.
+        return cls(model, **config.constructor_arguments())
 
     def _setup(self, model: nn.Module, config: MonitorConfig) -> None:
         if not isinstance(model, nn.Module):

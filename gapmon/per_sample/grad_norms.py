@@ -75,9 +75,8 @@ class PerSampleGradNorms:
         if not isinstance(config, PerSampleConfig):
             raise TypeError(f"PerSampleGradNorms.from_config: config must be a gapmon.PerSampleConfig, "
                             f"got {type(config).__name__}")
-        norms = cls.__new__(cls)
-        PerSampleGradNorms._setup(norms, model, config)
-        return norms
+        # Through the constructor, so that a subclass's __init__ runs; the config it rebuilds equals `config`.
+        return cls(model, **config.constructor_arguments())
 
     def _setup(self, model: nn.Module, config: PerSampleConfig) -> None:
         if not isinstance(model, nn.Module):

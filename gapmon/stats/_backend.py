@@ -146,7 +146,7 @@ def tensor_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:
     check_tensor(x, "tensor_stats")
     if not _compiled_for(x.device):
         return reference.tensor_stats(x, correction).rows()
-    return torch.ops.gapmon.tensor_stats(x, correction)  # not differentiable: no detach needed (csrc/ops.cpp)
+    return torch.ops.gapmon.tensor_stats(x, correction)  # not differentiable: no detach needed (csrc/torch/ops.cpp)
 
 
 def instance_rows(x: torch.Tensor, correction: int = 1) -> torch.Tensor:

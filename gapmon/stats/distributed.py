@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..utils import is_dtensor
+from ..utils import is_dtensor, is_dtensor_type
 from . import _backend
-from .layout import Stats
+from .layout import Stats, check_tensor_list
 
 
 def materialize_partial(x):
@@ -74,6 +74,23 @@ def fsdp1_shard_groups(model: torch.nn.Module) -> dict[int, Any]:
 
     visit(model, None)
     return out
+
+
+def full_tensor_rows(xs: list[torch.Tensor], op: str, local_rows, merge=None,
+                     flat_groups: Sequence[Any] | None = None) -> torch.Tensor:
+    """Mergeable rows of the full tensors behind `xs`, the list checked once: `local_rows(xs)` when every
+    tensor is whole on this rank, else each sharded one's rows merged over its mesh (`merge`) or, for FSDP1
+    flat pieces, over `flat_groups[i]`. The one DTensor dispatch of the statistics and numerics ops."""
+    if is_sharded(xs, op, flat_groups):
+        return dtensor_multi_states(xs, flat_groups, local_states=local_rows, merge=merge)
+    return local_rows(xs)
+
+
+def is_sharded(xs: list[torch.Tensor], op: str, flat_groups: Sequence[Any] | None = None) -> bool:
+    """Whether some tensor of `xs` is a DTensor or an FSDP1 flat piece (`flat_groups`): its rows need a
+    merge over ranks. Checks the list for `op` (dtypes, layouts, one device) in the same pass."""
+    kinds = check_tensor_list(xs, op)
+    return any(is_dtensor_type(kind) for kind in kinds) or any(g is not None for g in flat_groups or ())
 
 
 def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] | None = None,

@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..utils import check_int, is_dtensor_type
+from ..utils import check_int
 from . import _backend, distributed
 from .layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
 
@@ -80,11 +80,8 @@ def numerics_states(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = N
     xs = list(xs)
     if not xs:
         return torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
-    kinds = check_tensor_list(xs, "numerics_states")
-    if any(is_dtensor_type(kind) for kind in kinds) or any(g is not None for g in flat_groups or ()):
-        return distributed.dtensor_multi_states(xs, flat_groups, local_states=_backend.numerics_rows,
-                                                merge=_backend.merge_numerics_rows)
-    return _backend.numerics_rows(xs)
+    return distributed.full_tensor_rows(xs, "numerics_states", _backend.numerics_rows, _backend.merge_numerics_rows,
+                                        flat_groups)
 
 
 def states_and_numerics(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +93,8 @@ def states_and_numerics(xs: Sequence[torch.Tensor], flat_groups: Sequence | None
     width = len(STATE_NAMES)
     if not xs:
         return torch.empty(0, width, dtype=torch.float64), torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
-    kinds = check_tensor_list(xs, "states_and_numerics")
-    if any(is_dtensor_type(kind) for kind in kinds) or any(g is not None for g in flat_groups or ()):
-        rows = distributed.dtensor_multi_states(xs, flat_groups, local_states=_backend.states_and_numerics_rows,
-                                                merge=_backend.merge_states_and_numerics_rows)
-    else:
-        rows = _backend.states_and_numerics_rows(xs)
+    rows = distributed.full_tensor_rows(xs, "states_and_numerics", _backend.states_and_numerics_rows,
+                                        _backend.merge_states_and_numerics_rows, flat_groups)
     return rows[:, :width].contiguous(), rows[:, width:].contiguous()
 
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ..utils import is_dtensor, is_dtensor_type
+from ..utils import is_dtensor
 from . import _backend, distributed
 from ._backend import (  # noqa: F401
     accumulate_instance_stats,
@@ -21,7 +21,7 @@ from ._backend import (  # noqa: F401
     cpu_isa,
     cuda_kernels_compiled,
 )
-from .layout import STAT_NAMES, Stats, check_tensor_list
+from .layout import STAT_NAMES, Stats
 
 
 def _correction(value, op: str) -> int:
@@ -65,9 +65,9 @@ def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.
     xs = list(xs)
     if not xs:
         return torch.empty(0, len(STAT_NAMES), dtype=torch.float64)
-    if any(is_dtensor_type(kind) for kind in check_tensor_list(xs, "multi_tensor_stats")):
+    if distributed.is_sharded(xs, "multi_tensor_stats"):
         return _backend.finalize_rows(distributed.dtensor_multi_states(xs), correction)
-    return _backend.multi_rows(xs, correction)
+    return _backend.multi_rows(xs, correction)  # one fused op: states and their finalisation
 
 
 def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:

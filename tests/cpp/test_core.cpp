@@ -12,6 +12,7 @@
 
 #include "../../csrc/core/stats_state.h"
 #include "../../csrc/core/strided_view.h"
+#include "../../csrc/cpu/numerics_kernels.h"
 #include "../../csrc/cpu/stats_kernels.h"
 #include "checks.h"
 
@@ -104,6 +105,86 @@ static void test_cpu_paths() {
   gapmon::cpu::select_isa("auto");
 }
 
+// The numerics of one unit-stride view of 16-bit or 32-bit elements, its chunks merged in order.
+static gapmon::cpu::ChunkNumerics numerics_of(const void* data, core::DType dtype, int64_t n) {
+  core::StridedView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.ndim = 1;
+  v.sizes[0] = n;
+  v.strides[0] = 1;
+  v.item_numel = n;
+  core::plan_chunks(&v, 1);
+  std::vector<gapmon::cpu::ChunkNumerics> chunks;
+  for (int64_t c = 0; c < v.chunks_per_item; ++c) {
+    const int64_t lo = c * core::kChunkElems, hi = std::min(lo + core::kChunkElems, n);
+    chunks.push_back(gapmon::cpu::chunk_numerics(v, 0, lo, hi));
+  }
+  std::vector<double> row(core::kNumNumericsColumns, 0.0);
+  gapmon::cpu::merge_chunks_into(v, chunks.data(), static_cast<int64_t>(chunks.size()), row.data());
+  gapmon::cpu::ChunkNumerics out;
+  for (int b = 0; b < core::kNumBins; ++b) out.bins[b] = static_cast<int64_t>(row[b]);
+  out.moments = core::load_moments(row.data());
+  return out;
+}
+
+// IEEE half -> double by its definition (no bit tricks), for the reference.
+static double half_value(uint16_t h) {
+  const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  const double sign = (h & 0x8000) ? -1.0 : 1.0;
+  if (exp == 0x1F) return man ? std::numeric_limits<double>::quiet_NaN() : sign * INFINITY;
+  if (exp == 0) return sign * std::ldexp(man, -24);
+  return sign * std::ldexp(1024 + man, exp - 25);
+}
+
+static void test_numerics_paths() {
+  // Every instruction set gives the same numerics (bins exact, moments the same bits), and they agree
+  // with a long-double reference: float32 data, and every one of the 65536 half bit patterns but NaNs.
+  std::mt19937 g(3);
+  std::normal_distribution<float> d(0.f, 3.f);
+  std::vector<float> xs(70001);
+  for (auto& x : xs) x = d(g);
+  xs[5] = 0.f, xs[6] = 1e-40f, xs[7] = INFINITY;
+  std::vector<uint16_t> halves;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    if (!std::isnan(half_value(static_cast<uint16_t>(h))) && !std::isinf(half_value(static_cast<uint16_t>(h)))) {
+      halves.push_back(static_cast<uint16_t>(h));
+    }
+  }
+  long double sum = 0, sq = 0;
+  for (uint16_t h : halves) sum += half_value(h);
+  const long double mean = sum / halves.size();
+  for (uint16_t h : halves) sq += (half_value(h) - mean) * (half_value(h) - mean);
+  std::vector<gapmon::cpu::ChunkNumerics> f32s, f16s;
+  for (const char* isa : {"generic", "avx2", "avx512"}) {
+    try {
+      gapmon::cpu::select_isa(isa);
+    } catch (const std::invalid_argument&) {
+      std::printf("skip %s (not supported by this CPU)\n", isa);
+      continue;
+    }
+    f32s.push_back(numerics_of(xs.data(), core::DType::kFloat32, static_cast<int64_t>(xs.size())));
+    f16s.push_back(numerics_of(halves.data(), core::DType::kFloat16, static_cast<int64_t>(halves.size())));
+    const auto& h = f16s.back();
+    CHECK(h.moments.count == static_cast<double>(halves.size()), "%s: half count %g", isa, h.moments.count);
+    // The exact mean is 0 (the set is symmetric): its rounding is relative to the largest value, 65504.
+    CHECK(std::fabs(h.moments.mean - static_cast<double>(mean)) <= 1e-15 * 65504, "%s: half mean %g vs %Lg", isa,
+          h.moments.mean, mean);
+    CHECK(close(h.moments.m2, static_cast<double>(sq), 1e-10), "%s: half m2 %g vs %Lg", isa, h.moments.m2, sq);
+    CHECK(h.bins[core::nZero] == 2 && h.bins[core::nSubnormal] == 0, "%s: half zeros %lld (+0 and -0)", isa,
+          static_cast<long long>(h.bins[core::nZero]));
+    CHECK(f32s.back().bins[core::nInf] == 1 && f32s.back().bins[core::nSubnormal] == 1 && f32s.back().bins[core::nZero] == 1,
+          "%s: float32 edge bins", isa);
+  }
+  for (size_t k = 1; k < f32s.size(); ++k) {
+    CHECK(f32s[k].bins == f32s[0].bins && std::memcmp(&f32s[k].moments, &f32s[0].moments, sizeof(f32s[0].moments)) == 0,
+          "float32 numerics differ between instruction sets (%zu)", k);
+    CHECK(f16s[k].bins == f16s[0].bins && std::memcmp(&f16s[k].moments, &f16s[0].moments, sizeof(f16s[0].moments)) == 0,
+          "half numerics differ between instruction sets (%zu)", k);
+  }
+  gapmon::cpu::select_isa("auto");
+}
+
 static void test_row_cursor() {
   // A [3, 4] item with strides (10, 2) starting mid-row visits the right runs.
   core::StridedView v;
@@ -128,6 +209,7 @@ int main() {
   test_merge_rules();
   test_nan_inf_and_finalize();
   test_cpu_paths();
+  test_numerics_paths();
   test_row_cursor();
   if (failures) {
     std::printf("%d check(s) failed\n", failures);

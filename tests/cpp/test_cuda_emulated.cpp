@@ -28,7 +28,7 @@ using core::DType;
 using core::StridedView;
 using namespace emulated;
 
-// Partial states of every output row, through launch_stats as csrc/cuda_ops.cpp runs it: views
+// Partial states of every output row, through launch_stats as csrc/torch/cuda_ops.cpp runs it: views
 // inline in the kernel parameters when they fit, else uploaded with launch_upload.
 std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, bool force_upload = false) {
   const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), static_cast<int64_t>(views.size()));
@@ -44,7 +44,7 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
     table.device = reinterpret_cast<const StridedView*>(device_table.data());
   }
   const int64_t max_chunks = plan.max_chunks_per_item;
-  // Scratch as csrc/cuda_ops.cpp allocates it: chunk states only for items of several chunks,
+  // Scratch as csrc/torch/cuda_ops.cpp allocates it: chunk states only for items of several chunks,
   // counters zeroed; garbage in what the kernel must overwrite.
   std::vector<double> scratch(total_chunks * core::kNumStateColumns, -7.0);
   std::vector<unsigned> counters(rows + 1, 0u);
@@ -54,7 +54,7 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
   if (cuda::needs_chunk_states(max_chunks)) targets.chunk_states = scratch.data();
   if (cuda::needs_counters(max_chunks, false)) targets.counters = counters.data();
   CHECK(cuda::launch_stats(table, plan, rows, targets, nullptr) == cudaSuccess, "launch_stats");
-  // The launch leaves its counters zeroed (csrc/cuda_ops.cpp reuses them without a memset), and a
+  // The launch leaves its counters zeroed (csrc/torch/cuda_ops.cpp reuses them without a memset), and a
   // second launch on the same counters gives the same bits.
   for (int64_t r = 0; r <= rows; ++r) CHECK(counters[r] == 0u, "counter %lld left at %u", static_cast<long long>(r), counters[r]);
   if (targets.counters != nullptr) {
@@ -70,7 +70,7 @@ std::vector<State<double>> run(std::vector<StridedView> views, int64_t rows, boo
   return out;
 }
 
-// accumulate_instance_stats as csrc/cuda_ops.cpp runs it: the items of `v` folded, in the same
+// accumulate_instance_stats as csrc/torch/cuda_ops.cpp runs it: the items of `v` folded, in the same
 // launch, into accumulator row 1 of 2, which already holds one instance (mean 0.5, max 100).
 // Returns row 1, after checking that row 0 is untouched and every row was counted.
 std::vector<double> fold_instances(StridedView v) {

@@ -94,7 +94,7 @@ std::vector<double> stats_states(const std::vector<StridedView>& views, const cu
   return out;
 }
 
-// Numerics rows as csrc/cuda_ops.cpp gets them (scratch full of garbage: the kernel must overwrite
+// Numerics rows as csrc/torch/cuda_ops.cpp gets them (scratch full of garbage: the kernel must overwrite
 // it), checking on the way that the states of the same pass have launch_stats' bits and that the
 // launch leaves its counters zeroed (the glue reuses them without a memset). With `into`, the rows
 // are merged into those rows (NumericsTargets::accumulate) rather than written.
@@ -213,7 +213,7 @@ void test_merging_into_rows() {
   }
 }
 
-// The activation hook's launch (csrc/cuda_ops.cpp): instances folded into an accumulator row as
+// The activation hook's launch (csrc/torch/cuda_ops.cpp): instances folded into an accumulator row as
 // launch_stats folds them (the same bits), and the numerics of all instances merged into one row
 // after what it holds, in one launch; instances of one chunk and of several; schedules shuffled.
 template <typename T>

@@ -327,7 +327,7 @@ HF_DDP = """'''HF Trainer under DDP (2 CPU processes, gloo): per-sample norms of
 import json, os, sys, warnings
 warnings.simplefilter("ignore")
 import torch, transformers
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], os.path.join(sys.argv[2], "integrations")]  # helpers.py, this test file
 import test_trainers_real_path as t
 from gapmon.integrations.huggingface import attach
 
@@ -340,7 +340,9 @@ cb = attach(trainer, interval=1, per_sample_grad_norms=True)
 checks = t.hf_own_loss_checks(transformers, trainer, model, cb)
 trainer.train()
 errors = [max(abs(g / w - 1) for g, w in zip(got, want)) for got, want in checks]
-print("RESULT", os.environ.get("RANK"), json.dumps(errors))
+# One file per rank: two ranks printing at once can interleave their lines on the shared stdout.
+with open(os.path.join(sys.argv[1], "result" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(errors, f)
 sys.stdout.flush()
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort it (std::terminate)
@@ -368,11 +370,11 @@ def test_huggingface_trainer_under_ddp_gives_each_samples_own_norm(tmp_path):
               "--master_port", str(free_port())]
     proc = subprocess.run([*launch, str(script), str(tmp_path / "out"), tests_dir], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
-    results = [line.split(maxsplit=2) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    results = sorted((tmp_path / "out").glob("result*.json"))
     assert proc.returncode == 0 and len(results) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for _, rank, errors in results:
-        errors = json.loads(errors)
-        assert len(errors) == 2 and max(errors) < HF_RTOL, (rank, errors)
+    for path in results:
+        errors = json.loads(path.read_text())
+        assert len(errors) == 2 and max(errors) < HF_RTOL, (path.name, errors)
 
 
 def test_lightning_keeps_everything_it_logs_without_gapmon(tmp_path):

@@ -75,11 +75,11 @@ def test_skipped_steps_run_no_gapmon_op_and_keep_nothing():
     with gapmon.GAPMonitor(model, interval=2, sinks=[], per_sample_grad_norms=True) as mon:
         for step in range(2):
             mon.begin_step(step, batch_size=2)
-            before = len(mon.per_sample._micro)
+            before = len(mon.per_sample._state.micro)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 _train_step(model, [synthetic_batch(CFG, 2, step)])
             ops = {e.key for e in prof.key_averages() if e.key.startswith("gapmon::")}
-            kept = len(mon.per_sample._micro) - before
+            kept = len(mon.per_sample._state.micro) - before
             metrics = mon.end_step()
             model.zero_grad()
             if step == 0:

@@ -115,7 +115,7 @@ def test_e4m3_values_at_the_format_limits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_moments_and_kurtosis_match_float64(dtype):
+def test_moments_and_kurtosis_match_float64(dtype, cpu_isa):
     torch.manual_seed(1)
     x = (torch.distributions.StudentT(5.0).sample((70_001,)) * 3 + 1000).to(dtype)
     row = gapmon.numerics_states([x])[0]
@@ -406,9 +406,10 @@ def test_report_numerics_keep_the_last_record_of_a_step_written_twice():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_every_16_bit_pattern_against_the_reference(dtype):
-    """All 65,536 bit patterns of a 16-bit float (the float16 path converts by F16C where the CPU has
-    it): the bins equal the frexp/bincount reference exactly, the moments of the finite ones to 1e-9."""
+def test_every_16_bit_pattern_against_the_reference(dtype, cpu_isa):
+    """All 65,536 bit patterns of a 16-bit float, on every instruction set (the float16 path converts by
+    F16C on AVX2/AVX-512, by its own bit conversion on the generic one): the bins equal the frexp/bincount
+    reference exactly, the moments of the finite ones to 1e-9."""
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     bits = bits[torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(0))]
     got, want = gapmon.numerics_states([bits])[0], reference.numerics_states([bits])[0]
@@ -424,7 +425,7 @@ def test_every_16_bit_pattern_against_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_zeros_subnormals_and_non_finite_values_in_scattered_blocks(dtype):
+def test_zeros_subnormals_and_non_finite_values_in_scattered_blocks(dtype, cpu_isa):
     """Zero, subnormal, Inf and NaN values in some blocks and chunks of a long tensor and not in others
     (the CPU kernel tells zeros from subnormals and Inf from NaN only in blocks whose exponent-0 or
     exponent-255 counts grew): bins equal the reference exactly."""

@@ -1,10 +1,6 @@
-// CPU implementation of the numerics ops (csrc/core/numerics.h): the exponent histogram and
-// central moments of many tensors in one at::parallel_for region over fixed-size chunks, each
-// chunk's partial merged in chunk order, so the result is the same bits whatever the threads.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+// Torch-free CPU numerics kernels: the exponent histogram and the moments of a chunk of a StridedView,
+// in one read of its elements, with the instruction set the statistics kernels use (select_isa).
+#include "numerics_kernels.h"
 
 #include <algorithm>
 #include <array>
@@ -13,13 +9,11 @@
 #include <immintrin.h>
 #endif
 #include <type_traits>
-#include <vector>
 
-#include "../core/numerics.h"
-#include "../tensor_views.h"
-#include "stats_cpu.h"
+#include "stats_kernels.h"
 
 namespace gapmon {
+namespace cpu {
 namespace {
 
 using core::Moments;
@@ -29,10 +23,29 @@ using core::Moments;
 constexpr int64_t kBlock = 1024;
 constexpr int kCopies = 4;  // histogram copies: element i counts in copy i % kCopies
 
-struct ChunkNumerics {
-  std::array<int64_t, core::kNumBins> bins{};
-  Moments moments;
+// 16-bit storage of bfloat16 and IEEE half elements (the bits; no torch types).
+struct BF16 {
+  uint16_t x;
 };
+struct Half {
+  uint16_t x;
+};
+
+// IEEE half bits -> float32 bits, exact (subnormals normalised, Inf/NaN kept).
+inline uint32_t half_to_f32_bits(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  if (exp == 0x1Fu) return sign | 0x7F800000u | (man << 13);
+  if (exp != 0) return sign | ((exp + 112u) << 23) | (man << 13);
+  if (man == 0) return sign;
+  uint32_t e = 113;  // a subnormal m * 2^-24: shift m up to its leading 1
+  while ((man & 0x400u) == 0) {
+    man <<= 1;
+    --e;
+  }
+  return sign | (e << 23) | ((man & 0x3FFu) << 13);
+}
 
 // An element as float32 bits (float, bfloat16, half: exact widening).
 template <typename T>
@@ -44,15 +57,12 @@ inline uint32_t f32_bits<float>(const float* p) {
   return bits;
 }
 template <>
-inline uint32_t f32_bits<at::BFloat16>(const at::BFloat16* p) {
+inline uint32_t f32_bits<BF16>(const BF16* p) {
   return static_cast<uint32_t>(p->x) << 16;
 }
 template <>
-inline uint32_t f32_bits<at::Half>(const at::Half* p) {
-  const float f = static_cast<float>(*p);
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
+inline uint32_t f32_bits<Half>(const Half* p) {
+  return half_to_f32_bits(p->x);
 }
 
 inline float f32_of(uint32_t bits) {
@@ -164,6 +174,7 @@ void block_sums_generic(const uint32_t* bits, int64_t n, double shift, double (&
   add_lanes_and_tail(l1, l2, l3, l4, bits, i, n, shift, s);
 }
 
+#if defined(__x86_64__)
 // The same sums (the same operations in the same order: the same bits) with AVX2 intrinsics: GCC's
 // generic tuning splits the vector extensions' float -> double conversion into four 2-lane converts
 // and two inserts, which made these sums half of the numerics pass.
@@ -194,24 +205,23 @@ __attribute__((target("avx2,fma"))) void block_sums_avx2(const uint32_t* bits, i
 }
 
 // float16 values as float32 bits, 8 at a time by F16C (the scalar conversion was a third of the pass).
-__attribute__((target("avx2,f16c"))) void half_bits_f16c(const at::Half* q, int64_t n, uint32_t* out) {
+__attribute__((target("avx2,f16c"))) void half_bits_f16c(const Half* q, int64_t n, uint32_t* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(reinterpret_cast<float*>(out + i), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
   }
-  for (; i < n; ++i) out[i] = f32_bits<at::Half>(q + i);
+  for (; i < n; ++i) out[i] = f32_bits<Half>(q + i);
 }
+#endif
 
-bool has_f16c() {
-  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return f16c;
-}
-
+// The instruction set of the statistics kernels (select_isa) decides here too: AVX2 (which the avx2 and
+// avx512 selections imply, with FMA and F16C) or the generic code.
 using BlockSums = void (*)(const uint32_t*, int64_t, double, double (&)[4]);
-BlockSums block_sums() {
-  static const BlockSums chosen =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? block_sums_avx2 : block_sums_generic;
-  return chosen;
+BlockSums block_sums(bool avx2) {
+#if defined(__x86_64__)
+  if (avx2) return block_sums_avx2;
+#endif
+  return block_sums_generic;
 }
 
 // A contiguous run of float/bfloat16/half values, in blocks of kBlock: the block's float32 bits
@@ -219,16 +229,19 @@ BlockSums block_sums() {
 template <typename T>
 void add_run_f32(const T* p, int64_t len, ChunkAccumulator& acc) {
   uint32_t bits[kBlock];
-  const BlockSums sums = block_sums();
-  const bool f16c = has_f16c();
+  const bool avx2 = selected_isa_has_avx2();
+  const BlockSums sums = block_sums(avx2);
   for (int64_t start = 0; start < len; start += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, len - start);
     const T* q = p + start;
     // The block's float32 bits first: a copy that streams the data in (faster from DRAM than
     // histogram loads straight from the tensor, measured), float16 converted by F16C.
-    if (std::is_same_v<T, at::Half> && f16c) {
-      half_bits_f16c(reinterpret_cast<const at::Half*>(q), n, bits);
-    } else {
+#if defined(__x86_64__)
+    if (std::is_same_v<T, Half> && avx2) {
+      half_bits_f16c(reinterpret_cast<const Half*>(q), n, bits);
+    } else
+#endif
+    {
       for (int64_t i = 0; i < n; ++i) bits[i] = f32_bits<T>(q + i);
     }
     for (int64_t i = 0; i + kCopies <= n; i += kCopies) {
@@ -278,7 +291,7 @@ void add_run_scalar(const T* p, int64_t len, int64_t stride, ChunkAccumulator& a
 }
 
 template <typename T>
-ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t item, int64_t lo, int64_t hi) {
+ChunkNumerics chunk_numerics_typed(const core::StridedView& v, int64_t item, int64_t lo, int64_t hi) {
   ChunkAccumulator acc;
   const T* base = static_cast<const T*>(v.data);
   core::RowCursor cursor(v, item, lo, hi);
@@ -295,19 +308,18 @@ ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t item, int64_t l
   return acc.finish();
 }
 
-// The numerics of elements [lo, hi) of item `item` of `v`.
-ChunkNumerics chunk_numerics_of(const core::StridedView& v, int64_t item, int64_t lo, int64_t hi) {
+}  // namespace
+
+ChunkNumerics chunk_numerics(const core::StridedView& v, int64_t item, int64_t lo, int64_t hi) {
   switch (v.dtype) {
-    case core::DType::kFloat32: return chunk_numerics<float>(v, item, lo, hi);
-    case core::DType::kFloat64: return chunk_numerics<double>(v, item, lo, hi);
-    case core::DType::kBFloat16: return chunk_numerics<at::BFloat16>(v, item, lo, hi);
-    case core::DType::kFloat16: return chunk_numerics<at::Half>(v, item, lo, hi);
+    case core::DType::kFloat32: return chunk_numerics_typed<float>(v, item, lo, hi);
+    case core::DType::kFloat64: return chunk_numerics_typed<double>(v, item, lo, hi);
+    case core::DType::kBFloat16: return chunk_numerics_typed<BF16>(v, item, lo, hi);
+    case core::DType::kFloat16: return chunk_numerics_typed<Half>(v, item, lo, hi);
   }
   return {};
 }
 
-// Merges chunks [first, first + count) of `v` (bins summed: exact integers below 2^53; moments merged
-// in chunk order: deterministic), times the view's repeat, into the numerics row `row`.
 void merge_chunks_into(const core::StridedView& v, const ChunkNumerics* chunks, int64_t count, double* row) {
   std::array<int64_t, core::kNumBins> bins{};
   Moments m;
@@ -319,104 +331,5 @@ void merge_chunks_into(const core::StridedView& v, const ChunkNumerics* chunks, 
   core::store_moments(core::merge(core::load_moments(row), core::repeat(m, static_cast<double>(v.repeat))), row);
 }
 
-// The [N, kNumNumericsColumns] float64 rows of `views` (single items) from their chunks' results.
-at::Tensor numerics_rows_of(const std::vector<core::StridedView>& views, const std::vector<ChunkNumerics>& chunks) {
-  const int64_t num_views = static_cast<int64_t>(views.size());
-  at::Tensor out = at::zeros({num_views, core::kNumNumericsColumns}, at::kDouble);
-  double* rows = out.data_ptr<double>();
-  for (const core::StridedView& v : views) {
-    merge_chunks_into(v, chunks.data() + v.first_chunk, v.chunks_per_item, rows + v.out_row * core::kNumNumericsColumns);
-  }
-  return out;
-}
-
-at::Tensor numerics_states_cpu(at::TensorList xs) {
-  std::vector<at::Tensor> keep_alive;
-  auto views = views_of(xs, "numerics_states", keep_alive);
-  const int64_t num_views = static_cast<int64_t>(views.size());
-  if (num_views == 0) return at::zeros({0, core::kNumNumericsColumns}, at::kDouble);
-  const int64_t total_chunks = core::plan_chunks(views.data(), num_views);
-  std::vector<ChunkNumerics> chunks(total_chunks);
-  at::parallel_for(0, total_chunks, 1, [&](int64_t begin, int64_t end) {
-    int64_t vi = core::find_view(views.data(), num_views, begin);
-    for (int64_t c = begin; c < end; ++c) {
-      while (c >= views[vi].first_chunk + views[vi].chunks_per_item) ++vi;
-      const core::StridedView& v = views[vi];
-      const int64_t lo = (c - v.first_chunk) * core::kChunkElems;
-      const int64_t hi = std::min(lo + core::kChunkElems, v.item_numel);
-      if (lo < hi) chunks[c] = chunk_numerics_of(v, 0, lo, hi);
-    }
-  });
-  return numerics_rows_of(views, chunks);
-}
-
-// The statistics states and the numerics rows of xs in one pass over memory: each chunk's numerics
-// are taken right after its state, while the chunk is in cache. The same bits as
-// multi_tensor_states and numerics_states.
-std::tuple<at::Tensor, at::Tensor> multi_tensor_states_and_numerics_cpu(at::TensorList xs) {
-  std::vector<at::Tensor> keep_alive;
-  auto views = views_of(xs, "multi_tensor_states_and_numerics", keep_alive);
-  const int64_t num_views = static_cast<int64_t>(views.size());
-  if (num_views == 0) {
-    return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, core::kNumNumericsColumns}, at::kDouble)};
-  }
-  std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), num_views));
-  const auto states = compute_states(views, num_views, [&](const core::StridedView& v, int64_t c, int64_t item,
-                                                           int64_t lo, int64_t hi) {
-    if (lo < hi) chunks[c] = chunk_numerics_of(v, item, lo, hi);
-  });
-  return {states_to_tensor(states), numerics_rows_of(views, chunks)};
-}
-
-// The per-instance statistics of x folded into acc[row], as accumulate_instance_stats does, and x's
-// numerics merged into numerics[numerics_row], in one pass over x: each chunk's numerics are taken
-// right after its state, while it is in cache. x's numerics are its chunks' merged in order (items,
-// then each item's chunks): the bins of numerics_states([x]), its moments within float64 rounding.
-void accumulate_instance_stats_and_numerics_cpu(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
-                                                at::Tensor& numerics, int64_t numerics_row) {
-  const char* op = "accumulate_instance_stats_and_numerics";
-  check_accumulator(x, acc, row, op);
-  check_numerics_table(x, numerics, numerics_row);
-  std::vector<at::Tensor> keep_alive;
-  std::vector<core::StridedView> views{make_view(x, 1, op, keep_alive)};
-  std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), 1));
-  const auto states = compute_states(views, x.size(0), [&](const core::StridedView& v, int64_t c, int64_t item,
-                                                           int64_t lo, int64_t hi) {
-    if (lo < hi) chunks[c] = chunk_numerics_of(v, item, lo, hi);
-  });
-  fold_instances(states, correction, acc.data_ptr<double>() + row * core::kNumAccColumns);
-  merge_chunks_into(views[0], chunks.data(), static_cast<int64_t>(chunks.size()),
-                    numerics.data_ptr<double>() + numerics_row * core::kNumNumericsColumns);
-}
-
-// [R, N, kNumNumericsColumns] rows (R partial results of N tensors) -> [N, ...], merged in order.
-at::Tensor merge_numerics_states_cpu(const at::Tensor& states) {
-  check_numerics_states(states);
-  const at::Tensor s = states.contiguous();
-  const int64_t parts = s.size(0), n = s.size(1);
-  at::Tensor out = at::zeros({n, core::kNumNumericsColumns}, at::kDouble);
-  double* o = out.data_ptr<double>();
-  const double* p = s.data_ptr<double>();
-  for (int64_t i = 0; i < n; ++i) {
-    Moments m;
-    double* row = o + i * core::kNumNumericsColumns;
-    for (int64_t r = 0; r < parts; ++r) {
-      const double* part = p + (r * n + i) * core::kNumNumericsColumns;
-      for (int b = 0; b < core::kNumBins; ++b) row[b] += part[b];
-      m = core::merge(m, core::load_moments(part));
-    }
-    core::store_moments(m, row);
-  }
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
-  m.impl("numerics_states", &numerics_states_cpu);
-  m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);
-  m.impl("merge_numerics_states", &merge_numerics_states_cpu);
-  m.impl("accumulate_instance_stats_and_numerics", &accumulate_instance_stats_and_numerics_cpu);
-}
-
+}  // namespace cpu
 }  // namespace gapmon

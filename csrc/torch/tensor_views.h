@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/numerics.h"
-#include "core/strided_view.h"
+#include "../core/numerics.h"
+#include "../core/strided_view.h"
 
 namespace gapmon {
 

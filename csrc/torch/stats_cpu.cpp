@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "../core/stats_state.h"
-#include "../tensor_views.h"
+#include "tensor_views.h"
 #include "stats_cpu.h"
-#include "stats_kernels.h"
+#include "../cpu/stats_kernels.h"
 
 namespace gapmon {
 

@@ -1,5 +1,5 @@
 // Schemas of the gapmon ops (TORCH_LIBRARY) and the Python module gapmon._C that loads them.
-// Kernels: csrc/cpu/stats_cpu.cpp and csrc/cpu/numerics_cpu.cpp (CPU), csrc/cuda_ops.cpp (CUDA);
+// Kernels: csrc/cpu/stats_cpu.cpp and csrc/cpu/numerics_cpu.cpp (CPU), csrc/torch/cuda_ops.cpp (CUDA);
 // fake kernels for tracing live in gapmon/_backend.py.
 #include <Python.h>
 #include <torch/library.h>
@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "core/numerics.h"
-#include "core/stats_state.h"
-#include "cpu/stats_kernels.h"
+#include "../core/numerics.h"
+#include "../core/stats_state.h"
+#include "../cpu/stats_kernels.h"
 
 namespace gapmon {
 namespace {

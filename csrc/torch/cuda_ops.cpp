@@ -19,9 +19,9 @@
 #include <utility>
 #include <vector>
 
-#include "core/numerics.h"
-#include "cuda/numerics_cuda.h"
-#include "cuda/stats_cuda.h"
+#include "../core/numerics.h"
+#include "../cuda/numerics_cuda.h"
+#include "../cuda/stats_cuda.h"
 #include "tensor_views.h"
 
 namespace gapmon {

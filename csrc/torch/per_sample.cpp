@@ -11,7 +11,7 @@
 #include <optional>
 #include <tuple>
 
-#include "core/stats_state.h"
+#include "../core/stats_state.h"
 
 namespace gapmon {
 namespace {

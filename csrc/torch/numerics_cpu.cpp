@@ -1,0 +1,124 @@
+// The torch glue of the CPU numerics ops (csrc/core/numerics.h): the exponent histogram and central
+// moments of many tensors in one at::parallel_for region over fixed-size chunks (the torch-free kernels
+// of csrc/cpu/numerics_kernels.h), each chunk's partial merged in chunk order, so the result is the same
+// bits whatever the threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../core/numerics.h"
+#include "../cpu/numerics_kernels.h"
+#include "stats_cpu.h"
+#include "tensor_views.h"
+
+namespace gapmon {
+namespace {
+
+using core::Moments;
+using cpu::ChunkNumerics;
+using cpu::merge_chunks_into;
+
+// The [N, kNumNumericsColumns] float64 rows of `views` (single items) from their chunks' results.
+at::Tensor numerics_rows_of(const std::vector<core::StridedView>& views, const std::vector<ChunkNumerics>& chunks) {
+  const int64_t num_views = static_cast<int64_t>(views.size());
+  at::Tensor out = at::zeros({num_views, core::kNumNumericsColumns}, at::kDouble);
+  double* rows = out.data_ptr<double>();
+  for (const core::StridedView& v : views) {
+    merge_chunks_into(v, chunks.data() + v.first_chunk, v.chunks_per_item, rows + v.out_row * core::kNumNumericsColumns);
+  }
+  return out;
+}
+
+at::Tensor numerics_states_cpu(at::TensorList xs) {
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, "numerics_states", keep_alive);
+  const int64_t num_views = static_cast<int64_t>(views.size());
+  if (num_views == 0) return at::zeros({0, core::kNumNumericsColumns}, at::kDouble);
+  const int64_t total_chunks = core::plan_chunks(views.data(), num_views);
+  std::vector<ChunkNumerics> chunks(total_chunks);
+  at::parallel_for(0, total_chunks, 1, [&](int64_t begin, int64_t end) {
+    int64_t vi = core::find_view(views.data(), num_views, begin);
+    for (int64_t c = begin; c < end; ++c) {
+      while (c >= views[vi].first_chunk + views[vi].chunks_per_item) ++vi;
+      const core::StridedView& v = views[vi];
+      const int64_t lo = (c - v.first_chunk) * core::kChunkElems;
+      const int64_t hi = std::min(lo + core::kChunkElems, v.item_numel);
+      if (lo < hi) chunks[c] = cpu::chunk_numerics(v, 0, lo, hi);
+    }
+  });
+  return numerics_rows_of(views, chunks);
+}
+
+// The statistics states and the numerics rows of xs in one pass over memory: each chunk's numerics
+// are taken right after its state, while the chunk is in cache. The same bits as
+// multi_tensor_states and numerics_states.
+std::tuple<at::Tensor, at::Tensor> multi_tensor_states_and_numerics_cpu(at::TensorList xs) {
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, "multi_tensor_states_and_numerics", keep_alive);
+  const int64_t num_views = static_cast<int64_t>(views.size());
+  if (num_views == 0) {
+    return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, core::kNumNumericsColumns}, at::kDouble)};
+  }
+  std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), num_views));
+  const auto states = compute_states(views, num_views, [&](const core::StridedView& v, int64_t c, int64_t item,
+                                                           int64_t lo, int64_t hi) {
+    if (lo < hi) chunks[c] = cpu::chunk_numerics(v, item, lo, hi);
+  });
+  return {states_to_tensor(states), numerics_rows_of(views, chunks)};
+}
+
+// The per-instance statistics of x folded into acc[row], as accumulate_instance_stats does, and x's
+// numerics merged into numerics[numerics_row], in one pass over x: each chunk's numerics are taken
+// right after its state, while it is in cache. x's numerics are its chunks' merged in order (items,
+// then each item's chunks): the bins of numerics_states([x]), its moments within float64 rounding.
+void accumulate_instance_stats_and_numerics_cpu(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
+                                                at::Tensor& numerics, int64_t numerics_row) {
+  const char* op = "accumulate_instance_stats_and_numerics";
+  check_accumulator(x, acc, row, op);
+  check_numerics_table(x, numerics, numerics_row);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 1, op, keep_alive)};
+  std::vector<ChunkNumerics> chunks(core::plan_chunks(views.data(), 1));
+  const auto states = compute_states(views, x.size(0), [&](const core::StridedView& v, int64_t c, int64_t item,
+                                                           int64_t lo, int64_t hi) {
+    if (lo < hi) chunks[c] = cpu::chunk_numerics(v, item, lo, hi);
+  });
+  fold_instances(states, correction, acc.data_ptr<double>() + row * core::kNumAccColumns);
+  merge_chunks_into(views[0], chunks.data(), static_cast<int64_t>(chunks.size()),
+                    numerics.data_ptr<double>() + numerics_row * core::kNumNumericsColumns);
+}
+
+// [R, N, kNumNumericsColumns] rows (R partial results of N tensors) -> [N, ...], merged in order.
+at::Tensor merge_numerics_states_cpu(const at::Tensor& states) {
+  check_numerics_states(states);
+  const at::Tensor s = states.contiguous();
+  const int64_t parts = s.size(0), n = s.size(1);
+  at::Tensor out = at::zeros({n, core::kNumNumericsColumns}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  const double* p = s.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    Moments m;
+    double* row = o + i * core::kNumNumericsColumns;
+    for (int64_t r = 0; r < parts; ++r) {
+      const double* part = p + (r * n + i) * core::kNumNumericsColumns;
+      for (int b = 0; b < core::kNumBins; ++b) row[b] += part[b];
+      m = core::merge(m, core::load_moments(part));
+    }
+    core::store_moments(m, row);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
+  m.impl("numerics_states", &numerics_states_cpu);
+  m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);
+  m.impl("merge_numerics_states", &merge_numerics_states_cpu);
+  m.impl("accumulate_instance_stats_and_numerics", &accumulate_instance_stats_and_numerics_cpu);
+}
+
+}  // namespace gapmon
