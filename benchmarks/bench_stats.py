@@ -5,7 +5,7 @@ For each case it times gapmon, the seed monitor's per-tensor approach (`x.abs().
 and the memory-bandwidth bounds (`x.sum()`; on CUDA `x.sum(dtype=float32)` and a device copy), each with the
 SPEC target it answers to beside it. On CUDA it also times single calls (events around one call
 after a synchronisation: the host cost counts) besides back-to-back calls, and the host cost of a
-small call. Prints a markdown table and writes JSON to benchmarks/results/<device>.json.
+small call. Prints a markdown table and writes JSON to benchmarks/results/stats-<device>.json.
 
     python benchmarks/bench_stats.py                 # CPU, sizes 2^10..2^26
     python benchmarks/bench_stats.py --device cuda   # GPU, sizes 2^10..2^28
@@ -364,7 +364,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sizes", default=None, help="comma-separated powers of two (default 10,14,18,22,26[,28])")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/stats-<device>.json)")
     parser.add_argument("--skip-llama", action="store_true", help="skip the 1B-parameter list")
     parser.add_argument("--cases", default="stats,host,multi,instance,numerics",
                         help="comma-separated subset of stats,host,multi,instance,numerics")
@@ -401,7 +401,7 @@ def main() -> None:
     table = markdown(rows)
     print("\n" + table)
     name = info["device"].replace(" ", "-").replace("(", "").replace(")", "").lower()
-    out = Path(args.out or Path(__file__).parent / "results" / f"{'cpu-' + info['host'] if device == 'cpu' else name}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / f"stats-{'cpu-' + info['host'] if device == 'cpu' else name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": info, "results": rows, "table": table}, indent=2))
     print(f"\nwrote {out}")

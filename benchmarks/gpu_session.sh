@@ -24,7 +24,7 @@
 # Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
 # ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json provenance.json numerics.json;
 # call4 session.log.
-# Afterwards copy stats.json to benchmarks/results/<gpu>.json (monitor/persample likewise) and commit.
+# Afterwards copy each X.json to benchmarks/results/X-<gpu>.json (stats-h100.json, monitor-h100.json, ...) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_session.sh OUT_DIR call1|call2|call3|call4|PHASE ...}
