@@ -104,7 +104,7 @@ def _reconstruct(args: argparse.Namespace) -> int:
         replicas = int(config.get("num_replicas", 1))
         verified = ""
         if args.verify:
-            checked = len(record["files"])
+            checked = len(record.files)
             compared = f"{replicas} replicas compared" if replicas > 1 else "one replica"
             verified = f" (checksums of {checked} file{'s' if checked != 1 else ''} verified; {compared})"
         print(f"step {args.step}: {len(grads)} gradients, {total:,} elements{verified} -> {args.output_dir}")

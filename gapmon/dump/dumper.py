@@ -42,6 +42,7 @@ from .format import (
     HEADER_KEY,
     SAMPLED,
     STEP_PREFIX,
+    ConfigRecord,
     ShardRecord,
     generation_id,
     rank_file,
@@ -151,7 +152,7 @@ class GradientDumper:
             self._write_config()
 
     def _write_config(self) -> None:
-        write_json(self.save_dir / CONFIG, {**self._recorded, "format_version": FORMAT_VERSION, "run_id": self.run_id})
+        write_json(self.save_dir / CONFIG, ConfigRecord(self._recorded, self.run_id).to_json())
 
     def _keep_config(self) -> None:
         """Writes config.json again if it vanished (the dump directory deleted during the run), so that

@@ -241,6 +241,89 @@ class ShardRecord:
         return replica
 
 
+MAX_WORLD = 1 << 20  # a world_size beyond this is a corrupt record, not a run
+
+
+def check_world_size(value: Any, path: str | Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORLD:
+        raise DumpCorruptError(f"{path}: field 'world_size' must be an int between 1 and {MAX_WORLD}, got {value!r}")
+    return value
+
+
+def header_crc32(raw: bytes) -> int:
+    """The checksum COMPLETE records of a gapmon safetensors file: of its raw header bytes."""
+    return zlib.crc32(raw)
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    """config.json: the parallel layout and options of the run that last wrote the dump directory
+    (parallel_type, world_size, shard_degree, num_replicas, mesh_shape, mesh_dim_names, mode,
+    save_first_n), its run id and the format version."""
+
+    layout: dict[str, Any]
+    run_id: str | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.layout, "format_version": self.format_version, "run_id": self.run_id}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], path: str | Path) -> "ConfigRecord":
+        """The record read from `path`; DumpError naming what is wrong."""
+        check_version(record, path)
+        if "world_size" not in record:
+            raise DumpCorruptError(f"{path}: field 'world_size' is missing (how many ranks wrote the dump)")
+        check_world_size(record["world_size"], path)
+        layout = {k: v for k, v in record.items() if k not in ("format_version", "run_id")}
+        return cls(layout, record.get("run_id"), record.get("format_version", 1))
+
+
+@dataclass(frozen=True)
+class CompleteRecord:
+    """step{S}/COMPLETE, written last by rank 0: the step, the run and dump (generation) it vouches for,
+    the world that wrote it, the configuration it was written with, and every file of the step with its
+    size and checksum (format 2: {name: {"bytes": n, "crc32" or "header_crc32": c}}; format 1: a list of
+    names). Sealed by a checksum of its own content."""
+
+    files: dict[str, dict[str, int]] | list[str]
+    step: int | None = None
+    run_id: str | None = None
+    generation: str | None = None
+    world_size: int | None = None
+    config: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return sealed({"format_version": FORMAT_VERSION, "step": self.step, "run_id": self.run_id,
+                       "generation": self.generation, "world_size": self.world_size, "config": self.config,
+                       "checksum": CHECKSUM, "files": self.files})
+
+    @property
+    def checksums(self) -> dict[str, dict[str, int]] | None:
+        """Each file's size and checksum (None for a format 1 record, which has none)."""
+        return self.files if isinstance(self.files, dict) else None
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], path: str | Path) -> "CompleteRecord":
+        """The record read from `path`; DumpError naming what is wrong."""
+        check_version(record, path)
+        check_sealed(record, path)
+        files = record.get("files", [])
+        if isinstance(files, dict):
+            for name, info in files.items():
+                if (not isinstance(info, dict) or not is_count(info.get("bytes")) or Path(name).is_absolute()
+                        or ".." in Path(name).parts):
+                    raise DumpCorruptError(f"{path}: bad entry for file {name!r}: {info!r}")
+        elif not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise DumpCorruptError(f"{path}: field 'files' must list the step's files, got {files!r}")
+        config = record.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise DumpCorruptError(f"{path}: field 'config' must be an object, got {config!r}")
+        world = record.get("world_size")
+        return cls(files, record.get("step"), record.get("run_id"), record.get("generation"),
+                   None if world is None else check_world_size(world, path), config)
+
+
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in file `path` (`what` it holds, for the message); DumpCorruptError otherwise."""
     try:

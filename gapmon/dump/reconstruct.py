@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,17 +24,19 @@ from .format import (
     HEADER_KEY,
     SAMPLED,
     STEP_PREFIX,
+    CompleteRecord,
+    ConfigRecord,
     DumpCorruptError,
     DumpError,
     DumpIncompleteError,
     DumpInconsistentError,
     DumpMissingError,
     ShardRecord,
-    check_sealed,
     check_version,
+    check_world_size,
     dtype_name,
     file_crc32,
-    is_count,
+    header_crc32,
     rank_file,
     read_full_index,
     read_json_object,
@@ -44,8 +45,6 @@ from .format import (
     tensor_crc32,
 )
 from .safe_io import read_safetensors_header
-
-_MAX_WORLD = 1 << 20
 
 
 def list_steps(grad_dir: str | Path) -> tuple[list[int], list[int]]:
@@ -71,15 +70,8 @@ def _looks_complete(directory: Path) -> bool:
     return all((directory / name).exists() for name in _listed_files(record))
 
 
-def _listed_files(record: dict[str, Any]) -> list[str]:
-    files = record.get("files", [])
-    return list(files) if isinstance(files, (dict, list)) else []
-
-
-def _world_size(value: Any, path: Path) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_WORLD:
-        raise DumpCorruptError(f"{path}: field 'world_size' must be an int between 1 and {_MAX_WORLD}, got {value!r}")
-    return value
+def _listed_files(record: CompleteRecord) -> list[str]:
+    return list(record.files)
 
 
 def read_config(grad_dir: str | Path) -> dict[str, Any]:
@@ -91,35 +83,18 @@ def read_config(grad_dir: str | Path) -> dict[str, Any]:
     path = grad_dir / CONFIG
     if not path.exists():
         raise DumpMissingError(f"{path} is missing: {grad_dir} is not a gapmon gradient dump")
-    config = read_json_object(path, "the dump's configuration")
-    check_version(config, path)
-    if "world_size" not in config:
-        raise DumpCorruptError(f"{path}: field 'world_size' is missing (how many ranks wrote the dump)")
-    _world_size(config["world_size"], path)
-    return config
+    return ConfigRecord.from_json(read_json_object(path, "the dump's configuration"), path).to_json()
 
 
-def read_complete(directory: Path) -> dict[str, Any]:
+def read_complete(directory: Path) -> CompleteRecord:
     """The validated COMPLETE record of a step directory."""
     path = directory / COMPLETE
-    record = read_json_object(path, "the step's completion record")
-    check_version(record, path)
-    check_sealed(record, path)
-    files = record.get("files", [])
-    if isinstance(files, dict):  # format 2: {name: {"bytes": n, checksum: c}}
-        for name, info in files.items():
-            if not isinstance(info, dict) or not is_count(info.get("bytes")) or Path(name).is_absolute() or ".." in Path(name).parts:
-                raise DumpCorruptError(f"{path}: bad entry for file {name!r}: {info!r}")
-    elif not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise DumpCorruptError(f"{path}: field 'files' must list the step's files, got {files!r}")
-    if "config" in record and not isinstance(record["config"], dict):
-        raise DumpCorruptError(f"{path}: field 'config' must be an object, got {record['config']!r}")
-    return record
+    return CompleteRecord.from_json(read_json_object(path, "the step's completion record"), path)
 
 
-def step_config(grad_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+def step_config(grad_dir: Path, record: CompleteRecord) -> dict[str, Any]:
     """The configuration a step was written with: its COMPLETE's (format 2), else config.json's."""
-    return record["config"] if "config" in record else read_config(grad_dir)
+    return record.config if record.config is not None else read_config(grad_dir)
 
 
 def _field(record: dict[str, Any], key: str, path: Path, what: str) -> Any:
@@ -155,11 +130,11 @@ class _Checked:
     """Checks the files of one step against its COMPLETE record: sizes and header checksums when a
     file is opened, each tensor's checksum when it is read, the generation every header names."""
 
-    def __init__(self, directory: Path, record: dict[str, Any]):
+    def __init__(self, directory: Path, record: CompleteRecord):
         self.directory = directory
         self.record = record
-        self.files = record.get("files") if isinstance(record.get("files"), dict) else None
-        self.generation = record.get("generation")
+        self.files = record.checksums
+        self.generation = record.generation
 
     @property
     def has_checksums(self) -> bool:
@@ -172,9 +147,9 @@ class _Checked:
         handle = _open_safetensors(path)
         header = _header(handle, path)
         complete = self.record
-        if "run_id" in complete and header.get("run_id") != complete["run_id"]:
+        if complete.run_id is not None and header.get("run_id") != complete.run_id:
             raise DumpInconsistentError(f"{path} was written by another run ({header.get('run_id')!r}) than the one that marked "
-                            f"step {step} complete ({complete['run_id']!r}): the directory mixes runs")
+                            f"step {step} complete ({complete.run_id!r}): the directory mixes runs")
         if header.get("step", step) != step:
             raise DumpInconsistentError(f"{path} holds step {header.get('step')!r}, not step {step}")
         if self.generation is not None and header.get("generation") != self.generation:
@@ -190,7 +165,7 @@ class _Checked:
                 raw, _ = read_safetensors_header(path)
             except ValueError as e:
                 raise DumpCorruptError(str(e)) from e
-            if zlib.crc32(raw) != info.get(f"header_{CHECKSUM}"):
+            if header_crc32(raw) != info.get(f"header_{CHECKSUM}"):
                 raise DumpCorruptError(f"{path} is corrupt: its header does not match the checksum {COMPLETE} records")
         return handle, header
 
@@ -262,12 +237,12 @@ def _boxes_tile(pieces: list[tuple[list[int], torch.Tensor]], shape: list[int]) 
     return True
 
 
-def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, Any], step: int, verify: bool,
+def _load_shards(directory: Path, config: dict[str, Any], complete: CompleteRecord, step: int, verify: bool,
                  progress: Callable[[int, int], None] | None) -> dict[str, torch.Tensor]:
-    if "world_size" in complete:
-        world = _world_size(complete["world_size"], directory / COMPLETE)
+    if complete.world_size is not None:
+        world = complete.world_size
     elif "world_size" in config:
-        world = _world_size(config["world_size"], directory.parent / CONFIG)
+        world = check_world_size(config["world_size"], directory.parent / CONFIG)
     else:  # without it the rank files cannot be counted: name the field, not a coverage gap it would cause
         raise DumpCorruptError(f"{directory / COMPLETE} and its configuration lack field 'world_size' (how many rank "
                                "files the step has)")
@@ -334,7 +309,7 @@ def _load_shards(directory: Path, config: dict[str, Any], complete: dict[str, An
     return out
 
 
-def _load_sampled(directory: Path, complete: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
+def _load_sampled(directory: Path, complete: CompleteRecord, step: int) -> dict[str, torch.Tensor]:
     path = directory / SAMPLED
     if not path.exists():
         raise DumpMissingError(f"{directory}: {SAMPLED} is missing")
@@ -345,7 +320,7 @@ def _load_sampled(directory: Path, complete: dict[str, Any], step: int) -> dict[
     return {name: _check_checksum(_tensor(h, name, path), checksums.get(name), name, path) for name in h.keys()}
 
 
-def _load_full(directory: Path, complete: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _load_full(directory: Path, complete: CompleteRecord) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -388,7 +363,7 @@ def reconstruct_gradients(grad_dir: str | Path, step: int, verify: bool = False,
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
         raise DumpIncompleteError(f"step {step} is incomplete: {directory}/{COMPLETE} is missing (present: {present or 'nothing'})")
     complete = read_complete(directory)
-    if verify and not isinstance(complete.get("files"), dict):
+    if verify and complete.checksums is None:
         raise DumpIncompleteError(f"step {step} under {grad_dir} was written without checksums (format 1): it cannot be verified")
     config = step_config(grad_dir, complete)
     mode = config.get("mode", "shards")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,17 @@ import torch
 import torch.distributed as dist
 
 from .background import FAILED_MARKER
-from .format import CHECKSUM, COMPLETE, FORMAT_VERSION, FULL_DIR, FULL_INDEX, HEADER_KEY, SAMPLED, file_crc32, sealed
+from .format import (
+    CHECKSUM,
+    COMPLETE,
+    FULL_DIR,
+    FULL_INDEX,
+    HEADER_KEY,
+    SAMPLED,
+    CompleteRecord,
+    file_crc32,
+    header_crc32,
+)
 from .safe_io import HOST, process_alive, read_safetensors_header, remove_entry, write_json
 
 
@@ -98,7 +107,7 @@ class StepSealer:
             for name in list(missing):
                 found, raw = header_generation(directory / name)
                 if found == generation:
-                    records[name] = {"bytes": (directory / name).stat().st_size, f"header_{CHECKSUM}": zlib.crc32(raw)}
+                    records[name] = {"bytes": (directory / name).stat().st_size, f"header_{CHECKSUM}": header_crc32(raw)}
                     missing.remove(name)
                 elif found is not None and supersedes(found, generation):
                     return  # this step was dumped again meanwhile: that newer generation completes it
@@ -109,9 +118,8 @@ class StepSealer:
                 raise TimeoutError(f"GradientDumper: {directory} still lacks {missing} of this dump after "
                                    f"{self.timeout:.0f}s (a rank died or is stuck?); step left incomplete")
             time.sleep(0.01)
-        write_json(directory / COMPLETE, sealed({
-            "format_version": FORMAT_VERSION, "step": step, "run_id": self.run_id, "generation": generation,
-            "world_size": len(self.peers), "config": recorded, "checksum": CHECKSUM, "files": records}))
+        write_json(directory / COMPLETE, CompleteRecord(records, step, self.run_id, generation, len(self.peers),
+                                                        recorded).to_json())
         _remove_unlisted(directory, records)
 
     def peer_exited(self, rank: int) -> bool:

@@ -82,8 +82,6 @@ class PerSampleGradNorms:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleGradNorms: model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = config  # every option, read from here
-        self.batch_dim, self.batch_inputs = config.batch_dim, config.batch_inputs
-        self.loss_reduction, self.bookkeeping, self.strict = config.loss_reduction, config.bookkeeping, config.strict
         self.model = model
         self._state = Collection()
         self._checker = UseChecker(self._state)
@@ -102,6 +100,13 @@ class PerSampleGradNorms:
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
         self._checker.hook_covered(self._coverage.layers, trainable_state(self._params))
+
+    # The options, read from the config (one source of truth).
+    loss_reduction = property(lambda self: self.config.loss_reduction, doc="config.loss_reduction")
+    strict = property(lambda self: self.config.strict, doc="config.strict")
+    bookkeeping = property(lambda self: self.config.bookkeeping, doc="config.bookkeeping")
+    batch_dim = property(lambda self: self.config.batch_dim, doc="config.batch_dim")
+    batch_inputs = property(lambda self: self.config.batch_inputs, doc="config.batch_inputs")
 
     @property
     def skipped(self) -> set[str]:
