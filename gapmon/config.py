@@ -136,13 +136,15 @@ class MonitorConfig:
     """Formats (gapmon.numerics.FORMATS) whose under/overflow shares, kurtosis and histograms to report."""
     numerics_alert: float | None = None
     """Warn when a tensor's unscaled under/overflow share in a format exceeds this fraction (needs numerics)."""
+    gns_ema: float = 0.95
+    """Decay of the moving averages of |G|^2 and tr(Sigma) whose ratio is the gradient noise scale (per-sample norms)."""
 
     def constructor_arguments(self) -> dict[str, Any]:
         """The keywords of GAPMonitor(model, ...) that make this config (what from_config passes)."""
         return {"interval": self.schedule, "params": self.params, "grads": self.grads, "activations": self.activations,
                 "activation_grads": self.activation_grads, "per_sample_grad_norms": self.per_sample or False,
                 "sinks": self.sinks, "process_group": self.process_group, "correction": self.correction,
-                "numerics": self.numerics, "numerics_alert": self.numerics_alert}
+                "numerics": self.numerics, "numerics_alert": self.numerics_alert, "gns_ema": self.gns_ema}
 
     def __post_init__(self) -> None:
         who = "GAPMonitor"
@@ -170,6 +172,10 @@ class MonitorConfig:
             raise ValueError(f"{who}: numerics_alert must be a share in [0, 1], got {alert!r}")
         if alert is not None and not self.numerics:
             raise ValueError(f"{who}: numerics_alert needs formats to watch: pass numerics=('bf16', ...) with it")
+        ema = self.gns_ema
+        if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 <= ema < 1:
+            raise ValueError(f"{who}: gns_ema must be a decay in [0, 1), got {ema!r}")
+        _set(self, gns_ema=float(ema))
 
 
 MODES = ("shards", "full", "sampled")

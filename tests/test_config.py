@@ -45,6 +45,7 @@ MONITOR_VALUES = {
     "correction": dict(correction=0),
     "numerics": dict(numerics=("bf16", "fp8_e4m3")),
     "numerics_alert": dict(numerics=("bf16",), numerics_alert=0.25),
+    "gns_ema": dict(gns_ema=0.5),
 }
 DUMP_VALUES = {
     "schedule.every": dict(schedule=Schedule(every=3)),
@@ -73,7 +74,7 @@ def _monitor_keywords(c: MonitorConfig) -> dict:
     return dict(interval=c.schedule, params=c.params, grads=c.grads, activations=c.activations,
                 activation_grads=c.activation_grads, per_sample_grad_norms=c.per_sample or False,
                 sinks=list(c.sinks), process_group=c.process_group, correction=c.correction,
-                numerics=c.numerics, numerics_alert=c.numerics_alert)
+                numerics=c.numerics, numerics_alert=c.numerics_alert, gns_ema=c.gns_ema)
 
 
 def _olmo_callback_class(monkeypatch):

@@ -21,9 +21,10 @@ from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
 from ..stats.layout import ACC_NAMES, STAT_NAMES
 from ..utils import ParameterWatch, check_int, check_step, clean_named, rank_and_world
 from .activations import ACTIVATION_KINDS, ActivationRecorder
-from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS, metric_name, per_sample_norm_name
+from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS, metric_name
 from .nonfinite import localise_nonfinite
 from .numerics_metrics import NumericsMetrics
+from .per_sample_metrics import PerSampleMetrics
 from .sinks import Sink
 from .step_buffer import MetricPickers, StepBuffer
 from .tensor_rows import WatchedTensors
@@ -91,6 +92,8 @@ class GAPMonitor:
             out. Default: none (no cost).
         numerics_alert: with numerics, warn (naming tensors and step) when a tensor's unscaled underflow
             or overflow share in a format exceeds this fraction; also listed in the sinks' info.
+        gns_ema: with per_sample_grad_norms, the decay of the moving averages behind the gradient noise scale
+            ``gap/gns/{all|layer type}/b_simple`` (see gapmon.monitor.noise_scale; default 0.95).
 
     The options are validated once, into `self.config` (a gapmon.MonitorConfig);
     `GAPMonitor.from_config(model, config)` takes one directly.
@@ -111,12 +114,13 @@ class GAPMonitor:
         correction: int = 1,
         numerics: Sequence[str] = (),
         numerics_alert: float | None = None,
+        gns_ema: float = 0.95,
     ):
         config = MonitorConfig(
             schedule=interval, params=params, grads=grads, activations=activations,
             activation_grads=activation_grads, per_sample=per_sample_option(per_sample_grad_norms, bookkeeping, process_group),
             sinks=tuple(sinks or ()), process_group=process_group, correction=correction, numerics=numerics,
-            numerics_alert=numerics_alert)
+            numerics_alert=numerics_alert, gns_ema=gns_ema)
         self._setup(model, config)
 
     @classmethod
@@ -152,6 +156,8 @@ class GAPMonitor:
                 per_sample = dataclasses.replace(per_sample, process_group=config.process_group)
             self.per_sample = PerSampleGradNorms.from_config(model, per_sample)
             self.per_sample.pause()  # collects from begin_step to end_step of monitored steps
+        self._per_sample_metrics = None if self.per_sample is None else PerSampleMetrics(
+            self.per_sample, config.gns_ema, config.grads, config.process_group)
         self._step: int | None = None
         self._batch_size = 0
         self.nonfinite_report: dict[str, Any] = {}
@@ -228,12 +234,8 @@ class GAPMonitor:
         (global_batch,) = out.of(host, "batch")
         if self._batch_size or global_batch:
             metrics[GLOBAL_BATCH_SIZE] = global_batch
-        if self.per_sample is not None:
-            (ps_sum, ps_count), (ps_max, ps_neg_min) = out.of(host, "per_sample_sums"), out.of(host, "per_sample_maxes")
-            if ps_count > 0:
-                metrics[per_sample_norm_name("mean")] = ps_sum / ps_count
-                metrics[per_sample_norm_name("max")] = ps_max
-                metrics[per_sample_norm_name("min")] = -ps_neg_min
+        if self._per_sample_metrics is not None:
+            metrics.update(self._per_sample_metrics.metrics(out, host, metrics))
         self.nonfinite_report = localise_nonfinite(metrics, [n for n, _ in recorder.modules], recorder.first_seen, step)
         info: dict[str, Any] = {"nonfinite": self.nonfinite_report} if self.nonfinite_report else {}
         if numerics is not None:
@@ -242,19 +244,16 @@ class GAPMonitor:
         return metrics, info
 
     def _reduce_over_ranks(self, acc: torch.Tensor) -> StepBuffer:
-        """The activation sums and maxima, the batch size and the per-sample norms' sum, count, max and
-        min, reduced over the ranks with one SUM and one MAX all-reduce, in a buffer for the host copy."""
+        """The activation sums and maxima, the batch size and the per-sample sums and maxima (norms and noise
+        scale), reduced over the ranks with one SUM and one MAX all-reduce, in a buffer for the host copy."""
         dev = acc.device
         m = len(self._recorder.modules)
         sums, maxes = StepBuffer(dev), StepBuffer(dev)
         sums.add("acc", acc[:, list(_ACC_SUMS)])
         maxes.add("acc", acc[:, _ACC_MAX])
         sums.add("batch", torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev))
-        if self.per_sample is not None:
-            norms = self.per_sample.local_norms().to(dev, torch.float64)
-            sums.add("per_sample", torch.stack((norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64, device=dev))))
-            maxes.add("per_sample", torch.cat((norms.max().reshape(1), (-norms).max().reshape(1))) if norms.numel()
-                      else torch.full((2,), -math.inf, dtype=torch.float64, device=dev))
+        if self._per_sample_metrics is not None:
+            self._per_sample_metrics.on_device(sums, maxes)
         sums_t, maxes_t = sums.cat(), maxes.cat()
         group = self.config.process_group
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -263,9 +262,8 @@ class GAPMonitor:
         out = StepBuffer(dev)
         out.add("modules", _module_values(sums.of(sums_t, "acc").view(2 * m, len(_ACC_SUMS)), maxes.of(maxes_t, "acc")))
         out.add("batch", sums.of(sums_t, "batch"))
-        if self.per_sample is not None:
-            out.add("per_sample_sums", sums.of(sums_t, "per_sample"))
-            out.add("per_sample_maxes", maxes.of(maxes_t, "per_sample"))
+        if self._per_sample_metrics is not None:
+            self._per_sample_metrics.to_copy(out, sums, sums_t, maxes, maxes_t)
         return out
 
     def _read_tensor_rows(self, names: list[tuple[str, str]], out: StepBuffer, host: list) -> dict[str, float]:

@@ -3,7 +3,9 @@
 Per tensor or module: ``gap/{kind}/{name}/{field}``, kind one of KINDS, field one of FIELDS
 (``max`` is the max |x|), or with GAPMonitor(numerics=...) one of NUMERICS_FIELDS:
 ``kurtosis`` and ``{format}_{share}`` (gapmon.numerics). Step-wide: ``gap/global_batch_size`` and
-``gap/per_sample_grad_norm/{mean|max|min}``.
+``gap/per_sample_grad_norm/{mean|max|min}``; with per-sample norms, the gradient noise scale of the
+covered parameters, overall (group ``all``) and per layer type: ``gap/gns/{group}/{field}``, field one of
+GNS_FIELDS.
 """
 from __future__ import annotations
 
@@ -48,6 +50,16 @@ def metric_name(kind: str, name: str, field: str) -> str:
 def per_sample_norm_name(field: str) -> str:
     """``gap/per_sample_grad_norm/{field}`` (field: mean, max or min)."""
     return f"{PREFIX}/per_sample_grad_norm/{field}"
+
+
+GNS_ALL = "all"  # the group of every covered parameter
+# |G|^2 and tr(Sigma) estimated this step, their ratio, and B_simple from their moving averages.
+GNS_FIELDS = ("grad_norm_sq", "noise_trace", "b_simple_step", "b_simple")
+
+
+def gns_name(group: str, field: str) -> str:
+    """``gap/gns/{group}/{field}`` (group: ``all`` or a layer type; field: one of GNS_FIELDS)."""
+    return f"{PREFIX}/gns/{group}/{field}"
 
 
 def parse_metric_name(key: str) -> MetricName | None:

@@ -64,15 +64,11 @@ class LayerCoverage:
         (their parameters count as uncovered)."""
         covered: dict[str, int] = {}
         reasons: dict[str, str] = {}
-        for name, module, rule in self.layers:
-            # By attribute: under FSDP2 the module holds sharded or unsharded parameter objects by turns.
-            attrs = {id(p): attr for attr, p in module.named_parameters(recurse=rule.owns_submodules)}
-            for p in rule.params(module):
-                full = param_names.get(id(p)) or (f"{name}.{attrs[id(p)]}" if name else attrs[id(p)])
-                if name in self.skipped:
-                    reasons[full] = SKIPPED
-                else:
-                    covered[full] = p.numel()
+        for full, name, _, p in self._covered_parameters(param_names):
+            if name in self.skipped:
+                reasons[full] = SKIPPED
+            else:
+                covered[full] = p.numel()
         uncovered = {n: p.numel() for n, p in params if p.requires_grad and n not in covered}
         reasons = {n: reasons.get(n) or self.reasons.get(n, "not covered") for n in uncovered}
         return {
@@ -83,6 +79,19 @@ class LayerCoverage:
             "uncovered_numel": sum(uncovered.values()),
             "skipped_layers": sorted(self.skipped),
         }
+
+    def layer_types(self, param_names: dict[int, str]) -> dict[str, str]:
+        """The type of the layer whose rule covers each covered parameter (name -> "Linear", ...)."""
+        return {full: type(module).__name__ for full, name, module, _ in self._covered_parameters(param_names)
+                if name not in self.skipped}
+
+    def _covered_parameters(self, param_names: dict[int, str]):
+        """(parameter name, layer name, layer, parameter) of every parameter a covered layer's rule is about."""
+        for name, module, rule in self.layers:
+            # By attribute: under FSDP2 the module holds sharded or unsharded parameter objects by turns.
+            attrs = {id(p): attr for attr, p in module.named_parameters(recurse=rule.owns_submodules)}
+            for p in rule.params(module):
+                yield param_names.get(id(p)) or (f"{name}.{attrs[id(p)]}" if name else attrs[id(p)]), name, module, p
 
     def warn_uncovered(self, error: type, stacklevel: int, params: list[tuple[str, torch.Tensor]],
                        param_names: dict[int, str]) -> None:

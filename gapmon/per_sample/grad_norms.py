@@ -168,6 +168,7 @@ class PerSampleGradNorms:
         self._state.stop_tracking()  # a forward pass that raised before its end hook could run
         self._state.tracking = tracker.__enter__()
         self._state.micro.append(MicroBatch(batch, storages))
+        self._state.collected = False
 
     def begin_forward(self, *batched: torch.Tensor) -> None:
         """Starts a micro-batch whose samples lie along `batch_dim` of each tensor of `batched`, for loops
@@ -201,16 +202,7 @@ class PerSampleGradNorms:
             return
         if not self._state.micro:
             raise RuntimeError("PerSampleGradNorms.set_loss_weights: no micro-batch yet; call it after the forward pass")
-        mb = self._state.micro[-1]
-        w = torch.as_tensor(weights, dtype=torch.float64).detach().clone()  # a later in-place change is not ours
-        if w.dim() == 0:
-            w = w.expand(mb.batch)
-        w = w.reshape(-1)
-        if w.numel() != mb.batch:
-            raise ValueError(f"PerSampleGradNorms.set_loss_weights: {w.numel()} weights for a micro-batch of {mb.batch} samples")
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError("PerSampleGradNorms.set_loss_weights: the weights must be finite")
-        mb.weights = w
+        self._state.micro[-1].declare_weights(weights)
 
     def _batched_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         if self.batch_inputs is None:
@@ -258,13 +250,34 @@ class PerSampleGradNorms:
     def reset(self) -> None:
         """Forgets the samples seen so far."""
         self._state.micro = []
-        self._state.read = False
+        self._state.read = self._state.collected = False
         self._checker.checks = {}
 
     def local_norms(self) -> torch.Tensor:
         """[B_local] per-sample gradient norms of this rank's samples since the last reset: float64
         when the layers saw float64 gradients, else float32. Raises RuntimeError when a layer mixed
         the samples of the batch (BatchNorm using batch statistics)."""
+        self._collect()
+        return self._per_sample(lambda mb: mb.sq)
+
+    def local_norms_by_layer_type(self) -> dict[str, torch.Tensor]:
+        """local_norms() over the covered parameters of each layer type ({"Linear": [B_local], ...}): the
+        norms of each sample's own loss restricted to those parameters (their squares add up to local_norms()**2)."""
+        self._collect()
+        types = sorted({t for mb in self._state.micro for t in mb.sq_by_type})
+        return {t: self._per_sample(lambda mb, t=t: mb.sq_by_type.get(t)) for t in types}
+
+    def loss_weights(self) -> torch.Tensor:
+        """float64 [B_local]: each sample's weight w_i in the loss L = sum_i w_i loss_i of its micro-batch's backward
+        (set_loss_weights, else 1/micro-batch size for loss_reduction "mean", 1 for "sum"), in local_norms() order."""
+        parts = [mb.weights_or(self.loss_reduction) for mb in self._state.micro]
+        return torch.cat([p.cpu() for p in parts]) if parts else torch.empty(0, dtype=torch.float64)
+
+    def _collect(self) -> None:
+        """Finishes what backward left (layers whose output got no gradient) after the checks that refuse
+        wrong norms (batch-mixing layers, uncovered parameters under strict, uses no rule saw). Once per read."""
+        if self._state.collected:
+            return
         self._state.read = True
         mixing = sorted({name for mb in self._state.micro for name in mb.mixing})
         if mixing:
@@ -272,7 +285,7 @@ class PerSampleGradNorms:
                 f"PerSampleGradNorms: {', '.join(mixing)} normalises with statistics of the whole batch, which mixes "
                 "the samples: no layer has per-sample gradients of the form gapmon computes, so no norms are "
                 "returned. Put it in eval mode (running statistics), or replace it (GroupNorm, LayerNorm).")
-        self._coverage.warn_uncovered(RuntimeError, 3, self._params, self._param_names)
+        self._coverage.warn_uncovered(RuntimeError, 4, self._params, self._param_names)
         waiting = [mb for mb in self._state.micro if mb.sq is None and mb.layers
                    and not any(g is not None for calls in mb.layers.values() for g in calls.grads)]
         if waiting:  # no recorded call of a micro-batch has its gradient yet: backward has not run through it
@@ -280,21 +293,15 @@ class PerSampleGradNorms:
             raise RuntimeError(
                 f"PerSampleGradNorms.local_norms: {len(waiting)} micro-batch(es) of {sum(mb.batch for mb in waiting)} "
                 "samples have had no backward pass yet; call it after loss.backward()")
-        parts = []
         for mb in self._state.micro:
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._layer_hooks.finish(index, mb)
         self._checker.refuse_unseen_uses(self._coverage.skipped)
-        for mb in self._state.micro:
-            if mb.sq is None:  # no covered layer was per-sample (all excluded or frozen): one 0 per sample
-                parts.append(torch.zeros(mb.batch, dtype=self._result_dtype()))
-                continue
-            if mb.weights is not None:
-                w = mb.weights.to(mb.sq.device).abs()
-                norms = torch.where(w > 0, mb.sq.sqrt() / w.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
-            else:
-                norms = (mb.sq * (mb.batch ** 2 if self.loss_reduction == "mean" else 1)).sqrt()
-            parts.append(norms.to(mb.dtype))
+        self._state.collected = True
+
+    def _per_sample(self, squared) -> torch.Tensor:
+        """The norms of each sample's own loss from squared(micro-batch), its squared norms, over micro-batches."""
+        parts = [mb.own_loss_norms(squared(mb), self.loss_reduction, self._result_dtype()) for mb in self._state.micro]
         if not parts:
             return torch.empty(0, dtype=self._result_dtype())
         dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
@@ -330,6 +337,15 @@ class PerSampleGradNorms:
         call), why each uncovered one is, and the layers found not to be per-sample at run time
         (their parameters count as uncovered)."""
         return self._coverage.report(self._params, self._param_names)
+
+    def covered_gradients(self) -> list[tuple[str, torch.Tensor | None]]:
+        """(name, .grad) of every covered parameter (as the model holds it: a DTensor under FSDP2)."""
+        covered = self._coverage.layer_types(self._param_names)
+        return [(n, p.grad) for n, p in self._params if n in covered]
+
+    def covered_layer_types(self) -> dict[str, str]:
+        """The layer type ("Linear", "Embedding", ...) of each covered parameter, as local_norms_by_layer_type groups them."""
+        return self._coverage.layer_types(self._param_names)
 
     def close(self) -> None:
         """Removes the hooks."""

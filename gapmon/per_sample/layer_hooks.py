@@ -191,7 +191,7 @@ class LayerHooks:
             sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
             self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), rule.positions(module, record.calls[call], g, acc),
                                  g.dtype, weight_grad)
-        mb.add(sq, acc)
+        mb.add(sq, acc, type(module).__name__)
 
     def finish(self, index: int, mb: MicroBatch) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
@@ -207,5 +207,5 @@ class LayerHooks:
                 self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
-        mb.add(sq, acc)
+        mb.add(sq, acc, type(module).__name__)
 

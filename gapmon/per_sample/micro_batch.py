@@ -41,6 +41,7 @@ class MicroBatch:
     batch: int  # its number of samples
     inputs: set[int]  # storages of the model's own tensor inputs
     sq: torch.Tensor | None = None  # accumulated per-sample squared norms, float64
+    sq_by_type: dict[str, torch.Tensor] = field(default_factory=dict)  # the same, per layer type ("Linear")
     dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
     layers: dict[int, LayerCalls] = field(default_factory=dict)  # layer index -> its calls
     mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)
@@ -48,10 +49,42 @@ class MicroBatch:
     weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
     used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
 
-    def add(self, sq: torch.Tensor, acc: torch.dtype) -> None:
-        """Adds a layer's squared norms (float64, summed in `acc`)."""
+    def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str) -> None:
+        """Adds a layer's squared norms (float64, summed in `acc`), to the total and to its layer type's."""
         self.sq = sq if self.sq is None else self.sq + sq
+        kept = self.sq_by_type.get(layer_type)
+        self.sq_by_type[layer_type] = sq if kept is None else kept + sq
         self.dtype = acc if self.dtype is None else torch.promote_types(self.dtype, acc)
+
+    def declare_weights(self, weights: float | torch.Tensor) -> None:
+        """Keeps a copy of the weights of the samples' losses (a scalar: the same for every sample), checked."""
+        w = torch.as_tensor(weights, dtype=torch.float64).detach().clone()  # a later in-place change is not ours
+        if w.dim() == 0:
+            w = w.expand(self.batch)
+        w = w.reshape(-1)
+        if w.numel() != self.batch:
+            raise ValueError(f"PerSampleGradNorms.set_loss_weights: {w.numel()} weights for a micro-batch of {self.batch} samples")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("PerSampleGradNorms.set_loss_weights: the weights must be finite")
+        self.weights = w
+
+    def weights_or(self, loss_reduction: str) -> torch.Tensor:
+        """float64 [batch]: each sample's weight w_i in the loss L = sum_i w_i loss_i its backward ran on (the
+        declared ones, else 1/batch for loss_reduction "mean" and 1 for "sum")."""
+        if self.weights is not None:
+            return self.weights
+        return torch.full((self.batch,), 1.0 / self.batch if loss_reduction == "mean" else 1.0, dtype=torch.float64)
+
+    def own_loss_norms(self, sq: torch.Tensor | None, loss_reduction: str, dtype: torch.dtype) -> torch.Tensor:
+        """||grad loss_i|| of each sample from `sq`, the squared norms of grad (w_i loss_i) (None: 0 each)."""
+        if sq is None:  # no covered layer was per-sample (all excluded or frozen): one 0 per sample
+            return torch.zeros(self.batch, dtype=dtype)
+        if self.weights is not None:
+            w = self.weights.to(sq.device).abs()
+            norms = torch.where(w > 0, sq.sqrt() / w.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+        else:
+            norms = (sq * (self.batch ** 2 if loss_reduction == "mean" else 1)).sqrt()
+        return norms.to(self.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,6 +125,7 @@ class Collection:
         self.micro: list[MicroBatch] = []
         self.tracking: BatchTracker | None = None  # active during the model's forward pass
         self.read = False
+        self.collected = False  # the micro-batches were finished and checked (PerSampleGradNorms._collect)
 
     def stop_tracking(self) -> None:
         if self.tracking is not None:

@@ -390,7 +390,7 @@ def test_gradient_rows_with_no_elements_are_not_reported():
 @pytest.mark.parametrize("kinds", [dict(params=False, grads=False), dict(activations=False, activation_grads=False),
                                    dict(params=False, grads=False, activations=False, activation_grads=False)])
 def test_any_subset_of_kinds(kinds):
-    """Each subset of the four kinds reports exactly its kinds (none at all: per-sample norms only)."""
+    """Each subset of the four kinds reports exactly its kinds (none at all: per-sample norms and the noise scale only)."""
     model = _model()
     with gapmon.GAPMonitor(model, sinks=[], per_sample_grad_norms=True, **kinds) as mon:
         for step in range(2):
@@ -400,4 +400,4 @@ def test_any_subset_of_kinds(kinds):
             model.zero_grad()
     reported = {key.split("/")[1] for key in metrics}
     wanted = {kind for kind in gapmon.monitor.metric_names.KINDS if kinds.get(kind, True)}
-    assert reported == wanted | {"global_batch_size", "per_sample_grad_norm"}
+    assert reported == wanted | {"global_batch_size", "per_sample_grad_norm", "gns"}

@@ -1,0 +1,80 @@
+"""The gradient noise scale (McCandlish et al. 2018) from per-sample gradient norms, exact across ranks and
+micro-batches: the critical batch size B_simple = tr(Sigma) / |G|^2 of the covered parameters.
+
+A step's gradient is g = sum_i w_i g_i over the samples of the global batch, g_i the gradient of sample i's own
+loss and w_i its weight in the loss (PerSampleGradNorms.loss_weights, divided by the number of data-parallel
+ranks that average the gradient). With S_i = |g_i|^2, W1 = sum_i w_i and W2 = sum_i w_i^2, for independent
+samples E|g|^2 = W1^2 |G|^2 + W2 tr(Sigma) and E[mean_i S_i] = |G|^2 + tr(Sigma), so the unbiased estimates are
+
+    |G|^2    = (|g|^2 - W2 mean S) / (W1^2 - W2)        tr(Sigma) = mean S - |G|^2
+
+(with w_i = 1/B: |G|^2 = (B |g|^2 - mean S) / (B - 1), tr(Sigma) = B (mean S - |g|^2) / (B - 1)). B_simple is
+the ratio of the two estimates' exponential moving averages (not the average of the per-step ratios).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .metric_names import GNS_ALL, gns_name
+from .step_buffer import StepBuffer
+
+
+def noise_estimates(batch_grad_sq: float, mean_sample_sq: float, w1: float, w2: float) -> tuple[float, float] | None:
+    """(|G|^2, tr(Sigma)) estimated from one step, or None when the step cannot tell them apart (one sample)."""
+    denominator = w1 * w1 - w2
+    if not denominator > 0 or not math.isfinite(batch_grad_sq) or not math.isfinite(mean_sample_sq):
+        return None
+    grad_sq = (batch_grad_sq - w2 * mean_sample_sq) / denominator
+    return grad_sq, mean_sample_sq - grad_sq
+
+
+class NoiseScale:
+    """Per group (every covered parameter, and each layer type), the moving averages (decay `decay`) of the
+    estimates of |G|^2 and tr(Sigma), and the metrics of a step."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._averages: dict[str, tuple[float, float]] = {}
+
+    @staticmethod
+    def on_device(buffer: StepBuffer, squared: dict[str, torch.Tensor], weights: torch.Tensor, averaged_over: int) -> None:
+        """Adds this rank's sums to `buffer` (reduced over ranks with the other sums): per group the sum of
+        the squared per-sample norms, then the sample count, sum w_i and sum w_i^2 (w_i / averaged_over: the
+        weight of sample i in the data-parallel mean of the ranks' gradients)."""
+        device = buffer.device
+        w = weights.to(device, torch.float64) / averaged_over
+        sums = [squared[group].to(device, torch.float64).sum() for group in sorted(squared)]
+        count = torch.tensor(float(w.numel()), dtype=torch.float64, device=device)
+        buffer.add("gns", torch.stack([*sums, count, w.sum(), (w * w).sum()]))
+
+    def metrics(self, groups: list[str], sums: list[float], batch_grad_sq: dict[str, float]) -> dict[str, float]:
+        """The step's metrics from the reduced sums (groups sorted as on_device added them) and the squared
+        norm of the step's gradient over each group's parameters."""
+        *sample_sq, count, w1, w2 = sums
+        metrics: dict[str, float] = {}
+        if count < 2:
+            return metrics
+        for group, total in zip(groups, sample_sq):
+            estimates = noise_estimates(batch_grad_sq.get(group, 0.0), total / count, w1, w2)
+            if estimates is None:
+                continue
+            grad_sq, trace = estimates
+            previous = self._averages.get(group)
+            averaged = (grad_sq, trace) if previous is None else tuple(
+                self.decay * old + (1 - self.decay) * new for old, new in zip(previous, (grad_sq, trace)))
+            self._averages[group] = averaged
+            metrics[gns_name(group, "grad_norm_sq")] = grad_sq
+            metrics[gns_name(group, "noise_trace")] = trace
+            metrics[gns_name(group, "b_simple_step")] = trace / grad_sq if grad_sq != 0 else math.nan
+            metrics[gns_name(group, "b_simple")] = averaged[1] / averaged[0] if averaged[0] != 0 else math.nan
+        return metrics
+
+
+def squared_norms_by_group(per_sample) -> dict[str, torch.Tensor]:
+    """{group: [B_local] squared norms of each sample's own loss}: GNS_ALL and every covered layer type."""
+    by_type = per_sample.local_norms_by_layer_type()
+    types = sorted(set(per_sample.covered_layer_types().values()))
+    total = per_sample.local_norms().double() ** 2
+    return {GNS_ALL: total, **{t: (by_type[t].double() ** 2 if t in by_type else torch.zeros_like(total)) for t in types}}

@@ -1,0 +1,79 @@
+"""What GAPMonitor reports of per-sample gradient norms: their mean, max and min over the global batch, and
+the gradient noise scale of the covered parameters (monitor.noise_scale), from sums reduced over the ranks
+with the monitor's other sums and read in its one host copy."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..stats.layout import STAT_NAMES
+from .metric_names import GNS_ALL, metric_name, per_sample_norm_name
+from .noise_scale import NoiseScale
+from .step_buffer import StepBuffer
+from .tensor_rows import WatchedTensors
+
+
+class PerSampleMetrics:
+    """The per-sample metrics of `per_sample` (a PerSampleGradNorms). `grads_measured`: the monitor's own
+    gradient metrics hold each covered gradient's norm (else they are measured here, for the noise scale)."""
+
+    def __init__(self, per_sample: Any, gns_ema: float, grads_measured: bool, process_group: Any):
+        self.per_sample = per_sample
+        self.noise = NoiseScale(gns_ema)
+        self.grads_measured, self.group = grads_measured, process_group
+        self._groups: list[str] = []
+        self._types: dict[str, str] = {}
+        self._measured: list[str] = []
+
+    def on_device(self, sums: StepBuffer, maxes: StepBuffer) -> None:
+        """Adds this rank's sums and maxima (reduced over the ranks by the monitor)."""
+        dev = sums.device
+        norms = self.per_sample.local_norms().to(dev, torch.float64)
+        sums.add("per_sample", torch.stack((norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64, device=dev))))
+        maxes.add("per_sample", torch.cat((norms.max().reshape(1), (-norms).max().reshape(1))) if norms.numel()
+                  else torch.full((2,), -math.inf, dtype=torch.float64, device=dev))
+        self._types = self.per_sample.covered_layer_types()
+        by_type = self.per_sample.local_norms_by_layer_type()
+        squared = {GNS_ALL: norms * norms}
+        squared.update({t: by_type[t].to(dev, torch.float64) ** 2 if t in by_type else torch.zeros_like(norms)
+                        for t in set(self._types.values())})
+        self._groups = sorted(squared)
+        # The data-parallel reduction (DDP, FSDP2) averages the ranks' gradients: each sample's weight in it.
+        averaged_over = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        self.noise.on_device(sums, squared, self.per_sample.loss_weights(), averaged_over)
+
+    def to_copy(self, out: StepBuffer, sums: StepBuffer, sums_t: torch.Tensor, maxes: StepBuffer,
+                maxes_t: torch.Tensor) -> None:
+        """Adds the reduced values, and the covered gradients' norms when the monitor does not measure
+        them, to the monitor's host copy."""
+        out.add("per_sample_sums", sums.of(sums_t, "per_sample"))
+        out.add("per_sample_maxes", maxes.of(maxes_t, "per_sample"))
+        out.add("gns", sums.of(sums_t, "gns"))
+        if not self.grads_measured:
+            names = list(self._types)
+            grads = dict(self.per_sample.covered_gradients())
+            present = [n for n in names if grads.get(n) is not None]
+            self._measured = present
+            rows = WatchedTensors.rows([grads[n] for n in present], [None] * len(present), 0, False, out.device)[0]
+            out.add("gns_grad_norms", rows[:, STAT_NAMES.index("norm")] if rows.numel() else rows.new_empty(0))
+
+    def metrics(self, out: StepBuffer, host: list, tensor_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's per-sample metrics from the host copy (`tensor_metrics`: the monitor's gradient metrics)."""
+        metrics: dict[str, float] = {}
+        (ps_sum, ps_count), (ps_max, ps_neg_min) = out.of(host, "per_sample_sums"), out.of(host, "per_sample_maxes")
+        if ps_count > 0:
+            metrics[per_sample_norm_name("mean")] = ps_sum / ps_count
+            metrics[per_sample_norm_name("max")] = ps_max
+            metrics[per_sample_norm_name("min")] = -ps_neg_min
+        if self.grads_measured:
+            norms = {n: tensor_metrics.get(metric_name("grads", n, "norm"), 0.0) for n in self._types}
+        else:
+            norms = dict(zip(self._measured, out.of(host, "gns_grad_norms")))
+        batch_grad_sq = {GNS_ALL: sum(v * v for v in norms.values())}
+        for name, value in norms.items():
+            batch_grad_sq[self._types[name]] = batch_grad_sq.get(self._types[name], 0.0) + value * value
+        metrics.update(self.noise.metrics(self._groups, out.of(host, "gns"), batch_grad_sq))
+        return metrics

@@ -1,0 +1,156 @@
+"""The gradient noise scale (gap/gns/...) against a direct computation from materialised per-sample gradients
+in float64: micro-batches, declared loss weights, gradient accumulation, layer types, the moving averages,
+and data-parallel ranks (DDP, gloo) holding different samples."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import run_distributed
+
+import gapmon
+from gapmon.monitor.noise_scale import noise_estimates
+
+VOCAB, T = 11, 4
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 6)
+        self.norm = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 5)
+        self.head = nn.Linear(5, VOCAB)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.fc(self.norm(self.emb(ids)))))
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return Net().double()
+
+
+def _own_losses(model, ids, labels):
+    """Each sample's own loss: the mean cross entropy over its tokens."""
+    logits = model(ids)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view(len(ids), -1).mean(1)
+
+
+def _layer_type(name):
+    return {"emb": "Embedding", "norm": "LayerNorm", "fc": "Linear", "head": "Linear"}[name.split(".")[0]]
+
+
+def _per_sample_grads(model, ids, labels):
+    """{group: [B, P] float64 per-sample gradients of each sample's own loss} for "all" and each layer type."""
+    rows = []
+    for i in range(len(ids)):
+        loss = _own_losses(model, ids[i:i + 1], labels[i:i + 1]).sum()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        rows.append({n: g.reshape(-1) for (n, _), g in zip(model.named_parameters(), grads)})
+    groups = {"all": list(rows[0]), **{t: [n for n in rows[0] if _layer_type(n) == t] for t in ("Embedding", "LayerNorm", "Linear")}}
+    return {g: torch.stack([torch.cat([r[n] for n in names]) for r in rows]) for g, names in groups.items()}
+
+
+def _reference(per_sample, weights):
+    """(|G|^2, tr Sigma) per group from per-sample gradients g_i and the gradient's weights w_i: the batch
+    gradient is sum_i w_i g_i, built here from the g_i (not read from the model)."""
+    w = weights.double()
+    out = {}
+    for group, g in per_sample.items():
+        batch = (w[:, None] * g).sum(0)
+        mean_sq = (g * g).sum(1).mean()
+        w1, w2 = w.sum(), (w * w).sum()
+        grad_sq = ((batch @ batch) - w2 * mean_sq) / (w1 * w1 - w2)
+        out[group] = (grad_sq.item(), (mean_sq - grad_sq).item())
+    return out
+
+
+def _batch(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, T), generator=g), torch.randint(0, VOCAB, (n, T), generator=g)
+
+
+def test_uniform_weights_give_the_two_batch_estimator():
+    """With w_i = 1/B the general estimate is McCandlish's: |G|^2 = (B|g|^2 - mean S)/(B - 1)."""
+    B, g2, s = 8, 3.0, 5.0
+    grad_sq, trace = noise_estimates(g2, s, 1.0, B / B ** 2)
+    assert grad_sq == pytest.approx((B * g2 - s) / (B - 1)) and trace == pytest.approx(B * (s - g2) / (B - 1))
+    assert noise_estimates(g2, s, 1.0, 1.0) is None  # one sample: |G|^2 and tr(Sigma) cannot be told apart
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["loss_reduction_mean", "declared_weights"])
+def test_noise_scale_matches_materialised_per_sample_gradients(declared):
+    """Two monitored steps of two micro-batches each (gradients accumulated): every group's |G|^2 and
+    tr(Sigma) equal the float64 computation from per-sample gradients, and b_simple is the ratio of their
+    moving averages."""
+    model = _net()
+    decay = 0.5
+    history = {}
+    with gapmon.GAPMonitor(model, per_sample_grad_norms=True, activations=False, activation_grads=False,
+                           gns_ema=decay) as mon:
+        for step in range(2):
+            mon.begin_step(step)
+            batches = [_batch(10 * step + k, n) for k, n in enumerate((3, 4))]
+            weights = []
+            for ids, labels in batches:
+                losses = _own_losses(model, ids, labels)
+                w = (torch.arange(1, len(ids) + 1, dtype=torch.float64) / 10 if declared
+                     else torch.full((len(ids),), 1.0 / len(ids), dtype=torch.float64))
+                if declared:
+                    mon.per_sample.set_loss_weights(w)
+                (losses * w).sum().backward()
+                weights.append(w)
+            metrics = mon.end_step()
+            ids = torch.cat([b[0] for b in batches])
+            labels = torch.cat([b[1] for b in batches])
+            want = _reference(_per_sample_grads(model, ids, labels), torch.cat(weights))
+            for group, (grad_sq, trace) in want.items():
+                assert metrics[f"gap/gns/{group}/grad_norm_sq"] == pytest.approx(grad_sq, rel=1e-9, abs=1e-12), group
+                assert metrics[f"gap/gns/{group}/noise_trace"] == pytest.approx(trace, rel=1e-9, abs=1e-12), group
+                assert metrics[f"gap/gns/{group}/b_simple_step"] == pytest.approx(trace / grad_sq, rel=1e-7)
+                old = history.get(group)
+                avg = (grad_sq, trace) if old is None else tuple(decay * o + (1 - decay) * v for o, v in zip(old, (grad_sq, trace)))
+                history[group] = avg
+                assert metrics[f"gap/gns/{group}/b_simple"] == pytest.approx(avg[1] / avg[0], rel=1e-7)
+            model.zero_grad()
+
+
+def test_noise_scale_without_gradient_metrics_measures_the_covered_gradients():
+    """grads=False: the monitor measures the covered gradients' norms itself; the same numbers."""
+    results = []
+    for grads in (True, False):
+        model = _net()
+        with gapmon.GAPMonitor(model, per_sample_grad_norms=True, grads=grads, activations=False,
+                               activation_grads=False) as mon:
+            mon.begin_step(0)
+            ids, labels = _batch(1, 5)
+            _own_losses(model, ids, labels).mean().backward()
+            results.append({k: v for k, v in mon.end_step().items() if k.startswith("gap/gns/")})
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 16
+    for key, value in results[0].items():
+        assert results[1][key] == pytest.approx(value, rel=1e-12), key
+
+
+def _ddp_worker(rank, world):
+    model = _net()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    all_ids, all_labels = _batch(7, 6)
+    mine = slice(3 * rank, 3 * rank + 3)  # different samples on each rank
+    with gapmon.GAPMonitor(ddp, per_sample_grad_norms=True, activations=False, activation_grads=False) as mon:
+        mon.begin_step(0)
+        _own_losses(ddp, all_ids[mine], all_labels[mine]).mean().backward()  # DDP averages the two ranks
+        metrics = mon.end_step()
+    want = _reference(_per_sample_grads(_net(), all_ids, all_labels), torch.full((6,), 1.0 / 6, dtype=torch.float64))
+    for group, (grad_sq, trace) in want.items():
+        got = (metrics[f"gap/gns/{group}/grad_norm_sq"], metrics[f"gap/gns/{group}/noise_trace"])
+        assert got == pytest.approx((grad_sq, trace), rel=1e-9, abs=1e-12), (rank, group, got, (grad_sq, trace))
+    assert math.isfinite(metrics["gap/gns/all/b_simple"])
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_noise_scale_under_ddp_equals_the_global_batch_computation():
+    run_distributed(_ddp_worker, 2)
