@@ -30,6 +30,14 @@ def require(package: str, module: str, install: str) -> object:
         raise ImportError(f"gapmon.integrations.{module} needs the '{install}' package: pip install {install}") from e
 
 
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind a framework's wrapper (accelerate's AcceleratedOptimizer holds it as
+    `.optimizer`): the one whose step() runs, and so its step hooks."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def make_monitor(model: Any, config: MonitorConfig | None, options: dict[str, Any]) -> GAPMonitor:
     """A GAPMonitor from a MonitorConfig or from GAPMonitor's keyword arguments (not both)."""
     if config is None:

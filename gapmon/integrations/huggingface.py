@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import make_dumper, make_monitor, require, tokens_per_sample, watch_micro_batches
+from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_micro_batches
 
 transformers = require("transformers", "huggingface", "transformers")
 
@@ -39,8 +39,10 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
 
     def __init__(self, trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
                  monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
-                 **monitor_kwargs: Any):
+                 optimizer_stats: bool = False, **monitor_kwargs: Any):
         self.trainer = trainer
+        self.optimizer_stats = optimizer_stats  # also the update of the Trainer's optimizer (gap/update/...)
+        self._logged_update: dict[str, float] | None = None
         self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
         self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
         self.monitor: GAPMonitor | None = None
@@ -53,6 +55,8 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         self.monitor = make_monitor(model, self.monitor_config, self.monitor_kwargs)
         self.dumper = make_dumper(model, self.dump_dir, self.dump_config, self.dump_kwargs)
         self._watch = watch_micro_batches(model, self.monitor, self._loss_weights)
+        if self.optimizer_stats:
+            self.monitor.watch_optimizer(unwrap_optimizer(kwargs.get("optimizer") or self.trainer.optimizer))
 
     def _loss_weights(self, model_args: tuple, model_kwargs: dict, samples: int) -> torch.Tensor:
         """Each sample's weight in the loss the Trainer backpropagates for this micro-batch (see
@@ -97,6 +101,9 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending:  # after global_step += 1: logged under the step the Trainer reports for it
             metrics, self._pending = self._pending, {}
+            update = self.monitor.last_update_metrics  # what the optimizer step after end_step did
+            if update is not self._logged_update:
+                metrics, self._logged_update = {**metrics, **update}, update
             # Trainer.log ends in on_log, which clears control.should_log: the Trainer would then skip
             # its own log of this step (loss, grad_norm, learning_rate). Keep its decision.
             should_log = control.should_log
@@ -116,11 +123,13 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
 
 def attach(trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
            monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
-           **monitor_kwargs: Any) -> GAPMonitorTrainerCallback:
+           optimizer_stats: bool = False, **monitor_kwargs: Any) -> GAPMonitorTrainerCallback:
     """Adds a GAPMonitor callback to `trainer`, with GAPMonitor's keyword arguments (interval, params,
     grads, activations, activation_grads, per_sample_grad_norms, ...) or a gapmon.MonitorConfig; with
     `dump_dir`, gradients are also dumped there by a GradientDumper(**dump_kwargs), or one with a
-    gapmon.DumpConfig. Returns the callback."""
-    callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, monitor_config, dump_config, **monitor_kwargs)
+    gapmon.DumpConfig. `optimizer_stats=True` also measures the optimizer's updates on monitored steps
+    (GAPMonitor.watch_optimizer: gap/update/...). Returns the callback."""
+    callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, monitor_config, dump_config, optimizer_stats,
+                                         **monitor_kwargs)
     trainer.add_callback(callback)
     return callback

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import make_dumper, make_monitor, require
+from . import make_dumper, make_monitor, require, unwrap_optimizer
 
 pl = require("lightning.pytorch", "lightning", "lightning")
 
@@ -50,12 +50,15 @@ class GAPMonitorCallback(pl.Callback):
     Keyword arguments go to GAPMonitor (interval, params, grads, activations, activation_grads,
     per_sample_grad_norms, ...), or `monitor_config` (a gapmon.MonitorConfig) gives them all. With
     `dump_dir`, a GradientDumper(**dump_kwargs), or one with `dump_config`, also writes gradients there.
+    `optimizer_stats=True` also measures what the Trainer's optimizers do on monitored steps (gap/update/...).
     """
 
     def __init__(self, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
                  monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
-                 **monitor_kwargs: Any):
+                 optimizer_stats: bool = False, **monitor_kwargs: Any):
         super().__init__()
+        self.optimizer_stats = optimizer_stats
+        self._logged_update: dict[str, float] | None = None
         self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
         self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
         self.monitor: GAPMonitor | None = None
@@ -65,6 +68,11 @@ class GAPMonitorCallback(pl.Callback):
     def on_fit_start(self, trainer, pl_module):
         self.monitor = make_monitor(pl_module, self.monitor_config, self.monitor_kwargs)
         self.dumper = make_dumper(pl_module, self.dump_dir, self.dump_config, self.dump_kwargs)
+
+    def on_train_start(self, trainer, pl_module):
+        if self.optimizer_stats:
+            for optimizer in trainer.optimizers:
+                self.monitor.watch_optimizer(unwrap_optimizer(optimizer))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % trainer.accumulate_grad_batches == 0:  # the first batch of an optimizer step
@@ -87,6 +95,12 @@ class GAPMonitorCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.monitor is not None and self.monitor.per_sample is not None:
             self.monitor.per_sample.end_forward()  # a step whose backward did not run (manual optimisation)
+        update = self.monitor.last_update_metrics if self.monitor is not None else {}
+        if update and update is not self._logged_update:  # the optimizer step after a monitored step
+            self._logged_update = update
+            self.last_metrics = {**self.last_metrics, **update}
+            for logger in trainer.loggers:
+                logger.log_metrics(update, step=self.monitor.last_update_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         metrics = self.monitor.end_step()

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import require, tokens_per_sample, watch_micro_batches
+from . import require, tokens_per_sample, unwrap_optimizer, watch_micro_batches
 
 require("olmo_core", "olmo", "ai2-olmo-core")
 
@@ -60,11 +60,13 @@ class GAPMonitorCallback(Callback):
     dump_gradients_async_write: bool = True
     dump_gradients_timeout: float = 600.0
     gapmon_config: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    optimizer_stats: bool = False  # also the update of the train module's optimizer (gap/update/...)
 
     _monitor: Optional[GAPMonitor] = dataclasses.field(default=None, repr=False)
     _dumper: Optional[GradientDumper] = dataclasses.field(default=None, repr=False)
     _in_step: bool = dataclasses.field(default=False, repr=False)
     _watch: Any = dataclasses.field(default=None, repr=False)
+    _logged_update: Any = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.enabled and (self.monitor or self.dump_gradients):
@@ -117,6 +119,8 @@ class GAPMonitorCallback(Callback):
             self._monitor = GAPMonitor.from_config(self.model, self.monitor_config())
             # pre_step counts the rank's samples from the whole batch; the hook declares the loss scaling.
             self._watch = watch_micro_batches(self.model, self._monitor, _loss_weights, count_samples=False)
+            if self.optimizer_stats:
+                self._monitor.watch_optimizer(unwrap_optimizer(self.trainer.train_module.optim))
         if self.dump_gradients:
             self._dumper = GradientDumper.from_config(self.model, self._dump_dir(), self.dump_config())
 
@@ -133,6 +137,13 @@ class GAPMonitorCallback(Callback):
                 self.trainer.record_metric(name, value)  # identical on every rank: no reduction
         if self._dumper is not None:
             self._dumper.maybe_dump(self.step)
+
+    def post_train_batch(self):
+        update = self._monitor.last_update_metrics if self._monitor is not None else {}
+        if update and update is not self._logged_update:  # the optimizer step after a monitored step
+            self._logged_update = update
+            for name, value in update.items():
+                self.trainer.record_metric(name, value)
 
     def close(self):
         if self._watch is not None:

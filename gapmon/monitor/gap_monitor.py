@@ -24,6 +24,7 @@ from .activations import ACTIVATION_KINDS, ActivationRecorder
 from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS, metric_name
 from .nonfinite import localise_nonfinite
 from .numerics_metrics import NumericsMetrics
+from .optimizer_stats import OptimizerStats
 from .per_sample_metrics import PerSampleMetrics
 from .sinks import Sink
 from .step_buffer import MetricPickers, StepBuffer
@@ -160,8 +161,25 @@ class GAPMonitor:
             self.per_sample, config.gns_ema, config.grads, config.process_group)
         self._step: int | None = None
         self._batch_size = 0
+        self._optimizers: list[OptimizerStats] = []
+        self.last_update_metrics: dict[str, float] = {}  # of the latest measured optimizer step (watch_optimizer)
+        self.last_update_step: int | None = None  # the step they belong to
         self.nonfinite_report: dict[str, Any] = {}
         self.closed = False
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Also measures what `optimizer` does in its first step() after each monitored step's begin_step:
+        ``gap/update/{parameter}/{field}`` (gapmon.monitor.optimizer_stats), sent to the sinks under that
+        step (rank 0) and kept in `last_update_metrics`. Costs nothing on skipped steps."""
+        self._check_open()
+        self._optimizers.append(OptimizerStats(
+            optimizer, lambda: {id(p): n for n, p in self._tensors.params}, self._emit_update))
+
+    def _emit_update(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_update_metrics, self.last_update_step = metrics, step
+        if rank_and_world()[0] == 0:
+            for sink in self.sinks:
+                sink.write(step, metrics, {})
 
     def _layer_type(self, kind: str, name: str) -> str:
         """The type of the layer a numerics row belongs to (its histogram group)."""
@@ -178,6 +196,8 @@ class GAPMonitor:
             batch_size = check_int(batch_size, "GAPMonitor.begin_step", "batch_size")
         self._step = step
         active = self._recorder.active = self.config.schedule.includes(step)
+        for watched in self._optimizers:  # its next step() is this step's update (a closure runs inside it)
+            watched.arm(step if active else None)
         if self.per_sample is not None and active:
             self.per_sample.start()
         elif self.per_sample is not None:
@@ -316,6 +336,8 @@ class GAPMonitor:
         if self.closed:
             return
         self._recorder.close()
+        for watched in self._optimizers:
+            watched.close()
         if self.per_sample is not None:
             self.per_sample.close()
         for sink in self.sinks:

@@ -5,7 +5,7 @@ Per tensor or module: ``gap/{kind}/{name}/{field}``, kind one of KINDS, field on
 ``kurtosis`` and ``{format}_{share}`` (gapmon.numerics). Step-wide: ``gap/global_batch_size`` and
 ``gap/per_sample_grad_norm/{mean|max|min}``; with per-sample norms, the gradient noise scale of the
 covered parameters, overall (group ``all``) and per layer type: ``gap/gns/{group}/{field}``, field one of
-GNS_FIELDS.
+GNS_FIELDS; with GAPMonitor.watch_optimizer, ``gap/update/{parameter}/{field}``, field one of UPDATE_FIELDS.
 """
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ FIELDS = ("max", "mean", "var", "norm", "nonfinite")
 # The statistics column (gapmon.STAT_NAMES) behind each field of a parameter or gradient.
 FIELD_COLUMNS = {"max": "max_abs", "mean": "mean", "var": "var", "norm": "norm", "nonfinite": "nonfinite"}
 GLOBAL_BATCH_SIZE = f"{PREFIX}/global_batch_size"
+# Of the update an optimizer applied to a parameter on a monitored step (GAPMonitor.watch_optimizer):
+# |dw|, |dw|/|w|, RMS(dw), |dw|/lr, cos(dw, -grad), and the norms of Adam's moments where it has them.
+UPDATE = "update"
+UPDATE_FIELDS = ("norm", "ratio", "rms", "norm_per_lr", "cos_neg_grad", "exp_avg_norm", "exp_avg_sq_norm")
 NUMERICS_SHARES = ("underflow", "overflow", "underflow_scaled")
 
 
@@ -45,6 +49,21 @@ class MetricName(NamedTuple):
 def metric_name(kind: str, name: str, field: str) -> str:
     """``gap/{kind}/{name}/{field}``."""
     return f"{PREFIX}/{kind}/{name}/{field}"
+
+
+def update_name(name: str, field: str) -> str:
+    """``gap/update/{parameter}/{field}`` (field: one of UPDATE_FIELDS)."""
+    return f"{PREFIX}/{UPDATE}/{name}/{field}"
+
+
+def parse_update_name(key: str) -> tuple[str, str] | None:
+    """(parameter, field) of an update metric's name, else None."""
+    head, _, rest = key.partition("/")
+    kind, _, rest = rest.partition("/")
+    name, _, field = rest.rpartition("/")
+    if head != PREFIX or kind != UPDATE or field not in UPDATE_FIELDS or not name:
+        return None
+    return name, field
 
 
 def per_sample_norm_name(field: str) -> str:

@@ -431,3 +431,138 @@ def test_lightning_keeps_everything_it_logs_without_gapmon(tmp_path):
         assert sorted(a) == sorted(b)
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-6), key
+
+
+def _update_norms(model, before: dict[str, torch.Tensor]) -> dict[str, float]:
+    """|w_after - w_before| per parameter, in float64, from copies the test took itself."""
+    return {n: (p.detach().double() - before[n]).norm().item() for n, p in model.named_parameters() if n in before}
+
+
+def _assert_updates(got: dict[str, float], want: dict[str, float], prefix: str = "") -> None:
+    assert want
+    for name, value in want.items():
+        key = f"gap/update/{prefix}{name}/norm"
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-10), key
+
+
+def test_huggingface_trainer_logs_the_optimizer_updates_with_its_own_logs(tmp_path):
+    """optimizer_stats=True: the Trainer's log of each monitored step also holds gap/update/... equal to the
+    weights' change around its optimizer step (float64 copies taken by a callback of the test), and the
+    Trainer's own entries are unchanged."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    data = _lm_data(12)
+    model, _ = _llama(transformers)
+    trainer = transformers.Trainer(model=model, args=_hf_args(transformers, tmp_path, max_steps=3, learning_rate=1e-2),
+                                   train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        attach(trainer, interval=2, optimizer_stats=True, activations=False, activation_grads=False)
+    seen: dict[int, dict[str, float]] = {}
+
+    class Copies(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            seen[state.global_step + 1] = _update_norms(model, self.before)
+
+    trainer.add_callback(Copies())
+    trainer.train()
+    logged = {e["step"]: e for e in trainer.state.log_history if any(k.startswith("gap/update/") for k in e)}
+    assert sorted(logged) == [1, 3]  # steps 0 and 2 of the monitor, logged after global_step += 1
+    for step, entry in logged.items():
+        assert "loss" in entry or "grad_norm" in entry or any(k.startswith("gap/grads/") for k in entry)
+        _assert_updates(entry, seen[step])
+
+
+def test_lightning_logs_the_optimizer_updates(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (CI installs it)")
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    records: list[tuple[int, dict]] = []
+    seen: dict[int, dict[str, float]] = {}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def on_before_optimizer_step(self, optimizer):
+            self.before = {n: p.detach().double().clone() for n, p in self.named_parameters()}
+            self.step_of_copy = self.trainer.global_step
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen[self.step_of_copy] = _update_norms(self, self.before)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    class Logger(pl.loggers.Logger):
+        name, version = "memory", 0
+
+        @property
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            records.append((step, dict(metrics)))
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 6), torch.randn(12, 1))
+    callback = GAPMonitorCallback(interval=2, optimizer_stats=True)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=Logger(), callbacks=[callback],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), log_every_n_steps=1)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=3))
+    updates = {s: m for s, m in records if any(k.startswith("gap/update/") for k in m)}
+    assert sorted(updates) == [0, 2]
+    for step, metrics in updates.items():
+        _assert_updates(metrics, seen[step])
+
+
+def test_olmo_core_records_the_optimizer_updates(tmp_path):
+    """The OLMo-core callback, driven as its Trainer drives it (pre_step, train_batch, pre_optim_step, the
+    optimizer step, post_train_batch), records gap/update/... of the train module's optimizer."""
+    pytest.importorskip("olmo_core", reason="needs ai2-olmo-core (CI installs it)")
+    from types import SimpleNamespace
+
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModule
+
+    import gapmon
+    from gapmon.integrations.olmo import GAPMonitorCallback
+
+    seq, vocab = 8, 64
+    torch.manual_seed(0)
+    model = TransformerConfig.olmo2_1M(vocab_size=vocab, n_layers=2).build(init_device="cpu")
+    module = TransformerTrainModule(model, optim=AdamWConfig(lr=1e-2), rank_microbatch_size=2 * seq,
+                                    max_sequence_length=seq, device=torch.device("cpu"))
+    recorded: dict[str, float] = {}
+    trainer = SimpleNamespace(global_step=1, global_batch_size=4 * seq, dp_process_group=None, train_module=module,
+                              save_folder=str(tmp_path), work_dir=tmp_path,
+                              record_metric=lambda name, value, *a, **k: recorded.__setitem__(name, value),
+                              record_ce_loss=lambda value, *a, **k: None)
+    module._trainer = trainer
+    callback = GAPMonitorCallback(gapmon_config=gapmon.MonitorConfig(activations=False, activation_grads=False),
+                                  optimizer_stats=True)
+    callback.trainer = trainer
+    callback.pre_train()
+    ids = torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(1))
+    callback.pre_step({"input_ids": ids})
+    module.train_batch({"input_ids": ids.clone()})
+    callback.pre_optim_step()
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    module.optim_step()
+    callback.post_train_batch()
+    _assert_updates(recorded, _update_norms(model, before))
+    callback.close()
