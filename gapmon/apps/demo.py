@@ -30,7 +30,7 @@ from ..monitor.metric_names import parse_metric_name
 from .run_format import METRICS_FILE, PER_SAMPLE_FILE, SUMMARY_FILE, TRAIN_FILE, PerSampleRecord, TrainRecord, read_run_file
 
 MARKER = ".gapmon-demo"  # in a run directory the demo made (and may replace)
-TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics")
+TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics + updates")
 
 
 @dataclass
@@ -103,6 +103,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     sinks = [JSONLSink(out / METRICS_FILE)]
     # numerics: exponent histograms and bf16/fp8 e4m3 underflow/overflow shares (the report's last figure)
     mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks, numerics=("bf16", "fp8_e4m3"))
+    mon.watch_optimizer(opt)  # what AdamW does on the monitored steps (gap/update/...: the report's ratio heat map)
     four_kinds = GAPMonitor(model)  # timing only: the four kinds without per-sample norms, no sink
     dumper = GradientDumper(model, out / "gradients", step_interval=cfg.dump_every, mode="shards", async_write=True)
     progress = Progress("training", quiet=cfg.quiet or rank != 0)  # then the timing groups, labelled
@@ -156,7 +157,7 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
                     norms_log.write(PerSampleRecord(step=step, ids=sample_ids.tolist(), norms=norms.tolist()).to_line())
                     norms_log.flush()
                 if timing:
-                    progress(step - cfg.steps + 1, n_timing, f"timing: plain / four kinds / + per-sample norms, loss {loss_avg:.3f}")
+                    progress(step - cfg.steps + 1, n_timing, f"timing: plain / four kinds / + per-sample norms, updates, loss {loss_avg:.3f}")
                 else:
                     progress(step + 1, cfg.steps, f"loss {loss_avg:.3f}")
     dumper.close()

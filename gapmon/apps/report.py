@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dump.safe_io import atomic_write, ensure_real_dir
-from ..monitor.metric_names import parse_metric_name
+from ..monitor.metric_names import GNS_ALL, gns_name, parse_metric_name, parse_update_name
 from ..stats.layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
 from ..stats.numerics import FORMATS, format_shares, histogram_rows
 from ..utils import check_real
@@ -27,6 +27,28 @@ def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, l
             if metric is not None and metric.kind == kind and metric.field == field and isinstance(value, (int, float)):
                 out[metric.name].append((r["step"], float(value)))
     return dict(out)
+
+
+def update_series(records: list[dict[str, Any]], field: str) -> dict[str, list[tuple[int, float]]]:
+    """{parameter: [(step, value)]} of the optimizer-update metric `field` (gap/update/{parameter}/{field})."""
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        for key, value in r.items():
+            parsed = parse_update_name(key)
+            if parsed is not None and parsed[1] == field and isinstance(value, (int, float)):
+                out[parsed[0]].append((r["step"], float(value)))
+    return dict(out)
+
+
+def gns_series(records: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{group: {"step": [(step, B_simple of that step)], "ema": [(step, B_simple of the moving averages)]}}."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    groups = {key.split("/")[2] for r in records for key in r if key.startswith("gap/gns/")}
+    for group in sorted(groups):
+        out[group] = {kind: [(r["step"], float(r[gns_name(group, field)])) for r in records
+                             if isinstance(r.get(gns_name(group, field)), (int, float))]
+                      for kind, field in (("step", "b_simple_step"), ("ema", "b_simple"))}
+    return out
 
 
 def global_grad_norms(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
@@ -266,9 +288,52 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         _numerics_figure(numerics, out / "numerics.png", plt, np)
         images.append(("Low-precision numerics", "numerics.png"))
 
+    # 6. Gradient noise scale (per-sample norms on) over steps, with its moving-average estimate.
+    gns = gns_series(records)
+    if gns:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for i, (group, series) in enumerate(gns.items()):
+            color = "black" if group == GNS_ALL else plt.cm.tab10(i % 10)
+            if series["ema"]:
+                ax.plot(*zip(*series["ema"]), color=color, linewidth=1.6 if group == GNS_ALL else 1.0, label=group)
+            if group == GNS_ALL and series["step"]:
+                ax.scatter(*zip(*series["step"]), color=color, s=8, alpha=0.4, label="all (one step)")
+        ax.set_yscale("symlog")
+        ax.set_xlabel("step")
+        ax.set_ylabel("B_simple = tr(Sigma) / |G|^2")
+        ax.set_title("Gradient noise scale (critical batch size), moving averages")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        _save(fig, out / "noise_scale.png", 110)
+        plt.close(fig)
+        images.append(("Gradient noise scale", "noise_scale.png"))
+
+    # 7. Update-to-weight ratio per parameter (GAPMonitor.watch_optimizer), log scale.
+    ratios = update_series(records, "ratio")
+    if ratios:
+        params = list(ratios)
+        grid = np.full((len(params), len(steps)), np.nan)
+        for i, name in enumerate(params):
+            for step, v in ratios[name]:
+                grid[i, col[step]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
+        fig, ax = plt.subplots(figsize=(max(6, len(steps) * 0.35 + 3), max(4, len(params) * 0.22 + 1.5)))
+        im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest")
+        ax.set_yticks(range(len(params)), params, fontsize=7)
+        ax.set_xticks(range(len(steps)), steps, fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_title("Update / weight norm ratio per parameter (log10)")
+        fig.colorbar(im, ax=ax, label="log10 ||dw|| / ||w||")
+        fig.tight_layout()
+        _save(fig, out / "update_ratio_heatmap.png", 110)
+        plt.close(fig)
+        images.append(("Update / weight ratio per parameter", "update_ratio_heatmap.png"))
+
     found = anomalies(records)
     lines = [f"# gapmon report: {run_dir.name}", "",
-             f"{len(records)} monitored steps ({steps[0]}..{steps[-1]}), {len(names)} parameters.", ""]
+             f"{len(steps)} monitored steps ({steps[0]}..{steps[-1]}), {len(names)} parameters.", ""]
+    last = gns.get(GNS_ALL, {}).get("ema")
+    if last:
+        lines += [f"Gradient noise scale B_simple (moving averages, step {last[-1][0]}): {last[-1][1]:.4g} samples.", ""]
     if train:
         lines.append(f"Loss: {train[0]['loss']:.4f} at step {train[0]['step']} -> {train[-1]['loss']:.4f} "
                      f"at step {train[-1]['step']}.")

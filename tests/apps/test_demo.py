@@ -23,19 +23,23 @@ def test_demo_end_to_end(tmp_path):
     assert "four kinds " in cost and "four kinds + per-sample norms " in cost
     assert "median of 3 paired steps" in cost and "2 layers, d=128" in cost
     assert str(out / "report" / "report.md") in proc.stdout
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # 3 training steps, then 3 timing groups (plain, four kinds, + per-sample norms): the sink's monitor is the last
-    assert [m["step"] for m in metrics] == [0, 1, 2, 5, 8, 11]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # 3 training steps, then 3 timing groups (plain, four kinds, + per-sample norms): the sink's monitor is the last.
+    # Each monitored step writes its metrics, then those of the optimizer's update (gap/update/...).
+    assert [m["step"] for m in records] == [s for s in (0, 1, 2, 5, 8, 11) for _ in range(2)]
+    assert all(all(k.startswith("gap/update/") for k in m if k != "step") for m in records[1::2])
+    metrics = [{**a, **b} for a, b in zip(records[0::2], records[1::2])]
     for key in ("gap/params/head.weight/var", "gap/grads/blocks.0.mlp.up.weight/norm",
                 "gap/activations/blocks.1.attn/max", "gap/activation_grads/blocks.0.norm1/mean",
-                "gap/per_sample_grad_norm/mean", "gap/global_batch_size"):
+                "gap/per_sample_grad_norm/mean", "gap/global_batch_size", "gap/gns/all/b_simple",
+                "gap/gns/Linear/noise_trace", "gap/update/head.weight/ratio", "gap/update/head.weight/exp_avg_sq_norm"):
         assert key in metrics[-1], key
     assert metrics[-1]["gap/global_batch_size"] == 16
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dumped_steps"] == [0, 2] and summary["reconstructed_step"] == 2
     # One final loss: the summary's and the report's are the same step's.
     assert f"-> {summary['loss_last']:.4f} at step 11" in (out / "report" / "report.md").read_text()
-    assert set(summary["monitor_overhead"]) == {"four kinds", "four kinds + per-sample norms + numerics"}
+    assert set(summary["monitor_overhead"]) == {"four kinds", "four kinds + per-sample norms + numerics + updates"}
     # The reconstructed gradients are the ones the monitor measured at that step.
     meta = json.loads((out / "reconstructed" / "step2_metadata.json").read_text())
     for name, norm in meta["parameter_norms"].items():
@@ -43,7 +47,8 @@ def test_demo_end_to_end(tmp_path):
     # numerics on: per-tensor shares, histograms per kind and layer type, the report's figure
     assert "gap/grads/head.weight/fp8_e4m3_underflow" in metrics[-1] and "grads/Linear" in metrics[-1]["numerics_histograms"]
     assert "## Low-precision numerics" in (out / "report" / "report.md").read_text()
-    for png in ("grad_norm_heatmap.png", "activation_max.png", "loss_grad_norm.png", "per_sample_norms.png", "numerics.png"):
+    for png in ("grad_norm_heatmap.png", "activation_max.png", "loss_grad_norm.png", "per_sample_norms.png", "numerics.png",
+                "noise_scale.png", "update_ratio_heatmap.png"):
         assert (out / "report" / png).stat().st_size > 1000, png
     per_sample = [json.loads(line) for line in (out / "per_sample_norms.jsonl").read_text().splitlines()]
     assert len(per_sample[0]["ids"]) == 16 and per_sample[0]["ids"] == sorted(per_sample[0]["ids"])
