@@ -68,10 +68,10 @@ def is_dtensor_type(kind: type) -> bool:
     return kind.__name__ == "DTensor"
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, or (0, 1) without one."""
+def rank_and_world(group: Any = None) -> tuple[int, int]:
+    """(rank, world size) in `group` (default: the default process group), or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 

@@ -21,7 +21,9 @@ from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
 from ..stats.layout import ACC_NAMES, STAT_NAMES
 from ..utils import ParameterWatch, check_int, check_step, clean_named, rank_and_world
 from .activations import ACTIVATION_KINDS, ActivationRecorder
+from .data_parallel import DataParallelNoise
 from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS, metric_name
+from .noise_scale import NoiseScale
 from .nonfinite import localise_nonfinite
 from .numerics_metrics import NumericsMetrics
 from .optimizer_stats import OptimizerStats
@@ -162,6 +164,7 @@ class GAPMonitor:
         self._step: int | None = None
         self._batch_size = 0
         self._optimizers: list[OptimizerStats] = []
+        self._data_parallel: DataParallelNoise | None = None
         self.last_update_metrics: dict[str, float] = {}  # of the latest measured optimizer step (watch_optimizer)
         self.last_update_step: int | None = None  # the step they belong to
         self.nonfinite_report: dict[str, Any] = {}
@@ -174,6 +177,13 @@ class GAPMonitor:
         self._check_open()
         self._optimizers.append(OptimizerStats(
             optimizer, lambda: {id(p): n for n, p in self._tensors.params}, self._emit_update))
+
+    def watch_data_parallel(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Also estimates the gradient noise scale from DDP's reduction (no per-sample norms needed) and reports
+        each rank's local gradient norm (gapmon.monitor.data_parallel): registers DDP's communication hook
+        (DDP takes one). Needs the step's batch size (begin_step's batch_size or add_samples)."""
+        self._check_open()
+        self._data_parallel = DataParallelNoise(ddp, NoiseScale(self.config.gns_ema))
 
     def _emit_update(self, step: int, metrics: dict[str, float]) -> None:
         self.last_update_metrics, self.last_update_step = metrics, step
@@ -198,6 +208,8 @@ class GAPMonitor:
         active = self._recorder.active = self.config.schedule.includes(step)
         for watched in self._optimizers:  # its next step() is this step's update (a closure runs inside it)
             watched.arm(step if active else None)
+        if self._data_parallel is not None:
+            self._data_parallel.begin(active)
         if self.per_sample is not None and active:
             self.per_sample.start()
         elif self.per_sample is not None:
@@ -228,6 +240,8 @@ class GAPMonitor:
             raise RuntimeError("GAPMonitor.end_step: call begin_step(step, batch_size) before the forward pass")
         step, active = self._step, self._recorder.active
         self._step, self._recorder.active = None, False
+        if self._data_parallel is not None:
+            self._data_parallel.active = False  # the backward passes of this step are over
         if self.per_sample is not None:
             self.per_sample.pause()  # until the next begin_step: plain steps cost nothing
         if not active:
@@ -254,6 +268,9 @@ class GAPMonitor:
         (global_batch,) = out.of(host, "batch")
         if self._batch_size or global_batch:
             metrics[GLOBAL_BATCH_SIZE] = global_batch
+        if self._data_parallel is not None and global_batch > 0:
+            metrics.update(self._data_parallel.metrics(out.of(host, "data_parallel"), global_batch / rank_and_world(
+                self.config.process_group)[1], global_batch))
         if self._per_sample_metrics is not None:
             metrics.update(self._per_sample_metrics.metrics(out, host, metrics))
         self.nonfinite_report = localise_nonfinite(metrics, [n for n, _ in recorder.modules], recorder.first_seen, step)
@@ -274,6 +291,8 @@ class GAPMonitor:
         sums.add("batch", torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev))
         if self._per_sample_metrics is not None:
             self._per_sample_metrics.on_device(sums, maxes)
+        if self._data_parallel is not None:
+            self._data_parallel.on_device(sums, *rank_and_world(self.config.process_group))
         sums_t, maxes_t = sums.cat(), maxes.cat()
         group = self.config.process_group
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -284,6 +303,8 @@ class GAPMonitor:
         out.add("batch", sums.of(sums_t, "batch"))
         if self._per_sample_metrics is not None:
             self._per_sample_metrics.to_copy(out, sums, sums_t, maxes, maxes_t)
+        if self._data_parallel is not None:
+            out.add("data_parallel", sums.of(sums_t, "data_parallel"))
         return out
 
     def _read_tensor_rows(self, names: list[tuple[str, str]], out: StepBuffer, host: list) -> dict[str, float]:

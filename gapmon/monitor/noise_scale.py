@@ -21,6 +21,15 @@ from .metric_names import GNS_ALL, gns_name
 from .step_buffer import StepBuffer
 
 
+def two_batch_estimates(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float] | None:
+    """(|G|^2, tr(Sigma)) from the squared norms of mean gradients over b_small and b_big samples (McCandlish
+    et al., appendix A): |G|^2 = (b_big |G_big|^2 - b_small |G_small|^2) / (b_big - b_small),
+    tr(Sigma) = (|G_small|^2 - |G_big|^2) / (1/b_small - 1/b_big); None when b_big <= b_small."""
+    if not 0 < b_small < b_big or not math.isfinite(small_sq) or not math.isfinite(big_sq):
+        return None
+    return (b_big * big_sq - b_small * small_sq) / (b_big - b_small), (small_sq - big_sq) / (1 / b_small - 1 / b_big)
+
+
 def noise_estimates(batch_grad_sq: float, mean_sample_sq: float, w1: float, w2: float) -> tuple[float, float] | None:
     """(|G|^2, tr(Sigma)) estimated from one step, or None when the step cannot tell them apart (one sample)."""
     denominator = w1 * w1 - w2
@@ -49,6 +58,19 @@ class NoiseScale:
         count = torch.tensor(float(w.numel()), dtype=torch.float64, device=device)
         buffer.add("gns", torch.stack([*sums, count, w.sum(), (w * w).sum()]))
 
+    def add(self, group: str, estimates: tuple[float, float] | None) -> dict[str, float]:
+        """The metrics of one group's estimates (|G|^2, tr Sigma) of this step, its moving averages updated."""
+        if estimates is None:
+            return {}
+        grad_sq, trace = estimates
+        previous = self._averages.get(group)
+        averaged = (grad_sq, trace) if previous is None else tuple(
+            self.decay * old + (1 - self.decay) * new for old, new in zip(previous, (grad_sq, trace)))
+        self._averages[group] = averaged
+        return {gns_name(group, "grad_norm_sq"): grad_sq, gns_name(group, "noise_trace"): trace,
+                gns_name(group, "b_simple_step"): trace / grad_sq if grad_sq != 0 else math.nan,
+                gns_name(group, "b_simple"): averaged[1] / averaged[0] if averaged[0] != 0 else math.nan}
+
     def metrics(self, groups: list[str], sums: list[float], batch_grad_sq: dict[str, float]) -> dict[str, float]:
         """The step's metrics from the reduced sums (groups sorted as on_device added them) and the squared
         norm of the step's gradient over each group's parameters."""
@@ -57,18 +79,7 @@ class NoiseScale:
         if count < 2:
             return metrics
         for group, total in zip(groups, sample_sq):
-            estimates = noise_estimates(batch_grad_sq.get(group, 0.0), total / count, w1, w2)
-            if estimates is None:
-                continue
-            grad_sq, trace = estimates
-            previous = self._averages.get(group)
-            averaged = (grad_sq, trace) if previous is None else tuple(
-                self.decay * old + (1 - self.decay) * new for old, new in zip(previous, (grad_sq, trace)))
-            self._averages[group] = averaged
-            metrics[gns_name(group, "grad_norm_sq")] = grad_sq
-            metrics[gns_name(group, "noise_trace")] = trace
-            metrics[gns_name(group, "b_simple_step")] = trace / grad_sq if grad_sq != 0 else math.nan
-            metrics[gns_name(group, "b_simple")] = averaged[1] / averaged[0] if averaged[0] != 0 else math.nan
+            metrics.update(self.add(group, noise_estimates(batch_grad_sq.get(group, 0.0), total / count, w1, w2)))
         return metrics
 
 

@@ -154,3 +154,41 @@ def _ddp_worker(rank, world):
 @pytest.mark.multiprocess
 def test_noise_scale_under_ddp_equals_the_global_batch_computation():
     run_distributed(_ddp_worker, 2)
+
+
+def _data_parallel_worker(rank, world):
+    """DDP with the monitor's communication hook: the two-batch estimate from each rank's local mean gradient
+    (3 samples, or 6 over two micro-batches accumulated under no_sync) and the global one equals the
+    computation from per-sample gradients; every rank's local gradient norm is reported."""
+    from gapmon.monitor.noise_scale import two_batch_estimates
+
+    for micro_batches in (1, 2):
+        model = _net()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        local = 3 * micro_batches
+        all_ids, all_labels = _batch(11 + micro_batches, local * world)
+        with gapmon.GAPMonitor(ddp, activations=False, activation_grads=False) as mon:
+            mon.watch_data_parallel(ddp)
+            mon.begin_step(0, batch_size=local)
+            for k in range(micro_batches):
+                rows = slice(local * rank + 3 * k, local * rank + 3 * k + 3)
+                context = ddp.no_sync() if k < micro_batches - 1 else torch.enable_grad()
+                with context:
+                    (_own_losses(ddp, all_ids[rows], all_labels[rows]).mean() / micro_batches).backward()
+            metrics = mon.end_step()
+        g = _per_sample_grads(_net(), all_ids, all_labels)["all"]
+        small = [g[local * r:local * (r + 1)].mean(0) for r in range(world)]
+        big = g.mean(0)
+        want = two_batch_estimates(sum((s @ s).item() for s in small) / world, (big @ big).item(), local, local * world)
+        got = (metrics["gap/gns/data_parallel/grad_norm_sq"], metrics["gap/gns/data_parallel/noise_trace"])
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (micro_batches, got, want)
+        norms = [s.norm().item() for s in small]
+        assert metrics["gap/local_grad_norm/max"] == pytest.approx(max(norms), rel=1e-9)
+        assert metrics["gap/local_grad_norm/min"] == pytest.approx(min(norms), rel=1e-9)
+        assert metrics["gap/local_grad_norm/max_rank"] == norms.index(max(norms))
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_noise_scale_from_ddp_reduction_without_per_sample_norms():
+    run_distributed(_data_parallel_worker, 2)
