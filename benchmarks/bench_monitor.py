@@ -5,6 +5,7 @@ machine's drift hits both alike; the added time is the difference of median step
 - torch:        the pure-PyTorch seed-style monitor, all four kinds (benchmarks/torch_monitor.py);
 - all four:     GAPMonitor with params, grads, activations and activation grads;
 - params+grads: GAPMonitor with params and grads only;
+- params+grads + updates: the same with the optimizer's update measured (GAPMonitor.watch_optimizer);
 and interval=10: blocks of 10 steps with a GAPMonitor(interval=10) attached (one step in ten
 monitored) alternate with blocks of 10 plain steps with no monitor at all; the average overhead
 per step is the difference of the blocks' mean step times.
@@ -86,6 +87,12 @@ class Trainer:
 
 def gap_monitor(model, interval: int = 1, **kinds) -> gapmon.GAPMonitor:
     return gapmon.GAPMonitor(model, interval=interval, sinks=[], **kinds)
+
+
+def with_updates(mon: gapmon.GAPMonitor, optimizer: torch.optim.Optimizer) -> gapmon.GAPMonitor:
+    """`mon`, also measuring the optimizer's update on its monitored steps (GAPMonitor.watch_optimizer)."""
+    mon.watch_optimizer(optimizer)
+    return mon
 
 
 def paired(tr: Trainer, make_monitor, steps: int) -> tuple[float, float]:
@@ -218,7 +225,9 @@ def main() -> None:
     floors = {mode: bytes_read(tr, **kinds) / bw for mode, kinds in GAPMON_MODES.items()}
 
     makers = {"torch": TorchGAPMonitor, **{mode: (lambda kinds: lambda m: gap_monitor(m, **kinds))(kinds)
-                                            for mode, kinds in GAPMON_MODES.items()}}
+                                            for mode, kinds in GAPMON_MODES.items()},
+              # the optimizer statistics' cost: this mode's added time minus params+grads'
+              "params+grads + updates": lambda m: with_updates(gap_monitor(m, **GAPMON_MODES["params+grads"]), tr.opt)}
     added: dict[str, list[float]] = {mode: [] for mode in makers}
     plain: list[float] = []
     for _ in range(args.rounds):
