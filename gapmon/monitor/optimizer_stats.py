@@ -30,12 +30,15 @@ def _norms(tensors: list[torch.Tensor]) -> list[float]:
     return ops.multi_tensor_rows(tensors, 0)[:, _NORM].tolist()
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
-    """<a, b> in float64 (over the full tensors for DTensors: the local products reduced over the mesh)."""
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> summed in float64 from products in float32 (or float64: each product rounded once, to 2^-24 of
+    itself), over the full tensors for DTensors (the local sums reduced over the mesh): a 0-dim tensor."""
     if b.is_sparse:
         b = b.to_dense()
-    product = (a.double() * b.double()).sum()
-    return float(product.full_tensor() if is_dtensor(product) else product)
+    if a.dtype in (torch.float16, torch.bfloat16):
+        a, b = a.float(), b.float()
+    product = (a * b.to(a.dtype)).sum(dtype=torch.float64)
+    return product.full_tensor() if is_dtensor(product) else product
 
 
 def _ratio(a: float, b: float) -> float:
@@ -88,7 +91,7 @@ class OptimizerStats:
             counts = rows[:, _COUNT].tolist() if rows is not None else []
             weight_norms = _norms([before[id(p)] for _, p, _ in params])
             grad_norms = _norms([p.grad for _, p, _ in params])
-            dots = [_dot(d, p.grad) for d, (_, p, _) in zip(deltas, params)]
+            dots = torch.stack([_dot(d, p.grad) for d, (_, p, _) in zip(deltas, params)]).tolist() if params else []
             states = {key: [(i, self.optimizer.state.get(p, {}).get(key)) for i, (_, p, _) in enumerate(params)]
                       for key in ADAM_STATES}
             state_norms = {key: dict(zip([i for i, t in found if isinstance(t, torch.Tensor)],
