@@ -10,6 +10,7 @@ framework raises ImportError naming the package to install.
 from __future__ import annotations
 
 import importlib
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +37,17 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def watch_ddp(monitor: GAPMonitor, wrapped: Any) -> None:
+    """monitor.watch_data_parallel on the trainer's DistributedDataParallel wrapper; a warning (not silence)
+    when the trainer runs without one (one process, FSDP): there is no reduction to read."""
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        monitor.watch_data_parallel(wrapped)
+    else:
+        warnings.warn(f"gapmon: data_parallel_noise=True, but the trainer's model is a {type(wrapped).__name__}, not a "
+                      "DistributedDataParallel: no noise scale from the data-parallel reduction (per-sample norms give "
+                      "one: per_sample_grad_norms=True)", RuntimeWarning, stacklevel=3)
 
 
 def make_monitor(model: Any, config: MonitorConfig | None, options: dict[str, Any]) -> GAPMonitor:

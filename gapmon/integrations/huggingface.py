@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_micro_batches
+from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_ddp, watch_micro_batches
 
 transformers = require("transformers", "huggingface", "transformers")
 
@@ -39,9 +39,10 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
 
     def __init__(self, trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
                  monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
-                 optimizer_stats: bool = False, **monitor_kwargs: Any):
+                 optimizer_stats: bool = False, data_parallel_noise: bool = False, **monitor_kwargs: Any):
         self.trainer = trainer
         self.optimizer_stats = optimizer_stats  # also the update of the Trainer's optimizer (gap/update/...)
+        self.data_parallel_noise = data_parallel_noise  # the noise scale from DDP's reduction (gap/gns/data_parallel)
         self._logged_update: dict[str, float] | None = None
         self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
         self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
@@ -57,6 +58,8 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         self._watch = watch_micro_batches(model, self.monitor, self._loss_weights)
         if self.optimizer_stats:
             self.monitor.watch_optimizer(unwrap_optimizer(kwargs.get("optimizer") or self.trainer.optimizer))
+        if self.data_parallel_noise:
+            watch_ddp(self.monitor, self.trainer.model_wrapped)
 
     def _loss_weights(self, model_args: tuple, model_kwargs: dict, samples: int) -> torch.Tensor:
         """Each sample's weight in the loss the Trainer backpropagates for this micro-batch (see
@@ -123,13 +126,15 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
 
 def attach(trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
            monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
-           optimizer_stats: bool = False, **monitor_kwargs: Any) -> GAPMonitorTrainerCallback:
+           optimizer_stats: bool = False, data_parallel_noise: bool = False,
+           **monitor_kwargs: Any) -> GAPMonitorTrainerCallback:
     """Adds a GAPMonitor callback to `trainer`, with GAPMonitor's keyword arguments (interval, params,
     grads, activations, activation_grads, per_sample_grad_norms, ...) or a gapmon.MonitorConfig; with
     `dump_dir`, gradients are also dumped there by a GradientDumper(**dump_kwargs), or one with a
     gapmon.DumpConfig. `optimizer_stats=True` also measures the optimizer's updates on monitored steps
-    (GAPMonitor.watch_optimizer: gap/update/...). Returns the callback."""
+    (GAPMonitor.watch_optimizer: gap/update/...); `data_parallel_noise=True` the gradient noise scale from
+    DDP's reduction (GAPMonitor.watch_data_parallel). Returns the callback."""
     callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, monitor_config, dump_config, optimizer_stats,
-                                         **monitor_kwargs)
+                                         data_parallel_noise, **monitor_kwargs)
     trainer.add_callback(callback)
     return callback

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import make_dumper, make_monitor, require, unwrap_optimizer
+from . import make_dumper, make_monitor, require, unwrap_optimizer, watch_ddp
 
 pl = require("lightning.pytorch", "lightning", "lightning")
 
@@ -50,14 +50,15 @@ class GAPMonitorCallback(pl.Callback):
     Keyword arguments go to GAPMonitor (interval, params, grads, activations, activation_grads,
     per_sample_grad_norms, ...), or `monitor_config` (a gapmon.MonitorConfig) gives them all. With
     `dump_dir`, a GradientDumper(**dump_kwargs), or one with `dump_config`, also writes gradients there.
-    `optimizer_stats=True` also measures what the Trainer's optimizers do on monitored steps (gap/update/...).
+    `optimizer_stats=True` also measures what the Trainer's optimizers do on monitored steps (gap/update/...),
+    `data_parallel_noise=True` the gradient noise scale from DDP's reduction (gap/gns/data_parallel/...).
     """
 
     def __init__(self, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
                  monitor_config: MonitorConfig | None = None, dump_config: DumpConfig | None = None,
-                 optimizer_stats: bool = False, **monitor_kwargs: Any):
+                 optimizer_stats: bool = False, data_parallel_noise: bool = False, **monitor_kwargs: Any):
         super().__init__()
-        self.optimizer_stats = optimizer_stats
+        self.optimizer_stats, self.data_parallel_noise = optimizer_stats, data_parallel_noise
         self._logged_update: dict[str, float] | None = None
         self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
         self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
@@ -73,6 +74,8 @@ class GAPMonitorCallback(pl.Callback):
         if self.optimizer_stats:
             for optimizer in trainer.optimizers:
                 self.monitor.watch_optimizer(unwrap_optimizer(optimizer))
+        if self.data_parallel_noise:
+            watch_ddp(self.monitor, trainer.strategy.model)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % trainer.accumulate_grad_batches == 0:  # the first batch of an optimizer step

@@ -566,3 +566,84 @@ def test_olmo_core_records_the_optimizer_updates(tmp_path):
     callback.post_train_batch()
     _assert_updates(recorded, _update_norms(model, before))
     callback.close()
+
+
+HF_DDP_NOISE = """'''HF Trainer under DDP (2 CPU processes, gloo) with data_parallel_noise=True: the noise scale from DDP's reduction.'''
+import json, os, sys, warnings
+warnings.simplefilter("ignore")
+import torch, transformers
+sys.path[:0] = [sys.argv[2], os.path.join(sys.argv[2], "integrations")]  # helpers.py, this test file
+import test_trainers_real_path as t
+from gapmon.integrations.huggingface import attach
+
+model, _ = t._llama(transformers)
+args = t._hf_args(transformers, sys.argv[1], per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+                  learning_rate=1e-2, ddp_backend="gloo")
+trainer = transformers.Trainer(model=model, args=args, train_dataset=t._lm_data(16))
+attach(trainer, interval=1, activations=False, activation_grads=False, data_parallel_noise=True)
+trainer.train()
+logged = [{k: v for k, v in e.items() if k.startswith(("gap/gns/", "gap/local_grad_norm/", "gap/global_batch_size"))}
+          for e in trainer.state.log_history]
+with open(os.path.join(sys.argv[1], "result" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump([e for e in logged if e], f)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_huggingface_trainer_under_ddp_reports_the_noise_scale_of_its_reduction(tmp_path):
+    """data_parallel_noise=True under the Trainer's own DDP (torchrun, 2 gloo processes, accumulation 2): every
+    step logs the two-batch noise scale and each rank's local gradient norm (the estimator itself is checked
+    against per-sample gradients in tests/monitor/test_noise_scale.py)."""
+    _hf()
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import free_port
+
+    script = tmp_path / "ddp_noise.py"
+    script.write_text(HF_DDP_NOISE)
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port())]
+    proc = subprocess.run([*launch, str(script), str(tmp_path / "out"), tests_dir], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    results = sorted((tmp_path / "out").glob("result*.json"))
+    assert proc.returncode == 0 and len(results) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for path in results:
+        steps = json.loads(path.read_text())
+        assert len(steps) == 2, steps
+        for entry in steps:
+            assert entry["gap/global_batch_size"] == 8  # 2 ranks x 2 micro-batches x 2 samples
+            for field in ("grad_norm_sq", "noise_trace", "b_simple_step", "b_simple"):
+                assert math.isfinite(entry[f"gap/gns/data_parallel/{field}"]), field
+            low, high = entry["gap/local_grad_norm/min"], entry["gap/local_grad_norm/max"]
+            assert 0 < low <= entry["gap/local_grad_norm/mean"] <= high and entry["gap/local_grad_norm/max_rank"] in (0, 1)
+
+
+def test_data_parallel_noise_without_ddp_says_so():
+    """A Lightning run on one process with data_parallel_noise=True warns that there is no reduction to read."""
+    pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (CI installs it)")
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[GAPMonitorCallback(data_parallel_noise=True)])
+    with pytest.warns(RuntimeWarning, match="not a DistributedDataParallel"):
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))
