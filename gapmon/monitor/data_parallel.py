@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..utils import rank_and_world
 from .metric_names import PREFIX
 from .noise_scale import NoiseScale, two_batch_estimates
 from .step_buffer import StepBuffer
@@ -32,10 +33,10 @@ class DataParallelNoise:
     with another) that does DDP's own averaging all-reduce and sums, while `active`, the squared norms of the
     buckets before and after it."""
 
-    def __init__(self, ddp: Any, noise: NoiseScale):
+    def __init__(self, ddp: Any, noise: NoiseScale, monitor_group: Any = None):
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"GAPMonitor.watch_data_parallel: expected a DistributedDataParallel, got {type(ddp).__name__}")
-        self.group = ddp.process_group
+        self.group, self.monitor_group = ddp.process_group, monitor_group
         self.noise = noise
         self.active = False
         self.local_sq: torch.Tensor | None = None
@@ -65,9 +66,10 @@ class DataParallelNoise:
         self.active = active
         self.local_sq = self.reduced_sq = None
 
-    def on_device(self, sums: StepBuffer, rank: int, world: int) -> None:
-        """This rank's local squared norm in its own slot of a [world] vector (the SUM all-reduce gathers them),
-        and the reduced gradient's squared norm (the same on every rank: its mean is taken)."""
+    def on_device(self, sums: StepBuffer, maxes: StepBuffer) -> None:
+        """This rank's local squared norm in its own slot of a [world] vector (the monitor's SUM all-reduce
+        gathers them), and the reduced gradient's squared norm (the same on every rank: its mean is taken)."""
+        rank, world = rank_and_world(self.monitor_group)
         device = sums.device
         slots = torch.zeros(world + 1, dtype=torch.float64, device=device)
         if self.local_sq is not None:
@@ -75,6 +77,10 @@ class DataParallelNoise:
         if self.reduced_sq is not None:
             slots[world] = self.reduced_sq.to(device) / world
         sums.add("data_parallel", slots)
+
+    def to_copy(self, out: StepBuffer, sums: StepBuffer, sums_t: torch.Tensor, maxes: StepBuffer,
+                maxes_t: torch.Tensor) -> None:
+        out.add("data_parallel", sums.of(sums_t, "data_parallel"))
 
     def metrics(self, values: list[float], local_batch_mean: float, global_batch: float) -> dict[str, float]:
         """The step's metrics from the reduced slots and the batch sizes (samples per rank, in total)."""

@@ -10,7 +10,6 @@ ranks with one SUM and one MAX all-reduce, and everything reaches the host in on
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import torch
@@ -18,43 +17,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
-from ..stats.layout import ACC_NAMES, STAT_NAMES
 from ..utils import ParameterWatch, check_int, check_step, clean_named, rank_and_world
-from .activations import ACTIVATION_KINDS, ActivationRecorder
+from .activations import ActivationRecorder
 from .data_parallel import DataParallelNoise
-from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS, metric_name
+from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS
 from .noise_scale import NoiseScale
 from .nonfinite import localise_nonfinite
 from .numerics_metrics import NumericsMetrics
 from .optimizer_stats import OptimizerStats
 from .per_sample_metrics import PerSampleMetrics
+from .readout import StepReadout, reduced_step
 from .sinks import Sink
-from .step_buffer import MetricPickers, StepBuffer
 from .tensor_rows import WatchedTensors
-
-_ROW = len(STAT_NAMES)  # columns of a statistics row
-# Activation accumulator columns (csrc/core/stats_state.h via gapmon.stats): every column is summed
-# over ranks except max |x|, which is a max.
-_ACC_MAX = ACC_NAMES.index("max_abs")
-_ACC_SUMS = tuple(i for i in range(len(ACC_NAMES)) if i != _ACC_MAX)
-# (metric name, column of a statistics row)
-_STAT_FIELDS = tuple((field, STAT_NAMES.index(column)) for field, column in FIELD_COLUMNS.items())
-_COUNT = STAT_NAMES.index("count")
-_SUM = {ACC_NAMES[i]: k for k, i in enumerate(_ACC_SUMS)}  # column of each sum in the reduced sums
-_MODULE_WIDTH = len(_STAT_FIELDS) + 1  # a per-module row: the fields, then the instance count
-_INSTANCES = len(_STAT_FIELDS)
-_UNDEFINED_WHEN_EMPTY = ("/mean", "/var")  # metrics a tensor with no elements does not have
-
-
-def _module_values(sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
-    """[2M, 6] per-module values from the (reduced) accumulator sums [2M, 5] and maxima [2M]:
-    the fields of _STAT_FIELDS (averages over instances), then the instance count."""
-    instances = sums[:, _SUM["instances"]]
-    # A NaN element makes the instance norm NaN; a MAX all-reduce need not propagate NaN.
-    values = {"max": maxes.masked_fill(sums[:, _SUM["sum_norm"]].isnan(), math.nan),
-              "mean": sums[:, _SUM["sum_mean"]] / instances, "var": sums[:, _SUM["sum_var"]] / instances,
-              "norm": sums[:, _SUM["sum_norm"]] / instances, "nonfinite": sums[:, _SUM["nonfinite"]]}
-    return torch.stack([values[field] for field, _ in _STAT_FIELDS] + [instances], dim=1)
 
 
 class GAPMonitor:
@@ -149,7 +123,7 @@ class GAPMonitor:
                                             config.correction, bool(config.numerics))
         self._numerics = NumericsMetrics(config.numerics, config.numerics_alert, self._layer_type, self._recorder,
                                          config.process_group) if config.numerics else None
-        self._pickers = MetricPickers(tuple(field for field, _ in _STAT_FIELDS))
+        self._readout = StepReadout(self._recorder)
         self.per_sample = None
         if config.per_sample is not None:
             from ..per_sample import PerSampleGradNorms
@@ -183,7 +157,7 @@ class GAPMonitor:
         each rank's local gradient norm (gapmon.monitor.data_parallel): registers DDP's communication hook
         (DDP takes one). Needs the step's batch size (begin_step's batch_size or add_samples)."""
         self._check_open()
-        self._data_parallel = DataParallelNoise(ddp, NoiseScale(self.config.gns_ema))
+        self._data_parallel = DataParallelNoise(ddp, NoiseScale(self.config.gns_ema), self.config.process_group)
 
     def _emit_update(self, step: int, metrics: dict[str, float]) -> None:
         self.last_update_metrics, self.last_update_step = metrics, step
@@ -257,13 +231,14 @@ class GAPMonitor:
         names, tensors, groups = self._tensors.gather(config.params, config.grads)
         device = tensors[0].device if tensors else (recorder.acc.device if recorder.acc is not None else torch.device("cpu"))
         rows, numerics_rows = self._tensors.rows(tensors, groups, config.correction, bool(config.numerics), device)
-        out = self._reduce_over_ranks(recorder.accumulator(device))
+        parts = [part for part in (self._per_sample_metrics, self._data_parallel) if part is not None]
+        out = reduced_step(recorder.accumulator(device), self._batch_size, config.process_group, parts)
         out.add("rows", rows)
         numerics = self._numerics.on_device(names, tensors, groups, out, numerics_rows) if self._numerics else None
         host = out.cat().cpu().tolist()  # the one device-to-host copy
-        metrics = self._read_tensor_rows(names, out, host)
-        metrics.update(self._read_module_rows(out, host))
-        self._copy_to_aliases(metrics, FIELD_COLUMNS)  # modules that output the same tensor as another
+        metrics = self._readout.tensor_metrics(names, out, host)
+        metrics.update(self._readout.module_metrics(out, host))
+        self._readout.copy_to_aliases(metrics, FIELD_COLUMNS)  # modules that output the same tensor as another
         recorder.share_order_with_aliases()
         (global_batch,) = out.of(host, "batch")
         if self._batch_size or global_batch:
@@ -277,75 +252,8 @@ class GAPMonitor:
         info: dict[str, Any] = {"nonfinite": self.nonfinite_report} if self.nonfinite_report else {}
         if numerics is not None:
             self._numerics.add(metrics, info, numerics, out, host, step)
-            self._copy_to_aliases(metrics, NUMERICS_FIELDS)  # numerics of a shared output, as its statistics
+            self._readout.copy_to_aliases(metrics, NUMERICS_FIELDS)  # numerics of a shared output, as its statistics
         return metrics, info
-
-    def _reduce_over_ranks(self, acc: torch.Tensor) -> StepBuffer:
-        """The activation sums and maxima, the batch size and the per-sample sums and maxima (norms and noise
-        scale), reduced over the ranks with one SUM and one MAX all-reduce, in a buffer for the host copy."""
-        dev = acc.device
-        m = len(self._recorder.modules)
-        sums, maxes = StepBuffer(dev), StepBuffer(dev)
-        sums.add("acc", acc[:, list(_ACC_SUMS)])
-        maxes.add("acc", acc[:, _ACC_MAX])
-        sums.add("batch", torch.tensor([float(self._batch_size)], dtype=torch.float64, device=dev))
-        if self._per_sample_metrics is not None:
-            self._per_sample_metrics.on_device(sums, maxes)
-        if self._data_parallel is not None:
-            self._data_parallel.on_device(sums, *rank_and_world(self.config.process_group))
-        sums_t, maxes_t = sums.cat(), maxes.cat()
-        group = self.config.process_group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=group)
-        out = StepBuffer(dev)
-        out.add("modules", _module_values(sums.of(sums_t, "acc").view(2 * m, len(_ACC_SUMS)), maxes.of(maxes_t, "acc")))
-        out.add("batch", sums.of(sums_t, "batch"))
-        if self._per_sample_metrics is not None:
-            self._per_sample_metrics.to_copy(out, sums, sums_t, maxes, maxes_t)
-        if self._data_parallel is not None:
-            out.add("data_parallel", sums.of(sums_t, "data_parallel"))
-        return out
-
-    def _read_tensor_rows(self, names: list[tuple[str, str]], out: StepBuffer, host: list) -> dict[str, float]:
-        """The parameter and gradient metrics from the host copy."""
-        rows_at = tuple((kind, name, out.start("rows") + i * _ROW) for i, (kind, name) in enumerate(names))
-        keys, picks = self._pickers.picked("tensors", rows_at, [col for _, col in _STAT_FIELDS])
-        metrics: dict[str, float] = dict(zip(keys, picks(host)))
-        # A tensor with no elements has no mean or var (they would be NaN, and empty is not
-        # non-finite): a 0-element parameter reports max, norm and nonfinite (all 0) only; a gradient
-        # row with no elements (a 0-element gradient, or one no rank had) reports nothing.
-        if rows_at and 0.0 in self._pickers.picked("counts", rows_at, [_COUNT])[1](host):
-            for kind, name, offset in rows_at:
-                if host[offset + _COUNT] == 0:
-                    for key in self._pickers.keys(kind, name):
-                        if kind == "grads" or key.endswith(_UNDEFINED_WHEN_EMPTY):
-                            del metrics[key]
-        return metrics
-
-    def _read_module_rows(self, out: StepBuffer, host: list) -> dict[str, float]:
-        """The activation and activation-gradient metrics of the modules that ran, from the host copy."""
-        modules = self._recorder.modules
-        m = len(modules)
-        offset = out.start("modules")
-        instances = out.of(host, "modules")[_INSTANCES::_MODULE_WIDTH]
-        kinds = [self.config.activations] * m + [self.config.activation_grads] * m
-        module_rows = tuple((ACTIVATION_KINDS[r // m], modules[r % m][0], offset + r * _MODULE_WIDTH)
-                            for r, (n, on) in enumerate(zip(instances, kinds)) if n and on)
-        keys, picks = self._pickers.picked("modules", module_rows, range(len(_STAT_FIELDS)))
-        return dict(zip(keys, picks(host)))
-
-    def _copy_to_aliases(self, metrics: dict[str, float], fields) -> None:
-        """Gives each module that output the same tensor as another that module's activation metrics
-        of `fields`."""
-        modules = self._recorder.modules
-        for index, source in self._recorder.aliases.items():
-            name, source_name = modules[index][0], modules[source][0]
-            for kind in ACTIVATION_KINDS:
-                for field in fields:
-                    key = metric_name(kind, source_name, field)
-                    if key in metrics:
-                        metrics[metric_name(kind, name, field)] = metrics[key]
 
     # ---------------------------------------------------------------- lifetime
     def _check_open(self) -> None:

@@ -9,9 +9,33 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..utils import clean_named, name_cleaner
 from .rules import NormRule, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
+
+
+def untied_parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name (a parameter reachable under several names keeps its first, as
+    named_parameters()); ValueError for tied parameters (one parameter of several different modules), whose
+    per-sample norms would be wrong. One module registered under several names is fine (called several times)."""
+    clean_name = name_cleaner(model)
+    names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
+    for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters"):
+        names.setdefault(id(p), n)
+    # Tied weights: a parameter of several *different* modules. One module registered under
+    # several names (a block reused in a ModuleList) is a module called several times: exact.
+    owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
+    tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
+    if tied:
+        raise ValueError(
+            "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
+            f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
+        )
+    return names
 
 
 def trainable_state(params: list[tuple[str, torch.Tensor]]) -> tuple[bool, ...]:

@@ -38,12 +38,19 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, clean_named, first_input, name_cleaner
+from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import BatchTracker
-from .coverage import LayerCoverage, trainable_state
+from .coverage import LayerCoverage, trainable_state, untied_parameter_names
 from .layer_hooks import LayerHooks
-from .micro_batch import Collection, MicroBatch, named_input
-from .sample_ids import all_gather_varlen
+from .micro_batch import (
+    Collection,
+    MicroBatch,
+    batched_inputs,
+    concatenated,
+    refuse_batch_mixing,
+    refuse_before_backward,
+)
+from .sample_ids import by_global_id
 from .sample_ids import sample_ids as checked_sample_ids
 from .use_check import UseChecker
 
@@ -118,22 +125,7 @@ class PerSampleGradNorms:
         parameters were replaced (meta-device init then to_empty, load_state_dict(assign=True),
         assignment): what was keyed by the old objects (probes, use checks, gradient hooks) is dropped."""
         model = self.model
-        clean_name = name_cleaner(model)
-        names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
-        for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters"):
-            names.setdefault(id(p), n)
-        # Tied weights: a parameter of several *different* modules. One module registered under
-        # several names (a block reused in a ModuleList) is a module called several times: exact.
-        owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
-        for name, module in model.named_modules(remove_duplicate=False):
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
-        tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
-        if tied:
-            raise ValueError(
-                "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
-                f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
-            )
+        names = untied_parameter_names(model)
         self._param_names.update(names)
         self._params = [(names[id(p)], p) for p in model.parameters()]
         self._checker.forget(self._param_names)
@@ -149,7 +141,7 @@ class PerSampleGradNorms:
         if self._explicit:  # begin_forward named this micro-batch's inputs already (the model runs inside it)
             return
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
-        self._open_micro_batch(self._batched_inputs(module, args, kwargs), storages)
+        self._open_micro_batch(batched_inputs(module, args, kwargs, self.batch_inputs, self.batch_dim), storages)
 
     def _open_micro_batch(self, batched: list[torch.Tensor], storages: set[int]) -> None:
         """Starts following a micro-batch whose samples lie along batch_dim of every tensor of `batched`."""
@@ -203,21 +195,6 @@ class PerSampleGradNorms:
         if not self._state.micro:
             raise RuntimeError("PerSampleGradNorms.set_loss_weights: no micro-batch yet; call it after the forward pass")
         self._state.micro[-1].declare_weights(weights)
-
-    def _batched_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        if self.batch_inputs is None:
-            x = first_input(args, kwargs)
-            found = [] if x is None else [x]
-        else:
-            found = [named_input(module, args, kwargs, key) for key in self.batch_inputs]
-            missing = [k for k, t in zip(self.batch_inputs, found) if not isinstance(t, torch.Tensor)]
-            if missing:
-                raise ValueError(f"PerSampleGradNorms: batch_inputs {missing} are not tensor arguments of this "
-                                 "forward call; name the forward's arguments that hold per-sample data")
-        if not found or found[0].dim() <= self.batch_dim:
-            raise ValueError(f"PerSampleGradNorms: the model's first tensor input gives the batch size (dim "
-                             f"{self.batch_dim}), but this forward call has no tensor input with that dim")
-        return found
 
     def _end_forward(self, module, args, output) -> None:
         if module is not None and self._explicit:  # the model ran inside a begin_forward micro-batch: not its end
@@ -279,20 +256,13 @@ class PerSampleGradNorms:
         if self._state.collected:
             return
         self._state.read = True
-        mixing = sorted({name for mb in self._state.micro for name in mb.mixing})
-        if mixing:
-            raise RuntimeError(
-                f"PerSampleGradNorms: {', '.join(mixing)} normalises with statistics of the whole batch, which mixes "
-                "the samples: no layer has per-sample gradients of the form gapmon computes, so no norms are "
-                "returned. Put it in eval mode (running statistics), or replace it (GroupNorm, LayerNorm).")
+        refuse_batch_mixing(self._state.micro)
         self._coverage.warn_uncovered(RuntimeError, 4, self._params, self._param_names)
-        waiting = [mb for mb in self._state.micro if mb.sq is None and mb.layers
-                   and not any(g is not None for calls in mb.layers.values() for g in calls.grads)]
-        if waiting:  # no recorded call of a micro-batch has its gradient yet: backward has not run through it
-            self._state.read = False
-            raise RuntimeError(
-                f"PerSampleGradNorms.local_norms: {len(waiting)} micro-batch(es) of {sum(mb.batch for mb in waiting)} "
-                "samples have had no backward pass yet; call it after loss.backward()")
+        try:
+            refuse_before_backward(self._state.micro)
+        except RuntimeError:
+            self._state.read = False  # the norms are still to come: the next forward does not start over
+            raise
         for mb in self._state.micro:
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._layer_hooks.finish(index, mb)
@@ -301,12 +271,9 @@ class PerSampleGradNorms:
 
     def _per_sample(self, squared) -> torch.Tensor:
         """The norms of each sample's own loss from squared(micro-batch), its squared norms, over micro-batches."""
-        parts = [mb.own_loss_norms(squared(mb), self.loss_reduction, self._result_dtype()) for mb in self._state.micro]
-        if not parts:
-            return torch.empty(0, dtype=self._result_dtype())
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
-        device = next((p.device for p in parts if p.numel()), parts[0].device)
-        return torch.cat([p.to(device, dtype) for p in parts])
+        default = self._result_dtype()
+        return concatenated([mb.own_loss_norms(squared(mb), self.loss_reduction, default) for mb in self._state.micro],
+                            default)
 
     def _result_dtype(self) -> torch.dtype:
         """The dtype of norms no layer computed: float64 for a float64 model, else float32."""
@@ -320,17 +287,8 @@ class PerSampleGradNorms:
         different samples are all-gathered and reordered (never summed: that would inflate norms by
         sqrt(world size)); samples seen by several ranks (replicated data) appear once.
         """
-        ids = checked_sample_ids(sample_ids)
-        norms = self.local_norms()
-        if ids.numel() != norms.numel():
-            raise ValueError(f"PerSampleGradNorms.global_norms: got {ids.numel()} sample ids for {norms.numel()} samples")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.config.process_group) > 1:
-            ids, norms = all_gather_varlen(ids, norms, self.config.process_group)
-        order = torch.argsort(ids, stable=True)
-        ids, norms = ids[order], norms[order]
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        keep[1:] = ids[1:] != ids[:-1]
-        return ids[keep], norms[keep]
+        ids = checked_sample_ids(sample_ids)  # refused before the norms are read
+        return by_global_id(ids, self.local_norms(), self.config.process_group)
 
     def coverage(self) -> dict[str, Any]:
         """Covered and uncovered parameters (name -> numel) as of now (requires_grad is read at each

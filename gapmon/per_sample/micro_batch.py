@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..utils import first_input
 from .batch_provenance import BatchTracker
 from .rules import Call
 
@@ -131,3 +132,50 @@ class Collection:
         if self.tracking is not None:
             self.tracking.__exit__(None, None, None)
             self.tracking = None
+
+
+def batched_inputs(module: nn.Module, args: tuple, kwargs: dict, batch_inputs, batch_dim: int) -> list[torch.Tensor]:
+    """The tensors of a root forward call that hold the batch on `batch_dim`: the first tensor input, or those
+    `batch_inputs` names (positions or argument names); ValueError naming what is missing."""
+    if batch_inputs is None:
+        x = first_input(args, kwargs)
+        found = [] if x is None else [x]
+    else:
+        found = [named_input(module, args, kwargs, key) for key in batch_inputs]
+        missing = [k for k, t in zip(batch_inputs, found) if not isinstance(t, torch.Tensor)]
+        if missing:
+            raise ValueError(f"PerSampleGradNorms: batch_inputs {missing} are not tensor arguments of this "
+                             "forward call; name the forward's arguments that hold per-sample data")
+    if not found or found[0].dim() <= batch_dim:
+        raise ValueError(f"PerSampleGradNorms: the model's first tensor input gives the batch size (dim "
+                         f"{batch_dim}), but this forward call has no tensor input with that dim")
+    return found
+
+
+def refuse_batch_mixing(micro: list[MicroBatch]) -> None:
+    """RuntimeError naming the layers that mixed the samples of a batch (BatchNorm using batch statistics)."""
+    mixing = sorted({name for mb in micro for name in mb.mixing})
+    if mixing:
+        raise RuntimeError(
+            f"PerSampleGradNorms: {', '.join(mixing)} normalises with statistics of the whole batch, which mixes "
+            "the samples: no layer has per-sample gradients of the form gapmon computes, so no norms are "
+            "returned. Put it in eval mode (running statistics), or replace it (GroupNorm, LayerNorm).")
+
+
+def refuse_before_backward(micro: list[MicroBatch]) -> None:
+    """RuntimeError when a micro-batch's recorded calls have no gradient yet: backward has not run through it."""
+    waiting = [mb for mb in micro if mb.sq is None and mb.layers
+               and not any(g is not None for calls in mb.layers.values() for g in calls.grads)]
+    if waiting:
+        raise RuntimeError(
+            f"PerSampleGradNorms.local_norms: {len(waiting)} micro-batch(es) of {sum(mb.batch for mb in waiting)} "
+            "samples have had no backward pass yet; call it after loss.backward()")
+
+
+def concatenated(parts: list[torch.Tensor], default: torch.dtype) -> torch.Tensor:
+    """The micro-batches' norms as one vector, in the widest of their dtypes, on the device they are on."""
+    if not parts:
+        return torch.empty(0, dtype=default)
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+    device = next((p.device for p in parts if p.numel()), parts[0].device)
+    return torch.cat([p.to(device, dtype) for p in parts])

@@ -46,3 +46,17 @@ def all_gather_varlen(ids: torch.Tensor, norms: torch.Tensor, group) -> tuple[to
     dist.all_gather(parts, padded, group=group)
     gathered = torch.cat([p[:, : int(n)] for p, n in zip(parts, counts)], dim=1).cpu()
     return gathered[0], gathered[1].view(torch.float64).to(norms.dtype)
+
+
+def by_global_id(ids: torch.Tensor, norms: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, norms) of every rank's samples, ordered by id, each id once (all-gathered over `group`, never
+    summed: that would inflate norms by sqrt(world size); a sample several ranks saw appears once)."""
+    if ids.numel() != norms.numel():
+        raise ValueError(f"PerSampleGradNorms.global_norms: got {ids.numel()} sample ids for {norms.numel()} samples")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        ids, norms = all_gather_varlen(ids, norms, group)
+    order = torch.argsort(ids, stable=True)
+    ids, norms = ids[order], norms[order]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[1:] = ids[1:] != ids[:-1]
+    return ids[keep], norms[keep]

@@ -25,7 +25,7 @@ def test_bench_monitor_reports_floor_and_targets(tmp_path):
     result = _run("bench_monitor.py", "--small", "--steps", "2", "--rounds", "1", "--blocks", "1",
                   out=tmp_path / "monitor.json")
     modes = result["modes"]
-    assert set(modes) == {"torch", "all four", "params+grads", "interval=10"}
+    assert set(modes) == {"torch", "all four", "params+grads", "params+grads + updates", "interval=10"}
     # Timings only exist (their order is a machine's business: comparing them here would flake).
     assert modes["all four"]["floor_s"] > 0 and modes["params+grads"]["floor_s"] > 0
     assert modes["all four"]["target"] and isinstance(modes["all four"]["met"], bool)
