@@ -166,12 +166,10 @@ class BatchTracker(TorchFunctionMode):
         inputs = self._inputs(args, kwargs)
         if not inputs and name not in _EXPANDS and name != "__setitem__":
             return out
-        if one and len(inputs) == 1 and _POINTWISE.get(name) and type(inputs[0][1]) is int and name not in _RULES:
-            # The hot path (activations, residual adds with a scalar, casts): one batched input of a
-            # pointwise op keeps its dim when the output has its rank (else the general rule decides).
-            t, s = inputs[0]
-            if t.dim() == out.dim() and out.shape[s] == self.batch:
-                self._status[id(out)] = (weakref.ref(out), s)
+        if one:
+            kept = self._kept_dim(name, args, kwargs, inputs, out)
+            if kept is not None:
+                self._status[id(out)] = (weakref.ref(out), kept)
                 return out
         try:
             result = self._rule(name, args, kwargs, inputs, out)
@@ -184,6 +182,31 @@ class BatchTracker(TorchFunctionMode):
         else:
             self._mark_outputs(name, args, out, result)
         return out
+
+    def _kept_dim(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: torch.Tensor) -> int | None:
+        """The hot paths, the ops most of a forward pass is made of, decided without the general rules (which
+        give the same answer): a pointwise op whose batched inputs all have the output's rank and the batch on
+        one dim (activations, casts, residual adds); a Linear over the last dim of its one batched input; a
+        LayerNorm/RMSNorm over trailing dims that leave the batch out. None: the general rule decides."""
+        if not inputs:
+            return None
+        s = inputs[0][1]
+        if type(s) is not int:
+            return None
+        if _POINTWISE.get(name) and name not in _RULES and name != "type_as":  # type_as: its first input's values
+            for t, ts in inputs:
+                if ts != s or t.dim() != out.dim():
+                    return None
+            return s if out.shape[s] == self.batch else None
+        if len(inputs) != 1 or inputs[0][0] is not args[0]:
+            return None
+        if name == "linear":
+            return s if s != args[0].dim() - 1 else None
+        if name in ("rms_norm", "layer_norm"):
+            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+            n = 1 if isinstance(shape, int) else len(shape)
+            return s if s < args[0].dim() - n else None
+        return None
 
     def _inputs(self, args: Sequence, kwargs: dict) -> list[tuple[torch.Tensor, int | str]]:
         """(tensor, status) of the op's arguments (and the items of list/tuple arguments) that carry a status.

@@ -217,3 +217,19 @@ def test_tracker_follows_the_batch_through_common_ops():
     for what, (t, want) in cases.items():
         got = tracker.status(t)
         assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
+def test_type_as_takes_the_status_of_its_first_input_only():
+    """x.type_as(batched) holds x's values: unbatched when x is (the hot path for pointwise ops must not take
+    the status of the tensor that only gives the dtype)."""
+    from gapmon.per_sample.batch_provenance import BatchTracker
+
+    batch = torch.randn(4, 3)
+    constant = torch.ones(4, 3, dtype=torch.float64)
+    tracker = BatchTracker(4)
+    tracker.mark(batch, 0)
+    with tracker:
+        for _ in range(2):  # the second time, the op's kind is known: the hot path decides
+            same_dtype = constant.type_as(batch)
+            summed = batch + batch * 2
+            assert tracker.status(same_dtype) is None and tracker.status(summed) == 0
