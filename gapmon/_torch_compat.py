@@ -92,3 +92,17 @@ def tensor_leaves(tree: Any) -> list:
 def dynamo_disable(fn: Callable) -> Callable:
     """fn, run untraced by Dynamo when called from a compiled region."""
     return torch._dynamo.disable(fn)
+
+
+def fsdp_gradient_divide_factors(model: nn.Module) -> set:
+    """The gradient divide factors of the FSDP2 parameter groups in `model` (None: FSDP2's default, the mean
+    over the data-parallel ranks; a number: set_gradient_divide_factor's); empty without FSDP2. FSDPModule
+    has a setter and no getter: the value lives on its private parameter groups (torch 2.11, 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    factors = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                factors.add(getattr(group, "gradient_divide_factor", None))
+    return factors

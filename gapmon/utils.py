@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 # Attributes that FSDP1, activation checkpointing and torch.compile wrappers insert into names:
 # private names, stripped wherever they appear.
@@ -153,3 +154,14 @@ class ParameterWatch:
             return False
         self._refs = [(n, weakref.ref(p)) for n, p in current]
         return True
+
+
+def layer_type_name(module: nn.Module) -> str:
+    """The name of the module's own class: "Linear" also for a layer fully_shard turned into an FSDPLinear
+    (FSDP2 gives each sharded module a subclass of FSDPModule and its class)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(module).__mro__:
+        if issubclass(cls, nn.Module) and not issubclass(cls, FSDPModule):
+            return cls.__name__
+    return type(module).__name__

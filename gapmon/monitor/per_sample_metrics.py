@@ -4,11 +4,13 @@ with the monitor's other sums and read in its one host copy."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat
 from ..stats.layout import STAT_NAMES
 from .metric_names import GNS_ALL, metric_name, per_sample_norm_name
 from .noise_scale import NoiseScale
@@ -27,6 +29,7 @@ class PerSampleMetrics:
         self._groups: list[str] = []
         self._types: dict[str, str] = {}
         self._measured: list[str] = []
+        self._warned_factors = False
 
     def on_device(self, sums: StepBuffer, maxes: StepBuffer) -> None:
         """Adds this rank's sums and maxima (reduced over the ranks by the monitor)."""
@@ -41,9 +44,24 @@ class PerSampleMetrics:
         squared.update({t: by_type[t].to(dev, torch.float64) ** 2 if t in by_type else torch.zeros_like(norms)
                         for t in set(self._types.values())})
         self._groups = sorted(squared)
-        # The data-parallel reduction (DDP, FSDP2) averages the ranks' gradients: each sample's weight in it.
-        averaged_over = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
-        self.noise.on_device(sums, squared, self.per_sample.loss_weights(), averaged_over)
+        # What the data-parallel reduction divides the sum of the ranks' gradients by: each sample's weight in it.
+        self.noise.on_device(sums, squared, self.per_sample.loss_weights(), self._divided_by())
+
+    def _divided_by(self) -> float:
+        """The divisor of the data-parallel reduction: the ranks of the monitor's group (DDP, FSDP2 by default),
+        or the factor FSDP2's set_gradient_divide_factor set (the same on every FSDP unit, else NaN: the noise
+        scale is then left out rather than wrong)."""
+        world = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        factors = _torch_compat.fsdp_gradient_divide_factors(self.per_sample.model)
+        if not factors or factors == {None}:
+            return float(world)
+        if len(factors) == 1:
+            return float(next(iter(factors)))
+        if not self._warned_factors:
+            self._warned_factors = True
+            warnings.warn(f"GAPMonitor: the FSDP units divide their gradients by different factors ({factors}); the "
+                          "gradient noise scale is left out", RuntimeWarning, stacklevel=5)
+        return math.nan
 
     def to_copy(self, out: StepBuffer, sums: StepBuffer, sums_t: torch.Tensor, maxes: StepBuffer,
                 maxes_t: torch.Tensor) -> None:

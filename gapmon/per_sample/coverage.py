@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..utils import clean_named, name_cleaner
+from ..utils import clean_named, layer_type_name, name_cleaner
 from .rules import NormRule, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
@@ -106,7 +106,7 @@ class LayerCoverage:
 
     def layer_types(self, param_names: dict[int, str]) -> dict[str, str]:
         """The type of the layer whose rule covers each covered parameter (name -> "Linear", ...)."""
-        return {full: type(module).__name__ for full, name, module, _ in self._covered_parameters(param_names)
+        return {full: layer_type_name(module) for full, name, module, _ in self._covered_parameters(param_names)
                 if name not in self.skipped}
 
     def _covered_parameters(self, param_names: dict[int, str]):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .. import _torch_compat
-from ..utils import first_tensor
+from ..utils import first_tensor, layer_type_name
 from .coverage import LayerCoverage
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first
 from .rules import Call, NormRule
@@ -191,7 +191,7 @@ class LayerHooks:
             sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
             self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), rule.positions(module, record.calls[call], g, acc),
                                  g.dtype, weight_grad)
-        mb.add(sq, acc, type(module).__name__)
+        mb.add(sq, acc, layer_type_name(module))
 
     def finish(self, index: int, mb: MicroBatch) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
@@ -207,5 +207,5 @@ class LayerHooks:
                 self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
-        mb.add(sq, acc, type(module).__name__)
+        mb.add(sq, acc, layer_type_name(module))
 

@@ -192,3 +192,36 @@ def _data_parallel_worker(rank, world):
 @pytest.mark.multiprocess
 def test_noise_scale_from_ddp_reduction_without_per_sample_norms():
     run_distributed(_data_parallel_worker, 2)
+
+
+def _fsdp2_worker(rank, world):
+    """FSDP2 at layer granularity, each rank its own 3 samples: the estimates equal the computation from
+    per-sample gradients whether the reduction sums (divide factor 1) or averages (factor 2, explicit)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for factor in (1.0, 2.0):
+        model = _net()
+        for layer in (model.emb, model.norm, model.fc, model.head):
+            fully_shard(layer)
+        fully_shard(model)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(factor)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM and a shaky AVG
+        all_ids, all_labels = _batch(21, 3 * world)
+        mine = slice(3 * rank, 3 * rank + 3)
+        with gapmon.GAPMonitor(model, per_sample_grad_norms=True, activations=False, activation_grads=False) as mon:
+            mon.begin_step(0)
+            _own_losses(model, all_ids[mine], all_labels[mine]).mean().backward()
+            metrics = mon.end_step()
+        weights = torch.full((3 * world,), 1.0 / 3 / factor, dtype=torch.float64)  # local means, summed / factor
+        want = _reference(_per_sample_grads(_net(), all_ids, all_labels), weights)
+        for group, (grad_sq, trace) in want.items():
+            got = (metrics[f"gap/gns/{group}/grad_norm_sq"], metrics[f"gap/gns/{group}/noise_trace"])
+            assert got == pytest.approx((grad_sq, trace), rel=1e-9, abs=1e-12), (rank, factor, group, got)
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_noise_scale_under_fsdp2_follows_its_gradient_divide_factor():
+    run_distributed(_fsdp2_worker, 2)
