@@ -111,6 +111,27 @@ def numerics_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _log_heatmap(series: dict[str, list[tuple[int, float]]], steps: list[int], title: str, label: str, cmap: str,
+                 path: Path, plt, np) -> None:
+    """A tensors x steps heat map of log10 of `series` (blank where a value is missing, zero or non-finite)."""
+    names = list(series)
+    col = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(names), len(steps)), np.nan)
+    for i, name in enumerate(names):
+        for step, v in series[name]:
+            grid[i, col[step]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
+    fig, ax = plt.subplots(figsize=(max(6, len(steps) * 0.35 + 3), max(4, len(names) * 0.22 + 1.5)))
+    im = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest")
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xticks(range(len(steps)), steps, fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label=label)
+    fig.tight_layout()
+    _save(fig, path, 110)
+    plt.close(fig)
+
+
 def _save(fig, path: Path, dpi: int) -> None:
     """A figure as a PNG, written atomically (a link planted at `path` is replaced, never written through)."""
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
@@ -215,21 +236,8 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     grad_norms = _series(records, "grads", "norm")
     steps = sorted({r["step"] for r in records})
     names = list(grad_norms)
-    grid = np.full((len(names), len(steps)), np.nan)
-    col = {s: i for i, s in enumerate(steps)}
-    for i, name in enumerate(names):
-        for step, v in grad_norms[name]:
-            grid[i, col[step]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
-    fig, ax = plt.subplots(figsize=(max(6, len(steps) * 0.35 + 3), max(4, len(names) * 0.22 + 1.5)))
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_yticks(range(len(names)), names, fontsize=7)
-    ax.set_xticks(range(len(steps)), steps, fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_title("Gradient norm per parameter (log10)")
-    fig.colorbar(im, ax=ax, label="log10 ||grad||")
-    fig.tight_layout()
-    _save(fig, out / "grad_norm_heatmap.png", 110)
-    plt.close(fig)
+    _log_heatmap(grad_norms, steps, "Gradient norm per parameter (log10)", "log10 ||grad||", "viridis",
+                 out / "grad_norm_heatmap.png", plt, np)
     images.append(("Gradient norm per parameter", "grad_norm_heatmap.png"))
 
     # 2. Activation max over steps (the 12 modules with the largest values).
@@ -311,21 +319,8 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     # 7. Update-to-weight ratio per parameter (GAPMonitor.watch_optimizer), log scale.
     ratios = update_series(records, "ratio")
     if ratios:
-        params = list(ratios)
-        grid = np.full((len(params), len(steps)), np.nan)
-        for i, name in enumerate(params):
-            for step, v in ratios[name]:
-                grid[i, col[step]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
-        fig, ax = plt.subplots(figsize=(max(6, len(steps) * 0.35 + 3), max(4, len(params) * 0.22 + 1.5)))
-        im = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest")
-        ax.set_yticks(range(len(params)), params, fontsize=7)
-        ax.set_xticks(range(len(steps)), steps, fontsize=7)
-        ax.set_xlabel("step")
-        ax.set_title("Update / weight norm ratio per parameter (log10)")
-        fig.colorbar(im, ax=ax, label="log10 ||dw|| / ||w||")
-        fig.tight_layout()
-        _save(fig, out / "update_ratio_heatmap.png", 110)
-        plt.close(fig)
+        _log_heatmap(ratios, steps, "Update / weight norm ratio per parameter (log10)", "log10 ||dw|| / ||w||",
+                     "magma", out / "update_ratio_heatmap.png", plt, np)
         images.append(("Update / weight ratio per parameter", "update_ratio_heatmap.png"))
 
     found = anomalies(records)

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..utils import rank_and_world
 from .metric_names import PREFIX
@@ -50,11 +50,10 @@ class DataParallelNoise:
         if state.active:
             local = torch.linalg.vector_norm(buffer, dtype=torch.float64).square()
             state.local_sq = local if state.local_sq is None else state.local_sq + local
-        buffer.div_(dist.get_world_size(state.group))  # DDP's mean over the ranks (its default hook)
-        future = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+        future = default_hooks.allreduce_hook(state.group, bucket)  # DDP's own: the mean over the ranks
 
         def reduced(fut):
-            tensor = fut.value()[0]
+            tensor = fut.value()
             if state.active:
                 sq = torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
                 state.reduced_sq = sq if state.reduced_sq is None else state.reduced_sq + sq

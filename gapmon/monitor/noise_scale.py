@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .metric_names import GNS_ALL, gns_name
+from .metric_names import gns_name
 from .step_buffer import StepBuffer
 
 
@@ -81,11 +81,3 @@ class NoiseScale:
         for group, total in zip(groups, sample_sq):
             metrics.update(self.add(group, noise_estimates(batch_grad_sq.get(group, 0.0), total / count, w1, w2)))
         return metrics
-
-
-def squared_norms_by_group(per_sample) -> dict[str, torch.Tensor]:
-    """{group: [B_local] squared norms of each sample's own loss}: GNS_ALL and every covered layer type."""
-    by_type = per_sample.local_norms_by_layer_type()
-    types = sorted(set(per_sample.covered_layer_types().values()))
-    total = per_sample.local_norms().double() ** 2
-    return {GNS_ALL: total, **{t: (by_type[t].double() ** 2 if t in by_type else torch.zeros_like(total)) for t in types}}

@@ -71,9 +71,8 @@ class PerSampleMetrics:
         out.add("per_sample_maxes", maxes.of(maxes_t, "per_sample"))
         out.add("gns", sums.of(sums_t, "gns"))
         if not self.grads_measured:
-            names = list(self._types)
-            grads = dict(self.per_sample.covered_gradients())
-            present = [n for n in names if grads.get(n) is not None]
+            grads = dict(self.per_sample.covered_gradients(self._types))
+            present = [n for n in self._types if grads.get(n) is not None]
             self._measured = present
             rows = WatchedTensors.rows([grads[n] for n in present], [None] * len(present), 0, False, out.device)[0]
             out.add("gns_grad_norms", rows[:, STAT_NAMES.index("norm")] if rows.numel() else rows.new_empty(0))

@@ -30,7 +30,7 @@ the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rul
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -296,9 +296,10 @@ class PerSampleGradNorms:
         (their parameters count as uncovered)."""
         return self._coverage.report(self._params, self._param_names)
 
-    def covered_gradients(self) -> list[tuple[str, torch.Tensor | None]]:
-        """(name, .grad) of every covered parameter (as the model holds it: a DTensor under FSDP2)."""
-        covered = self._coverage.layer_types(self._param_names)
+    def covered_gradients(self, names: Iterable[str] | None = None) -> list[tuple[str, torch.Tensor | None]]:
+        """(name, .grad) of every covered parameter (as the model holds it: a DTensor under FSDP2), or of those
+        of `names` (covered_layer_types()'s keys, when the caller has them already)."""
+        covered = set(self._coverage.layer_types(self._param_names) if names is None else names)
         return [(n, p.grad) for n, p in self._params if n in covered]
 
     def covered_layer_types(self) -> dict[str, str]:

@@ -62,6 +62,24 @@ def _reference_norms(make_model, state: dict, samples: list[dict], covered: set[
     return norms
 
 
+def _memory_logger(pl, records: list, keep):
+    """A Lightning logger class that appends (step, keep(metrics)) to `records`."""
+    class Logger(pl.loggers.Logger):
+        name, version = "memory", 0
+
+        @property
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            records.append((step, keep(metrics)))
+
+    return Logger
+
+
 def _hf_args(transformers, tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], save_strategy="no",
                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, logging_steps=1, seed=0)
@@ -401,18 +419,7 @@ def test_lightning_keeps_everything_it_logs_without_gapmon(tmp_path):
     def run(callbacks):
         records = []
 
-        class Logger(pl.loggers.Logger):
-            name, version = "memory", 0
-
-            @property
-            def experiment(self):
-                return None
-
-            def log_hyperparams(self, params, *args, **kwargs):
-                pass
-
-            def log_metrics(self, metrics, step=None):
-                records.append((step, {k: v for k, v in metrics.items() if not k.startswith("gap/")}))
+        Logger = _memory_logger(pl, records, lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("gap/")})
 
         torch.manual_seed(0)
         data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 1))
@@ -503,18 +510,7 @@ def test_lightning_logs_the_optimizer_updates(tmp_path):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.1)
 
-    class Logger(pl.loggers.Logger):
-        name, version = "memory", 0
-
-        @property
-        def experiment(self):
-            return None
-
-        def log_hyperparams(self, params, *args, **kwargs):
-            pass
-
-        def log_metrics(self, metrics, step=None):
-            records.append((step, dict(metrics)))
+    Logger = _memory_logger(pl, records, dict)
 
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(12, 6), torch.randn(12, 1))
