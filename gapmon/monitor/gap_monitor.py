@@ -149,6 +149,9 @@ class GAPMonitor:
         ``gap/update/{parameter}/{field}`` (gapmon.monitor.optimizer_stats), sent to the sinks under that
         step (rank 0) and kept in `last_update_metrics`. Costs nothing on skipped steps."""
         self._check_open()
+        if any(watched.optimizer is optimizer for watched in self._optimizers):
+            raise ValueError("GAPMonitor.watch_optimizer: this optimizer is watched already (each update would be "
+                             "reported twice)")
         self._optimizers.append(OptimizerStats(
             optimizer, lambda: {id(p): n for n, p in self._tensors.params}, self._emit_update))
 
@@ -157,6 +160,9 @@ class GAPMonitor:
         each rank's local gradient norm (gapmon.monitor.data_parallel): registers DDP's communication hook
         (DDP takes one). Needs the step's batch size (begin_step's batch_size or add_samples)."""
         self._check_open()
+        if self._data_parallel is not None:
+            raise ValueError("GAPMonitor.watch_data_parallel: a DistributedDataParallel is watched already (DDP takes "
+                             "one communication hook)")
         self._data_parallel = DataParallelNoise(ddp, NoiseScale(self.config.gns_ema), self.config.process_group)
 
     def _emit_update(self, step: int, metrics: dict[str, float]) -> None:

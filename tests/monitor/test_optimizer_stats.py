@@ -140,3 +140,16 @@ def _parallel_worker(rank, world):
 @pytest.mark.multiprocess
 def test_update_statistics_under_ddp_and_fsdp2_are_those_of_the_full_tensors():
     run_distributed(_parallel_worker, 2)
+
+
+def test_watching_an_optimizer_twice_is_refused_and_close_removes_the_hooks():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gapmon.GAPMonitor(model, activations=False, activation_grads=False)
+    mon.watch_optimizer(optimizer)
+    with pytest.raises(ValueError, match="watched already"):
+        mon.watch_optimizer(optimizer)
+    mon.close()
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    with pytest.raises(RuntimeError, match="closed"):
+        mon.watch_optimizer(optimizer)
