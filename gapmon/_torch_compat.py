@@ -94,15 +94,49 @@ def dynamo_disable(fn: Callable) -> Callable:
     return torch._dynamo.disable(fn)
 
 
-def fsdp_gradient_divide_factors(model: nn.Module) -> set:
-    """The gradient divide factors of the FSDP2 parameter groups in `model` (None: FSDP2's default, the mean
-    over the data-parallel ranks; a number: set_gradient_divide_factor's); empty without FSDP2. FSDPModule
-    has a setter and no getter: the value lives on its private parameter groups (torch 2.11, 2.13)."""
+def fsdp_param_groups(model: nn.Module) -> list:
+    """The FSDP2 parameter groups (torch's private FSDPParamGroup) of every FSDPModule in `model`; empty
+    without FSDP2. FSDPModule exposes setters for their reduction and no getters (torch 2.11, 2.13)."""
     from torch.distributed.fsdp import FSDPModule
 
-    factors = set()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                factors.add(getattr(group, "gradient_divide_factor", None))
-    return factors
+    return [group for module in model.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def fsdp_gradient_divide_factors(model: nn.Module) -> set:
+    """The gradient divide factors of the FSDP2 parameter groups in `model` (None: FSDP2's default, the mean
+    over the data-parallel ranks; a number: set_gradient_divide_factor's); empty without FSDP2."""
+    return {getattr(group, "gradient_divide_factor", None) for group in fsdp_param_groups(model)}
+
+
+class FSDPReduction:
+    """What one FSDP2 parameter group's gradient reduction does, read from the group (torch 2.11, 2.13):
+    its parameters (the sharded ones the model holds), the reduce-scatter it calls (`comm`), the number of
+    data-parallel ranks (shard x replicate) and the factor the sum of their gradients is divided by."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.params = [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+        mesh_info = group.mesh_info
+        self.shard_size = getattr(mesh_info, "shard_mesh_size", 1)
+        self.data_parallel_size = self.shard_size * getattr(mesh_info, "replicate_mesh_size", 1)
+        factor = getattr(group, "gradient_divide_factor", None)
+        self.divide_factor = float(factor) if factor is not None else float(self.data_parallel_size)
+        self.force_sum = bool(getattr(group, "force_sum_reduction_for_comms", False))
+
+    @property
+    def comm(self) -> Any:
+        return self.group._reduce_scatter_comm
+
+    def set_comm(self, comm: Any) -> None:
+        """Replaces the group's reduce-scatter (FSDPModule.set_custom_reduce_scatter does this for a module
+        with one parameter group and refuses several)."""
+        self.group._reduce_scatter_comm = comm
+
+    def predivide_factor(self, dtype: torch.dtype, device_type: str) -> float:
+        """The factor FSDP2 divides the reduce-scatter input by before calling it (fp16/fp64 reductions split
+        the division around the sum against overflow; 1 otherwise)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+        pre = _get_gradient_divide_factors(None, None, dtype, device_type, self.divide_factor, self.force_sum)[0]
+        return float(pre) if pre else 1.0

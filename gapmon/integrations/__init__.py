@@ -39,15 +39,18 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def watch_ddp(monitor: GAPMonitor, wrapped: Any) -> None:
-    """monitor.watch_data_parallel on the trainer's DistributedDataParallel wrapper; a warning (not silence)
-    when the trainer runs without one (one process, FSDP): there is no reduction to read."""
-    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+def watch_reduction(monitor: GAPMonitor, wrapped: Any) -> None:
+    """monitor.watch_data_parallel on the trainer's DistributedDataParallel wrapper or FSDP2 model; a warning
+    (not silence) when the trainer runs without either (one process): there is no reduction to read."""
+    from .._torch_compat import fsdp_param_groups
+
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) or (
+            isinstance(wrapped, torch.nn.Module) and fsdp_param_groups(wrapped)):
         monitor.watch_data_parallel(wrapped)
     else:
-        warnings.warn(f"gapmon: data_parallel_noise=True, but the trainer's model is a {type(wrapped).__name__}, not a "
-                      "DistributedDataParallel: no noise scale from the data-parallel reduction (per-sample norms give "
-                      "one: per_sample_grad_norms=True)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"gapmon: data_parallel_noise=True, but the trainer's model is a {type(wrapped).__name__}, neither "
+                      "a DistributedDataParallel nor an FSDP2 model: no noise scale from the data-parallel reduction "
+                      "(per-sample norms give one: per_sample_grad_norms=True)", RuntimeWarning, stacklevel=3)
 
 
 def make_monitor(model: Any, config: MonitorConfig | None, options: dict[str, Any]) -> GAPMonitor:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_ddp, watch_micro_batches
+from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_reduction, watch_micro_batches
 
 transformers = require("transformers", "huggingface", "transformers")
 
@@ -42,7 +42,7 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
                  optimizer_stats: bool = False, data_parallel_noise: bool = False, **monitor_kwargs: Any):
         self.trainer = trainer
         self.optimizer_stats = optimizer_stats  # also the update of the Trainer's optimizer (gap/update/...)
-        self.data_parallel_noise = data_parallel_noise  # the noise scale from DDP's reduction (gap/gns/data_parallel)
+        self.data_parallel_noise = data_parallel_noise  # the noise scale from the DDP or FSDP2 reduction (gap/gns/data_parallel)
         self._logged_update: dict[str, float] | None = None
         self.monitor_config, self.monitor_kwargs = monitor_config, monitor_kwargs
         self.dump_dir, self.dump_config, self.dump_kwargs = dump_dir, dump_config, dump_kwargs or {}
@@ -59,7 +59,7 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         if self.optimizer_stats:
             self.monitor.watch_optimizer(unwrap_optimizer(kwargs.get("optimizer") or self.trainer.optimizer))
         if self.data_parallel_noise:
-            watch_ddp(self.monitor, self.trainer.model_wrapped)
+            watch_reduction(self.monitor, self.trainer.model_wrapped)
 
     def _loss_weights(self, model_args: tuple, model_kwargs: dict, samples: int) -> torch.Tensor:
         """Each sample's weight in the loss the Trainer backpropagates for this micro-batch (see
@@ -133,7 +133,7 @@ def attach(trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict |
     `dump_dir`, gradients are also dumped there by a GradientDumper(**dump_kwargs), or one with a
     gapmon.DumpConfig. `optimizer_stats=True` also measures the optimizer's updates on monitored steps
     (GAPMonitor.watch_optimizer: gap/update/...); `data_parallel_noise=True` the gradient noise scale from
-    DDP's reduction (GAPMonitor.watch_data_parallel). Returns the callback."""
+    the DDP or FSDP2 reduction (GAPMonitor.watch_data_parallel). Returns the callback."""
     callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, monitor_config, dump_config, optimizer_stats,
                                          data_parallel_noise, **monitor_kwargs)
     trainer.add_callback(callback)

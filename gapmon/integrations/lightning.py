@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import make_dumper, make_monitor, require, unwrap_optimizer, watch_ddp
+from . import make_dumper, make_monitor, require, unwrap_optimizer, watch_reduction
 
 pl = require("lightning.pytorch", "lightning", "lightning")
 
@@ -51,7 +51,7 @@ class GAPMonitorCallback(pl.Callback):
     per_sample_grad_norms, ...), or `monitor_config` (a gapmon.MonitorConfig) gives them all. With
     `dump_dir`, a GradientDumper(**dump_kwargs), or one with `dump_config`, also writes gradients there.
     `optimizer_stats=True` also measures what the Trainer's optimizers do on monitored steps (gap/update/...),
-    `data_parallel_noise=True` the gradient noise scale from DDP's reduction (gap/gns/data_parallel/...).
+    `data_parallel_noise=True` the gradient noise scale from the DDP or FSDP2 reduction (gap/gns/data_parallel/...).
     """
 
     def __init__(self, dump_dir: str | Path | None = None, dump_kwargs: dict | None = None,
@@ -75,7 +75,7 @@ class GAPMonitorCallback(pl.Callback):
             for optimizer in trainer.optimizers:
                 self.monitor.watch_optimizer(unwrap_optimizer(optimizer))
         if self.data_parallel_noise:
-            watch_ddp(self.monitor, trainer.strategy.model)
+            watch_reduction(self.monitor, trainer.strategy.model)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % trainer.accumulate_grad_batches == 0:  # the first batch of an optimizer step

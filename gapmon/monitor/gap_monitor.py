@@ -20,6 +20,7 @@ from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
 from ..utils import ParameterWatch, check_int, check_step, clean_named, rank_and_world
 from .activations import ActivationRecorder
 from .data_parallel import DataParallelNoise
+from .fully_sharded_noise import FullyShardedNoise
 from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS
 from .noise_scale import NoiseScale
 from .nonfinite import localise_nonfinite
@@ -155,15 +156,21 @@ class GAPMonitor:
         self._optimizers.append(OptimizerStats(
             optimizer, lambda: {id(p): n for n, p in self._tensors.params}, self._emit_update))
 
-    def watch_data_parallel(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Also estimates the gradient noise scale from DDP's reduction (no per-sample norms needed) and reports
-        each rank's local gradient norm (gapmon.monitor.data_parallel): registers DDP's communication hook
-        (DDP takes one). Needs the step's batch size (begin_step's batch_size or add_samples)."""
+    def watch_data_parallel(self, model: nn.Module) -> None:
+        """Also estimates the gradient noise scale from the data-parallel reduction (no per-sample norms
+        needed) and reports each rank's local gradient norm (gapmon.monitor.data_parallel). `model`: a
+        DistributedDataParallel (registers its one communication hook) or a model with FSDP2/HSDP modules
+        (wraps their reduce-scatter; after the model's own FSDP settings). Needs the step's batch size
+        (begin_step's batch_size or add_samples)."""
         self._check_open()
         if self._data_parallel is not None:
-            raise ValueError("GAPMonitor.watch_data_parallel: a DistributedDataParallel is watched already (DDP takes "
-                             "one communication hook)")
-        self._data_parallel = DataParallelNoise(ddp, NoiseScale(self.config.gns_ema), self.config.process_group)
+            raise ValueError("GAPMonitor.watch_data_parallel: a data-parallel model is watched already (its "
+                             "reduction would be measured twice)")
+        noise = NoiseScale(self.config.gns_ema)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._data_parallel = DataParallelNoise(model, noise, self.config.process_group)
+        else:
+            self._data_parallel = FullyShardedNoise(model, noise, self.config.process_group)
 
     def _emit_update(self, step: int, metrics: dict[str, float]) -> None:
         self.last_update_metrics, self.last_update_step = metrics, step

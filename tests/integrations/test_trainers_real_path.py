@@ -641,5 +641,5 @@ def test_data_parallel_noise_without_ddp_says_so():
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[GAPMonitorCallback(data_parallel_noise=True)])
-    with pytest.warns(RuntimeWarning, match="not a DistributedDataParallel"):
+    with pytest.warns(RuntimeWarning, match="neither a DistributedDataParallel nor an FSDP2 model"):
         trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=4))

@@ -187,6 +187,21 @@ def _data_parallel_worker(rank, world):
         assert metrics["gap/local_grad_norm/min"] == pytest.approx(min(norms), rel=1e-9)
         assert metrics["gap/local_grad_norm/max_rank"] == norms.index(max(norms))
         dist.barrier()
+    # Two micro-batches, each synchronised: two reductions in one step are left out, with a warning.
+    import warnings
+
+    ddp = nn.parallel.DistributedDataParallel(_net())
+    ids, labels = _batch(5, 4)
+    with gapmon.GAPMonitor(ddp, activations=False, activation_grads=False) as mon, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon.watch_data_parallel(ddp)
+        mon.begin_step(0, batch_size=4)
+        for k in range(2):
+            _own_losses(ddp, ids[2 * k:2 * k + 2], labels[2 * k:2 * k + 2]).mean().backward()
+        metrics = mon.end_step()
+    assert not any(name.startswith("gap/gns/data_parallel") for name in metrics), metrics
+    assert any("reduced more than once" in str(w.message) for w in caught)
 
 
 @pytest.mark.multiprocess
@@ -225,3 +240,78 @@ def _fsdp2_worker(rank, world):
 @pytest.mark.multiprocess
 def test_noise_scale_under_fsdp2_follows_its_gradient_divide_factor():
     run_distributed(_fsdp2_worker, 2)
+
+
+def _fsdp2_reduction_case(mesh, rank, world, factor, micro_batches, sync_every_micro_batch=False, leftover=False):
+    """One monitored step of an FSDP2 (or HSDP) model wrapped per layer, the noise scale read from its
+    reduction; each rank holds its own 2 samples per micro-batch. Returns the metrics and the per-sample
+    reference (|G_small|^2 averaged over ranks, |G_big|^2, local and global batch)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from gapmon.monitor.noise_scale import two_batch_estimates
+
+    model = _net()
+    for layer in (model.emb, model.norm, model.fc, model.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            if factor is not None:
+                m.set_gradient_divide_factor(factor)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM and a shaky AVG
+    local = 2 * micro_batches
+    all_ids, all_labels = _batch(31 + micro_batches, local * world)
+    with gapmon.GAPMonitor(model, activations=False, activation_grads=False) as mon:
+        mon.watch_data_parallel(model)
+        if leftover:  # gradients of an earlier backward, not zeroed
+            _own_losses(model, all_ids[:2], all_labels[:2]).mean().backward()
+        mon.begin_step(0, batch_size=local)
+        for k in range(micro_batches):
+            if not sync_every_micro_batch:
+                model.set_requires_gradient_sync(k == micro_batches - 1)
+            rows = slice(local * rank + 2 * k, local * rank + 2 * k + 2)
+            (_own_losses(model, all_ids[rows], all_labels[rows]).mean() / micro_batches).backward()
+        metrics = mon.end_step()
+    g = _per_sample_grads(_net(), all_ids, all_labels)["all"]
+    small = [g[local * r:local * (r + 1)].mean(0) for r in range(world)]
+    big = g.mean(0)
+    want = two_batch_estimates(sum((s @ s).item() for s in small) / world, (big @ big).item(), local, local * world)
+    return metrics, want, [s.norm().item() for s in small]
+
+
+def _fsdp2_reduction_worker(rank, world):
+    """FSDP2 (world 2) or HSDP (world 4: 2 replicas x 2 shards): the two-batch estimate from the wrapped
+    reduce-scatter equals the per-sample computation for divide factors None (the mean), 1 and 2 (float64
+    reduces with a predivide factor), with accumulation under set_requires_gradient_sync(False); a step that
+    reduces every micro-batch is left out with a warning, not misreported."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,)) if world == 2 else init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for factor, micro_batches in ((None, 1), (1.0, 2), (2.0, 1)):
+        metrics, want, norms = _fsdp2_reduction_case(mesh, rank, world, factor, micro_batches)
+        got = (metrics["gap/gns/data_parallel/grad_norm_sq"], metrics["gap/gns/data_parallel/noise_trace"])
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (rank, factor, micro_batches, got, want)
+        assert metrics["gap/local_grad_norm/max"] == pytest.approx(max(norms), rel=1e-9)
+        assert metrics["gap/local_grad_norm/max_rank"] == norms.index(max(norms))
+        dist.barrier()
+    for case in ({"sync_every_micro_batch": True}, {"leftover": True}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            metrics, _, _ = _fsdp2_reduction_case(mesh, rank, world, None, 2 if "sync_every_micro_batch" in case else 1,
+                                                  **case)
+        assert not any(name.startswith("gap/gns/data_parallel") for name in metrics), (case, metrics)
+        assert any("reduced more than once" in str(w.message) for w in caught), case
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_noise_scale_from_fsdp2_reduction_without_per_sample_norms():
+    run_distributed(_fsdp2_reduction_worker, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_noise_scale_from_hsdp_reduction_without_per_sample_norms():
+    run_distributed(_fsdp2_reduction_worker, 4)
