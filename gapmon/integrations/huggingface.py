@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_reduction, watch_micro_batches
+from . import make_dumper, make_monitor, require, tokens_per_sample, unwrap_optimizer, watch_micro_batches, watch_reduction
 
 transformers = require("transformers", "huggingface", "transformers")
 
