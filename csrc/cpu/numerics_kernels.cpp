@@ -10,6 +10,7 @@
 #endif
 #include <type_traits>
 
+#include "../core/widen.h"
 #include "stats_kernels.h"
 
 namespace gapmon {
@@ -23,29 +24,9 @@ using core::Moments;
 constexpr int64_t kBlock = 1024;
 constexpr int kCopies = 4;  // histogram copies: element i counts in copy i % kCopies
 
-// 16-bit storage of bfloat16 and IEEE half elements (the bits; no torch types).
-struct BF16 {
-  uint16_t x;
-};
-struct Half {
-  uint16_t x;
-};
-
-// IEEE half bits -> float32 bits, exact (subnormals normalised, Inf/NaN kept).
-inline uint32_t half_to_f32_bits(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t man = h & 0x3FFu;
-  if (exp == 0x1Fu) return sign | 0x7F800000u | (man << 13);
-  if (exp != 0) return sign | ((exp + 112u) << 23) | (man << 13);
-  if (man == 0) return sign;
-  uint32_t e = 113;  // a subnormal m * 2^-24: shift m up to its leading 1
-  while ((man & 0x400u) == 0) {
-    man <<= 1;
-    --e;
-  }
-  return sign | (e << 23) | ((man & 0x3FFu) << 13);
-}
+using core::BF16;
+using core::Half;
+using core::half_to_f32_bits;
 
 // An element as float32 bits (float, bfloat16, half: exact widening).
 template <typename T>

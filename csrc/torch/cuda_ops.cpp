@@ -22,6 +22,7 @@
 #include "../core/numerics.h"
 #include "../cuda/numerics_cuda.h"
 #include "../cuda/stats_cuda.h"
+#include "../cuda/update_cuda.h"
 #include "tensor_views.h"
 
 namespace gapmon {
@@ -31,8 +32,23 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "gapmon.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-// The kernels' view table. `storage` keeps a device copy of a long table alive until the
-// kernels that read it have been queued (the caching allocator orders reuse on the stream).
+// A device copy of `bytes` bytes of host data (whole 8-byte words) on `stream`; `storage` keeps it alive
+// until the kernels that read it have been queued (the caching allocator orders reuse on the stream).
+const void* device_copy(const void* data, int64_t bytes, const at::Device& device, cudaStream_t stream,
+                        at::Tensor& storage, const char* op) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    storage = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    check_launch(cuda::launch_upload(data, bytes, storage.data_ptr(), stream), op);
+  } else {
+    // The pinned staging buffer is kept alive by the caching host allocator until the copy is done.
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.data_ptr(), data, bytes);
+    storage = host.to(device, /*non_blocking=*/true);
+  }
+  return storage.data_ptr();
+}
+
+// The kernels' view table: inline in the kernel parameters, or a device copy of a long one.
 cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at::Device& device,
                            cudaStream_t stream, at::Tensor& storage, const char* op) {
   cuda::ViewTable table;
@@ -41,18 +57,9 @@ cuda::ViewTable view_table(const std::vector<core::StridedView>& views, const at
     std::copy(views.begin(), views.end(), table.inline_views);
     return table;
   }
-  const int64_t bytes = static_cast<int64_t>(views.size() * sizeof(core::StridedView));
   static_assert(sizeof(core::StridedView) % sizeof(uint64_t) == 0, "views are uploaded as 8-byte words");
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
-    storage = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
-    check_launch(cuda::launch_upload(views.data(), bytes, storage.data_ptr(), stream), op);
-  } else {
-    // The pinned staging buffer is kept alive by the caching host allocator until the copy is done.
-    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(host.data_ptr(), views.data(), bytes);
-    storage = host.to(device, /*non_blocking=*/true);
-  }
-  table.device = reinterpret_cast<const core::StridedView*>(storage.data_ptr());
+  const int64_t bytes = static_cast<int64_t>(views.size() * sizeof(core::StridedView));
+  table.device = static_cast<const core::StridedView*>(device_copy(views.data(), bytes, device, stream, storage, op));
   return table;
 }
 
@@ -162,6 +169,30 @@ at::Tensor multi_tensor_states_cuda(at::TensorList xs) {
   std::vector<at::Tensor> keep_alive;
   auto views = views_of(xs, "multi_tensor_states", keep_alive);
   return run(views, static_cast<int64_t>(xs.size()), xs[0].device(), 0, true, "multi_tensor_states");
+}
+
+// The optimizer-update rows (csrc/core/update_stats.h): the operand table copied to the device, one
+// launch for the chunks and one for the rows.
+at::Tensor update_sums_cuda(at::TensorList before, at::TensorList after, at::TensorList grads) {
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::UpdateOperands> ops = update_operands(before, after, grads, keep_alive);
+  const int64_t n = static_cast<int64_t>(ops.size());
+  if (n == 0) return at::zeros({0, core::kUpdateColumns}, at::TensorOptions().dtype(at::kDouble));
+  const at::Device device = before[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t total = core::plan_update_chunks(ops.data(), n);
+  static_assert(sizeof(core::UpdateOperands) % sizeof(uint64_t) == 0, "operands are uploaded as 8-byte words");
+  at::Tensor table;
+  const auto* ops_device = static_cast<const core::UpdateOperands*>(
+      device_copy(ops.data(), n * int64_t(sizeof(core::UpdateOperands)), device, stream, table, "update_sums"));
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  at::Tensor chunk_sums = at::empty({total, core::kUpdateSums}, options);
+  at::Tensor out = at::empty({n, core::kUpdateColumns}, options);
+  check_launch(cuda::launch_update_sums(ops_device, n, total, chunk_sums.data_ptr<double>(), out.data_ptr<double>(),
+                                        stream),
+               "update_sums");
+  return out;
 }
 
 at::Tensor merge_states_cuda(const at::Tensor& states) {
@@ -303,6 +334,7 @@ void accumulate_instance_stats_and_numerics_cuda(const at::Tensor& x, at::Tensor
 
 TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
   m.impl("accumulate_instance_stats", &accumulate_instance_stats_cuda);
+  m.impl("update_sums", &update_sums_cuda);
   m.impl("tensor_stats", &tensor_stats_cuda);
   m.impl("instance_stats", &instance_stats_cuda);
   m.impl("multi_tensor_stats", &multi_tensor_stats_cuda);

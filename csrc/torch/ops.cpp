@@ -69,6 +69,9 @@ TORCH_LIBRARY(gapmon, m) {
   m.def("merge_numerics_states(Tensor states) -> Tensor");
   // Both of the above in one pass over memory: (multi_tensor_states(xs), numerics_states(xs)).
   m.def("multi_tensor_states_and_numerics(Tensor[] xs) -> (Tensor, Tensor)");
+  // What an optimizer step did per parameter: [N, 5] float64 rows (|after - before|^2, |before|^2,
+  // |grad|^2, <after - before, grad>, count), one read of each tensor (csrc/core/update_stats.h).
+  m.def("update_sums(Tensor[] before, Tensor[] after, Tensor[] grads) -> Tensor");
   // accumulate_instance_stats, and x's numerics row merged into row `numerics_row` of a float64
   // [rows, C] table in place (after what the row holds), in one pass over x (GAPMonitor's activation
   // hooks with numerics on).
@@ -86,7 +89,7 @@ TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
   for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
                          "finalize_states", "accumulate_instance_stats", "numerics_states",
                          "merge_numerics_states", "multi_tensor_states_and_numerics",
-                         "accumulate_instance_stats_and_numerics"}) {
+                         "accumulate_instance_stats_and_numerics", "update_sums"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -4,12 +4,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../core/stats_state.h"
 #include "tensor_views.h"
 #include "stats_cpu.h"
 #include "../cpu/stats_kernels.h"
+#include "../cpu/update_kernels.h"
 
 namespace gapmon {
 
@@ -154,9 +156,36 @@ void accumulate_instance_stats_cpu(const at::Tensor& x, at::Tensor& acc, int64_t
   fold_instances(compute_states(views, x.size(0)), correction, acc.data_ptr<double>() + row * core::kNumAccColumns);
 }
 
+// The optimizer-update rows of many parameters: their chunks in one parallel region, each row the sum of
+// its chunks in chunk order (the same bits whatever the threads).
+at::Tensor update_sums_cpu(at::TensorList before, at::TensorList after, at::TensorList grads) {
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::UpdateOperands> ops = update_operands(before, after, grads, keep_alive);
+  const int64_t n = static_cast<int64_t>(ops.size());
+  at::Tensor out = at::zeros({n, core::kUpdateColumns}, at::kDouble);
+  if (n == 0) return out;
+  const int64_t total = core::plan_update_chunks(ops.data(), n);
+  std::vector<core::UpdateSums> chunks(total);
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const core::UpdateOperands& o = ops[core::find_update_operand(ops.data(), n, c)];
+      const int64_t lo = (c - o.first_chunk) * core::kChunkElems;
+      chunks[c] = cpu::update_chunk(o, lo, std::min(lo + core::kChunkElems, o.numel));
+    }
+  });
+  double* rows = out.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    core::UpdateSums s;
+    for (int64_t c = ops[i].first_chunk; c < ops[i].first_chunk + core::chunks_for(ops[i].numel); ++c) s.merge(chunks[c]);
+    core::store_update_row(s, ops[i].numel, rows + i * core::kUpdateColumns);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
+  m.impl("update_sums", &update_sums_cpu);
   m.impl("accumulate_instance_stats", &accumulate_instance_stats_cpu);
   m.impl("tensor_stats", &tensor_stats_cpu);
   m.impl("instance_stats", &instance_stats_cpu);

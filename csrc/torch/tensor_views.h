@@ -10,6 +10,7 @@
 
 #include "../core/numerics.h"
 #include "../core/strided_view.h"
+#include "../core/update_stats.h"
 
 namespace gapmon {
 
@@ -148,6 +149,41 @@ inline void check_numerics_table(const at::Tensor& x, const at::Tensor& table, i
                     table.sizes(), " on ", table.device());
   TORCH_CHECK_INDEX(row >= 0 && row < table.size(0), "gapmon.accumulate_instance_stats_and_numerics: numerics row ",
                     row, " out of range for a table of ", table.size(0), " rows");
+}
+
+// The operands of update_sums: per parameter the weights before and after the step (same shape and
+// dtype) and its gradient (same shape), all on one device; contiguous copies (`keep_alive`) of any
+// that are not. Raises ValueError/TypeError naming the parameter's index otherwise.
+inline std::vector<core::UpdateOperands> update_operands(at::TensorList before, at::TensorList after,
+                                                         at::TensorList grads, std::vector<at::Tensor>& keep_alive) {
+  const char* op = "update_sums";
+  TORCH_CHECK_VALUE(before.size() == after.size() && before.size() == grads.size(), "gapmon.update_sums: expected ",
+                    "as many weights after the step and gradients as weights before it, got ", before.size(), ", ",
+                    after.size(), " and ", grads.size());
+  std::vector<core::UpdateOperands> ops(before.size());
+  auto contiguous = [&](const at::Tensor& t) {
+    if (t.is_contiguous()) return t;
+    keep_alive.push_back(t.contiguous());
+    return keep_alive.back();
+  };
+  for (size_t i = 0; i < before.size(); ++i) {
+    const at::Tensor &b = before[i], &a = after[i], &g = grads[i];
+    core::UpdateOperands& o = ops[i];
+    o.weight_dtype = checked_dtype(b, op);
+    o.grad_dtype = checked_dtype(g, op);
+    TORCH_CHECK_VALUE(checked_dtype(a, op) == o.weight_dtype, "gapmon.update_sums: parameter ", i, ": the weights ",
+                      "before (", b.scalar_type(), ") and after (", a.scalar_type(), ") the step differ in dtype");
+    TORCH_CHECK_VALUE(a.sizes() == b.sizes() && g.sizes() == b.sizes(), "gapmon.update_sums: parameter ", i,
+                      ": shapes differ (before ", b.sizes(), ", after ", a.sizes(), ", gradient ", g.sizes(), ")");
+    TORCH_CHECK_VALUE(a.device() == b.device() && g.device() == b.device() && b.device() == before[0].device(),
+                      "gapmon.update_sums: parameter ", i, ": expected every tensor on ", before[0].device(),
+                      ", got ", b.device(), ", ", a.device(), " and ", g.device());
+    o.before = contiguous(b).data_ptr();
+    o.after = contiguous(a).data_ptr();
+    o.grad = contiguous(g).data_ptr();
+    o.numel = b.numel();
+  }
+  return ops;
 }
 
 }  // namespace gapmon

@@ -1,8 +1,10 @@
 """What an optimizer did on a monitored step: per parameter, the update dw = w_after - w_before as it
 happened (any optimizer: measured, not derived from its formula), its norm, its ratio to |w_before|, its RMS,
 its norm per unit of learning rate, its cosine with -grad, and the norms of Adam's moments (exp_avg,
-exp_avg_sq) where the optimizer keeps them. Exact for DTensor (FSDP2) parameters, gradients and states: their
-norms merge the shards, their dot products reduce over the mesh.
+exp_avg_sq) where the optimizer keeps them. The update, weight and gradient sums come from one fused
+multi-tensor pass (gapmon.stats.ops.update_rows: one read of the weights before and after and of the
+gradients, in double), the moments' norms from one more. Exact for DTensor (FSDP2) parameters, gradients and
+states: their sums add over the mesh.
 
 The weights are copied in the optimizer's step pre-hook of a monitored step only (one copy, released in its
 post-hook); skipped steps cost nothing.
@@ -16,10 +18,9 @@ import torch
 
 from ..stats import ops
 from ..stats.layout import STAT_NAMES
-from ..utils import is_dtensor
 from .metric_names import update_name
 
-_NORM, _COUNT = STAT_NAMES.index("norm"), STAT_NAMES.index("count")
+_NORM = STAT_NAMES.index("norm")
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -30,15 +31,8 @@ def _norms(tensors: list[torch.Tensor]) -> list[float]:
     return ops.multi_tensor_rows(tensors, 0)[:, _NORM].tolist()
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """<a, b> summed in float64 from products in float32 (or float64: each product rounded once, to 2^-24 of
-    itself), over the full tensors for DTensors (the local sums reduced over the mesh): a 0-dim tensor."""
-    if b.is_sparse:
-        b = b.to_dense()
-    if a.dtype in (torch.float16, torch.bfloat16):
-        a, b = a.float(), b.float()
-    product = (a * b.to(a.dtype)).sum(dtype=torch.float64)
-    return product.full_tensor() if is_dtensor(product) else product
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
 
 
 def _ratio(a: float, b: float) -> float:
@@ -85,13 +79,9 @@ class OptimizerStats:
         self._armed, self._before = None, {}
         params = [(name, p, group) for name, p, group in self._params() if id(p) in before and p.grad is not None]
         with torch.no_grad():
-            deltas = [p.detach() - before[id(p)] for _, p, _ in params]
-            rows = ops.multi_tensor_rows(deltas, 0) if deltas else None
-            norms = rows[:, _NORM].tolist() if rows is not None else []
-            counts = rows[:, _COUNT].tolist() if rows is not None else []
-            weight_norms = _norms([before[id(p)] for _, p, _ in params])
-            grad_norms = _norms([p.grad for _, p, _ in params])
-            dots = torch.stack([_dot(d, p.grad) for d, (_, p, _) in zip(deltas, params)]).tolist() if params else []
+            # One read of the weights before and after the step and of the gradients (update_sums).
+            rows = ops.update_rows([before[id(p)] for _, p, _ in params], [p.detach() for _, p, _ in params],
+                                   [_dense(p.grad) for _, p, _ in params]).tolist() if params else []
             states = {key: [(i, self.optimizer.state.get(p, {}).get(key)) for i, (_, p, _) in enumerate(params)]
                       for key in ADAM_STATES}
             state_norms = {key: dict(zip([i for i, t in found if isinstance(t, torch.Tensor)],
@@ -99,14 +89,15 @@ class OptimizerStats:
                            for key, found in states.items()}
         metrics: dict[str, float] = {}
         for i, (name, _, group) in enumerate(params):
-            norm, lr = norms[i], group.get("lr")
+            update_sq, weight_sq, grad_sq, dot, count = rows[i]
+            norm, lr = math.sqrt(update_sq), group.get("lr")
             lr = float(lr) if lr is not None else math.nan
             metrics[update_name(name, "norm")] = norm
-            metrics[update_name(name, "ratio")] = _ratio(norm, weight_norms[i])  # a zero weight (a bias at init): inf
-            metrics[update_name(name, "rms")] = norm / math.sqrt(counts[i]) if counts[i] > 0 else math.nan
+            metrics[update_name(name, "ratio")] = _ratio(norm, math.sqrt(weight_sq))  # a zero weight (a bias at init): inf
+            metrics[update_name(name, "rms")] = norm / math.sqrt(count) if count > 0 else math.nan
             metrics[update_name(name, "norm_per_lr")] = norm / lr if lr > 0 else math.nan
-            product = norm * grad_norms[i]
-            metrics[update_name(name, "cos_neg_grad")] = -dots[i] / product if product > 0 else math.nan
+            product = norm * math.sqrt(grad_sq)
+            metrics[update_name(name, "cos_neg_grad")] = -dot / product if product > 0 else math.nan
             for key in ADAM_STATES:
                 if i in state_norms[key]:
                     metrics[update_name(name, f"{key}_norm")] = state_norms[key][i]

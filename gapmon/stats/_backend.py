@@ -14,7 +14,8 @@ import torch
 
 from .. import _torch_compat
 from . import reference
-from .layout import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, check_states, check_tensor, check_tensor_list
+from .layout import (ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, UPDATE_COLUMNS, check_states,
+                     check_tensor, check_tensor_list)
 
 _LIB = "gapmon"
 
@@ -121,6 +122,10 @@ if COMPILED:
     def _(states):
         return states.new_empty((states.shape[1], states.shape[2]), dtype=torch.float64)
 
+    @torch.library.register_fake(f"{_LIB}::update_sums")
+    def _(before, after, grads):
+        return before[0].new_empty((len(before), len(UPDATE_COLUMNS)), dtype=torch.float64)
+
     @torch.library.register_fake(f"{_LIB}::multi_tensor_states_and_numerics")
     def _(xs):
         return (xs[0].new_empty((len(xs), len(STATE_NAMES)), dtype=torch.float64),
@@ -166,6 +171,27 @@ def multi_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
     if not _compiled_for(xs[0].device):
         return reference.multi_tensor_stats(xs, correction).rows()
     return torch.ops.gapmon.multi_tensor_stats(xs, correction)
+
+
+def update_sums(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, 5] float64 update rows (UPDATE_COLUMNS) of N local parameters on one device, in one read of
+    each tensor."""
+    before, after, grads = list(before), list(after), list(grads)
+    for name, xs in (("before", before), ("after", after), ("grads", grads)):
+        check_tensor_list(xs, f"update_sums ({name})")
+    if not len(before) == len(after) == len(grads):
+        raise ValueError(f"gapmon.update_sums: expected as many weights after the step and gradients as weights "
+                         f"before it, got {len(before)}, {len(after)} and {len(grads)}")
+    for i, (b, a, g) in enumerate(zip(before, after, grads)):
+        if not b.shape == a.shape == g.shape:
+            raise ValueError(f"gapmon.update_sums: parameter {i}: shapes differ (before {tuple(b.shape)}, after "
+                             f"{tuple(a.shape)}, gradient {tuple(g.shape)})")
+    if not before:
+        return torch.zeros(0, len(UPDATE_COLUMNS), dtype=torch.float64)
+    if not _compiled_for(before[0].device):
+        return reference.update_sums(before, after, grads)
+    return torch.ops.gapmon.update_sums(before, after, grads)
 
 
 def multi_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -119,6 +119,40 @@ def dtensor_multi_states(xs: Sequence[torch.Tensor], flat_groups: Sequence[Any] 
     return states
 
 
+def dtensor_update_rows(before: list, after: list, grads: list) -> torch.Tensor:
+    """update_sums rows of the full tensors behind DTensor parameters (and plain ones): the local shards'
+    rows (all columns are sums) all-reduced over the mesh dims each parameter is sharded on."""
+    local_b, local_a, local_g, keys = [], [], [], []
+    for i, (b, a, g) in enumerate(zip(before, after, grads)):
+        if not (is_dtensor(b) and is_dtensor(a)):
+            if is_dtensor(b) or is_dtensor(a) or is_dtensor(g):
+                raise TypeError(f"gapmon.update_sums: parameter {i}: mixes DTensors and plain tensors")
+            local_b.append(b), local_a.append(a), local_g.append(g), keys.append(None)
+            continue
+        b, a = materialize_partial(b), materialize_partial(a)
+        if a.device_mesh != b.device_mesh or tuple(a.placements) != tuple(b.placements):
+            a = a.redistribute(b.device_mesh, b.placements)
+        if not is_dtensor(g):
+            raise TypeError(f"gapmon.update_sums: parameter {i}: a DTensor parameter with a plain gradient")
+        g = materialize_partial(g)
+        if g.device_mesh != b.device_mesh or tuple(g.placements) != tuple(b.placements):
+            g = g.redistribute(b.device_mesh, b.placements)
+        local_b.append(b.to_local()), local_a.append(a.to_local()), local_g.append(g.to_local())
+        keys.append((b.device_mesh, _shard_mesh_dims(b)))
+    rows = _backend.update_sums(local_b, local_a, local_g)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        if key is not None and key[1]:
+            groups[key].append(i)
+    for (mesh, dims), idx in groups.items():
+        index = torch.tensor(idx, device=rows.device)
+        part = rows.index_select(0, index)
+        for dim in dims:
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        rows = rows.index_copy(0, index, part)
+    return rows
+
+
 def dtensor_instance_stats(x, correction: int = 1) -> Stats:
     """Per-instance statistics of a DTensor whose non-batch dims are not sharded.
 

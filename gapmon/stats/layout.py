@@ -9,6 +9,9 @@ import torch
 STAT_NAMES = ("count", "mean", "var", "max_abs", "norm", "nonfinite", "zeros")
 # Column order of the [..., 7] float64 mergeable partial states.
 STATE_NAMES = ("count", "mean", "m2", "max_abs", "sumsq", "nonfinite", "zeros")
+# Columns of an optimizer-update row (update_sums; csrc/core/update_stats.h): |after - before|^2, |before|^2,
+# |grad|^2, <after - before, grad>, elements. All additive over the pieces of a sharded tensor.
+UPDATE_COLUMNS = ("update_sq", "weight_sq", "grad_sq", "update_dot_grad", "count")
 # Columns of a GAPMonitor activation accumulator row: per-instance statistics folded together
 # (sums over instances; divided by the instance count when the step ends).
 ACC_NAMES = ("instances", "sum_mean", "sum_var", "sum_norm", "nonfinite", "max_abs")

@@ -70,6 +70,18 @@ def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.
     return _backend.multi_rows(xs, correction)  # one fused op: states and their finalisation
 
 
+def update_rows(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What an optimizer step did per parameter, in one read of the weights before and after it and of the
+    gradients: [N, 5] float64 rows (layout.UPDATE_COLUMNS: |after - before|^2, |before|^2, |grad|^2,
+    <after - before, grad>, count), of the full tensors for DTensors (FSDP2: the shards' sums added over
+    the mesh; the gradient redistributed to its parameter's placements if they differ)."""
+    before, after, grads = list(before), list(after), list(grads)
+    if any(is_dtensor(t) for t in before + after + grads):
+        return distributed.dtensor_update_rows(before, after, grads)
+    return _backend.update_sums(before, after, grads)
+
+
 def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Mergeable partial states of local tensors: [N, 7] float64 (count, mean, m2, max_abs, sumsq,
     nonfinite, zeros). Merge partial states of pieces of a tensor with `merge_states`."""

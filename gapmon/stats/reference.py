@@ -166,6 +166,19 @@ def accumulate_instance_stats_and_numerics(x: torch.Tensor, acc: torch.Tensor, r
     numerics[numerics_row] = merge_numerics_states(torch.stack((old, numerics_states([x])[0].to(numerics.device))).unsqueeze(1))[0]
 
 
+def update_sums(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N, 5] float64 rows (UPDATE_COLUMNS) of what an optimizer step did: per parameter |a - b|^2, |b|^2,
+    |g|^2, <a - b, g> (in float64) and the element count."""
+    rows = []
+    for b, a, g in zip(before, after, grads):
+        b64, a64, g64 = b.detach().double(), a.detach().double(), g.detach().double()
+        d = a64 - b64
+        rows.append(torch.stack([(d * d).sum(), (b64 * b64).sum(), (g64 * g64).sum(), (d * g64).sum(),
+                                 torch.tensor(float(b.numel()), dtype=torch.float64, device=b.device)]))
+    return torch.stack(rows) if rows else torch.zeros(0, 5, dtype=torch.float64)
+
+
 def per_sample_grad_norms(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[B] float64 norms of exact per-sample gradients of the trainable parameters, materialised with
     torch.func.vmap(grad(...)) (loss_fn(model(x_i[None]), y_i[None]) per sample): the independent

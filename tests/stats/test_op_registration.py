@@ -32,6 +32,8 @@ def _samples():
         (torch.ops.gapmon.accumulate_instance_stats_and_numerics.default,
          (x.bfloat16(), torch.zeros(3, 6, dtype=torch.float64), 1, 1, torch.zeros(2, len(gapmon.stats.NUMERICS_COLUMNS), dtype=torch.float64), 1)),
         (torch.ops.gapmon.merge_numerics_states.default, (torch.ops.gapmon.numerics_states([x, x]).unsqueeze(0).repeat(2, 1, 1),)),
+        (torch.ops.gapmon.update_sums.default, ([x, torch.randn(3).bfloat16()], [x + 1, torch.randn(3).bfloat16()],
+                                                [x.t().contiguous().t(), torch.randn(3)])),
     ]
 
 
