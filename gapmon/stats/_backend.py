@@ -14,8 +14,7 @@ import torch
 
 from .. import _torch_compat
 from . import reference
-from .layout import (ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, UPDATE_COLUMNS, check_states,
-                     check_tensor, check_tensor_list)
+from .layout import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, UPDATE_COLUMNS, check_states, check_tensor, check_tensor_list
 
 _LIB = "gapmon"
 
