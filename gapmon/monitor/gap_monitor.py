@@ -184,13 +184,19 @@ class GAPMonitor:
         return types.get(name, "Parameter")
 
     # ---------------------------------------------------------------- steps
-    def begin_step(self, step: int, batch_size: int | None = None) -> None:
+    def begin_step(self, step: int, batch_size: int | None = None, sample_ids: Any = None) -> None:
         """Starts step `step` (a non-negative integer); `batch_size` is this rank's number of samples
-        in the step (all micro-batches)."""
+        in the step (all micro-batches). `sample_ids` (per-sample norms on): the ids of this rank's samples
+        in the step, in order; the noise scale then counts a sample several ranks hold once."""
         self._check_open()
         step = check_step(step, "GAPMonitor.begin_step")
         if batch_size is not None:
             batch_size = check_int(batch_size, "GAPMonitor.begin_step", "batch_size")
+        if self._per_sample_metrics is not None:
+            self._per_sample_metrics.set_sample_ids(sample_ids)
+        elif sample_ids is not None:
+            raise ValueError("GAPMonitor.begin_step: sample_ids serve the per-sample noise scale; turn on "
+                             "per_sample_grad_norms=True")
         self._step = step
         active = self._recorder.active = self.config.schedule.includes(step)
         for watched in self._optimizers:  # its next step() is this step's update (a closure runs inside it)
@@ -213,12 +219,18 @@ class GAPMonitor:
         """Whether a monitored step is open (between begin_step of a scheduled step and end_step)."""
         return self._recorder.active
 
-    def add_samples(self, n: int) -> None:
+    def add_samples(self, n: int, sample_ids: Any = None) -> None:
         """Counts `n` more samples of this rank in the current step, for loops that learn the batch
-        size one micro-batch at a time (instead of passing batch_size to begin_step)."""
+        size one micro-batch at a time (instead of passing batch_size to begin_step); `sample_ids`: their
+        ids (see begin_step)."""
         n = check_int(n, "GAPMonitor.add_samples", "n")
         if self._recorder.active:
             self._batch_size += n
+            if sample_ids is not None:
+                if self._per_sample_metrics is None:
+                    raise ValueError("GAPMonitor.add_samples: sample_ids serve the per-sample noise scale; turn on "
+                                     "per_sample_grad_norms=True")
+                self._per_sample_metrics.add_sample_ids(sample_ids, n)
 
     def end_step(self) -> dict[str, float]:
         """Metrics of the step (after backward, before the optimizer step); {} on skipped steps."""

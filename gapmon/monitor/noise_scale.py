@@ -14,9 +14,13 @@ the ratio of the two estimates' exponential moving averages (not the average of 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..per_sample.sample_ids import all_gather_rows
+from ..utils import rank_and_world
 from .metric_names import gns_name
 from .step_buffer import StepBuffer
 
@@ -57,6 +61,34 @@ class NoiseScale:
         sums = [squared[group].to(device, torch.float64).sum() for group in sorted(squared)]
         count = torch.tensor(float(w.numel()), dtype=torch.float64, device=device)
         buffer.add("gns", torch.stack([*sums, count, w.sum(), (w * w).sum()]))
+
+    @staticmethod
+    def on_device_by_id(buffer: StepBuffer, squared: dict[str, torch.Tensor], weights: torch.Tensor,
+                        averaged_over: float, ids: torch.Tensor, group: Any) -> None:
+        """on_device for samples that several ranks may hold (the same id): every rank's ids, squared norms
+        and weights are all-gathered, each sample counts once with the sum of its weights (a sample two ranks
+        average holds weight w/2 on each), and rank 0 adds the sums (the monitor's reduction adds them)."""
+        device = buffer.device
+        groups = sorted(squared)
+        values = torch.stack([squared[g].to(torch.float64).cpu() for g in groups]
+                             + [weights.to(torch.float64).cpu() / averaged_over], dim=1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            ids, values = all_gather_rows(ids, values, group)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        n = unique.numel()
+        w = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, values[:, -1])
+        copies = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(values[:, -1]))
+        sq = torch.zeros(n, len(groups), dtype=torch.float64).index_add_(0, inverse, values[:, :-1]) / copies[:, None]
+        high = torch.full_like(sq, -math.inf).scatter_reduce_(0, inverse[:, None].expand_as(values[:, :-1]),
+                                                               values[:, :-1], "amax")
+        if bool((high - sq > 1e-6 * sq.abs() + 1e-300).any()):  # the mean of a sample's copies is below their max
+            raise ValueError("GAPMonitor: samples with the same id have different per-sample gradient norms on "
+                             "different ranks: give each sample its own id (the same id must mean the same sample)")
+        sums = torch.cat([sq.sum(0), torch.tensor([float(n)], dtype=torch.float64), w.sum().reshape(1),
+                          (w * w).sum().reshape(1)])
+        if rank_and_world(group)[0] != 0:
+            sums = torch.zeros_like(sums)
+        buffer.add("gns", sums.to(device))
 
     def add(self, group: str, estimates: tuple[float, float] | None) -> dict[str, float]:
         """The metrics of one group's estimates (|G|^2, tr Sigma) of this step, its moving averages updated."""

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch_compat
+from ..per_sample.sample_ids import sample_ids as checked_sample_ids
 from ..stats.layout import STAT_NAMES
 from .metric_names import GNS_ALL, metric_name, per_sample_norm_name
 from .noise_scale import NoiseScale
@@ -30,6 +31,18 @@ class PerSampleMetrics:
         self._types: dict[str, str] = {}
         self._measured: list[str] = []
         self._warned_factors = False
+        self._ids: list[torch.Tensor] | None = None  # this step's sample ids (begin_step / add_samples)
+
+    def set_sample_ids(self, ids: Any) -> None:
+        """The ids of this rank's samples of the step (None: each rank's samples are its own)."""
+        self._ids = None if ids is None else [checked_sample_ids(ids, "GAPMonitor.begin_step")]
+
+    def add_sample_ids(self, ids: Any, n: int) -> None:
+        """The ids of `n` more samples of this step (a micro-batch)."""
+        ids = checked_sample_ids(ids, "GAPMonitor.add_samples")
+        if ids.numel() != n:
+            raise ValueError(f"GAPMonitor.add_samples: got {ids.numel()} sample ids for {n} samples")
+        self._ids = (self._ids or []) + [ids]
 
     def on_device(self, sums: StepBuffer, maxes: StepBuffer) -> None:
         """Adds this rank's sums and maxima (reduced over the ranks by the monitor)."""
@@ -45,7 +58,15 @@ class PerSampleMetrics:
                         for t in set(self._types.values())})
         self._groups = sorted(squared)
         # What the data-parallel reduction divides the sum of the ranks' gradients by: each sample's weight in it.
-        self.noise.on_device(sums, squared, self.per_sample.loss_weights(), self._divided_by())
+        weights, divided_by = self.per_sample.loss_weights(), self._divided_by()
+        if self._ids is None:
+            self.noise.on_device(sums, squared, weights, divided_by)
+            return
+        ids, self._ids = checked_sample_ids(torch.cat(self._ids), "GAPMonitor.add_samples"), None
+        if ids.numel() != norms.numel():
+            raise ValueError(f"GAPMonitor: got {ids.numel()} sample ids for the step's {norms.numel()} samples (pass "
+                             "every micro-batch's ids, in order)")
+        self.noise.on_device_by_id(sums, squared, weights, divided_by, ids, self.group)
 
     def _divided_by(self) -> float:
         """The divisor of the data-parallel reduction: the ranks of the monitor's group (DDP, FSDP2 by default),

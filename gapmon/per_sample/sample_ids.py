@@ -8,44 +8,50 @@ import torch
 import torch.distributed as dist
 
 
-def sample_ids(sample_ids: Any) -> torch.Tensor:
+def sample_ids(sample_ids: Any, op: str = "PerSampleGradNorms.global_norms") -> torch.Tensor:
     """Sample ids as an int64 vector, exact (ids of any size a 64-bit integer holds); ValueError naming
     ids that are not integers, or that repeat (each of this rank's samples has its own id)."""
     ids = torch.as_tensor(sample_ids).detach().reshape(-1).cpu()
     if ids.dtype == torch.bool or ids.is_complex():
-        raise TypeError(f"PerSampleGradNorms.global_norms: sample ids must be integers, got {ids.dtype}")
+        raise TypeError(f"{op}: sample ids must be integers, got {ids.dtype}")
     if ids.is_floating_point():
         fractional = ids[(ids != ids.trunc()) | ~torch.isfinite(ids)]
         if fractional.numel():
-            raise ValueError(f"PerSampleGradNorms.global_norms: sample ids must be integers, got {fractional[:8].tolist()}")
+            raise ValueError(f"{op}: sample ids must be integers, got {fractional[:8].tolist()}")
         if ids.numel() and ids.abs().max() >= 2.0 ** 53:
-            raise ValueError("PerSampleGradNorms.global_norms: float sample ids of 2^53 or more are not exact; pass "
+            raise ValueError(f"{op}: float sample ids of 2^53 or more are not exact; pass "
                              "them as an integer tensor (torch.int64) or Python ints")
     ids = ids.to(torch.int64)
     unique, counts = torch.unique(ids, return_counts=True)
     if (counts > 1).any():
-        raise ValueError(f"PerSampleGradNorms.global_norms: sample ids repeat on this rank: {unique[counts > 1][:8].tolist()} "
+        raise ValueError(f"{op}: sample ids repeat on this rank: {unique[counts > 1][:8].tolist()} "
                          "(each sample needs its own id; a sample seen twice would be reported once)")
     return ids
+
+
+def all_gather_rows(ids: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gathers per-rank rows of different counts: ids [B] as int64 (exact) beside float64 values
+    [B, C] (their bits, exact), in one all-gather after one of the counts; returns (ids, values) on the CPU."""
+    device = values.device if values.device.type != "cpu" or dist.get_backend(group) == "gloo" else torch.device("cuda")
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([ids.numel()], device=device), group=group)
+    counts = torch.cat(sizes).tolist()  # one host read for all ranks
+    longest, columns = int(max(counts)), values.shape[1]
+    padded = torch.zeros(1 + columns, longest, dtype=torch.int64, device=device)
+    padded[0, : ids.numel()] = ids.to(device)
+    padded[1:, : ids.numel()] = values.to(device, torch.float64).t().contiguous().view(torch.int64)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    gathered = torch.cat([p[:, : int(n)] for p, n in zip(parts, counts)], dim=1).cpu()
+    return gathered[0], gathered[1:].contiguous().view(torch.float64).t()
 
 
 def all_gather_varlen(ids: torch.Tensor, norms: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gathers per-rank vectors of different lengths: ids as int64 (exact), norms as float64, returned
     in the dtype of this rank's norms."""
-    device = norms.device if norms.device.type != "cpu" or dist.get_backend(group) == "gloo" else torch.device("cuda")
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([ids.numel()], device=device), group=group)
-    counts = torch.cat(sizes).tolist()  # one host read for all ranks
-    longest = int(max(counts))
-    # One all-gather: int64 ids beside the bits of float64 norms (both exact).
-    padded = torch.zeros(2, longest, dtype=torch.int64, device=device)
-    padded[0, : ids.numel()] = ids.to(device)
-    padded[1, : norms.numel()] = norms.to(device, torch.float64).view(torch.int64)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    gathered = torch.cat([p[:, : int(n)] for p, n in zip(parts, counts)], dim=1).cpu()
-    return gathered[0], gathered[1].view(torch.float64).to(norms.dtype)
+    ids, values = all_gather_rows(ids, norms.reshape(-1, 1), group)
+    return ids, values[:, 0].to(norms.dtype)
 
 
 def by_global_id(ids: torch.Tensor, norms: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:

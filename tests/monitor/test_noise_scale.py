@@ -1,6 +1,7 @@
 """The gradient noise scale (gap/gns/...) against a direct computation from materialised per-sample gradients
 in float64: micro-batches, declared loss weights, gradient accumulation, layer types, the moving averages,
 and data-parallel ranks (DDP, gloo) holding different samples."""
+import contextlib
 import math
 
 import pytest
@@ -149,6 +150,32 @@ def _ddp_worker(rank, world):
         assert got == pytest.approx((grad_sq, trace), rel=1e-9, abs=1e-12), (rank, group, got, (grad_sq, trace))
     assert math.isfinite(metrics["gap/gns/all/b_simple"])
     dist.barrier()
+    # Ranks that share samples (ids say which): rank 0 holds samples 0-3, rank 1 samples 2-5 (2 and 3 on
+    # both, as in a tensor-parallel group or overlapping shards of data). Each counts once, with the sum of
+    # its weights (1/4 / 2 per rank): the estimate equals the one over the 6 distinct samples.
+    for use_add_samples in (False, True):
+        model = _net()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        mine = torch.arange(4) + 2 * rank
+        with gapmon.GAPMonitor(ddp, per_sample_grad_norms=True, activations=False, activation_grads=False) as mon:
+            if use_add_samples:  # two micro-batches of 2 (each sample weighs 1/4 in the rank's loss), ids with each
+                mon.begin_step(0)
+                for k, part in enumerate((mine[:2], mine[2:])):
+                    mon.add_samples(2, sample_ids=part)
+                    with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+                        losses = _own_losses(ddp, all_ids[part], all_labels[part])
+                        mon.per_sample.set_loss_weights(torch.full((2,), 0.25, dtype=torch.float64))
+                        (losses * 0.25).sum().backward()
+            else:
+                mon.begin_step(0, sample_ids=mine.tolist())
+                _own_losses(ddp, all_ids[mine], all_labels[mine]).mean().backward()
+            metrics = mon.end_step()
+        weights = torch.tensor([1, 1, 2, 2, 1, 1], dtype=torch.float64) / 8
+        want = _reference(_per_sample_grads(_net(), all_ids, all_labels), weights)
+        for group, (grad_sq, trace) in want.items():
+            got = (metrics[f"gap/gns/{group}/grad_norm_sq"], metrics[f"gap/gns/{group}/noise_trace"])
+            assert got == pytest.approx((grad_sq, trace), rel=1e-9, abs=1e-12), (rank, group, got, (grad_sq, trace))
+        dist.barrier()
 
 
 @pytest.mark.multiprocess
@@ -315,3 +342,23 @@ def test_noise_scale_from_fsdp2_reduction_without_per_sample_norms():
 @pytest.mark.slow
 def test_noise_scale_from_hsdp_reduction_without_per_sample_norms():
     run_distributed(_fsdp2_reduction_worker, 4)
+
+
+def test_sample_ids_are_checked_where_they_are_given():
+    """sample_ids without per-sample norms, a count that is not the step's, and repeated ids are refused in
+    one line each (the noise scale would otherwise count samples wrongly)."""
+    model = _net()
+    with gapmon.GAPMonitor(model, activations=False, activation_grads=False) as mon:
+        with pytest.raises(ValueError, match="per_sample_grad_norms=True"):
+            mon.begin_step(0, sample_ids=[1, 2])
+    with gapmon.GAPMonitor(model, per_sample_grad_norms=True, activations=False, activation_grads=False) as mon:
+        with pytest.raises(ValueError, match="repeat"):
+            mon.begin_step(0, sample_ids=[1, 1])
+        mon.begin_step(1, sample_ids=[1, 2, 3])
+        ids, labels = _batch(3, 2)
+        _own_losses(model, ids, labels).mean().backward()
+        with pytest.raises(ValueError, match="3 sample ids for the step's 2 samples"):
+            mon.end_step()
+        mon.begin_step(2)
+        with pytest.raises(ValueError, match="got 1 sample ids for 2 samples"):
+            mon.add_samples(2, sample_ids=[7])
