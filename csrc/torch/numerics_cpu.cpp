@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../core/numerics.h"
+#include "../cpu/block_kernels.h"
 #include "../cpu/numerics_kernels.h"
 #include "stats_cpu.h"
 #include "tensor_views.h"
@@ -112,9 +113,44 @@ at::Tensor merge_numerics_states_cpu(const at::Tensor& states) {
   return out;
 }
 
+// The per-block format rows [N, F, kNumBlockColumns] of xs: every chunk of every tensor in one parallel
+// region (each element read once, cast to every format), each tensor's chunks merged in order.
+at::Tensor block_numerics_cpu(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  const int64_t n = static_cast<int64_t>(ops.size()), num_formats = static_cast<int64_t>(formats.size());
+  at::Tensor out = at::empty({n, num_formats, core::kNumBlockColumns}, at::kDouble);
+  if (n == 0) return out;
+  bool need_amax = false;
+  for (core::BlockFormat f : formats) need_amax = need_amax || core::needs_tensor_amax(f);
+  const double* amax = need_amax ? amaxes.data_ptr<double>() : nullptr;
+  const int64_t total = core::plan_block_chunks(ops.data(), n);
+  std::vector<core::BlockRow> chunks(total * num_formats);
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t i = core::find_block_operand(ops.data(), n, c);
+      cpu::block_chunk(ops[i], c - ops[i].first_chunk, formats.data(), static_cast<int>(num_formats),
+                       amax ? amax[i] : 0.0, chunks.data() + c * num_formats);
+    }
+  });
+  double* o = out.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t f = 0; f < num_formats; ++f) {
+      core::BlockRow row;
+      for (int64_t c = ops[i].first_chunk; c < ops[i].first_chunk + core::block_chunks_for(ops[i]); ++c) {
+        row.merge(chunks[c * num_formats + f]);
+      }
+      std::copy(row.v, row.v + core::kNumBlockColumns, o + (i * num_formats + f) * core::kNumBlockColumns);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
+  m.impl("block_numerics", &block_numerics_cpu);
   m.impl("numerics_states", &numerics_states_cpu);
   m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);
   m.impl("merge_numerics_states", &merge_numerics_states_cpu);

@@ -72,6 +72,10 @@ TORCH_LIBRARY(gapmon, m) {
   // What an optimizer step did per parameter: [N, 5] float64 rows (|after - before|^2, |before|^2,
   // |grad|^2, <after - before, grad>, count), one read of each tensor (csrc/core/update_stats.h).
   m.def("update_sums(Tensor[] before, Tensor[] after, Tensor[] grads) -> Tensor");
+  // Per-block low-precision formats (csrc/core/block_formats.h): [N, F, 12] float64 rows of xs cast to the
+  // formats coded in `formats`; `amaxes` (float64 [N], each tensor's largest finite |x|) for the formats
+  // scaled per tensor (NVFP4, current scaling). One read of each element.
+  m.def("block_numerics(Tensor[] xs, int[] formats, Tensor amaxes) -> Tensor");
   // accumulate_instance_stats, and x's numerics row merged into row `numerics_row` of a float64
   // [rows, C] table in place (after what the row holds), in one pass over x (GAPMonitor's activation
   // hooks with numerics on).
@@ -89,7 +93,7 @@ TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
   for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
                          "finalize_states", "accumulate_instance_stats", "numerics_states",
                          "merge_numerics_states", "multi_tensor_states_and_numerics",
-                         "accumulate_instance_stats_and_numerics", "update_sums"}) {
+                         "accumulate_instance_stats_and_numerics", "update_sums", "block_numerics"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "../core/block_formats.h"
 #include "../core/numerics.h"
 #include "../core/strided_view.h"
 #include "../core/update_stats.h"
@@ -182,6 +183,48 @@ inline std::vector<core::UpdateOperands> update_operands(at::TensorList before, 
     o.after = contiguous(a).data_ptr();
     o.grad = contiguous(g).data_ptr();
     o.numel = b.numel();
+  }
+  return ops;
+}
+
+// The formats of block_numerics, checked: ValueError naming an unknown code.
+inline std::vector<core::BlockFormat> block_formats_of(at::IntArrayRef formats) {
+  TORCH_CHECK_VALUE(!formats.empty() && formats.size() <= static_cast<size_t>(core::kNumBlockFormats),
+                    "gapmon.block_numerics: expected 1 to ", core::kNumBlockFormats, " format codes, got ", formats.size());
+  std::vector<core::BlockFormat> out;
+  for (int64_t f : formats) {
+    TORCH_CHECK_VALUE(f >= 0 && f < core::kNumBlockFormats, "gapmon.block_numerics: unknown format code ", f,
+                      " (0..", core::kNumBlockFormats - 1, ")");
+    out.push_back(static_cast<core::BlockFormat>(f));
+  }
+  return out;
+}
+
+// The operands of block_numerics: each tensor as contiguous [rows, last dim] (a 0-dim tensor: [1, 1]);
+// contiguous copies in `keep_alive`. `amaxes`: float64 [N] on the tensors' device when a format needs the
+// tensor's amax (NVFP4, current scaling), else ignored.
+inline std::vector<core::BlockOperand> block_operands(at::TensorList xs, const std::vector<core::BlockFormat>& formats,
+                                                      const at::Tensor& amaxes, std::vector<at::Tensor>& keep_alive) {
+  std::vector<core::BlockOperand> ops(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor& x = xs[i];
+    ops[i].dtype = checked_dtype(x, "block_numerics");
+    TORCH_CHECK_VALUE(x.device() == xs[0].device(), "gapmon.block_numerics: expected every tensor on ", xs[0].device(),
+                      ", got ", x.device(), " for tensor ", i);
+    const at::Tensor c = x.is_contiguous() ? x : keep_alive.emplace_back(x.contiguous());
+    ops[i].data = c.data_ptr();
+    ops[i].cols = x.dim() == 0 ? 1 : x.size(-1);
+    ops[i].rows = ops[i].cols == 0 ? 0 : x.numel() / ops[i].cols;
+  }
+  bool need_amax = false;
+  for (core::BlockFormat f : formats) need_amax = need_amax || core::needs_tensor_amax(f);
+  if (need_amax && !xs.empty()) {
+    TORCH_CHECK_VALUE(amaxes.scalar_type() == at::kDouble && amaxes.dim() == 1 &&
+                          amaxes.size(0) == static_cast<int64_t>(xs.size()) && amaxes.device() == xs[0].device() &&
+                          amaxes.is_contiguous(),
+                      "gapmon.block_numerics: NVFP4 and current scaling need each tensor's amax: a contiguous float64 [",
+                      xs.size(), "] tensor on ", xs[0].device(), ", got ", amaxes.scalar_type(), " ", amaxes.sizes(),
+                      " on ", amaxes.device());
   }
   return ops;
 }

@@ -14,7 +14,18 @@ import torch
 
 from .. import _torch_compat
 from . import reference
-from .layout import ACC_NAMES, FLOAT_DTYPES, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, UPDATE_COLUMNS, check_states, check_tensor, check_tensor_list
+from .layout import (
+    ACC_NAMES,
+    BLOCK_COLUMNS,
+    FLOAT_DTYPES,
+    NUMERICS_COLUMNS,
+    STAT_NAMES,
+    STATE_NAMES,
+    UPDATE_COLUMNS,
+    check_states,
+    check_tensor,
+    check_tensor_list,
+)
 
 _LIB = "gapmon"
 
@@ -121,6 +132,10 @@ if COMPILED:
     def _(states):
         return states.new_empty((states.shape[1], states.shape[2]), dtype=torch.float64)
 
+    @torch.library.register_fake(f"{_LIB}::block_numerics")
+    def _(xs, formats, amaxes):
+        return xs[0].new_empty((len(xs), len(formats), len(BLOCK_COLUMNS)), dtype=torch.float64)
+
     @torch.library.register_fake(f"{_LIB}::update_sums")
     def _(before, after, grads):
         return before[0].new_empty((len(before), len(UPDATE_COLUMNS)), dtype=torch.float64)
@@ -170,6 +185,18 @@ def multi_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.Tensor:
     if not _compiled_for(xs[0].device):
         return reference.multi_tensor_stats(xs, correction).rows()
     return torch.ops.gapmon.multi_tensor_stats(xs, correction)
+
+
+def block_numerics_rows(xs: Sequence[torch.Tensor], codes: Sequence[int], amaxes: torch.Tensor) -> torch.Tensor:
+    """[N, F, 12] float64 block-format rows of N local tensors on one device (gapmon.stats.block_formats), in
+    one read of each element; amaxes: float64 [N], each tensor's largest finite |x|."""
+    xs = list(xs)
+    check_tensor_list(xs, "block_numerics")
+    if not xs:
+        return torch.empty(0, len(codes), len(BLOCK_COLUMNS), dtype=torch.float64)
+    if not _compiled_for(xs[0].device):
+        return reference.block_numerics(xs, codes, amaxes.tolist()).to(xs[0].device)
+    return torch.ops.gapmon.block_numerics(xs, list(codes), amaxes.to(xs[0].device, torch.float64).contiguous())
 
 
 def update_sums(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],

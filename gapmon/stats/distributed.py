@@ -153,6 +153,44 @@ def dtensor_update_rows(before: list, after: list, grads: list) -> torch.Tensor:
     return rows
 
 
+def _blocks_whole(x, block: int) -> bool:
+    """Whether every shard of DTensor x holds whole blocks of `block` elements along the last dim: the last
+    dim is not sharded, or one mesh dim shards it into chunks (torch's: ceil(n / k)) of whole blocks; a 1-D
+    tensor's last dim is its dim 0."""
+    last = x.dim() - 1 if x.dim() else 0
+    cuts = [m for m, p in enumerate(x.placements) if p.is_shard() and p.dim % max(x.dim(), 1) == last]
+    if not cuts:
+        return True
+    if len(cuts) > 1:
+        return False
+    k = x.device_mesh.size(cuts[0])
+    return k == 1 or (-(-x.shape[last] // k)) % block == 0
+
+
+def dtensor_block_rows(xs: list, codes: list[int], amaxes: torch.Tensor, block: int) -> torch.Tensor:
+    """block_numerics rows of the full tensors behind DTensors (and plain tensors): shards that keep the
+    blocks whole give local rows merged over the mesh dims that shard them; a tensor whose shards cut a
+    block is cast whole (all-gathered), exactly."""
+    from .block_formats import merge_block_rows
+
+    xs = [materialize_partial(x) if is_dtensor(x) else x for x in xs]
+    whole = [not is_dtensor(x) or _blocks_whole(x, block) for x in xs]
+    local = [(x.to_local() if is_dtensor(x) else x) if ok else x.full_tensor() for x, ok in zip(xs, whole)]
+    rows = _backend.block_numerics_rows(local, codes, amaxes)
+    n, f, c = rows.shape
+    flat = rows.reshape(n, f * c)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, (x, ok) in enumerate(zip(xs, whole)):
+        if ok and is_dtensor(x) and _shard_mesh_dims(x):
+            groups[(x.device_mesh, _shard_mesh_dims(x))].append(i)
+    merge = lambda parts: merge_block_rows(parts.reshape(parts.shape[0], parts.shape[1], f, c)).reshape(  # noqa: E731
+        parts.shape[1], f * c)
+    for (mesh, dims), idx in groups.items():
+        index = torch.tensor(idx, device=flat.device)
+        flat = flat.index_copy(0, index, gather_states(flat.index_select(0, index), mesh, dims, merge))
+    return flat.reshape(n, f, c)
+
+
 def dtensor_instance_stats(x, correction: int = 1) -> Stats:
     """Per-instance statistics of a DTensor whose non-batch dims are not sharded.
 

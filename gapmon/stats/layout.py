@@ -11,6 +11,9 @@ STAT_NAMES = ("count", "mean", "var", "max_abs", "norm", "nonfinite", "zeros")
 STATE_NAMES = ("count", "mean", "m2", "max_abs", "sumsq", "nonfinite", "zeros")
 # Columns of an optimizer-update row (update_sums; csrc/core/update_stats.h): |after - before|^2, |before|^2,
 # |grad|^2, <after - before, grad>, elements. All additive over the pieces of a sharded tensor.
+# Columns of a per-block format row (block_numerics; csrc/core/block_formats.h kBlockColumnNames).
+BLOCK_COLUMNS = ("nonzero", "to_zero", "subnormal", "saturated", "blocks", "scale_underflow", "scale_overflow",
+                 "error_sq", "signal_sq", "min_nonzero", "max_block_ratio", "nonfinite")
 UPDATE_COLUMNS = ("update_sq", "weight_sq", "grad_sq", "update_dot_grad", "count")
 # Columns of a GAPMonitor activation accumulator row: per-instance statistics folded together
 # (sums over instances; divided by the instance count when the step ends).

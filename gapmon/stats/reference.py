@@ -6,6 +6,7 @@ torch op (one or more passes over memory each); half-precision inputs are upcast
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Sequence
 
@@ -177,6 +178,87 @@ def update_sums(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
         rows.append(torch.stack([(d * d).sum(), (b64 * b64).sum(), (g64 * g64).sum(), (d * g64).sum(),
                                  torch.tensor(float(b.numel()), dtype=torch.float64, device=b.device)]))
     return torch.stack(rows) if rows else torch.zeros(0, 5, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------ per-block formats (gapmon.stats.block_formats)
+# Written from the specifications (OCP MX v1.0; NVIDIA's NVFP4; TransformerEngine's current scaling) in float64
+# torch ops, independently of csrc/core/block_formats.h, which tests compare with this.
+_ELEMENT = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0), "e2m1": (1, 0, 6.0)}  # mantissa bits, min normal exp, max
+_BLOCK_FORMATS = (("mx", "e4m3", 32), ("mx", "e5m2", 32), ("mx", "e2m1", 32), ("nv", "e2m1", 16),
+                  ("current", "e4m3", 32), ("current", "e5m2", 32))  # by format code
+
+
+def cast_to_element(a: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, saturated): magnitudes a >= 0 (float64) rounded to nearest even on an element format's grid (its
+    top binade's spacing continued upwards), saturated to its largest finite value where the rounded value
+    is above it."""
+    mantissa, min_exp, largest = _ELEMENT[element]
+    exp = torch.frexp(a).exponent.to(torch.float64) - 1  # floor(log2 a), exact
+    ulp = torch.exp2(torch.clamp(exp, min=min_exp) - mantissa)
+    q = torch.round(a / ulp) * ulp  # torch.round: half to even
+    saturated = q > largest
+    q = torch.where(saturated, torch.full_like(q, largest), q)
+    return torch.where(a == 0, torch.zeros_like(q), q), saturated
+
+
+def block_numerics(xs: Sequence[torch.Tensor], codes: Sequence[int], amaxes: Sequence[float]) -> torch.Tensor:
+    """[N, F, 12] float64 rows (gapmon.stats.block_formats.BLOCK_COLUMNS) of xs cast to the block formats `codes`,
+    blocks along the last dim; amaxes[i]: tensor i's largest finite |x| (for NVFP4 and current scaling)."""
+    out = torch.zeros(len(xs), len(codes), 12, dtype=torch.float64)
+    for i, x in enumerate(xs):
+        wide = x.dtype == torch.float64
+        x = x.detach().cpu().double()
+        cols = x.shape[-1] if x.dim() else 1
+        if x.numel() == 0:  # no blocks, no elements
+            out[i, :, 9] = math.inf
+            continue
+        x = x.reshape(-1, cols)
+        finite = torch.isfinite(x)
+        a_all = torch.where(finite, x.abs(), torch.zeros_like(x))
+        for f, code in enumerate(codes):
+            kind, element, size = _BLOCK_FORMATS[code]
+            mantissa, min_exp, largest = _ELEMENT[element]
+            pad = (-cols) % size if cols else 0
+            a = torch.nn.functional.pad(a_all, (0, pad)).reshape(x.shape[0], -1, size)
+            fin = torch.nn.functional.pad(finite, (0, pad), value=True).reshape(x.shape[0], -1, size)
+            amax_b = a.amax(-1, keepdim=True) if a.numel() else a.sum(-1, keepdim=True)
+            under = over = torch.zeros_like(amax_b, dtype=torch.bool)
+            if kind == "mx":
+                top = {"e4m3": 8, "e5m2": 15, "e2m1": 2}[element]
+                exp_b = torch.frexp(amax_b).exponent.to(torch.float64) - 1 - top
+                exp_b = torch.where(amax_b > 0, exp_b, torch.full_like(exp_b, -127.0))
+                under, over = exp_b < -127, exp_b > 127
+                exp_b = exp_b.clamp(-127, 127)
+                v = a * torch.exp2(-exp_b)
+                q, saturated = cast_to_element(v, element)
+                deq = q * torch.exp2(exp_b)
+            elif kind == "nv":
+                a32 = torch.tensor(amaxes[i], dtype=torch.float32)
+                g = (torch.tensor(448.0 * 6.0, dtype=torch.float32) / a32) if amaxes[i] > 0 else torch.tensor(1.0)
+                scale_in = (amax_b.float() / 6.0) * g
+                s, over = cast_to_element(scale_in.double(), "e4m3")
+                under = (amax_b > 0) & (s < 2.0 ** -6)
+                enc = torch.where(s > 0, g / s.float().clamp_min(torch.finfo(torch.float32).tiny), torch.zeros(()))
+                v = a * enc.double() if wide else (a.float() * enc).double()
+                v = torch.where(s > 0, v, torch.zeros_like(v))
+                q, saturated = cast_to_element(v, element)
+                deq = q * s / g.double()
+            else:
+                a32 = torch.tensor(amaxes[i], dtype=torch.float32)
+                scale = (torch.tensor(largest, dtype=torch.float32) / a32) if amaxes[i] > 0 else torch.tensor(1.0)
+                v = a * scale.double() if wide else (a.float() * scale).double()
+                q, saturated = cast_to_element(v, element)
+                deq = q / scale.double()
+            nonzero = (a > 0) & fin
+            ratio = torch.where(nonzero.any(-1), amax_b.squeeze(-1) / torch.where(nonzero, a, torch.full_like(a, math.inf)).amin(-1),
+                                torch.zeros_like(amax_b.squeeze(-1))) if a.numel() else torch.zeros(1)
+            out[i, f] = torch.tensor([
+                nonzero.sum(), (nonzero & (q == 0)).sum(), (nonzero & (q > 0) & (q < 2.0 ** min_exp)).sum(),
+                (nonzero & saturated).sum(), float(a.shape[0] * a.shape[1]), under.sum(), over.sum(),
+                torch.where(fin, (a - deq) ** 2, torch.zeros_like(a)).sum(), (a_all ** 2).sum(),
+                a_all[a_all > 0].min() if (a_all > 0).any() else math.inf, ratio.max() if ratio.numel() else 0.0,
+                (~finite).sum()], dtype=torch.float64)
+    return out
 
 
 def per_sample_grad_norms(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,292 @@
+// Per-block low-precision formats, emulated exactly on the bits: what casting a tensor to MXFP8/MXFP4
+// (OCP MX v1.0), NVFP4 or per-tensor current-scaled FP8 would do to it. The single source of this math,
+// torch-free, host and device (csrc/cpu/block_kernels.cpp, csrc/cuda/block_cuda.cu); gapmon/stats/
+// block_formats.py documents it for users and holds the float64 reference tests compare with.
+//
+// Blocks run along the last dim (rows of `cols` elements; a row's last block may be shorter). Work is cut
+// into "groups" of kGroupElems elements, the MX block: an NVFP4 group holds up to two 16-element blocks.
+//
+// The cast of one element: |v| rounds to nearest, ties to even, on the format's grid (subnormals included);
+// a result above the format's largest finite value saturates to it (counted as saturated).
+// Scales:
+//   MX (E8M0, one per 32-element block): X = floor(log2(amax_b)) - emax_elem, clamped to [-127, 127] (a
+//     clamped X counts as a scale under/overflow); v = x * 2^-X exactly; dequantised q * 2^X.
+//   NVFP4 (e4m3 per 16-element block, fp32 per tensor): g = fp32(448 * 6 / fp32(amax)); the block scale
+//     S = e4m3(fp32(fp32(fp32(amax_b) / 6) * g)), saturating (S below e4m3's smallest normal 2^-6 counts
+//     as a scale underflow; S = 0 casts the block to zero); v = fp32(x * fp32(g / S)); dequantised q * S / g.
+//   Current scaling (one fp32 scale per tensor, as TransformerEngine's): s = fp32(max_finite / fp32(amax));
+//     v = fp32(x * s); dequantised q / s.
+// fp32(...) rounds to float32 (nearest even), as the hardware and TE compute scales; float64 tensors keep
+// v in float64. Non-finite elements are left out of every count and sum (counted apart); amax and amax_b
+// are over the finite elements.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "stats_state.h"
+#include "strided_view.h"
+#include "widen.h"
+
+namespace gapmon {
+namespace core {
+
+constexpr int kGroupElems = 32;
+
+enum class BlockFormat : int32_t {
+  kMxfp8E4m3 = 0,
+  kMxfp8E5m2 = 1,
+  kMxfp4 = 2,
+  kNvfp4 = 3,
+  kCurrentE4m3 = 4,
+  kCurrentE5m2 = 5,
+};
+constexpr int kNumBlockFormats = 6;
+
+// Column order of a block-format row (`[..., kNumBlockColumns]` float64). Columns up to kSignalSq and
+// kNonfiniteElems are sums; kMinNonzero a minimum, kMaxBlockRatio a maximum.
+enum BlockColumn : int {
+  bNonzero = 0,         // finite non-zero elements
+  bToZero = 1,          // of those, cast to zero
+  bSubnormal = 2,       // of those, cast to a non-zero subnormal of the element format
+  bSaturated = 3,       // of those, rounded above the largest finite value: clamped to it
+  bBlocks = 4,          // blocks (MX: 32, NVFP4: 16, current scaling: 32 elements, for the range)
+  bScaleUnderflow = 5,  // blocks whose scale underflows (see above)
+  bScaleOverflow = 6,   // blocks whose scale overflows (E8M0 above 2^127; NVFP4 block scale above 448)
+  bErrorSq = 7,         // sum of (x - dequantised)^2 over the finite elements
+  bSignalSq = 8,        // sum of x^2 over the finite elements
+  bMinNonzero = 9,      // smallest finite non-zero |x| (+inf if none)
+  bMaxBlockRatio = 10,  // largest amax_b / (smallest non-zero |x| of the block) over blocks (0 if none)
+  bNonfinite = 11,      // non-finite elements (left out of the rest)
+  kNumBlockColumns = 12,
+};
+inline constexpr const char* kBlockColumnNames[kNumBlockColumns] = {
+    "nonzero", "to_zero",   "subnormal",    "saturated",   "blocks",          "scale_underflow",
+    "scale_overflow", "error_sq", "signal_sq", "min_nonzero", "max_block_ratio", "nonfinite"};
+
+// An element format: mantissa bits, the exponent of its smallest normal and of its largest binade,
+// and its largest finite value (OCP: E4M3 448 and E5M2 57344 as in torch.float8_e4m3fn/e5m2; E2M1 6).
+struct ElementFormat {
+  int mantissa_bits;
+  int min_normal_exp;
+  int max_exp;
+  double max_finite;
+};
+constexpr ElementFormat kE4m3{3, -6, 8, 448.0};
+constexpr ElementFormat kE5m2{2, -14, 15, 57344.0};
+constexpr ElementFormat kE2m1{1, 0, 2, 6.0};
+
+GAPMON_HD ElementFormat element_format(BlockFormat f) {
+  switch (f) {
+    case BlockFormat::kMxfp8E5m2:
+    case BlockFormat::kCurrentE5m2: return kE5m2;
+    case BlockFormat::kMxfp4:
+    case BlockFormat::kNvfp4: return kE2m1;
+    default: return kE4m3;
+  }
+}
+
+GAPMON_HD int block_elems(BlockFormat f) { return f == BlockFormat::kNvfp4 ? 16 : kGroupElems; }
+GAPMON_HD bool needs_tensor_amax(BlockFormat f) {
+  return f == BlockFormat::kNvfp4 || f == BlockFormat::kCurrentE4m3 || f == BlockFormat::kCurrentE5m2;
+}
+
+GAPMON_HD float to_f32(double x) { return static_cast<float>(x); }  // round to nearest even
+
+// floor(log2(a)) of a finite a > 0, exactly.
+GAPMON_HD int floor_log2(double a) {
+  int e;
+  frexp(a, &e);
+  return e - 1;
+}
+
+// |v| (finite, >= 0) cast to format `f`: rounded to nearest, ties to even, on the format's grid (subnormals
+// included, the top binade's grid continued upwards); a result above the largest finite value saturates to
+// it (`saturated`: the value was clamped, not merely rounded).
+GAPMON_HD double cast_magnitude(double a, const ElementFormat& f, bool& saturated) {
+  saturated = false;
+  if (a == 0) return 0;
+  int exp = floor_log2(a);
+  if (exp < f.min_normal_exp) exp = f.min_normal_exp;
+  const double ulp = ldexp(1.0, exp - f.mantissa_bits);
+  const double r = rint(a / ulp) * ulp;  // a / ulp and the product are exact (powers of two)
+  saturated = r > f.max_finite;
+  return saturated ? f.max_finite : r;
+}
+
+// The per-tensor constants of a format: NVFP4's global encode scale g, or current scaling's s (1 when
+// amax is 0: nothing to cast). `amax` is the tensor's largest finite |x|.
+GAPMON_HD double tensor_scale(BlockFormat f, double amax) {
+  if (!needs_tensor_amax(f) || !(amax > 0)) return 1.0;
+  const float a = to_f32(amax);
+  if (f == BlockFormat::kNvfp4) return static_cast<double>(448.0f * 6.0f / a);
+  return static_cast<double>(static_cast<float>(element_format(f).max_finite) / a);
+}
+
+// The row accumulator of one format.
+struct BlockRow {
+  double v[kNumBlockColumns];
+  GAPMON_HD BlockRow() {
+    for (int k = 0; k < kNumBlockColumns; ++k) v[k] = 0;
+    v[bMinNonzero] = INFINITY;
+  }
+  GAPMON_HD void merge(const BlockRow& o) {
+    for (int k = 0; k < kNumBlockColumns; ++k) {
+      if (k == bMinNonzero) v[k] = o.v[k] < v[k] ? o.v[k] : v[k];
+      else if (k == bMaxBlockRatio) v[k] = o.v[k] > v[k] ? o.v[k] : v[k];
+      else v[k] += o.v[k];
+    }
+  }
+};
+
+// One element x of a block whose elements are scaled by `scale_mul` (v = x * scale_mul, rounded to fp32
+// unless `wide`) and dequantised by `dequant` (q * dequant_mul / dequant_div).
+GAPMON_HD void cast_element(double x, const ElementFormat& f, double scale_mul, bool round_f32, double dequant_mul,
+                            double dequant_div, BlockRow& row) {
+  const double a = fabs(x);
+  row.v[bSignalSq] += x * x;
+  if (a == 0) return;
+  double v = a * scale_mul;
+  if (round_f32) v = static_cast<double>(static_cast<float>(a) * static_cast<float>(scale_mul));
+  bool saturated;
+  const double q = cast_magnitude(v, f, saturated);
+  row.v[bNonzero] += 1;
+  row.v[bToZero] += q == 0 ? 1 : 0;
+  row.v[bSubnormal] += (q != 0 && q < ldexp(1.0, f.min_normal_exp)) ? 1 : 0;
+  row.v[bSaturated] += saturated ? 1 : 0;
+  const double err = a - q * dequant_mul / dequant_div;
+  row.v[bErrorSq] += err * err;
+  if (a < row.v[bMinNonzero]) row.v[bMinNonzero] = a;
+}
+
+// One block: elements xs[0, n) (widened to double; non-finite ones included, and left out here), of a
+// tensor whose values are float64 (`wide`) or narrower, with the format's tensor scale.
+GAPMON_HD void cast_block(const double* xs, int n, BlockFormat f, bool wide, double tensor_scale_value, BlockRow& row) {
+  const ElementFormat ef = element_format(f);
+  double amax = 0, amin = INFINITY;
+  for (int i = 0; i < n; ++i) {
+    const double a = fabs(xs[i]);
+    if (!(a <= 1.7976931348623157e308)) continue;  // NaN or Inf
+    if (a > amax) amax = a;
+    if (a != 0 && a < amin) amin = a;
+  }
+  row.v[bBlocks] += 1;
+  if (amax > 0) {
+    const double ratio = amax / amin;
+    if (ratio > row.v[bMaxBlockRatio]) row.v[bMaxBlockRatio] = ratio;
+  }
+  double scale_mul = 1, dequant_mul = 1, dequant_div = 1;
+  bool round_f32 = !wide;
+  if (f == BlockFormat::kMxfp8E4m3 || f == BlockFormat::kMxfp8E5m2 || f == BlockFormat::kMxfp4) {
+    int x_exp = amax > 0 ? floor_log2(amax) - ef.max_exp : -127;
+    if (x_exp < -127) row.v[bScaleUnderflow] += 1, x_exp = -127;
+    if (x_exp > 127) row.v[bScaleOverflow] += 1, x_exp = 127;
+    scale_mul = ldexp(1.0, -x_exp);
+    dequant_mul = ldexp(1.0, x_exp);
+    round_f32 = false;  // a power-of-two scale is exact
+  } else if (f == BlockFormat::kNvfp4) {
+    const float g = static_cast<float>(tensor_scale_value);
+    bool over = false;
+    const double s = cast_magnitude(static_cast<double>((to_f32(amax) / 6.0f) * g), kE4m3, over);
+    if (over) row.v[bScaleOverflow] += 1;
+    if (amax > 0 && s < ldexp(1.0, kE4m3.min_normal_exp)) row.v[bScaleUnderflow] += 1;
+    if (s == 0) {
+      scale_mul = 0;  // the whole block casts to zero
+    } else {
+      scale_mul = static_cast<double>(g / static_cast<float>(s));
+      dequant_mul = s;
+      dequant_div = g;
+    }
+  } else {
+    scale_mul = tensor_scale_value;
+    dequant_div = tensor_scale_value;
+  }
+  for (int i = 0; i < n; ++i) {
+    const double x = xs[i];
+    if (!(fabs(x) <= 1.7976931348623157e308)) {
+      row.v[bNonfinite] += 1;
+      continue;
+    }
+    cast_element(x, ef, scale_mul, round_f32, dequant_mul, dequant_div, row);
+  }
+}
+
+// A group of up to kGroupElems elements (a row's 32-element MX block): format `f`'s blocks in it.
+GAPMON_HD void cast_group(const double* xs, int n, BlockFormat f, bool wide, double tensor_scale_value, BlockRow& row) {
+  const int b = block_elems(f);
+  for (int start = 0; start < n; start += b) {
+    cast_block(xs + start, n - start < b ? n - start : b, f, wide, tensor_scale_value, row);
+  }
+}
+
+// The groups of a [rows, cols] tensor: ceil(cols / 32) per row.
+GAPMON_HD int64_t groups_per_row(int64_t cols) { return (cols + kGroupElems - 1) / kGroupElems; }
+
+constexpr int64_t kGroupsPerChunk = 2048;  // 65536 elements: the unit of parallel work
+
+// One tensor: contiguous [rows, cols] elements (cols = its last dim) of dtype `dtype`.
+struct BlockOperand {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t first_chunk = 0;  // filled by plan_block_chunks
+};
+
+GAPMON_HD int64_t block_chunks_for(const BlockOperand& op) {
+  const int64_t groups = op.rows * groups_per_row(op.cols);
+  return groups == 0 ? 1 : (groups + kGroupsPerChunk - 1) / kGroupsPerChunk;  // an empty tensor owns a chunk
+}
+
+inline int64_t plan_block_chunks(BlockOperand* ops, int64_t n) {
+  int64_t next = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ops[i].first_chunk = next;
+    next += block_chunks_for(ops[i]);
+  }
+  return next;
+}
+
+GAPMON_HD int64_t find_block_operand(const BlockOperand* ops, int64_t n, int64_t chunk) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (ops[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Loads group `group` of `op` (widened to double) into xs; returns its number of elements.
+template <typename T>
+GAPMON_HD int load_group(const BlockOperand& op, int64_t group, double* xs) {
+  const int64_t per_row = groups_per_row(op.cols);
+  const int64_t row = group / per_row, first = (group % per_row) * kGroupElems;
+  const int n = static_cast<int>(op.cols - first < kGroupElems ? op.cols - first : kGroupElems);
+  const T* p = static_cast<const T*>(op.data) + row * op.cols + first;
+  for (int i = 0; i < n; ++i) xs[i] = widen(p[i]);
+  return n;
+}
+
+GAPMON_HD int load_group_any(const BlockOperand& op, int64_t group, double* xs) {
+  switch (op.dtype) {
+    case DType::kFloat64: return load_group<double>(op, group, xs);
+    case DType::kFloat16: return load_group<Half>(op, group, xs);
+    case DType::kBFloat16: return load_group<BF16>(op, group, xs);
+    default: return load_group<float>(op, group, xs);
+  }
+}
+
+// The rows of formats[0, num_formats) over groups [begin, end) of `op` (tensor amax `amax`), added to rows.
+GAPMON_HD void cast_groups(const BlockOperand& op, int64_t begin, int64_t end, const BlockFormat* formats,
+                           int num_formats, double amax, BlockRow* rows) {
+  double xs[kGroupElems], scales[kNumBlockFormats];
+  const bool wide = op.dtype == DType::kFloat64;
+  for (int f = 0; f < num_formats; ++f) scales[f] = tensor_scale(formats[f], amax);
+  for (int64_t g = begin; g < end; ++g) {
+    const int n = load_group_any(op, g, xs);
+    for (int f = 0; f < num_formats; ++f) cast_group(xs, n, formats[f], wide, scales[f], rows[f]);
+  }
+}
+
+}  // namespace core
+}  // namespace gapmon

@@ -1,0 +1,175 @@
+"""Per-block formats (gapmon.stats.block_formats): the compiled one-pass op against the float64 reference
+written from the specifications, the reference's element casts against torch's float8 casts and hand-worked
+e2m1 values, every format's edge values (subnormals, the largest finite value, ties, an all-zero block, a
+block with one huge value, scale under/overflow, non-finite elements), the metrics, and DTensors."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_distributed
+
+import gapmon
+from gapmon.stats import block_formats as bf
+from gapmon.stats import reference
+from gapmon.stats.layout import BLOCK_COLUMNS
+
+ALL = bf.BLOCK_FORMATS
+COL = {name: i for i, name in enumerate(BLOCK_COLUMNS)}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _assert_rows_equal(got, want, what):
+    """Counts equal exactly; sums within 1e-12 relative; infinities where the reference has them."""
+    assert got.shape == want.shape, what
+    both_inf = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
+    close = (got - want).abs() <= 1e-12 * want.abs()
+    assert bool((both_inf | close).all()), (what, got[~(both_inf | close)], want[~(both_inf | close)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 70), (5,), (2, 3, 33), (4, 64), (1, 17), (), (0, 32), (2, 0), (2100, 40)])
+def test_op_matches_the_reference(dtype, shape):
+    g = torch.Generator().manual_seed(len(shape) * 7 + sum(shape))
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * torch.exp(3 * torch.randn(shape, generator=g,
+                                                                                         dtype=torch.float64))).to(dtype)
+    got = bf.block_numerics([x], ALL)
+    amax = bf.finite_amaxes([x])
+    _assert_rows_equal(got, reference.block_numerics([x], list(range(len(ALL))), amax.tolist()), (dtype, shape))
+
+
+def _grid(dtype):
+    """Every finite non-negative value of a float8 format, as float64."""
+    bits = torch.arange(256, dtype=torch.uint8).view(dtype).double()
+    return torch.unique(bits[torch.isfinite(bits) & (bits >= 0)])
+
+
+@pytest.mark.parametrize("element,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_element_casts_match_torch_float8(element, dtype):
+    """Every representable value, every midpoint between neighbours (ties: to even) and random float32
+    values in range round as torch's float8 casts (from float32, which they take exactly)."""
+    grid = _grid(dtype)
+    mids = (grid[1:] + grid[:-1]) / 2
+    rnd = torch.rand(100000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * grid[-1]
+    small = torch.exp2(-torch.rand(100000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 20)
+    a = torch.cat([grid, mids, rnd, small]).float().double()  # float32 values
+    q, saturated = reference.cast_to_element(a, element)
+    assert torch.equal(q, a.float().to(dtype).double())
+    assert not saturated.any()
+
+
+def test_e2m1_by_hand():
+    """The e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, its ties (to the even neighbour) and saturation above 6
+    (7 ties between 6 and 8: rounds to 8, so it is clamped; 6.9 rounds to 6)."""
+    a = torch.tensor([0, 0.25, 0.5, 0.75, 1, 1.25, 1.75, 2.5, 3.5, 5, 6, 6.9, 7, 100], dtype=torch.float64)
+    want = torch.tensor([0, 0, 0.5, 1, 1, 1, 2, 2, 4, 4, 6, 6, 6, 6], dtype=torch.float64)
+    q, saturated = reference.cast_to_element(a, "e2m1")
+    assert torch.equal(q, want)
+    assert saturated.tolist() == [False] * 12 + [True, True]
+
+
+def _row(x, fmt, dtype=torch.float32):
+    return bf.block_numerics([x.to(dtype)], [fmt])[0, 0]
+
+
+def test_mx_edges_exact_values_subnormals_and_saturation():
+    # amax 1.875: X = 0 - 8 for e4m3, so x * 256 is cast. 2^-17 * 256 = 2^-9, e4m3's smallest subnormal (kept);
+    # 2^-18 * 256 = 2^-10 ties between 0 and 2^-9 -> 0 (even); 1.8125 * 256 = 464 ties between 448 (even) and
+    # 480 -> 448, rounded, not clamped; 1.875 * 256 = 480 is above 448: clamped (saturated).
+    x = torch.tensor([1.0, 2.0 ** -17, 2.0 ** -18, 0.0, 1.8125, 1.875] + [0.5] * 26)
+    row = _row(x, "mxfp8_e4m3")
+    assert row[COL["nonzero"]] == 31
+    assert row[COL["to_zero"]] == 1
+    assert row[COL["subnormal"]] == 1
+    assert row[COL["saturated"]] == 1
+    assert row[COL["blocks"]] == 1 and row[COL["scale_underflow"]] == 0
+    want_err = (2.0 ** -18) ** 2 + (1.8125 - 1.75) ** 2 + (1.875 - 1.75) ** 2
+    assert row[COL["error_sq"]] == pytest.approx(want_err, rel=1e-15)
+    assert row[COL["max_block_ratio"]] == 1.875 * 2.0 ** 18
+    assert row[COL["min_nonzero"]] == 2.0 ** -18
+
+
+def test_all_zero_block_and_one_huge_value():
+    zero = _row(torch.zeros(32), "mxfp4")
+    assert zero[COL["nonzero"]] == 0 and zero[COL["blocks"]] == 1 and zero[COL["error_sq"]] == 0
+    assert zero[COL["scale_underflow"]] == 0 and zero[COL["max_block_ratio"]] == 0
+    # One value 2^20 and 31 values 1: X = 20 - 2 = 18 for e2m1, so 1 * 2^-18 underflows to zero.
+    x = torch.ones(32)
+    x[5] = 2.0 ** 20
+    row = _row(x, "mxfp4")
+    assert row[COL["to_zero"]] == 31 and row[COL["nonzero"]] == 32
+    m = bf.block_metrics(row.tolist(), 32)
+    assert m["block_underflow"] == 31 / 32
+    assert m["sqnr_db"] == pytest.approx(10 * math.log10((2.0 ** 40 + 31) / 31), rel=1e-12)
+
+
+def test_scale_underflow_and_overflow():
+    tiny = _row(torch.full((32,), 2.0 ** -140), "mxfp8_e4m3")  # float32 subnormals: X = -148 < -127
+    assert tiny[COL["scale_underflow"]] == 1 and tiny[COL["to_zero"]] == 32
+    huge = _row(torch.full((32,), 1e300, dtype=torch.float64), "mxfp8_e5m2", torch.float64)  # X = 981 > 127
+    assert huge[COL["scale_overflow"]] == 1 and huge[COL["saturated"]] == 32
+    # NVFP4: one large block sets the tensor scale; a block 2^-30 below it has a block scale below e4m3's
+    # smallest subnormal: it casts to zero.
+    x = torch.cat([torch.full((16,), 1.0), torch.full((16,), 2.0 ** -30)])
+    row = _row(x, "nvfp4")
+    assert row[COL["blocks"]] == 2 and row[COL["scale_underflow"]] == 1 and row[COL["to_zero"]] == 16
+
+
+def test_non_finite_elements_are_left_out_and_counted():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 40, generator=g)
+    y = x.clone()
+    y[0, 3], y[2, 39], y[3, 0] = math.inf, math.nan, -math.inf
+    zeroed = x.clone()
+    zeroed[0, 3] = zeroed[2, 39] = zeroed[3, 0] = 0
+    got, want = bf.block_numerics([y], ALL), bf.block_numerics([zeroed], ALL)
+    assert (got[..., COL["nonfinite"]] == 3).all()
+    got[..., COL["nonfinite"]] = 0
+    assert torch.equal(got, want)
+    assert bf.finite_amaxes([y])[0] == zeroed.abs().max().item()
+
+
+def test_exact_values_have_no_error_and_metrics_name_the_formats():
+    x = torch.tensor([[1.0, -0.5, 2.0, 0.0] * 8])  # e2m1 values under the scale 2^(1-2): 4, 2, 8?: amax 2 -> X = -1
+    rows = bf.block_numerics([x], ["mxfp8_e4m3", "mxfp4"])
+    for f in range(2):
+        m = bf.block_metrics(rows[0, f].tolist(), x.numel())
+        assert m["mse"] == 0 and m["sqnr_db"] == math.inf and m["block_underflow"] == 0
+    assert bf.range_bits(2.0, rows[0, 0].tolist()) == 2.0
+    with pytest.raises(ValueError, match="unknown format"):
+        bf.block_numerics([x], ["mxfp6"])
+    with pytest.raises(ValueError, match="twice"):
+        bf.check_block_formats(["nvfp4", "nvfp4"])
+
+
+@pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled extension")
+def test_op_registration_and_refusals():
+    x = torch.randn(6, 40)
+    torch.library.opcheck(torch.ops.gapmon.block_numerics.default, ([x, x[0].bfloat16()], [0, 3],
+                                                                    torch.tensor([3.0, 2.0], dtype=torch.float64)))
+    with pytest.raises(ValueError, match="amax"):
+        torch.ops.gapmon.block_numerics([x], [3], torch.zeros(0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unknown format code"):
+        torch.ops.gapmon.block_numerics([x], [9], torch.zeros(1, dtype=torch.float64))
+
+
+def _dtensor_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randn(7, 70, generator=g),  # Shard(0) rows: whole blocks, uneven shards
+             torch.randn(101, generator=g),  # 1-D: Shard(0) cuts blocks: cast whole
+             torch.randn(3, 128, generator=g)]  # Shard(1) into chunks of 64: whole blocks
+    placements = [Shard(0), Shard(0), Shard(1)]
+    dts = [distribute_tensor(x, mesh, [p]) for x, p in zip(cases, placements)]
+    got = bf.block_numerics(dts, ALL)
+    want = bf.block_numerics(cases, ALL)
+    _assert_rows_equal(got, want, rank)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_dtensor_rows_equal_the_full_tensors():
+    run_distributed(_dtensor_worker, 2)
