@@ -72,17 +72,18 @@ struct ElementFormat {
   int max_exp;
   double max_finite;
 };
-constexpr ElementFormat kE4m3{3, -6, 8, 448.0};
-constexpr ElementFormat kE5m2{2, -14, 15, 57344.0};
-constexpr ElementFormat kE2m1{1, 0, 2, 6.0};
+// (Functions, not constants: device code cannot bind references to host constants.)
+GAPMON_HD ElementFormat e4m3() { return {3, -6, 8, 448.0}; }
+GAPMON_HD ElementFormat e5m2() { return {2, -14, 15, 57344.0}; }
+GAPMON_HD ElementFormat e2m1() { return {1, 0, 2, 6.0}; }
 
 GAPMON_HD ElementFormat element_format(BlockFormat f) {
   switch (f) {
     case BlockFormat::kMxfp8E5m2:
-    case BlockFormat::kCurrentE5m2: return kE5m2;
+    case BlockFormat::kCurrentE5m2: return e5m2();
     case BlockFormat::kMxfp4:
-    case BlockFormat::kNvfp4: return kE2m1;
-    default: return kE4m3;
+    case BlockFormat::kNvfp4: return e2m1();
+    default: return e4m3();
   }
 }
 
@@ -187,9 +188,9 @@ GAPMON_HD void cast_block(const double* xs, int n, BlockFormat f, bool wide, dou
   } else if (f == BlockFormat::kNvfp4) {
     const float g = static_cast<float>(tensor_scale_value);
     bool over = false;
-    const double s = cast_magnitude(static_cast<double>((to_f32(amax) / 6.0f) * g), kE4m3, over);
+    const double s = cast_magnitude(static_cast<double>((to_f32(amax) / 6.0f) * g), e4m3(), over);
     if (over) row.v[bScaleOverflow] += 1;
-    if (amax > 0 && s < ldexp(1.0, kE4m3.min_normal_exp)) row.v[bScaleUnderflow] += 1;
+    if (amax > 0 && s < ldexp(1.0, e4m3().min_normal_exp)) row.v[bScaleUnderflow] += 1;
     if (s == 0) {
       scale_mul = 0;  // the whole block casts to zero
     } else {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../core/numerics.h"
+#include "../cuda/block_cuda.h"
 #include "../cuda/numerics_cuda.h"
 #include "../cuda/stats_cuda.h"
 #include "../cuda/update_cuda.h"
@@ -195,6 +196,38 @@ at::Tensor update_sums_cuda(at::TensorList before, at::TensorList after, at::Ten
   return out;
 }
 
+// The per-block format rows (csrc/core/block_formats.h): the operand table copied to the device, one launch
+// for the chunks and one for the rows.
+at::Tensor block_numerics_cuda(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  const int64_t n = static_cast<int64_t>(ops.size());
+  if (n == 0) return at::empty({0, static_cast<int64_t>(formats.size()), core::kNumBlockColumns}, at::kDouble);
+  const at::Device device = xs[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cuda::BlockFormatList list;
+  list.num = static_cast<int>(formats.size());
+  bool need_amax = false;
+  for (int f = 0; f < list.num; ++f) {
+    list.codes[f] = formats[f];
+    need_amax = need_amax || core::needs_tensor_amax(formats[f]);
+  }
+  const int64_t total = core::plan_block_chunks(ops.data(), n);
+  static_assert(sizeof(core::BlockOperand) % sizeof(uint64_t) == 0, "operands are uploaded as 8-byte words");
+  at::Tensor table;
+  const auto* ops_device = static_cast<const core::BlockOperand*>(
+      device_copy(ops.data(), n * int64_t(sizeof(core::BlockOperand)), device, stream, table, "block_numerics"));
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  at::Tensor chunk_rows = at::empty({total, list.num, core::kNumBlockColumns}, options);
+  at::Tensor out = at::empty({n, list.num, core::kNumBlockColumns}, options);
+  check_launch(cuda::launch_block_numerics(ops_device, n, total, list, need_amax ? amaxes.data_ptr<double>() : nullptr,
+                                           chunk_rows.data_ptr<double>(), out.data_ptr<double>(), stream),
+               "block_numerics");
+  return out;
+}
+
 at::Tensor merge_states_cuda(const at::Tensor& states) {
   check_states(states, 3, "merge_states");
   const c10::cuda::CUDAGuard guard(states.device());
@@ -335,6 +368,7 @@ void accumulate_instance_stats_and_numerics_cuda(const at::Tensor& x, at::Tensor
 TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
   m.impl("accumulate_instance_stats", &accumulate_instance_stats_cuda);
   m.impl("update_sums", &update_sums_cuda);
+  m.impl("block_numerics", &block_numerics_cuda);
   m.impl("tensor_stats", &tensor_stats_cuda);
   m.impl("instance_stats", &instance_stats_cuda);
   m.impl("multi_tensor_stats", &multi_tensor_stats_cuda);
