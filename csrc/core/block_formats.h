@@ -277,15 +277,243 @@ GAPMON_HD int load_group_any(const BlockOperand& op, int64_t group, double* xs) 
   }
 }
 
+// ---------------------------------------------------------------- the float32 path
+// Tensors of float32 or narrower take this path: the same casts as cast_block (the same counts; the error
+// sums in another order), written as fixed-length loops over a group's 32 lanes that vectorise, with the
+// rounding done on float32 bits. float64 tensors take cast_block.
+
+GAPMON_HD uint32_t bits_of(float v) {
+  union {
+    float f;
+    uint32_t u;
+  } pun{v};
+  return pun.u;
+}
+
+// v >= 0 (float32) rounded to nearest even onto the grid of `f` (no saturation): below the smallest normal
+// the spacing is fixed, 2^(min_normal_exp - mantissa_bits), and adding then subtracting `magic` (that
+// spacing times 2^23) rounds to it; above, the mantissa is cut to mantissa_bits on the bits.
+// c ? x : y on the bits (no float select, which would keep a loop from vectorising).
+GAPMON_HD float select_f32(bool c, float x, float y) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return f32_from_bits((bits_of(x) & m) | (bits_of(y) & ~m));
+}
+
+GAPMON_HD float round_to_grid(float v, int mantissa_bits, float min_normal, float magic) {
+  const float sub = (v + magic) - magic;
+  const int shift = 23 - mantissa_bits;
+  uint32_t b = bits_of(v);
+  b += ((1u << (shift - 1)) - 1u) + ((b >> shift) & 1u);
+  b &= ~((1u << shift) - 1u);
+  return select_f32(v < min_normal, sub, f32_from_bits(b));
+}
+
+constexpr int kLanes = 8;
+
+// A format's sums over many groups, lane by lane (element i of a group in lane i % kLanes), folded into a
+// BlockRow at the end in lane order.
+struct LaneRow {
+  double error_sq[kLanes] = {}, signal_sq[kLanes] = {};
+  int64_t nonzero = 0, to_zero = 0, subnormal = 0, saturated = 0, blocks = 0, scale_under = 0, scale_over = 0;
+  float min_nonzero = INFINITY;
+  double max_ratio = 0;
+
+  GAPMON_HD void fold_into(BlockRow& row) const {
+    BlockRow r;
+    for (int k = 0; k < kLanes; ++k) r.v[bErrorSq] += error_sq[k], r.v[bSignalSq] += signal_sq[k];
+    r.v[bNonzero] = static_cast<double>(nonzero);
+    r.v[bToZero] = static_cast<double>(to_zero);
+    r.v[bSubnormal] = static_cast<double>(subnormal);
+    r.v[bSaturated] = static_cast<double>(saturated);
+    r.v[bBlocks] = static_cast<double>(blocks);
+    r.v[bScaleUnderflow] = static_cast<double>(scale_under);
+    r.v[bScaleOverflow] = static_cast<double>(scale_over);
+    r.v[bMinNonzero] = min_nonzero;
+    r.v[bMaxBlockRatio] = max_ratio;
+    row.merge(r);
+  }
+};
+
+// 2^k as float32 (k in [-149, 127], subnormals included) and as float64 (k in [-1022, 1023]), on the bits.
+GAPMON_HD float pow2f(int k) {
+  return k >= -126 ? f32_from_bits(static_cast<uint32_t>(k + 127) << 23) : f32_from_bits(1u << (k + 149));
+}
+GAPMON_HD double pow2d(int k) {
+  union {
+    uint64_t u;
+    double d;
+  } pun{static_cast<uint64_t>(k + 1023) << 52};
+  return pun.d;
+}
+
+// floor(log2(a)) of a finite float32 a > 0, from its exponent bits (subnormals: frexp).
+GAPMON_HD int floor_log2_f32(float a) {
+  const int e = static_cast<int>((bits_of(a) >> 23) & 0xFFu);
+  return e != 0 ? e - 127 : floor_log2(a);
+}
+
+// A format's constants for the float32 path, computed once per chunk.
+struct FormatConsts {
+  BlockFormat format;
+  int mantissa_bits, max_exp, block;
+  float top, min_normal, magic;
+  double tensor_scale;  // NVFP4: g; current scaling: s
+};
+
+GAPMON_HD FormatConsts format_consts(BlockFormat f, double tensor_scale_value) {
+  const ElementFormat ef = element_format(f);
+  return {f, ef.mantissa_bits, ef.max_exp, block_elems(f), static_cast<float>(ef.max_finite), pow2f(ef.min_normal_exp),
+          pow2f(ef.min_normal_exp - ef.mantissa_bits + 23), tensor_scale_value};
+}
+
+// One block's scale (as cast_block computes it): v = a * mul (float32), dequantised q * dq_mul / dq_div;
+// counts the block, its scale flags and its range into acc.
+GAPMON_HD void block_scale_f32(const float* a, int n, const FormatConsts& c, LaneRow& acc, float& mul, double& dq_mul,
+                               double& dq_div) {
+  float amax = 0, amin = INFINITY;
+  for (int i = 0; i < n; ++i) {
+    amax = a[i] > amax ? a[i] : amax;
+    amin = (a[i] != 0 && a[i] < amin) ? a[i] : amin;
+  }
+  acc.blocks += 1;
+  if (amax > 0) {
+    const double ratio = static_cast<double>(amax) / amin;
+    acc.max_ratio = ratio > acc.max_ratio ? ratio : acc.max_ratio;
+    acc.min_nonzero = amin < acc.min_nonzero ? amin : acc.min_nonzero;
+  }
+  mul = 1, dq_mul = 1, dq_div = 1;
+  if (c.format == BlockFormat::kMxfp8E4m3 || c.format == BlockFormat::kMxfp8E5m2 || c.format == BlockFormat::kMxfp4) {
+    int x_exp = amax > 0 ? floor_log2_f32(amax) - c.max_exp : -127;
+    if (x_exp < -127) acc.scale_under += 1, x_exp = -127;
+    if (x_exp > 127) acc.scale_over += 1, x_exp = 127;
+    mul = pow2f(-x_exp);  // 2^-127 .. 2^127: exact in float32
+    dq_mul = pow2d(x_exp);
+  } else if (c.format == BlockFormat::kNvfp4) {
+    const float g = static_cast<float>(c.tensor_scale);
+    bool over = false;
+    const double sc = cast_magnitude(static_cast<double>((amax / 6.0f) * g), e4m3(), over);
+    if (over) acc.scale_over += 1;
+    if (amax > 0 && sc < 0.015625) acc.scale_under += 1;  // e4m3's smallest normal, 2^-6
+    if (sc == 0) {
+      mul = 0;
+    } else {
+      mul = g / static_cast<float>(sc);
+      dq_mul = sc;
+      dq_div = g;
+    }
+  } else {
+    mul = static_cast<float>(c.tensor_scale);
+    dq_div = c.tensor_scale;
+  }
+}
+
+// The element loop of a group: kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div), 2 (current: q / s).
+template <int kKind>
+GAPMON_HD void cast_lanes(const float (&a)[kGroupElems], const float (&mul)[kGroupElems], const double (&dq_mul)[kGroupElems],
+                          const double (&dq_div)[kGroupElems], const FormatConsts& c, LaneRow& acc) {
+  // Element-wise and branch-free (selects on the bits), so that the loops vectorise; then the squares are
+  // added lane by lane. v <= 2^128 * 2^127 is finite or +inf, and +inf rounds on the bits to itself (its
+  // mantissa is zero), above top: saturated.
+  int flags[kGroupElems];
+  double err_sq[kGroupElems], sig_sq[kGroupElems];
+  for (int i = 0; i < kGroupElems; ++i) {
+    const float v = a[i] * mul[i];
+    const float r = round_to_grid(v, c.mantissa_bits, c.min_normal, c.magic);
+    const int sat = r > c.top;
+    const float q = select_f32(sat, c.top, r);
+    const int nz = a[i] > 0;
+    flags[i] = nz | ((nz & (q == 0)) << 8) | ((nz & (q > 0) & (q < c.min_normal)) << 16) | ((nz & sat) << 24);
+    double err;
+    if (kKind == 0) {
+      // MX: q * 2^X is a float32 (|X| <= 127 and q has at most 4 significant bits; for float32 inputs it stays
+      // below 2^128) within a factor 2 of a, so a - q * 2^X is exact in float32 (Sterbenz).
+      err = static_cast<double>(a[i] - q * (1.0f / mul[i]));
+    } else if (kKind == 1) {
+      err = static_cast<double>(a[i]) - static_cast<double>(q) * dq_mul[i] / dq_div[i];
+    } else {
+      err = static_cast<double>(a[i]) - static_cast<double>(q) / dq_div[i];
+    }
+    err_sq[i] = err * err;
+    sig_sq[i] = static_cast<double>(a[i]) * a[i];
+  }
+  int packed = 0;  // four counts of at most 32, a byte each
+  for (int i = 0; i < kGroupElems; ++i) packed += flags[i];
+  acc.nonzero += packed & 0xFF, acc.to_zero += (packed >> 8) & 0xFF, acc.subnormal += (packed >> 16) & 0xFF;
+  acc.saturated += (packed >> 24) & 0xFF;
+  for (int j = 0; j < kGroupElems; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc.error_sq[k] += err_sq[j + k], acc.signal_sq[k] += sig_sq[j + k];
+  }
+}
+
+// A group of n <= 32 magnitudes (a[n..32) zero; non-finite elements already zeroed and counted) cast to c's
+// format.
+GAPMON_HD void cast_group_f32(const float (&a)[kGroupElems], int n, const FormatConsts& c, LaneRow& acc) {
+  float mul[kGroupElems];
+  double dq_mul[kGroupElems], dq_div[kGroupElems];
+  const int b = c.block;
+  for (int start = 0; start < kGroupElems; start += b) {
+    float m = 1;  // padding lanes: a = 0 casts to 0 with nothing to divide by zero
+    double dm = 0, dd = 1;
+    if (start < n) block_scale_f32(a + start, n - start < b ? n - start : b, c, acc, m, dm, dd);
+    for (int i = start; i < start + b; ++i) mul[i] = m, dq_mul[i] = dm, dq_div[i] = dd;
+  }
+  if (c.format == BlockFormat::kNvfp4) cast_lanes<1>(a, mul, dq_mul, dq_div, c, acc);
+  else if (c.format == BlockFormat::kCurrentE4m3 || c.format == BlockFormat::kCurrentE5m2) cast_lanes<2>(a, mul, dq_mul, dq_div, c, acc);
+  else cast_lanes<0>(a, mul, dq_mul, dq_div, c, acc);
+}
+
+// Loads group `group` of `op` as float32 magnitudes, zero-padded to 32; non-finite ones zeroed and counted.
+template <typename T>
+GAPMON_HD int load_group_f32(const BlockOperand& op, int64_t group, float (&a)[kGroupElems], int64_t& nonfinite) {
+  const int64_t per_row = groups_per_row(op.cols);
+  const int64_t row = group / per_row, first = (group % per_row) * kGroupElems;
+  const int n = static_cast<int>(op.cols - first < kGroupElems ? op.cols - first : kGroupElems);
+  const T* p = static_cast<const T*>(op.data) + row * op.cols + first;
+  float x[kGroupElems];
+  if (n == kGroupElems) {
+    for (int i = 0; i < kGroupElems; ++i) x[i] = static_cast<float>(widen(p[i]));
+  } else {
+    for (int i = 0; i < kGroupElems; ++i) x[i] = i < n ? static_cast<float>(widen(p[i])) : 0.0f;
+  }
+  int bad = 0;
+  for (int i = 0; i < kGroupElems; ++i) {
+    const float m = fabsf(x[i]);
+    const int finite = m <= 3.4028234663852886e38f;
+    bad += 1 - finite;
+    a[i] = finite ? m : 0.0f;
+  }
+  nonfinite += bad;
+  return n;
+}
+
 // The rows of formats[0, num_formats) over groups [begin, end) of `op` (tensor amax `amax`), added to rows.
 GAPMON_HD void cast_groups(const BlockOperand& op, int64_t begin, int64_t end, const BlockFormat* formats,
                            int num_formats, double amax, BlockRow* rows) {
-  double xs[kGroupElems], scales[kNumBlockFormats];
-  const bool wide = op.dtype == DType::kFloat64;
+  double scales[kNumBlockFormats];
   for (int f = 0; f < num_formats; ++f) scales[f] = tensor_scale(formats[f], amax);
+  if (op.dtype == DType::kFloat64) {
+    double xs[kGroupElems];
+    for (int64_t g = begin; g < end; ++g) {
+      const int n = load_group_any(op, g, xs);
+      for (int f = 0; f < num_formats; ++f) cast_group(xs, n, formats[f], true, scales[f], rows[f]);
+    }
+    return;
+  }
+  LaneRow acc[kNumBlockFormats];
+  FormatConsts consts[kNumBlockFormats];
+  for (int f = 0; f < num_formats; ++f) consts[f] = format_consts(formats[f], scales[f]);
+  float a[kGroupElems];
+  int64_t nonfinite = 0;
   for (int64_t g = begin; g < end; ++g) {
-    const int n = load_group_any(op, g, xs);
-    for (int f = 0; f < num_formats; ++f) cast_group(xs, n, formats[f], wide, scales[f], rows[f]);
+    int n;
+    if (op.dtype == DType::kFloat32) n = load_group_f32<float>(op, g, a, nonfinite);
+    else if (op.dtype == DType::kBFloat16) n = load_group_f32<BF16>(op, g, a, nonfinite);
+    else n = load_group_f32<Half>(op, g, a, nonfinite);
+    for (int f = 0; f < num_formats; ++f) cast_group_f32(a, n, consts[f], acc[f]);
+  }
+  for (int f = 0; f < num_formats; ++f) {
+    acc[f].fold_into(rows[f]);
+    rows[f].v[bNonfinite] += static_cast<double>(nonfinite);
   }
 }
 
