@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .stats.block_formats import check_block_formats
 from .stats.numerics import check_formats
 from .utils import check_int
 
@@ -136,6 +137,9 @@ class MonitorConfig:
     """Formats (gapmon.numerics.FORMATS) whose under/overflow shares, kurtosis and histograms to report."""
     numerics_alert: float | None = None
     """Warn when a tensor's unscaled under/overflow share in a format exceeds this fraction (needs numerics)."""
+    block_formats: tuple[str, ...] = ()
+    """Per-block formats (gapmon.stats.block_formats.BLOCK_FORMATS: "mxfp8_e4m3", "nvfp4", ...) whose casts to
+    emulate on the parameters and gradients: underflow, saturation, SQNR, dynamic range (off: no cost)."""
     gns_ema: float = 0.95
     """Decay of the moving averages of |G|^2 and tr(Sigma) whose ratio is the gradient noise scale (per-sample norms)."""
 
@@ -144,7 +148,8 @@ class MonitorConfig:
         return {"interval": self.schedule, "params": self.params, "grads": self.grads, "activations": self.activations,
                 "activation_grads": self.activation_grads, "per_sample_grad_norms": self.per_sample or False,
                 "sinks": self.sinks, "process_group": self.process_group, "correction": self.correction,
-                "numerics": self.numerics, "numerics_alert": self.numerics_alert, "gns_ema": self.gns_ema}
+                "numerics": self.numerics, "numerics_alert": self.numerics_alert, "gns_ema": self.gns_ema,
+                "block_formats": self.block_formats}
 
     def __post_init__(self) -> None:
         who = "GAPMonitor"
@@ -166,7 +171,8 @@ class MonitorConfig:
         except (TypeError, ValueError):
             raise ValueError(f"{who}: correction must be a non-negative int (1: Bessel's correction), "
                              f"got {self.correction!r}") from None
-        _set(self, correction=correction, numerics=check_formats(self.numerics))
+        _set(self, correction=correction, numerics=check_formats(self.numerics),
+             block_formats=check_block_formats(self.block_formats))
         alert = self.numerics_alert
         if alert is not None and (isinstance(alert, bool) or not isinstance(alert, (int, float)) or not 0 <= alert <= 1):
             raise ValueError(f"{who}: numerics_alert must be a share in [0, 1], got {alert!r}")

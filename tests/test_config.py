@@ -43,6 +43,7 @@ MONITOR_VALUES = {
     "sinks": dict(sinks=(SINK,)),
     "process_group": dict(process_group=GROUP),
     "correction": dict(correction=0),
+    "block_formats": dict(block_formats=("mxfp8_e4m3", "nvfp4")),
     "numerics": dict(numerics=("bf16", "fp8_e4m3")),
     "numerics_alert": dict(numerics=("bf16",), numerics_alert=0.25),
     "gns_ema": dict(gns_ema=0.5),
@@ -74,7 +75,8 @@ def _monitor_keywords(c: MonitorConfig) -> dict:
     return dict(interval=c.schedule, params=c.params, grads=c.grads, activations=c.activations,
                 activation_grads=c.activation_grads, per_sample_grad_norms=c.per_sample or False,
                 sinks=list(c.sinks), process_group=c.process_group, correction=c.correction,
-                numerics=c.numerics, numerics_alert=c.numerics_alert, gns_ema=c.gns_ema)
+                numerics=c.numerics, numerics_alert=c.numerics_alert, gns_ema=c.gns_ema,
+                block_formats=c.block_formats)
 
 
 def _olmo_callback_class(monkeypatch):

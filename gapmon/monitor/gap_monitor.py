@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
 from ..utils import ParameterWatch, check_int, check_step, clean_named, rank_and_world
 from .activations import ActivationRecorder
+from .block_format_metrics import BlockFormatMetrics
 from .data_parallel import DataParallelNoise
 from .fully_sharded_noise import FullyShardedNoise
 from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS
@@ -72,6 +73,11 @@ class GAPMonitor:
             or overflow share in a format exceeds this fraction; also listed in the sinks' info.
         gns_ema: with per_sample_grad_norms, the decay of the moving averages behind the gradient noise scale
             ``gap/gns/{all|layer type}/b_simple`` (see gapmon.monitor.noise_scale; default 0.95).
+        block_formats: per-block formats (gapmon.stats.block_formats: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
+            "nvfp4", "fp8_e4m3_current", "fp8_e5m2_current") whose exact casts to emulate on the parameters
+            and gradients: ``gap/{kind}/{name}/{format}_{field}`` (field: block_underflow, subnormal,
+            saturated, scale_underflow, scale_overflow, mse, sqnr_db, block_range_bits) and
+            ``gap/{kind}/{name}/range_bits``. Default: none (no cost).
 
     The options are validated once, into `self.config` (a gapmon.MonitorConfig);
     `GAPMonitor.from_config(model, config)` takes one directly.
@@ -93,12 +99,13 @@ class GAPMonitor:
         numerics: Sequence[str] = (),
         numerics_alert: float | None = None,
         gns_ema: float = 0.95,
+        block_formats: Sequence[str] = (),
     ):
         config = MonitorConfig(
             schedule=interval, params=params, grads=grads, activations=activations,
             activation_grads=activation_grads, per_sample=per_sample_option(per_sample_grad_norms, bookkeeping, process_group),
             sinks=tuple(sinks or ()), process_group=process_group, correction=correction, numerics=numerics,
-            numerics_alert=numerics_alert, gns_ema=gns_ema)
+            numerics_alert=numerics_alert, gns_ema=gns_ema, block_formats=tuple(block_formats))
         self._setup(model, config)
 
     @classmethod
@@ -124,6 +131,7 @@ class GAPMonitor:
                                             config.correction, bool(config.numerics))
         self._numerics = NumericsMetrics(config.numerics, config.numerics_alert, self._layer_type, self._recorder,
                                          config.process_group) if config.numerics else None
+        self._block_formats = BlockFormatMetrics(config.block_formats) if config.block_formats else None
         self._readout = StepReadout(self._recorder)
         self.per_sample = None
         if config.per_sample is not None:
@@ -260,8 +268,12 @@ class GAPMonitor:
         out = reduced_step(recorder.accumulator(device), self._batch_size, config.process_group, parts)
         out.add("rows", rows)
         numerics = self._numerics.on_device(names, tensors, groups, out, numerics_rows) if self._numerics else None
+        if self._block_formats is not None:
+            self._block_formats.on_device(names, tensors, groups, rows, out)
         host = out.cat().cpu().tolist()  # the one device-to-host copy
         metrics = self._readout.tensor_metrics(names, out, host)
+        if self._block_formats is not None:
+            metrics.update(self._block_formats.metrics(out, host))
         metrics.update(self._readout.module_metrics(out, host))
         self._readout.copy_to_aliases(metrics, FIELD_COLUMNS)  # modules that output the same tensor as another
         recorder.share_order_with_aliases()

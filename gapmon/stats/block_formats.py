@@ -34,6 +34,7 @@ import torch
 
 from ..utils import is_dtensor
 from . import _backend, distributed
+from .distributed import merge_block_rows  # noqa: F401  (a public name of this module)
 from .layout import BLOCK_COLUMNS, STAT_NAMES
 
 BLOCK_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "fp8_e4m3_current", "fp8_e5m2_current")
@@ -64,7 +65,7 @@ def check_block_formats(formats: Sequence[str]) -> tuple[str, ...]:
 def finite_amaxes(xs: Sequence[torch.Tensor], stat_rows: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [N]: each tensor's largest finite |x| (of the full tensor for a DTensor). From statistics rows
     (max_abs, nonfinite) when given and the tensor is finite; else measured."""
-    from .ops import multi_tensor_rows
+    from .ops import multi_tensor_rows  # ops' DTensor front; not at the top: ops is the heavier module
 
     rows = stat_rows if stat_rows is not None else multi_tensor_rows(list(xs), 0)
     out = rows[:, _MAX_ABS].to(torch.float64).cpu().clone()
@@ -95,15 +96,6 @@ def block_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str],
     if not any(is_dtensor(x) for x in xs):
         return _backend.block_numerics_rows(xs, codes, amaxes)
     return distributed.dtensor_block_rows(xs, codes, amaxes, max(_BLOCK_ELEMS.get(f, 32) for f in formats))
-
-
-def merge_block_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Merges [R, ..., C] block rows of R pieces of the same tensors into [..., C]: sums, the minimum of
-    min_nonzero, the maximum of max_block_ratio."""
-    out = rows.sum(0)
-    out[..., _COL["min_nonzero"]] = rows[..., _COL["min_nonzero"]].amin(0)
-    out[..., _COL["max_block_ratio"]] = rows[..., _COL["max_block_ratio"]].amax(0)
-    return out
 
 
 def _share(part: float, whole: float) -> float:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..utils import is_dtensor, is_dtensor_type
 from . import _backend
-from .layout import Stats, check_tensor_list
+from .layout import BLOCK_COLUMNS, Stats, check_tensor_list
 
 
 def materialize_partial(x):
@@ -153,6 +153,15 @@ def dtensor_update_rows(before: list, after: list, grads: list) -> torch.Tensor:
     return rows
 
 
+def merge_block_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Merges [R, ..., C] block-format rows (layout.BLOCK_COLUMNS) of R pieces of the same tensors into
+    [..., C]: sums, the minimum of min_nonzero, the maximum of max_block_ratio."""
+    out = rows.sum(0)
+    out[..., BLOCK_COLUMNS.index("min_nonzero")] = rows[..., BLOCK_COLUMNS.index("min_nonzero")].amin(0)
+    out[..., BLOCK_COLUMNS.index("max_block_ratio")] = rows[..., BLOCK_COLUMNS.index("max_block_ratio")].amax(0)
+    return out
+
+
 def _blocks_whole(x, block: int) -> bool:
     """Whether every shard of DTensor x holds whole blocks of `block` elements along the last dim: the last
     dim is not sharded, or one mesh dim shards it into chunks (torch's: ceil(n / k)) of whole blocks; a 1-D
@@ -171,8 +180,6 @@ def dtensor_block_rows(xs: list, codes: list[int], amaxes: torch.Tensor, block: 
     """block_numerics rows of the full tensors behind DTensors (and plain tensors): shards that keep the
     blocks whole give local rows merged over the mesh dims that shard them; a tensor whose shards cut a
     block is cast whole (all-gathered), exactly."""
-    from .block_formats import merge_block_rows
-
     xs = [materialize_partial(x) if is_dtensor(x) else x for x in xs]
     whole = [not is_dtensor(x) or _blocks_whole(x, block) for x in xs]
     local = [(x.to_local() if is_dtensor(x) else x) if ok else x.full_tensor() for x, ok in zip(xs, whole)]
