@@ -30,7 +30,7 @@ from ..monitor.metric_names import parse_metric_name
 from .run_format import METRICS_FILE, PER_SAMPLE_FILE, SUMMARY_FILE, TRAIN_FILE, PerSampleRecord, TrainRecord, read_run_file
 
 MARKER = ".gapmon-demo"  # in a run directory the demo made (and may replace)
-TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics + updates")
+TIMING_KINDS = ("plain", "four kinds", "four kinds + per-sample norms + numerics + block formats + updates")
 
 
 @dataclass
@@ -102,7 +102,8 @@ def _train(rank: int, world: int, cfg: DemoConfig) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sinks = [JSONLSink(out / METRICS_FILE)]
     # numerics: exponent histograms and bf16/fp8 e4m3 underflow/overflow shares (the report's last figure)
-    mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks, numerics=("bf16", "fp8_e4m3"))
+    mon = GAPMonitor(model, per_sample_grad_norms=True, sinks=sinks, numerics=("bf16", "fp8_e4m3"),
+                     block_formats=("mxfp8_e4m3", "nvfp4"))
     mon.watch_optimizer(opt)  # what AdamW does on the monitored steps (gap/update/...: the report's ratio heat map)
     four_kinds = GAPMonitor(model)  # timing only: the four kinds without per-sample norms, no sink
     dumper = GradientDumper(model, out / "gradients", step_interval=cfg.dump_every, mode="shards", async_write=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..dump.safe_io import atomic_write, ensure_real_dir
 from ..monitor.metric_names import GNS_ALL, gns_name, parse_metric_name, parse_update_name
+from ..stats.block_formats import BLOCK_FORMATS
 from ..stats.layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
 from ..stats.numerics import FORMATS, format_shares, histogram_rows
 from ..utils import check_real
@@ -49,6 +50,25 @@ def gns_series(records: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[
                              if isinstance(r.get(gns_name(group, field)), (int, float))]
                       for kind, field in (("step", "b_simple_step"), ("ema", "b_simple"))}
     return out
+
+
+def block_format_series(records: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{"{kind} {format}": {"sqnr_db": [(step, mean over tensors)], "block_underflow": [...]}} of the per-block
+    format metrics (GAPMonitor(block_formats=...)); finite values only (an exact cast has SQNR inf)."""
+    sums: dict[tuple[str, str, str, int], list[float]] = defaultdict(list)
+    for r in records:
+        for key, value in r.items():
+            metric = parse_metric_name(key)
+            if metric is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            for fmt in BLOCK_FORMATS:
+                for field in ("sqnr_db", "block_underflow"):
+                    if metric.field == f"{fmt}_{field}":
+                        sums[(f"{metric.kind} {fmt}", field, "", r["step"])].append(float(value))
+    out: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: {"sqnr_db": [], "block_underflow": []})
+    for (group, field, _, step), values in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3])):
+        out[group][field].append((step, sum(values) / len(values)))
+    return dict(out)
 
 
 def global_grad_norms(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
@@ -316,7 +336,27 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         plt.close(fig)
         images.append(("Gradient noise scale", "noise_scale.png"))
 
-    # 7. Update-to-weight ratio per parameter (GAPMonitor.watch_optimizer), log scale.
+    # 7. Per-block formats (GAPMonitor(block_formats=...)): mean SQNR and underflow share per kind and format.
+    blocks = block_format_series(records)
+    if blocks:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        for i, (group, series) in enumerate(blocks.items()):
+            color = plt.cm.tab10(i % 10)
+            if series["sqnr_db"]:
+                top.plot(*zip(*series["sqnr_db"]), color=color, label=group)
+            if series["block_underflow"]:
+                bottom.plot(*zip(*series["block_underflow"]), color=color, label=group)
+        top.set_ylabel("SQNR (dB), mean over tensors")
+        top.set_title("Per-block formats: quantisation SQNR and non-zero values cast to zero")
+        bottom.set_ylabel("share cast to zero")
+        bottom.set_xlabel("step")
+        top.legend(fontsize=7)
+        fig.tight_layout()
+        _save(fig, out / "block_formats.png", 110)
+        plt.close(fig)
+        images.append(("Per-block formats (MX, NVFP4, current scaling)", "block_formats.png"))
+
+    # 8. Update-to-weight ratio per parameter (GAPMonitor.watch_optimizer), log scale.
     ratios = update_series(records, "ratio")
     if ratios:
         _log_heatmap(ratios, steps, "Update / weight norm ratio per parameter (log10)", "log10 ||dw|| / ||w||",
@@ -351,6 +391,18 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
                   "are. Scaled: each tensor first multiplied by the power of two that puts its largest |x| in the "
                   "format's top binade (OCP MX per-tensor scaling): what a scaled fp8 recipe sees.", "",
                   *_numerics_table(numerics), ""]
+    if blocks:
+        lines += ["## Per-block formats", "",
+                  "Each tensor cast exactly to the format (blocks along its last dim; gapmon.stats.block_formats): "
+                  "the mean over tensors, at the last step, of the SQNR (10 log10 of signal over quantisation error "
+                  "energy) and of the share of non-zero values that become zero.", "",
+                  "| kind and format | step | SQNR (dB) | cast to zero |", "| --- | ---: | ---: | ---: |"]
+        for group, series in blocks.items():
+            last_sqnr = series["sqnr_db"][-1] if series["sqnr_db"] else (None, math.nan)
+            last_zero = series["block_underflow"][-1] if series["block_underflow"] else (None, math.nan)
+            lines.append(f"| {group} | {last_sqnr[0] if last_sqnr[0] is not None else last_zero[0]} | "
+                         f"{last_sqnr[1]:.2f} | {last_zero[1]:.3g} |")
+        lines.append("")
     if skipped:
         lines += ["## Records left out", "", *[f"- `{line}`" for line in skipped], ""]
     for title, image in images:

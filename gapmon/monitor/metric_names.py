@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..stats.block_formats import BLOCK_FORMATS, BLOCK_METRIC_FIELDS
 from ..stats.numerics import FORMATS
 
 PREFIX = "gap"
@@ -32,6 +33,8 @@ def numerics_field(fmt: str, share: str) -> str:
 
 
 NUMERICS_FIELDS = ("kurtosis", *(numerics_field(f, s) for f in FORMATS for s in NUMERICS_SHARES))
+# GAPMonitor(block_formats=...): ``{format}_{field}`` per tensor and format, and the tensor's range_bits.
+BLOCK_FORMAT_FIELDS = (*(f"{f}_{m}" for f in BLOCK_FORMATS for m in BLOCK_METRIC_FIELDS), "range_bits")
 
 
 def numerics_histogram_name(group: str) -> str:
@@ -87,6 +90,7 @@ def parse_metric_name(key: str) -> MetricName | None:
     head, _, rest = key.partition("/")
     kind, _, rest = rest.partition("/")
     name, _, field = rest.rpartition("/")
-    if head != PREFIX or kind not in KINDS or (field not in FIELDS and field not in NUMERICS_FIELDS) or not name:
+    if head != PREFIX or kind not in KINDS or (field not in FIELDS and field not in NUMERICS_FIELDS
+                                                           and field not in BLOCK_FORMAT_FIELDS) or not name:
         return None
     return MetricName(kind, name, field)

@@ -124,3 +124,18 @@ def range_bits(amax: float, row: Sequence[float]) -> float:
     it has no finite non-zero element."""
     smallest = row[_COL["min_nonzero"]]
     return math.log2(amax / smallest) if amax > 0 and math.isfinite(smallest) else math.nan
+
+
+def block_format_metrics(xs: Sequence[torch.Tensor], formats: Sequence[str]) -> list[dict[str, object]]:
+    """Per tensor: {format: {field: value} (BLOCK_METRIC_FIELDS), "range_bits": value}, from one read of each
+    element (and its amax, from a statistics pass, for the per-tensor scaled formats)."""
+    formats = check_block_formats(formats)
+    xs = list(xs)
+    amaxes = finite_amaxes(xs)
+    rows = block_numerics(xs, formats, amaxes).cpu().tolist()
+    out: list[dict[str, object]] = []
+    for x, amax, per_format in zip(xs, amaxes.tolist(), rows):
+        entry: dict[str, object] = {fmt: block_metrics(row, x.numel()) for fmt, row in zip(formats, per_format)}
+        entry["range_bits"] = range_bits(amax, per_format[0])
+        out.append(entry)
+    return out

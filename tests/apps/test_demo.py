@@ -39,7 +39,7 @@ def test_demo_end_to_end(tmp_path):
     assert summary["dumped_steps"] == [0, 2] and summary["reconstructed_step"] == 2
     # One final loss: the summary's and the report's are the same step's.
     assert f"-> {summary['loss_last']:.4f} at step 11" in (out / "report" / "report.md").read_text()
-    assert set(summary["monitor_overhead"]) == {"four kinds", "four kinds + per-sample norms + numerics + updates"}
+    assert set(summary["monitor_overhead"]) == {"four kinds", "four kinds + per-sample norms + numerics + block formats + updates"}
     # The reconstructed gradients are the ones the monitor measured at that step.
     meta = json.loads((out / "reconstructed" / "step2_metadata.json").read_text())
     for name, norm in meta["parameter_norms"].items():
@@ -47,8 +47,12 @@ def test_demo_end_to_end(tmp_path):
     # numerics on: per-tensor shares, histograms per kind and layer type, the report's figure
     assert "gap/grads/head.weight/fp8_e4m3_underflow" in metrics[-1] and "grads/Linear" in metrics[-1]["numerics_histograms"]
     assert "## Low-precision numerics" in (out / "report" / "report.md").read_text()
+    # per-block formats on: per tensor and format, and the report's figure and table
+    assert 0 < metrics[-1]["gap/grads/head.weight/mxfp8_e4m3_sqnr_db"] < 100
+    assert "gap/params/head.weight/nvfp4_block_underflow" in metrics[-1]
+    assert "| grads nvfp4 |" in (out / "report" / "report.md").read_text()
     for png in ("grad_norm_heatmap.png", "activation_max.png", "loss_grad_norm.png", "per_sample_norms.png", "numerics.png",
-                "noise_scale.png", "update_ratio_heatmap.png"):
+                "noise_scale.png", "update_ratio_heatmap.png", "block_formats.png"):
         assert (out / "report" / png).stat().st_size > 1000, png
     per_sample = [json.loads(line) for line in (out / "per_sample_norms.jsonl").read_text().splitlines()]
     assert len(per_sample[0]["ids"]) == 16 and per_sample[0]["ids"] == sorted(per_sample[0]["ids"])
