@@ -244,6 +244,34 @@ def bench_numerics(device: str, sizes: list[int], rows: list[dict]) -> None:
                   f"in one pass {r['one_pass_over_off']:.2f}x", flush=True)
 
 
+def bench_block_formats(device: str, sizes: list[int], rows: list[dict]) -> None:
+    """The per-block format pass (gapmon.block_numerics: each element read once and cast to every format
+    named, given the tensor's amax) per format and for all six, against the plain statistics pass and the
+    statistics + numerics pass the monitor runs before it (SPEC 10; issue target: <= 6x the plain pass with
+    block numerics on)."""
+    from gapmon.stats.block_formats import BLOCK_FORMATS, finite_amaxes
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for exp in sizes:
+            xs = rotation(torch.randn(2**exp, device=device).to(dtype), device)
+            n, x = len(xs), xs[0]
+            amaxes = [finite_amaxes([t]).to(device) for t in xs]
+            stats_s = timeit(lambda i: gapmon.tensor_stats(xs[i % n]), device)
+            one_pass_s = timeit(lambda i: gapmon.numerics.states_and_numerics([xs[i % n]]), device)
+            for formats in [(f,) for f in BLOCK_FORMATS] + [BLOCK_FORMATS]:
+                r = {"case": "block_numerics " + ("all six" if len(formats) > 1 else formats[0]),
+                     "dtype": str(dtype).replace("torch.", ""), "numel": x.numel(), "bytes": x.numel() * x.element_size(),
+                     "rotated_inputs": n, "formats": list(formats), "stats_s": stats_s, "stats_and_numerics_s": one_pass_s}
+                r["gapmon_s"] = timeit(lambda i: gapmon.block_numerics([xs[i % n]], formats, amaxes[i % n]), device)
+                r["gapmon_GBps"] = r["bytes"] / r["gapmon_s"] / 1e9
+                r["over_stats"] = r["gapmon_s"] / stats_s
+                r["with_numerics_over_stats"] = (r["gapmon_s"] + one_pass_s) / stats_s
+                rows.append(r)
+                print(f"{r['case']:<36} {r['dtype']:>8} 2^{exp:<2}: {r['gapmon_s']*1e3:8.3f} ms = {r['over_stats']:5.1f}x "
+                      f"the statistics pass ({stats_s*1e3:.3f} ms); with the statistics+numerics pass "
+                      f"{r['with_numerics_over_stats']:5.1f}x", flush=True)
+
+
 def bench_activation_hook(device: str, sizes: list[int], rows: list[dict]) -> None:
     """What an activation hook costs with numerics on: the one op that folds the instance statistics
     and merges the numerics row in place (accumulate_instance_stats_and_numerics; one pass on CPU)
@@ -366,8 +394,8 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="comma-separated powers of two (default 10,14,18,22,26[,28])")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/stats-<device>.json)")
     parser.add_argument("--skip-llama", action="store_true", help="skip the 1B-parameter list")
-    parser.add_argument("--cases", default="stats,host,multi,instance,numerics",
-                        help="comma-separated subset of stats,host,multi,instance,numerics")
+    parser.add_argument("--cases", default="stats,host,multi,instance,numerics,blocks",
+                        help="comma-separated subset of stats,host,multi,instance,numerics,blocks")
     parser.add_argument("--numerics-sizes", default="18,22,26", help="powers of two for the numerics cases")
     args = parser.parse_args()
     if gapmon.backend() == "torch":
@@ -396,6 +424,8 @@ def main() -> None:
     if "numerics" in cases:
         bench_numerics(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
         bench_activation_hook(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
+    if "blocks" in cases:
+        bench_block_formats(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
     missed = [f"{r['case']} {r['dtype']}: {t['target']}" for r in rows for t in r.get("targets", []) if not t["met"]]
     print("\ntargets not met:" + "".join(f"\n  {m}" for m in missed) if missed else "\nall targets met")
     table = markdown(rows)

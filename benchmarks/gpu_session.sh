@@ -122,8 +122,8 @@ if want stats; then
 fi
 
 if want numerics; then
-  section "numerics benchmark (exponent histogram + moments vs the statistics pass, x.sum, the reference)"
-  run 120 $py benchmarks/bench_stats.py --device cuda --cases numerics --numerics-sizes 20,24,28 \
+  section "numerics benchmark (exponent histogram + moments, and the per-block formats, vs the statistics pass)"
+  run 120 $py benchmarks/bench_stats.py --device cuda --cases numerics,blocks --numerics-sizes 20,24,28 \
     --out "$out/numerics.json" 2>&1 | tee -a "$log"
 fi
 

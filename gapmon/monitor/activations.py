@@ -5,6 +5,7 @@ modules that returned another module's output (read once, reported for both)."""
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import weakref
 from typing import Any
@@ -14,7 +15,8 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..stats import ops
-from ..stats.layout import ACC_NAMES, NUMERICS_COLUMNS
+from ..stats.block_formats import block_numerics, merge_block_rows, needs_tensor_amax
+from ..stats.layout import ACC_NAMES, BLOCK_COLUMNS, NUMERICS_COLUMNS
 from ..utils import first_tensor, is_dtensor
 
 ACTIVATION_KINDS = ("activations", "activation_grads")
@@ -36,6 +38,34 @@ def _untraced_grad_hook():
     return _torch_compat.dynamo_disable(ActivationRecorder._grad_hook)
 
 
+class BlockRowsAccumulator:
+    """Per (kind, module) row, the per-block format rows (gapmon.stats.block_formats) of the step's
+    activations or activation gradients, merged over the micro-batches (each tensor cast with its own
+    scales, as a recipe casts each call's tensor), and their element counts."""
+
+    def __init__(self, formats: tuple[str, ...], rows: int):
+        self.formats, self.rows = formats, rows
+        self.scaled = any(needs_tensor_amax(f) for f in formats)
+        self.table: torch.Tensor | None = None  # [rows, F, C]
+        self.numels: torch.Tensor | None = None  # [rows]
+
+    def reset(self, device: torch.device | None = None) -> None:
+        device = device or (self.table.device if self.table is not None else torch.device("cpu"))
+        with torch.inference_mode(False):
+            self.table = torch.zeros(self.rows, len(self.formats), len(BLOCK_COLUMNS), dtype=torch.float64, device=device)
+            self.table[..., BLOCK_COLUMNS.index("min_nonzero")] = math.inf
+            self.numels = torch.zeros(self.rows, dtype=torch.float64, device=device)
+
+    def add(self, row: int, x: torch.Tensor) -> None:
+        if self.table is None or self.table.device != x.device:
+            self.reset(x.device)
+        amax = (torch.where(torch.isfinite(x), x.abs(), 0).amax().double().reshape(1) if self.scaled
+                else torch.zeros(1, dtype=torch.float64, device=x.device))
+        new = block_numerics([x.detach()], self.formats, amax)[0]
+        self.table[row] = merge_block_rows(torch.stack((self.table[row], new)))
+        self.numels[row] += x.numel()
+
+
 class ActivationRecorder:
     """Per-instance statistics (and, with `numerics`, numerics rows) of the outputs of `modules`
     ((name, module) pairs) and of their gradients, accumulated over the micro-batches of a monitored step.
@@ -43,10 +73,11 @@ class ActivationRecorder:
     Rows [0, M) of the accumulator take the activations, rows [M, 2M) their gradients."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]], activations: bool, activation_grads: bool,
-                 correction: int, numerics: bool):
+                 correction: int, numerics: bool, block_formats: tuple[str, ...] = ()):
         self.modules = modules
         self.kinds = (activations, activation_grads)
         self.correction, self.numerics = correction, numerics
+        self.blocks = BlockRowsAccumulator(block_formats, 2 * len(modules)) if block_formats else None
         self.active = False
         self.acc: torch.Tensor | None = None
         self.num_acc: torch.Tensor | None = None  # [2M, C] numerics rows of the activations, then their gradients
@@ -81,6 +112,8 @@ class ActivationRecorder:
             self.acc.zero_()
         if self.num_acc is not None:
             self.num_acc.zero_()
+        if self.blocks is not None:
+            self.blocks.reset()
         self.first_seen = [[-1] * len(self.modules), [-1] * len(self.modules)]
         self._order = [0, 0]
         self._last_output, self.aliases = None, {}
@@ -158,6 +191,8 @@ class ActivationRecorder:
             ops.accumulate_instance_stats_and_numerics(x, acc, row, self.correction, numerics_row, 0)
         else:
             ops.accumulate_instance_stats(x, acc, row, self.correction)
+        if self.blocks is not None:
+            self.blocks.add(kind * len(self.modules) + index, x)
 
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:

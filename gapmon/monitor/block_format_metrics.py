@@ -1,7 +1,8 @@
-"""GAPMonitor's per-block format metrics (gapmon.stats.block_formats): what casting each parameter and
-gradient to the named MX/NVFP4/current-scaled formats would do, emulated exactly, read from end_step's
-one copy. The per-tensor scaled formats take each tensor's amax from the statistics the monitor takes
-anyway."""
+"""GAPMonitor's per-block format metrics (gapmon.stats.block_formats): what casting each parameter,
+gradient, activation and activation gradient to the named MX/NVFP4/current-scaled formats would do,
+emulated exactly, read from end_step's one copy. The per-tensor scaled formats take each parameter's and
+gradient's amax from the statistics the monitor takes anyway; each activation is cast with its own scales
+in its hook (ActivationRecorder), its rows merged over micro-batches and, here, over the ranks."""
 from __future__ import annotations
 
 import warnings
@@ -9,22 +10,26 @@ import warnings
 import torch
 
 from ..stats.block_formats import BLOCK_COLUMNS, block_metrics, block_numerics, finite_amaxes, range_bits
+from .activations import ACTIVATION_KINDS, ActivationRecorder
 from .metric_names import metric_name
 from .step_buffer import StepBuffer
+
+_MIN, _MAX = BLOCK_COLUMNS.index("min_nonzero"), BLOCK_COLUMNS.index("max_block_ratio")
+_SUMS = [i for i in range(len(BLOCK_COLUMNS)) if i not in (_MIN, _MAX)]
 
 
 class BlockFormatMetrics:
     """The metrics ``gap/{kind}/{name}/{format}_{field}`` and ``.../range_bits`` of the formats `formats`."""
 
-    def __init__(self, formats: tuple[str, ...]):
-        self.formats = formats
+    def __init__(self, formats: tuple[str, ...], recorder: ActivationRecorder):
+        self.formats, self.recorder = formats, recorder
         self._names: list[tuple[str, str]] = []
         self._numels: list[int] = []
         self._amaxes: list[float] = []
         self._warned = False
 
-    def on_device(self, names: list[tuple[str, str]], tensors: list[torch.Tensor], groups: list,
-                  stat_rows: torch.Tensor, out: StepBuffer) -> None:
+    def tensors_on_device(self, names: list[tuple[str, str]], tensors: list[torch.Tensor], groups: list,
+                          stat_rows: torch.Tensor, out: StepBuffer) -> None:
         """The block rows of the tensors (one read each, given their amaxes from `stat_rows`), added to `out`.
         FSDP1 flat pieces (`groups[i]` not None) are left out: a flat piece has lost the parameter's rows."""
         keep = [i for i, g in enumerate(groups) if g is None]
@@ -45,10 +50,49 @@ class BlockFormatMetrics:
         rows = block_numerics(dense, self.formats, amaxes)
         out.add("block_formats", rows.reshape(len(dense) * width))
 
+    # The activations' rows: a contributor to the monitor's reduction over the ranks (readout.reduced_step).
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = self.recorder.blocks
+        if blocks.table is None:
+            blocks.reset(device)
+        return blocks.table.to(device), blocks.numels.to(device)
+
+    def on_device(self, sums: StepBuffer, maxes: StepBuffer) -> None:
+        table, numels = self._table(sums.device)
+        sums.add("block_act", torch.cat((table[..., _SUMS].reshape(-1), numels)))
+        maxes.add("block_act", torch.stack((-table[..., _MIN], table[..., _MAX]), dim=-1).reshape(-1))
+
+    def to_copy(self, out: StepBuffer, sums: StepBuffer, sums_t: torch.Tensor, maxes: StepBuffer,
+                maxes_t: torch.Tensor) -> None:
+        out.add("block_act_sums", sums.of(sums_t, "block_act"))
+        out.add("block_act_maxes", maxes.of(maxes_t, "block_act"))
+
+    def _activation_metrics(self, out: StepBuffer, host: list) -> dict[str, float]:
+        rows, f = self.recorder.blocks.rows, len(self.formats)
+        sums, maxes = out.of(host, "block_act_sums"), out.of(host, "block_act_maxes")
+        per_row = f * len(_SUMS)
+        numels = sums[rows * per_row:]
+        metrics: dict[str, float] = {}
+        m = len(self.recorder.modules)
+        for r in range(rows):
+            kind = ACTIVATION_KINDS[r // m]
+            if not self.recorder.kinds[r // m] or numels[r] == 0:
+                continue
+            name = self.recorder.modules[r % m][0]
+            for j, fmt in enumerate(self.formats):
+                row = [0.0] * len(BLOCK_COLUMNS)
+                base = r * per_row + j * len(_SUMS)
+                for k, column in enumerate(_SUMS):
+                    row[column] = sums[base + k]
+                row[_MIN], row[_MAX] = -maxes[2 * (r * f + j)], maxes[2 * (r * f + j) + 1]
+                for field, value in block_metrics(row, int(numels[r])).items():
+                    metrics[metric_name(kind, name, f"{fmt}_{field}")] = value
+        return metrics
+
     def metrics(self, out: StepBuffer, host: list) -> dict[str, float]:
         flat = out.of(host, "block_formats")
         columns = len(BLOCK_COLUMNS)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = self._activation_metrics(out, host)
         for i, (kind, name) in enumerate(self._names):
             base = i * len(self.formats) * columns
             for f, fmt in enumerate(self.formats):

@@ -22,7 +22,7 @@ from .activations import ActivationRecorder
 from .block_format_metrics import BlockFormatMetrics
 from .data_parallel import DataParallelNoise
 from .fully_sharded_noise import FullyShardedNoise
-from .metric_names import FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS
+from .metric_names import BLOCK_FORMAT_FIELDS, FIELD_COLUMNS, GLOBAL_BATCH_SIZE, NUMERICS_FIELDS
 from .noise_scale import NoiseScale
 from .nonfinite import localise_nonfinite
 from .numerics_metrics import NumericsMetrics
@@ -74,10 +74,12 @@ class GAPMonitor:
         gns_ema: with per_sample_grad_norms, the decay of the moving averages behind the gradient noise scale
             ``gap/gns/{all|layer type}/b_simple`` (see gapmon.monitor.noise_scale; default 0.95).
         block_formats: per-block formats (gapmon.stats.block_formats: "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
-            "nvfp4", "fp8_e4m3_current", "fp8_e5m2_current") whose exact casts to emulate on the parameters
-            and gradients: ``gap/{kind}/{name}/{format}_{field}`` (field: block_underflow, subnormal,
-            saturated, scale_underflow, scale_overflow, mse, sqnr_db, block_range_bits) and
-            ``gap/{kind}/{name}/range_bits``. Default: none (no cost).
+            "nvfp4", "fp8_e4m3_current", "fp8_e5m2_current") whose exact casts to emulate on the parameters,
+            gradients and monitored activations and activation gradients (each cast with its own scales,
+            merged over micro-batches and ranks): ``gap/{kind}/{name}/{format}_{field}`` (field:
+            block_underflow, subnormal, saturated, scale_underflow, scale_overflow, mse, sqnr_db,
+            block_range_bits) and, for parameters and gradients, ``gap/{kind}/{name}/range_bits``.
+            Default: none (no cost).
 
     The options are validated once, into `self.config` (a gapmon.MonitorConfig);
     `GAPMonitor.from_config(model, config)` takes one directly.
@@ -128,10 +130,10 @@ class GAPMonitor:
         self._watch = ParameterWatch(model)
         self._tensors = WatchedTensors(model, modules, real_only=config.params or config.grads)
         self._recorder = ActivationRecorder(modules, config.activations, config.activation_grads,
-                                            config.correction, bool(config.numerics))
+                                            config.correction, bool(config.numerics), config.block_formats)
         self._numerics = NumericsMetrics(config.numerics, config.numerics_alert, self._layer_type, self._recorder,
                                          config.process_group) if config.numerics else None
-        self._block_formats = BlockFormatMetrics(config.block_formats) if config.block_formats else None
+        self._block_formats = BlockFormatMetrics(config.block_formats, self._recorder) if config.block_formats else None
         self._readout = StepReadout(self._recorder)
         self.per_sample = None
         if config.per_sample is not None:
@@ -264,16 +266,17 @@ class GAPMonitor:
         names, tensors, groups = self._tensors.gather(config.params, config.grads)
         device = tensors[0].device if tensors else (recorder.acc.device if recorder.acc is not None else torch.device("cpu"))
         rows, numerics_rows = self._tensors.rows(tensors, groups, config.correction, bool(config.numerics), device)
-        parts = [part for part in (self._per_sample_metrics, self._data_parallel) if part is not None]
+        parts = [p for p in (self._per_sample_metrics, self._data_parallel, self._block_formats) if p is not None]
         out = reduced_step(recorder.accumulator(device), self._batch_size, config.process_group, parts)
         out.add("rows", rows)
         numerics = self._numerics.on_device(names, tensors, groups, out, numerics_rows) if self._numerics else None
         if self._block_formats is not None:
-            self._block_formats.on_device(names, tensors, groups, rows, out)
+            self._block_formats.tensors_on_device(names, tensors, groups, rows, out)
         host = out.cat().cpu().tolist()  # the one device-to-host copy
         metrics = self._readout.tensor_metrics(names, out, host)
         if self._block_formats is not None:
             metrics.update(self._block_formats.metrics(out, host))
+            self._readout.copy_to_aliases(metrics, BLOCK_FORMAT_FIELDS)
         metrics.update(self._readout.module_metrics(out, host))
         self._readout.copy_to_aliases(metrics, FIELD_COLUMNS)  # modules that output the same tensor as another
         recorder.share_order_with_aliases()

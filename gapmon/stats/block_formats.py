@@ -62,6 +62,11 @@ def check_block_formats(formats: Sequence[str]) -> tuple[str, ...]:
     return tuple(formats)
 
 
+def needs_tensor_amax(fmt: str) -> bool:
+    """Whether format `fmt` scales by the whole tensor's amax (NVFP4's fp32 scale, current scaling)."""
+    return fmt in _TENSOR_SCALED
+
+
 def finite_amaxes(xs: Sequence[torch.Tensor], stat_rows: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [N]: each tensor's largest finite |x| (of the full tensor for a DTensor). From statistics rows
     (max_abs, nonfinite) when given and the tensor is finite; else measured."""

@@ -65,6 +65,53 @@ def test_metrics_match_the_reference_and_are_off_by_default():
     assert not any("mxfp" in k or "range_bits" in k for k in plain)
 
 
+def _merge(rows):
+    """Block rows of several tensors of one module merged: sums, min of min_nonzero, max of max_block_ratio."""
+    out = rows.sum(0)
+    out[..., 9] = rows[..., 9].amin(0)
+    out[..., 10] = rows[..., 10].amax(0)
+    return out
+
+
+def test_activation_metrics_match_the_reference_over_micro_batches():
+    """Each module output and output gradient of two micro-batches cast with its own scales (amax of that
+    tensor), the rows merged: equal to the monitor's activation metrics."""
+    model = _model()
+    codes = [bf.BLOCK_FORMATS.index(f) for f in FORMATS]
+    seen = {"activations": {}, "activation_grads": {}}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen["activations"].setdefault(name, []).append(out.detach().clone())
+            out.register_hook(lambda g: seen["activation_grads"].setdefault(name, []).append(g.detach().clone()))
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_children()]
+    g = torch.Generator().manual_seed(2)
+    with gapmon.GAPMonitor(model, block_formats=FORMATS, params=False, grads=False) as mon:
+        mon.begin_step(0, batch_size=6)
+        for _ in range(2):
+            model(torch.randn(3, 40, generator=g)).pow(2).mean().backward()
+        got = mon.end_step()
+    for h in handles:
+        h.remove()
+    checked = 0
+    for kind, per_module in seen.items():
+        for name, tensors in per_module.items():
+            rows = torch.stack([reference.block_numerics([t], codes, [t.abs().max().item()])[0] for t in tensors])
+            merged = _merge(rows)
+            numel = sum(t.numel() for t in tensors)
+            for f, fmt in enumerate(FORMATS):
+                for field, value in bf.block_metrics(merged[f].tolist(), numel).items():
+                    key = f"gap/{kind}/{name}/{fmt}_{field}"
+                    if math.isnan(value):
+                        assert math.isnan(got[key]), key
+                    else:
+                        assert got[key] == pytest.approx(value, rel=1e-10), key
+                    checked += 1
+    assert checked == 2 * 3 * len(FORMATS) * 8
+
+
 def test_unknown_formats_are_refused_when_the_monitor_is_made():
     with pytest.raises(ValueError, match="unknown format"):
         gapmon.GAPMonitor(_model(), block_formats=("mxfp6",))
@@ -79,13 +126,15 @@ def _fsdp2_worker(rank, world):
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
-    with gapmon.GAPMonitor(model, block_formats=FORMATS, activations=False, activation_grads=False) as mon:
+    with gapmon.GAPMonitor(model, block_formats=FORMATS) as mon:
         got = _step(model, mon)
     whole = _model()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 40, generator=g)
-    whole(x).pow(2).mean().backward()  # every rank ran the same batch: the mean gradient is the same
+    with gapmon.GAPMonitor(whole, block_formats=FORMATS, params=False, grads=False) as mon:
+        plain = _step(whole, mon)  # every rank ran the same batch: the mean gradient is the same
     _assert_metrics(got, _expected(whole))
+    acts = {k: v for k, v in plain.items() if k.startswith("gap/activation") and ("fp" in k.split("/")[-1])}
+    assert len(acts) == 2 * 3 * len(FORMATS) * 8
+    _assert_metrics(got, acts)  # the sharded model's activations, merged over the ranks, as the plain one's
     dist.barrier()
 
 
