@@ -87,6 +87,9 @@ class PerSampleConfig:
     """Positions or names of the forward's arguments that hold per-sample data; None: its first tensor input."""
     process_group: Any = None
     """The group global_norms gathers over (None: the world, or the monitor's group)."""
+    gram: bool = False
+    """Keep each covered layer's inputs and output gradients until the norms are read, for gram() and
+    similarity() (per-sample gradient inner products; memory: what backward keeps for those layers)."""
 
     def constructor_arguments(self) -> dict[str, Any]:
         """The keywords of PerSampleGradNorms(model, ...) that make this config (what from_config passes)."""
@@ -98,6 +101,10 @@ class PerSampleConfig:
             raise ValueError(f"{who}: loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         _bool(self.strict, who, "strict")
         _bool(self.bookkeeping, who, "bookkeeping")
+        _bool(self.gram, who, "gram")
+        if self.gram and self.bookkeeping:
+            raise ValueError(f"{who}: gram=True needs each layer's inputs and output gradients, which book-keeping "
+                             "consumes in backward: turn one of them off")
         _set(self, batch_dim=check_int(self.batch_dim, who, "batch_dim", 0))
         if self.batch_inputs is not None:
             keys = self.batch_inputs

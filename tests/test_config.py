@@ -40,6 +40,7 @@ MONITOR_VALUES = {
     "per_sample.batch_dim": dict(per_sample=PerSampleConfig(batch_dim=1)),
     "per_sample.batch_inputs": dict(per_sample=PerSampleConfig(batch_inputs=("input",))),
     "per_sample.process_group": dict(per_sample=PerSampleConfig(process_group=GROUP)),
+    "per_sample.gram": dict(per_sample=PerSampleConfig(gram=True)),
     "sinks": dict(sinks=(SINK,)),
     "process_group": dict(process_group=GROUP),
     "correction": dict(correction=0),

@@ -41,6 +41,7 @@ from ..config import PerSampleConfig
 from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import BatchTracker
 from .coverage import LayerCoverage, trainable_state, untied_parameter_names
+from .gram import cosine, global_gram, gram_by_layer
 from .layer_hooks import LayerHooks
 from .micro_batch import (
     Collection,
@@ -72,9 +73,10 @@ class PerSampleGradNorms:
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = False,
                  process_group: dist.ProcessGroup | None = None, bookkeeping: bool = False,
-                 batch_dim: int = 0, batch_inputs: Sequence[int | str] | None = None):
+                 batch_dim: int = 0, batch_inputs: Sequence[int | str] | None = None, gram: bool = False):
         self._setup(model, PerSampleConfig(loss_reduction=loss_reduction, strict=strict, process_group=process_group,
-                                           bookkeeping=bookkeeping, batch_dim=batch_dim, batch_inputs=batch_inputs))
+                                           bookkeeping=bookkeeping, batch_dim=batch_dim, batch_inputs=batch_inputs,
+                                           gram=gram))
 
     @classmethod
     def from_config(cls, model: nn.Module, config: PerSampleConfig) -> "PerSampleGradNorms":
@@ -102,7 +104,7 @@ class PerSampleGradNorms:
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
         self._layer_hooks = LayerHooks(self._coverage.layers, self._state, self._checker, self._coverage,
-                                       config.bookkeeping)
+                                       config.bookkeeping, keep_positions=config.gram)
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
@@ -279,6 +281,36 @@ class PerSampleGradNorms:
         """The dtype of norms no layer computed: float64 for a float64 model, else float32."""
         floats = [p.dtype for _, p in self._params if p.is_floating_point()]
         return torch.float64 if floats and all(d == torch.float64 for d in floats) else torch.float32
+
+    def gram(self) -> torch.Tensor:
+        """[B_local, B_local] float64 Gram matrix K[i, j] = <g_i, g_j> of this rank's samples' own-loss gradients
+        over the covered parameters (gram=True; gapmon.per_sample.gram): its diagonal is local_norms()**2."""
+        layers = self.gram_by_layer()
+        if layers:
+            return torch.stack(list(layers.values())).sum(0)
+        b = sum(mb.batch for mb in self._state.micro)  # no covered layer was per-sample: zeros, as local_norms()
+        return torch.zeros(b, b, dtype=torch.float64)
+
+    def gram_by_layer(self) -> dict[str, torch.Tensor]:
+        """gram() of each covered layer's parameters, by module name."""
+        self._collect()
+        return gram_by_layer(self._coverage.layers, self._state.micro, self.loss_weights(), self.config.gram)
+
+    def global_gram(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, K) of every rank's samples, ordered by global sample id, each id once (as global_norms):
+        `sample_ids` are this rank's samples' ids in local_norms() order. Gathers every rank's kept layer
+        inputs and output gradients; every rank gets the same K."""
+        ids = checked_sample_ids(sample_ids, "PerSampleGradNorms.global_gram")
+        self._collect()
+        if ids.numel() != sum(mb.batch for mb in self._state.micro):
+            raise ValueError(f"PerSampleGradNorms.global_gram: {ids.numel()} sample ids for "
+                             f"{sum(mb.batch for mb in self._state.micro)} samples")
+        return global_gram(self._coverage.layers, self._state.micro, self.loss_weights(), ids,
+                           self.config.process_group, self.config.gram)
+
+    def similarity(self) -> torch.Tensor:
+        """[B_local, B_local] cosine similarity of the samples' gradients, from gram() (0 where a norm is 0)."""
+        return cosine(self.gram())
 
     def global_norms(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, norms) of every rank's samples, ordered by global sample id, each sample once.

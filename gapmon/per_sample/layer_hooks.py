@@ -30,9 +30,9 @@ class LayerHooks:
     output is replaced so that its weight gradient is formed from the per-sample gradients."""
 
     def __init__(self, layers: list[tuple[str, nn.Module, NormRule]], state: Collection, checker: UseChecker,
-                 coverage: LayerCoverage, bookkeeping: bool):
+                 coverage: LayerCoverage, bookkeeping: bool, keep_positions: bool = False):
         self.layers, self.state, self.checker, self.coverage = layers, state, checker, coverage
-        self.bookkeeping = bookkeeping
+        self.bookkeeping, self.keep_positions = bookkeeping, keep_positions
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
@@ -207,5 +207,7 @@ class LayerHooks:
                 self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
+        if self.keep_positions:  # for gram(): the per-sample gradients' inner products need the positions
+            mb.positions[index] = pos
         mb.add(sq, acc, layer_type_name(module))
 

@@ -49,6 +49,7 @@ class MicroBatch:
     provenance: dict[int, set[tuple[int, str | None]]] = field(default_factory=dict)  # layer -> (batch dim, why not)
     weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
     used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
+    positions: dict[int, tuple] = field(default_factory=dict)  # layer -> its calls' positions (kept for gram())
 
     def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str) -> None:
         """Adds a layer's squared norms (float64, summed in `acc`), to the total and to its layer type's."""

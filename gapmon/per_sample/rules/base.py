@@ -102,6 +102,12 @@ class NormRule:
     # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
     moves_batch = False
 
+    def gram_block(self, module: nn.Module, pa: tuple, pb: tuple) -> torch.Tensor:
+        """[Ba, Bb] inner products <g_i, g_j> of the per-sample gradients of the positions `pa` (Ba samples) and
+        `pb` (Bb samples) over this rule's parameters. Default: by polarisation of norm_sq, exact for any rule
+        whose positions of two calls concatenate along T (the contract above)."""
+        return polarized_gram(self.norm_sq, module, pa, pb)
+
     def why_not(self, module: nn.Module) -> str | None:
         """Why this module's per-sample norms cannot be computed exactly (None: they can): its
         parameters are not the ones the rule's math is about, or `unsupported` says why."""
@@ -204,3 +210,33 @@ def operand(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """x as an operand of the norm products: kept as it is when the products sum it in `acc`
     anyway (16-bit tensors with float32 sums: no float32 copy of an activation), else cast."""
     return x if _backend.product_dtype(x) == acc else x.to(acc)
+
+
+def _wide(pos: tuple) -> tuple:
+    return tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in pos)
+
+
+def polarized_gram(norm_sq: Callable, module: nn.Module, pa: tuple, pb: tuple, budget: int = 1 << 24) -> torch.Tensor:
+    """[Ba, Bb] <g_i, g_j> = (|g_i + g_j|^2 - |g_i|^2 - |g_j|^2) / 2 in float64, |g_i + g_j|^2 being norm_sq of
+    sample i's and sample j's positions concatenated along T (a position tensor may hold k rows per sample, as
+    a grouped convolution's). Pairs are formed in chunks of about `budget` elements."""
+    pa, pb = _wide(pa), _wide(pb)
+    sa, sb = norm_sq(module, pa).double(), norm_sq(module, pb).double()
+    ba, bb = sa.shape[0], sb.shape[0]
+    out = torch.empty(ba, bb, dtype=torch.float64, device=sa.device)
+    if ba == 0 or bb == 0:
+        return out
+    per_pair = sum(ta[0].numel() * (ta.shape[0] // ba) + tb[0].numel() * (tb.shape[0] // bb) for ta, tb in zip(pa, pb))
+    chunk = max(1, budget // max(1, bb * per_pair))
+    for start in range(0, ba, chunk):
+        c = min(chunk, ba - start)
+        pairs = []
+        for ta, tb in zip(pa, pb):
+            k = ta.shape[0] // ba
+            xa = ta.reshape(ba, k, *ta.shape[1:])[start:start + c].unsqueeze(1)  # [c, 1, k, Ta, ...]
+            xb = tb.reshape(bb, k, *tb.shape[1:]).unsqueeze(0)  # [1, bb, k, Tb, ...]
+            pair = torch.cat((xa.expand(c, bb, *xa.shape[2:]), xb.expand(c, bb, *xb.shape[2:])), dim=3)
+            pairs.append(pair.reshape(c * bb * k, *pair.shape[3:]))
+        both = norm_sq(module, tuple(pairs)).double().reshape(c, bb)
+        out[start:start + c] = (both - sa[start:start + c, None] - sb[None, :]) / 2
+    return out

@@ -40,6 +40,30 @@ class EmbeddingRule(NormRule):
         g = g.to(acc).reshape(b, ids.shape[1], -1)
         return ids, g
 
+    def gram_block(self, module, pa, pb, budget: int = 1 << 24):
+        """Σ over positions t of sample i and s of sample j with the same id (not the padding id) of g_it·g_js,
+        each g divided by its id's count in its own sample under scale_grad_by_freq."""
+        (ids1, g1), (ids2, g2) = pa, pb
+        out = torch.zeros(g1.shape[0], g2.shape[0], dtype=torch.float64, device=g1.device)
+        if not trainable(module.weight) or out.numel() == 0:
+            return out
+        g1, g2 = self._scaled(module, ids1, g1.double()), self._scaled(module, ids2, g2.double())
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        g1 = g1 * (ids1 != padding).unsqueeze(2)
+        chunk = max(1, budget // max(1, ids1.shape[1] * ids2.numel()))
+        for s in range(0, g1.shape[0], chunk):
+            same = ids1[s:s + chunk, :, None, None] == ids2[None, None]  # [c, T1, B2, T2]
+            dots = torch.einsum("itp,jsp->itjs", g1[s:s + chunk], g2)
+            out[s:s + chunk] = (dots * same).sum((1, 3))
+        return out
+
+    @staticmethod
+    def _scaled(module, ids, g):
+        if not module.scale_grad_by_freq:
+            return g
+        counts = (ids.unsqueeze(2) == ids.unsqueeze(1)).sum(2)
+        return g / counts.unsqueeze(2).to(g.dtype)
+
     def norm_sq(self, module, pos):
         ids, g = pos
         if not trainable(module.weight):

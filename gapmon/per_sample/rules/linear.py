@@ -42,6 +42,30 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _ghost(a, g) if use_ghost(t, d, p) else _direct(a, g)
 
 
+def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch.Tensor,
+                 budget: int = 1 << 24) -> torch.Tensor:
+    """[B1, B2] <Σ_t g1_it a1_itᵀ, Σ_s g2_js a2_jsᵀ> in float64, for a [B, T, d] and g [B, T, p]: the ghost form
+    Σ_{t,s} (a1_it·a2_js)(g1_it·g2_js) or the per-sample products W_i = G_iᵀ A_i multiplied, whichever needs
+    fewer FLOPs; in chunks of about `budget` elements."""
+    a1, g1, a2, g2 = (t.double() for t in (a1, g1, a2, g2))
+    (b1, t1, d), (b2, t2, p) = a1.shape, g2.shape
+    out = torch.empty(b1, b2, dtype=torch.float64, device=a1.device)
+    if b1 == 0 or b2 == 0:
+        return out
+    if b1 * b2 * t1 * t2 * (d + p) <= (b1 * t1 + b2 * t2) * d * p + b1 * b2 * d * p:  # ghost
+        chunk = max(1, budget // max(1, b2 * t1 * t2))
+        for s in range(0, b1, chunk):
+            aa = torch.einsum("itd,jsd->ijts", a1[s:s + chunk], a2)
+            gg = torch.einsum("itp,jsp->ijts", g1[s:s + chunk], g2)
+            out[s:s + chunk] = (aa * gg).sum((2, 3))
+        return out
+    w2 = torch.einsum("jsp,jsd->jpd", g2, a2).reshape(b2, -1)
+    chunk = max(1, budget // max(1, d * p))
+    for s in range(0, b1, chunk):
+        out[s:s + chunk] = torch.einsum("itp,itd->ipd", g1[s:s + chunk], a1[s:s + chunk]).reshape(-1, d * p) @ w2.T
+    return out
+
+
 @register_norm_rule(nn.Linear)
 class LinearRule(NormRule):
     moves_batch = True
@@ -62,6 +86,15 @@ class LinearRule(NormRule):
             out = out + product_norm_sq(a, g)
         if trainable(module.bias):
             out = out + bias_norm_sq(g)
+        return out
+
+    def gram_block(self, module, pa, pb):
+        (a1, g1), (a2, g2) = pa, pb
+        out = torch.zeros(g1.shape[0], g2.shape[0], dtype=torch.float64, device=g1.device)
+        if trainable(module.weight):
+            out = out + product_gram(a1, g1, a2, g2)
+        if trainable(module.bias):
+            out = out + g1.double().sum(1) @ g2.double().sum(1).T
         return out
 
     def grad_sketch(self, module, pos, probe):

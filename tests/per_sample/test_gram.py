@@ -1,0 +1,163 @@
+"""PerSampleGradNorms(gram=True): per-sample gradient Gram matrices and similarities against the Gram of
+per-sample gradients materialised in float64 (a backward per sample; torch.func.vmap(grad(...)) where it applies), over micro-batches, per layer
+(Linear in both of its forms, Embedding, LayerNorm, a grouped Conv1d and a GRU by polarisation), with the
+norms as the diagonal; float32 within 1e-4; refusals."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+import gapmon
+from gapmon.per_sample.rules.linear import product_gram
+
+V, T = 11, 5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 8, padding_idx=0)
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.conv = nn.Conv1d(16, 16, 3, padding=1, groups=2)
+        self.rnn = nn.GRU(16, 6, batch_first=True)
+        self.head = nn.Linear(6, V)
+
+    def forward(self, ids):
+        x = torch.tanh(self.up(self.norm(self.emb(ids))))
+        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        x, _ = self.rnn(x)
+        return self.head(x)
+
+
+def _model(dtype=torch.float64):
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def _own_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+
+
+def _per_sample_grads(model, ids, labels):
+    """{parameter name: [B, numel]} gradients of each sample's own loss, one backward per sample (torch.func's
+    vmap cannot batch a GRU)."""
+    names = [n for n, _ in model.named_parameters()]
+    rows = []
+    for i in range(len(ids)):
+        grads = torch.autograd.grad(_own_loss(model(ids[i:i + 1]), labels[i:i + 1]), list(model.parameters()))
+        rows.append([g.reshape(-1).double() for g in grads])
+    return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(names)}
+
+
+def _batches(dtype=torch.float64):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, V, (n, T), generator=g), torch.randint(1, V, (n, T), generator=g)) for n in (3, 4)]
+
+
+def _run(model, batches, **kwargs):
+    psn = gapmon.PerSampleGradNorms(model, gram=True, **kwargs)
+    for ids, labels in batches:  # two micro-batches, each loss the mean over its samples
+        logits = model(ids)
+        losses = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(len(ids), -1).mean(1)
+        losses.mean().backward()
+    return psn
+
+
+def test_gram_matches_materialised_per_sample_gradients():
+    model = _model()
+    batches = _batches()
+    psn = _run(model, batches)
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    grads = _per_sample_grads(_model(), ids, labels)
+    layers = psn.gram_by_layer()
+    assert sorted(layers) == ["conv", "emb", "head", "norm", "rnn", "up"]
+    total = torch.zeros(7, 7, dtype=torch.float64)
+    for layer, k in layers.items():
+        flat = torch.cat([g for n, g in grads.items() if n.split(".")[0] == layer], dim=1)
+        want = flat @ flat.T
+        torch.testing.assert_close(k, want, rtol=1e-10, atol=1e-12 * want.abs().max().item(), msg=layer)
+        total += want
+    k = psn.gram()
+    torch.testing.assert_close(k, total, rtol=1e-10, atol=1e-12 * total.abs().max().item())
+    torch.testing.assert_close(k.diagonal().sqrt(), psn.local_norms().double(), rtol=1e-10, atol=0)
+    cos = psn.similarity()
+    norms = total.diagonal().sqrt()
+    torch.testing.assert_close(cos, total / (norms[:, None] * norms[None, :]), rtol=1e-9, atol=1e-12)
+
+
+def test_gram_in_float32():
+    model = _model(torch.float32)
+    batches = _batches()
+    psn = _run(model, batches)
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    grads = _per_sample_grads(_model(), ids, labels)  # float64 reference
+    flat = torch.cat(list(grads.values()), dim=1)
+    want = flat @ flat.T
+    torch.testing.assert_close(psn.gram(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 2, 3), (3, 2, 16, 16)], ids=["direct", "ghost"])
+def test_linear_product_gram_in_both_forms(shape):
+    b, t, d, p = shape
+    g = torch.Generator().manual_seed(4)
+    a1, a2 = torch.randn(b, t, d, generator=g, dtype=torch.float64), torch.randn(b + 1, t + 1, d, generator=g, dtype=torch.float64)
+    g1, g2 = torch.randn(b, t, p, generator=g, dtype=torch.float64), torch.randn(b + 1, t + 1, p, generator=g, dtype=torch.float64)
+    w1, w2 = torch.einsum("btp,btd->bpd", g1, a1).reshape(b, -1), torch.einsum("btp,btd->bpd", g2, a2).reshape(b + 1, -1)
+    torch.testing.assert_close(product_gram(a1, g1, a2, g2), w1 @ w2.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(product_gram(a1, g1, a2, g2, budget=1), w1 @ w2.T, rtol=1e-12, atol=1e-12)  # one row a chunk
+
+
+def test_scale_grad_by_freq_embedding():
+    torch.manual_seed(1)
+    emb = nn.Embedding(6, 4, scale_grad_by_freq=True).double()
+    head = nn.Linear(4, 1).double()
+    model = nn.Sequential(emb, head)
+    ids = torch.tensor([[1, 1, 2, 3], [2, 2, 2, 5], [1, 4, 4, 1]])
+    psn = gapmon.PerSampleGradNorms(model, gram=True, loss_reduction="sum")
+    model(ids).square().sum().backward()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    grads = vmap(grad(lambda p, i: functional_call(model, p, (i.unsqueeze(0),)).square().sum()), in_dims=(None, 0))(params, ids)
+    flat = torch.cat([g.reshape(3, -1) for g in grads.values()], dim=1)
+    torch.testing.assert_close(psn.gram(), flat @ flat.T, rtol=1e-10, atol=1e-12)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="book-keeping"):
+        gapmon.PerSampleConfig(gram=True, bookkeeping=True)
+    model = _model()
+    psn = gapmon.PerSampleGradNorms(model)
+    ids, labels = _batches()[0]
+    _own_loss(model(ids), labels).backward()
+    with pytest.raises(RuntimeError, match="gram=True"):
+        psn.gram()
+
+
+def _global_worker(rank, world):
+    """Two ranks, each its own micro-batches, samples 2 and 3 on both (the same ids, the same data): the
+    global Gram, ordered by id and each id once, equals the one of the distinct samples."""
+    import torch.distributed as dist
+
+    batches = _batches()
+    ids = torch.cat([b[0] for b in batches])  # 7 samples: rank 0 holds 0..3, rank 1 holds 2..6
+    labels = torch.cat([b[1] for b in batches])
+    mine = torch.arange(0, 4) if rank == 0 else torch.arange(2, 7)
+    model = nn.parallel.DistributedDataParallel(_model())
+    psn = gapmon.PerSampleGradNorms(model, gram=True)
+    _own_loss(model(ids[mine]), labels[mine]).backward()  # the mean over the rank's samples and tokens
+    got_ids, k = psn.global_gram(mine + 100)
+    grads = _per_sample_grads(_model(), ids, labels)
+    flat = torch.cat(list(grads.values()), dim=1)
+    assert got_ids.tolist() == list(range(100, 107))
+    torch.testing.assert_close(k, flat @ flat.T, rtol=1e-10, atol=1e-12 * (flat @ flat.T).abs().max().item())
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_global_gram_over_ranks_with_shared_samples():
+    from helpers import run_distributed
+
+    run_distributed(_global_worker, 2)
