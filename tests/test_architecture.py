@@ -74,7 +74,7 @@ MAY_IMPORT = {
     "utils": {"_torch_compat"},
     "stats": HELPERS | {"_C"},
     "config": HELPERS | {"stats", "monitor"},  # monitor: its sinks, to validate MonitorConfig.sinks
-    "per_sample": HELPERS | {"stats", "config"},
+    "per_sample": HELPERS | {"stats", "config", "dump"},  # dump: the files of collected per-sample gradients
     "dump": HELPERS | {"stats", "config"},
     "monitor": HELPERS | {"stats", "config", "per_sample"},
     "integrations": HELPERS | {"config", "monitor", "per_sample", "dump"},

@@ -29,6 +29,7 @@ the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rul
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 from typing import Any, Iterable, Sequence
 
@@ -38,10 +39,10 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, name_cleaner
+from ..utils import ParameterWatch, check_int, name_cleaner
 from .batch_provenance import BatchTracker
 from .coverage import LayerCoverage, trainable_state, untied_parameter_names
-from .gram import cosine, global_gram, gram_by_layer
+from .gram import cosine, global_gram, gram_by_layer, per_sample_gradients
 from .layer_hooks import LayerHooks
 from .micro_batch import (
     Collection,
@@ -307,6 +308,28 @@ class PerSampleGradNorms:
                              f"{sum(mb.batch for mb in self._state.micro)} samples")
         return global_gram(self._coverage.layers, self._state.micro, self.loss_weights(), ids,
                            self.config.process_group, self.config.gram)
+
+    def keep_layers(self, patterns: Sequence[str]) -> list[str]:
+        """Keeps the inputs and output gradients of the covered layers whose module names match one of the
+        glob `patterns` ("*.attn.*"), for per_sample_gradients(); returns their names (ValueError if none)."""
+        names = [name for name, _, _ in self._coverage.layers]
+        chosen = {i for i, n in enumerate(names) if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+        if not chosen:
+            raise ValueError(f"PerSampleGradNorms.keep_layers: no covered layer matches {list(patterns)}; "
+                             f"covered: {names[:20]}{' ...' if len(names) > 20 else ''}")
+        if self._layer_hooks.keep_positions is not True:
+            self._layer_hooks.keep_positions = chosen
+        return [names[i] for i in sorted(chosen)]
+
+    def per_sample_gradients(self, chunk: int = 8):
+        """Yields (layer, first sample, count, {parameter name: [count, *shape] float64}): the per-sample
+        gradients of each sample's own loss for the layers keep_layers() (or gram=True) kept, `chunk` samples
+        at a time, materialised one chunk at once (Linear by a per-sample product, other layers from their
+        rule's gradient sketch against identity probes)."""
+        self._collect()
+        return per_sample_gradients(self._coverage.layers, self._state.micro, self.loss_weights(),
+                                    self._param_names, check_int(chunk, "PerSampleGradNorms.per_sample_gradients",
+                                                                 "chunk", 1))
 
     def similarity(self) -> torch.Tensor:
         """[B_local, B_local] cosine similarity of the samples' gradients, from gram() (0 where a norm is 0)."""

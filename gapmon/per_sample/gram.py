@@ -103,3 +103,29 @@ def cosine(k: torch.Tensor) -> torch.Tensor:
     norms = k.diagonal().clamp(min=0).sqrt()
     outer = norms[:, None] * norms[None, :]
     return torch.where(outer > 0, k / torch.where(outer > 0, outer, torch.ones_like(outer)), torch.zeros_like(k))
+
+
+def per_sample_gradients(layers: list, micro: list[MicroBatch], weights: torch.Tensor, param_names: dict[int, str],
+                         chunk: int):
+    """Yields (layer name, first sample, count, {parameter name: [count, *shape] float64}) of the own-loss
+    per-sample gradients of every layer whose positions were kept, `chunk` samples at a time (only one chunk
+    is materialised at once)."""
+    offset = 0
+    for mb in micro:
+        w = weights[offset:offset + mb.batch]
+        for index, pos in mb.positions.items():
+            name, module, rule = layers[index]
+            for start in range(0, mb.batch, chunk):
+                c = min(chunk, mb.batch - start)
+                piece = tuple(t[start * (t.shape[0] // mb.batch):(start + c) * (t.shape[0] // mb.batch)]
+                              if isinstance(t, torch.Tensor) else t for t in pos)
+                scale = w[start:start + c]
+                safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+                grads = {}
+                with torch.no_grad():
+                    for param, g in rule.per_sample_grads(module, piece, c):
+                        s = safe.to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
+                        grads[param_names[id(param)]] = torch.where(s != 0, g / s, torch.zeros_like(g)) * (
+                            scale.to(g.device) != 0).reshape(s.shape)
+                yield name, offset + start, c, grads
+        offset += mb.batch

@@ -30,7 +30,7 @@ class LayerHooks:
     output is replaced so that its weight gradient is formed from the per-sample gradients."""
 
     def __init__(self, layers: list[tuple[str, nn.Module, NormRule]], state: Collection, checker: UseChecker,
-                 coverage: LayerCoverage, bookkeeping: bool, keep_positions: bool = False):
+                 coverage: LayerCoverage, bookkeeping: bool, keep_positions: bool | set[int] = False):
         self.layers, self.state, self.checker, self.coverage = layers, state, checker, coverage
         self.bookkeeping, self.keep_positions = bookkeeping, keep_positions
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
@@ -207,7 +207,7 @@ class LayerHooks:
                 self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
-        if self.keep_positions:  # for gram(): the per-sample gradients' inner products need the positions
-            mb.positions[index] = pos
+        if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
+            mb.positions[index] = pos  # for gram() and per_sample_gradients(): they need the positions
         mb.add(sq, acc, layer_type_name(module))
 

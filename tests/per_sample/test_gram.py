@@ -161,3 +161,95 @@ def test_global_gram_over_ranks_with_shared_samples():
     from helpers import run_distributed
 
     run_distributed(_global_worker, 2)
+
+
+def test_collected_gradients_equal_per_sample_gradients(tmp_path):
+    """PerSampleGradients writes the chosen layers' per-sample gradients (chunks of 2, two micro-batches, in the
+    background); load_gradients reads them back checked: equal to the materialised ones; the similarity from the
+    files equals the Gram's; a damaged file is refused."""
+    from gapmon.dump.format import DumpCorruptError
+    from gapmon.per_sample import PerSampleGradients, collected_layers, collected_steps, load_gradients, similarity_from_files
+
+    model = _model()
+    batches = _batches()
+    with PerSampleGradients(model, tmp_path, layers=("up", "conv", "emb", "rnn"), chunk=2, async_write=True) as coll:
+        for step in (3, 4):
+            coll.begin_step(step)
+            for ids, labels in batches:
+                logits = model(ids)
+                losses = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(len(ids), -1).mean(1)
+                losses.mean().backward()
+            coll.end_step(sample_ids=torch.arange(7) * 10)
+            model.zero_grad()
+    assert collected_steps(tmp_path) == [3, 4] and collected_layers(tmp_path, 4) == ["conv", "emb", "rnn", "up"]
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    want = _per_sample_grads(_model(), ids, labels)
+    for layer in ("up", "conv", "emb", "rnn"):
+        got_ids, grads = load_gradients(tmp_path, 3, layer)
+        assert got_ids.tolist() == [0, 10, 20, 30, 40, 50, 60]
+        for name, g in grads.items():
+            torch.testing.assert_close(g.reshape(7, -1), want[name], rtol=1e-10, atol=1e-12, msg=name)
+    _, cos = similarity_from_files(tmp_path, 3, "up")
+    flat = torch.cat([want[n] for n in want if n.startswith("up.")], dim=1)
+    k = flat @ flat.T
+    torch.testing.assert_close(cos, k / (k.diagonal().sqrt()[:, None] * k.diagonal().sqrt()[None, :]), rtol=1e-9, atol=1e-12)
+    victim = sorted((tmp_path / "step00000003" / "rank0").glob("up.*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(DumpCorruptError, match="checksum"):
+        load_gradients(tmp_path, 3, "up")
+    with pytest.raises(ValueError, match="no covered layer matches"):
+        PerSampleGradients(_model(), tmp_path, layers=("nothing*",))
+
+
+class _Seq(nn.Module):
+    """A layer on [B, T, C] inputs (conv-family layers on [B, C, T]), then a sum of squares loss."""
+
+    def __init__(self, layer, channels_first=False):
+        super().__init__()
+        self.layer, self.channels_first = layer, channels_first
+
+    def forward(self, x):
+        if self.channels_first:
+            return self.layer(x.transpose(1, 2)).transpose(1, 2)
+        out = self.layer(x, x, x, need_weights=False)[0] if isinstance(self.layer, nn.MultiheadAttention) else self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+LAYERS = {
+    "linear_no_bias": lambda: _Seq(nn.Linear(6, 4, bias=False)),
+    "layernorm": lambda: _Seq(nn.LayerNorm(6)),
+    "rmsnorm": lambda: _Seq(nn.RMSNorm(6)),
+    "groupnorm": lambda: _Seq(nn.GroupNorm(2, 6), channels_first=True),
+    "conv1d": lambda: _Seq(nn.Conv1d(6, 4, 3, padding=1), channels_first=True),
+    "conv_transpose1d": lambda: _Seq(nn.ConvTranspose1d(6, 4, 3, groups=2), channels_first=True),
+    "mha": lambda: _Seq(nn.MultiheadAttention(6, 2, batch_first=True)),
+    "lstm": lambda: _Seq(nn.LSTM(6, 3, batch_first=True, bidirectional=True)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_materialised_and_gram_per_layer_family(kind):
+    """per_sample_gradients() and gram() of each layer family equal a backward per sample (float64)."""
+    torch.manual_seed(5)
+    model = LAYERS[kind]().double()
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, gram=True, loss_reduction="sum")
+    model(x).square().sum().backward()
+    psn.pause()  # the reference's own passes below are not samples of the step
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rows = []
+    for i in range(4):
+        grads = torch.autograd.grad(model(x[i:i + 1]).square().sum(), [p for _, p in model.named_parameters()])
+        rows.append({n: g.double() for n, g in zip(names, grads)})
+    got = {}
+    for layer, first, count, grads in psn.per_sample_gradients(chunk=3):
+        for name, g in grads.items():
+            got.setdefault(name, []).append(g)
+    assert sorted(got) == sorted(names), (sorted(got), names)
+    for name in names:
+        torch.testing.assert_close(torch.cat(got[name]), torch.stack([r[name] for r in rows]), rtol=1e-10, atol=1e-12, msg=name)
+    flat = torch.stack([torch.cat([r[n].reshape(-1) for n in names]) for r in rows])
+    torch.testing.assert_close(psn.gram(), flat @ flat.T, rtol=1e-10, atol=1e-12 * (flat @ flat.T).abs().max().item())

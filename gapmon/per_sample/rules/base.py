@@ -102,6 +102,24 @@ class NormRule:
     # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
     moves_batch = False
 
+    def per_sample_grads(self, module: nn.Module, pos: tuple, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, [batch, *its shape] float64 per-sample gradients) of the positions `pos` of `batch`
+        samples. Default: each sample's grad_sketch against identity probes (the sketch of a gradient against
+        the identity is the gradient), one sample at a time."""
+        out: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for i in range(batch):
+            one = tuple(t[i * (t.shape[0] // batch):(i + 1) * (t.shape[0] // batch)] if isinstance(t, torch.Tensor) else t
+                        for t in pos)
+            sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            probe = _identity_probe(one)
+            for sk in self.grad_sketch(module, one, probe):
+                value = sk.value.reshape(sk.param.shape)
+                kept = sums.get(id(sk.param))
+                sums[id(sk.param)] = (sk.param, value if kept is None else kept[1] + value)
+            for key, (param, value) in sums.items():
+                out.setdefault(key, (param, []))[1].append(value)
+        return [(param, torch.stack(values)) for param, values in out.values()]
+
     def gram_block(self, module: nn.Module, pa: tuple, pb: tuple) -> torch.Tensor:
         """[Ba, Bb] inner products <g_i, g_j> of the per-sample gradients of the positions `pa` (Ba samples) and
         `pb` (Bb samples) over this rule's parameters. Default: by polarisation of norm_sq, exact for any rule
@@ -240,3 +258,10 @@ def polarized_gram(norm_sq: Callable, module: nn.Module, pa: tuple, pb: tuple, b
         both = norm_sq(module, tuple(pairs)).double().reshape(c, bb)
         out[start:start + c] = (both - sa[start:start + c, None] - sb[None, :]) / 2
     return out
+
+
+def _identity_probe(pos: tuple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A grad_sketch probe that returns the identity of each parameter's columns (float64, on the positions'
+    device): the sketch of a gradient is then the gradient."""
+    device = next((t.device for t in pos if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return lambda p: torch.eye(p.numel() // sketch_rows(p), dtype=torch.float64, device=device)

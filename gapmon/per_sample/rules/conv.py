@@ -69,6 +69,20 @@ class ConvRule(NormRule):
             out = out + bias_norm_sq(grads).reshape(b, groups).sum(1)
         return out
 
+    def per_sample_grads(self, module, pos, batch):
+        """Group j's weight rows are Σ_l g_lᵀ cols_l of group j (the unfolded product); the bias Σ_l g_l."""
+        cols, grads = (t.double() for t in pos)
+        groups = module.groups
+        length = grads.shape[1]
+        grads = grads.reshape(batch, groups, length, -1)
+        out = []
+        if trainable(module.weight):
+            w = torch.einsum("bglo,bglc->bgoc", grads, cols.reshape(batch, groups, length, -1))
+            out.append((module.weight, w.reshape(batch, *module.weight.shape)))
+        if trainable(module.bias):
+            out.append((module.bias, grads.sum(2).reshape(batch, -1)))
+        return out
+
     def grad_sketch(self, module, pos, probe):
         cols, grads = pos
         groups = module.groups

@@ -46,6 +46,19 @@ class ConvTransposeRule(ConvRule):
             out = out + bias_norm_sq(outputs)
         return out
 
+    def per_sample_grads(self, module, pos, batch):
+        """Row ci of group j: Σ_l x[ci, l] · patch_l of group j; the bias: the output gradient summed."""
+        patches, inputs, outputs = (t.double() for t in pos)
+        groups, length = module.groups, inputs.shape[1]
+        out = []
+        if trainable(module.weight):
+            w = torch.einsum("bgli,bglc->bgic", inputs.reshape(batch, groups, length, -1),
+                             patches.reshape(batch, groups, length, -1))
+            out.append((module.weight, w.reshape(batch, *module.weight.shape)))
+        if trainable(module.bias):
+            out.append((module.bias, outputs.sum(1)))
+        return out
+
     def grad_sketch(self, module, pos, probe):
         patches, inputs, outputs = pos
         groups, b = module.groups, outputs.shape[0]

@@ -20,6 +20,14 @@ def _ids_sketch(ids: torch.Tensor, g: torch.Tensor, r: torch.Tensor, rows: int,
     return torch.zeros(rows, dtype=r.dtype, device=vals.device).index_add_(0, ids, vals).double()
 
 
+def _rows_per_sample(ids: torch.Tensor, g: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, rows, dim] float64: each sample's table gradient, row ids[b, t] getting g[b, t]."""
+    b, dim = ids.shape[0], g.shape[-1]
+    flat = (ids.reshape(b, -1) + rows * torch.arange(b, device=ids.device)[:, None]).reshape(-1)
+    return torch.zeros(b * rows, dim, dtype=torch.float64, device=g.device).index_add_(
+        0, flat, g.reshape(-1, dim).double()).reshape(b, rows, dim)
+
+
 def _repeats(ids: torch.Tensor, table: torch.Tensor) -> int:
     """How often the most frequent id occurs, where a 16-bit table's gradient rounds each add (one
     host read); 1 otherwise."""
@@ -56,6 +64,15 @@ class EmbeddingRule(NormRule):
             dots = torch.einsum("itp,jsp->itjs", g1[s:s + chunk], g2)
             out[s:s + chunk] = (dots * same).sum((1, 3))
         return out
+
+    def per_sample_grads(self, module, pos, batch):
+        ids, g = pos
+        if not trainable(module.weight):
+            return []
+        g = self._scaled(module, ids, g.double())
+        if module.padding_idx is not None:
+            g = g * (ids != module.padding_idx % module.num_embeddings).unsqueeze(2)
+        return [(module.weight, _rows_per_sample(ids, g, module.num_embeddings))]
 
     @staticmethod
     def _scaled(module, ids, g):
@@ -146,6 +163,10 @@ class EmbeddingBagRule(NormRule):
         if not trainable(module.weight):
             return torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
         return _backend.embedding_norm_sq(ids, g, -1)  # padding entries already have zero coefficients
+
+    def per_sample_grads(self, module, pos, batch):
+        ids, g = pos
+        return [(module.weight, _rows_per_sample(ids, g, module.num_embeddings))] if trainable(module.weight) else []
 
     def grad_sketch(self, module, pos, probe):
         if not trainable(module.weight):

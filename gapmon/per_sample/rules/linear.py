@@ -88,6 +88,15 @@ class LinearRule(NormRule):
             out = out + bias_norm_sq(g)
         return out
 
+    def per_sample_grads(self, module, pos, batch):
+        a, g = (t.double() for t in pos)
+        out = []
+        if trainable(module.weight):
+            out.append((module.weight, torch.einsum("btp,btd->bpd", g, a)))
+        if trainable(module.bias):
+            out.append((module.bias, g.sum(1)))
+        return out
+
     def gram_block(self, module, pa, pb):
         (a1, g1), (a2, g2) = pa, pb
         out = torch.zeros(g1.shape[0], g2.shape[0], dtype=torch.float64, device=g1.device)
