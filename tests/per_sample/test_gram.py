@@ -245,7 +245,7 @@ def test_materialised_and_gram_per_layer_family(kind):
         grads = torch.autograd.grad(model(x[i:i + 1]).square().sum(), [p for _, p in model.named_parameters()])
         rows.append({n: g.double() for n, g in zip(names, grads)})
     got = {}
-    for layer, first, count, grads in psn.per_sample_gradients(chunk=3):
+    for _layer, _first, _count, grads in psn.per_sample_gradients(chunk=3):
         for name, g in grads.items():
             got.setdefault(name, []).append(g)
     assert sorted(got) == sorted(names), (sorted(got), names)
