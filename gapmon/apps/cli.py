@@ -142,6 +142,31 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _similarity(args: argparse.Namespace) -> int:
+    from ..dump.per_sample_files import collected_layers, collected_steps, similarity_from_files
+    from .run_format import per_sample_gradients_dir
+
+    root = per_sample_gradients_dir(args.dir)
+    steps = collected_steps(root)
+    if not steps:
+        raise FileNotFoundError(f"{args.dir} holds no collected per-sample gradients (gapmon.per_sample.PerSampleGradients)")
+    step = steps[-1] if args.step is None else args.step
+    layers = collected_layers(root, step)
+    layer = args.layer or (layers[0] if layers else None)
+    if layer not in layers:
+        raise ValueError(f"no layer {layer!r} collected at step {step}; collected: {', '.join(layers) or '-'}")
+    ids, cos = similarity_from_files(root, step, layer)
+    print(f"step {step}, layer {layer}: cosine similarity of {len(ids)} samples' gradients (rows and columns: ids)")
+    print("      " + " ".join(f"{int(i):>6}" for i in ids))
+    for i, row in zip(ids.tolist(), cos.tolist()):
+        print(f"{i:>6} " + " ".join(f"{v:6.3f}" for v in row))
+    if args.plot:
+        from .report import similarity_figure
+
+        print(f"wrote {similarity_figure(ids, cos, f'step {step}, {layer}', args.plot)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gapmon", description="Gradient/activation/parameter monitoring for PyTorch.")
     parser.add_argument("--verbose", action="store_true", help="more output; tracebacks on errors")
@@ -192,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "step*_all_gradients file")
     p.add_argument("b", help="the other reconstructed gradients, as for A")
     p.set_defaults(func=_compare)
+    p = sub.add_parser("similarity", help="cosine similarity of collected per-sample gradients (PerSampleGradients)")
+    p.add_argument("dir", help="a PerSampleGradients directory, or a run directory holding per_sample_gradients/")
+    p.add_argument("--step", type=int, default=None, help="the step (default: the last collected)")
+    p.add_argument("--layer", default=None, help="the layer's module name (default: the first collected)")
+    p.add_argument("--plot", default=None, help="also write the matrix as a heat map to this PNG")
+    p.set_defaults(func=_similarity)
     return parser
 
 

@@ -11,13 +11,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ..dump.per_sample_files import collected_layers, collected_steps, similarity_from_files
 from ..dump.safe_io import atomic_write, ensure_real_dir
 from ..monitor.metric_names import GNS_ALL, gns_name, parse_metric_name, parse_update_name
 from ..stats.block_formats import BLOCK_FORMATS
 from ..stats.layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN
 from ..stats.numerics import FORMATS, format_shares, histogram_rows
 from ..utils import check_real
-from .run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, read_run_file
+from .run_format import METRICS_FILE, PER_SAMPLE_FILE, REPORT_DIR, TRAIN_FILE, per_sample_gradients_dir, read_run_file
 
 
 def _series(records: list[dict[str, Any]], kind: str, field: str) -> dict[str, list[tuple[int, float]]]:
@@ -208,6 +209,27 @@ def _numerics_figure(series: dict[str, dict[str, Any]], path: Path, plt, np) -> 
     plt.close(fig)
 
 
+def similarity_figure(ids, cos, title: str, path, dpi: int = 110) -> Path:
+    """Writes a [N, N] cosine-similarity matrix of per-sample gradients as a heat map PNG; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(ids)
+    fig, ax = plt.subplots(figsize=(5 + 0.05 * n, 4.5 + 0.05 * n))
+    image = ax.imshow(cos.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+    if n <= 32:
+        ax.set_xticks(range(n), [str(int(i)) for i in ids], rotation=90, fontsize=6)
+        ax.set_yticks(range(n), [str(int(i)) for i in ids], fontsize=6)
+    ax.set_title(f"Per-sample gradient cosine similarity: {title}")
+    fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    _save(fig, Path(path), dpi)
+    plt.close(fig)
+    return Path(path)
+
+
 def _numerics_table(series: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["| group | format | zeros, first → last step | underflow, first → last step | overflow, last step "
              "| scaled underflow, first → last step | scaled overflow, last step |",
@@ -356,7 +378,18 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         plt.close(fig)
         images.append(("Per-block formats (MX, NVFP4, current scaling)", "block_formats.png"))
 
-    # 8. Update-to-weight ratio per parameter (GAPMonitor.watch_optimizer), log scale.
+    # 8. Per-sample gradient similarity of the last collected step (PerSampleGradients under RUN_DIR).
+    collected = per_sample_gradients_dir(run_dir)
+    if collected != run_dir:
+        steps_held = collected_steps(collected)
+        if steps_held:
+            for layer in collected_layers(collected, steps_held[-1])[:4]:  # a few figures, not one per layer
+                ids, cos = similarity_from_files(collected, steps_held[-1], layer)
+                image = f"similarity_{layer.replace('.', '_')}.png"
+                similarity_figure(ids, cos, f"step {steps_held[-1]}, {layer}", out / image)
+                images.append((f"Per-sample gradient similarity, {layer} (step {steps_held[-1]})", image))
+
+    # 9. Update-to-weight ratio per parameter (GAPMonitor.watch_optimizer), log scale.
     ratios = update_series(records, "ratio")
     if ratios:
         _log_heatmap(ratios, steps, "Update / weight norm ratio per parameter (log10)", "log10 ||dw|| / ||w||",

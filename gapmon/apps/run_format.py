@@ -23,6 +23,14 @@ TRAIN_FILE = "train.jsonl"
 PER_SAMPLE_FILE = "per_sample_norms.jsonl"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
+# Collected per-sample gradients (gapmon.per_sample.PerSampleGradients), when a run keeps them beside its metrics.
+PER_SAMPLE_GRADIENTS_DIR = "per_sample_gradients"
+
+
+def per_sample_gradients_dir(path: str | Path) -> Path:
+    """The PerSampleGradients directory of `path`: its per_sample_gradients/ when it is a run directory."""
+    inner = Path(path) / PER_SAMPLE_GRADIENTS_DIR
+    return inner if inner.is_dir() else Path(path)
 
 
 @dataclass(frozen=True)
