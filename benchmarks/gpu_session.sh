@@ -17,12 +17,13 @@
 #                                   call's carry; their "reuse" phase installs it (no rebuild).
 #   call2  reuse stats ncu         limits 300 + 90 + 180 = 570 s   (#11's kernel targets; ncu per case,
 #                                   the statistics-and-numerics kernel of #23 included)
-#   call3  reuse monitor persample numerics  limits 150 + 150 + 120 + 30 + 120 = 570 s  (#12's step targets;
-#                                   #23's numerics kernel against the statistics pass, x.sum and the reference)
+#   call3  reuse monitor persample numerics  limits 150 + 150 + 100 + 30 + 20 + 120 = 570 s  (#12's step targets;
+#                                   #23's numerics kernel against the statistics pass, x.sum and the reference;
+#                                   #36's per-block formats; #38's Gram against the norms)
 #   call4  reuse suite             limit 560 s: the whole test suite (~6 min), a call of its own
 #   then, if device time is left:  variants (limit 240 s)
 # Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
-# ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json provenance.json numerics.json;
+# ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json provenance.json gram.json numerics.json;
 # call4 session.log.
 # Afterwards copy each X.json to benchmarks/results/X-<gpu>.json (stats-h100.json, monitor-h100.json, ...) and commit.
 set -uo pipefail
@@ -144,9 +145,11 @@ fi
 if want persample; then
   section "per-sample benchmark"
   run 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 1024 --steps 6 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
-  run 120 $py benchmarks/bench_persample.py --device cuda --d-model 768 --out "$out/persample.json" 2>&1 | tee -a "$log"
+  run 100 $py benchmarks/bench_persample.py --device cuda --d-model 768 --out "$out/persample.json" 2>&1 | tee -a "$log"
   # the batch-provenance mode's cost per op and GPT-2 small's op count (#34): its share of a GPU step
   run 30 $py benchmarks/bench_provenance.py --device cuda --out "$out/provenance.json" 2>&1 | tee -a "$log"
+  # per-sample Gram matrices against the norms of the same Linear layer (#38)
+  run 20 $py benchmarks/bench_gram.py --device cuda --out "$out/gram.json" 2>&1 | tee -a "$log"
 fi
 
 if want suite; then

@@ -44,25 +44,29 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch.Tensor,
                  budget: int = 1 << 24) -> torch.Tensor:
-    """[B1, B2] <Σ_t g1_it a1_itᵀ, Σ_s g2_js a2_jsᵀ> in float64, for a [B, T, d] and g [B, T, p]: the ghost form
-    Σ_{t,s} (a1_it·a2_js)(g1_it·g2_js) or the per-sample products W_i = G_iᵀ A_i multiplied, whichever needs
-    fewer FLOPs; in chunks of about `budget` elements."""
-    a1, g1, a2, g2 = (t.double() for t in (a1, g1, a2, g2))
+    """[B1, B2] float64 <Σ_t g1_it a1_itᵀ, Σ_s g2_js a2_jsᵀ> for a [B, T, d] and g [B, T, p]: the ghost form
+    Σ_{t,s} (a1_it·a2_js)(g1_it·g2_js) (two GEMMs over all positions) or the per-sample products W_i = G_iᵀ A_i
+    multiplied, whichever needs fewer FLOPs, in chunks of about `budget` elements. The products run in the
+    norms' dtype (float32 for 16-bit and float32 positions, float64 for float64) and are summed in float64."""
+    dt = torch.promote_types(_backend.product_dtype(a1), _backend.product_dtype(g1))
     (b1, t1, d), (b2, t2, p) = a1.shape, g2.shape
     out = torch.empty(b1, b2, dtype=torch.float64, device=a1.device)
     if b1 == 0 or b2 == 0:
         return out
     if b1 * b2 * t1 * t2 * (d + p) <= (b1 * t1 + b2 * t2) * d * p + b1 * b2 * d * p:  # ghost
+        a2f, g2f = a2.reshape(b2 * t2, d).to(dt), g2.reshape(b2 * t2, p).to(dt)
         chunk = max(1, budget // max(1, b2 * t1 * t2))
         for s in range(0, b1, chunk):
-            aa = torch.einsum("itd,jsd->ijts", a1[s:s + chunk], a2)
-            gg = torch.einsum("itp,jsp->ijts", g1[s:s + chunk], g2)
-            out[s:s + chunk] = (aa * gg).sum((2, 3))
+            c = min(chunk, b1 - s)
+            aa = a1[s:s + c].reshape(c * t1, d).to(dt) @ a2f.T  # [c·T1, B2·T2]
+            gg = g1[s:s + c].reshape(c * t1, p).to(dt) @ g2f.T
+            out[s:s + c] = (aa * gg).reshape(c, t1, b2, t2).sum((1, 3), dtype=torch.float64)
         return out
-    w2 = torch.einsum("jsp,jsd->jpd", g2, a2).reshape(b2, -1)
+    w2 = torch.einsum("jsp,jsd->jpd", g2.to(dt), a2.to(dt)).reshape(b2, -1)
     chunk = max(1, budget // max(1, d * p))
     for s in range(0, b1, chunk):
-        out[s:s + chunk] = torch.einsum("itp,itd->ipd", g1[s:s + chunk], a1[s:s + chunk]).reshape(-1, d * p) @ w2.T
+        w1 = torch.einsum("itp,itd->ipd", g1[s:s + chunk].to(dt), a1[s:s + chunk].to(dt)).reshape(-1, d * p)
+        out[s:s + chunk] = (w1 @ w2.T).double()
     return out
 
 
