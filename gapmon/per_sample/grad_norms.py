@@ -42,7 +42,7 @@ from ..config import PerSampleConfig
 from ..utils import ParameterWatch, check_int, name_cleaner
 from .batch_provenance import BatchTracker
 from .coverage import LayerCoverage, trainable_state, untied_parameter_names
-from .gram import cosine, global_gram, gram_by_layer, per_sample_gradients
+from .gram import cosine, global_gram, gram_by_layer, per_sample_gradients, reference_dots
 from .layer_hooks import LayerHooks
 from .micro_batch import (
     Collection,
@@ -308,6 +308,21 @@ class PerSampleGradNorms:
                              f"{sum(mb.batch for mb in self._state.micro)} samples")
         return global_gram(self._coverage.layers, self._state.micro, self.loss_weights(), ids,
                            self.config.process_group, self.config.gram)
+
+    def reference_dots(self, reference: dict[str, torch.Tensor], chunk: int = 8) -> torch.Tensor:
+        """[B_local] float64 <g_i, g_ref>: each sample's own-loss gradient against a reference gradient (e.g. a
+        validation batch's), {parameter name: tensor}, over the covered parameters it names (gram=True). Names
+        that are not the model's parameters are refused."""
+        if not self.config.gram:
+            gram_by_layer(self._coverage.layers, self._state.micro, self.loss_weights(), False)  # raises
+        by_name = {name: p for name, p in self.model.named_parameters()}
+        unknown = sorted(set(reference) - set(by_name))
+        if unknown:
+            raise ValueError(f"PerSampleGradNorms.reference_dots: {unknown[:5]} are not parameters of the model")
+        self._collect()
+        ref = {id(by_name[name]): r.detach() for name, r in reference.items()}
+        return reference_dots(self._coverage.layers, self._state.micro, self.loss_weights(), ref,
+                              check_int(chunk, "PerSampleGradNorms.reference_dots", "chunk", 1))
 
     def keep_layers(self, patterns: Sequence[str]) -> list[str]:
         """Keeps the inputs and output gradients of the covered layers whose module names match one of the

@@ -129,3 +129,24 @@ def per_sample_gradients(layers: list, micro: list[MicroBatch], weights: torch.T
                             scale.to(g.device) != 0).reshape(s.shape)
                 yield name, offset + start, c, grads
         offset += mb.batch
+
+
+def reference_dots(layers: list, micro: list[MicroBatch], weights: torch.Tensor, reference: dict[int, torch.Tensor],
+                   chunk: int) -> torch.Tensor:
+    """[B] float64 <g_i, g_ref> of the own-loss per-sample gradients over the layers whose positions were kept and
+    the parameters `reference` holds (id(parameter) -> its reference gradient), `chunk` samples at a time."""
+    total = sum(mb.batch for mb in micro)
+    out = torch.zeros(total, dtype=torch.float64)
+    offset = 0
+    for mb in micro:
+        for index, pos in mb.positions.items():
+            _, module, rule = layers[index]
+            for start in range(0, mb.batch, chunk):
+                c = min(chunk, mb.batch - start)
+                piece = tuple(t[start * (t.shape[0] // mb.batch):(start + c) * (t.shape[0] // mb.batch)]
+                              if isinstance(t, torch.Tensor) else t for t in pos)
+                with torch.no_grad():
+                    out[offset + start:offset + start + c] += rule.reference_dots(module, piece, c, reference).cpu()
+        offset += mb.batch
+    w = weights.to(torch.float64)
+    return torch.where(w != 0, out / torch.where(w != 0, w, torch.ones_like(w)), torch.zeros_like(out))

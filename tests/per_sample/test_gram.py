@@ -253,3 +253,23 @@ def test_materialised_and_gram_per_layer_family(kind):
         torch.testing.assert_close(torch.cat(got[name]), torch.stack([r[name] for r in rows]), rtol=1e-10, atol=1e-12, msg=name)
     flat = torch.stack([torch.cat([r[n].reshape(-1) for n in names]) for r in rows])
     torch.testing.assert_close(psn.gram(), flat @ flat.T, rtol=1e-10, atol=1e-12 * (flat @ flat.T).abs().max().item())
+
+
+def test_reference_dots_match_per_sample_gradients():
+    """<g_i, g_ref> against a reference gradient (another batch's, through autograd) over every covered layer."""
+    model = _model()
+    batches = _batches()
+    psn = _run(model, batches)
+    psn.pause()
+    g = torch.Generator().manual_seed(9)
+    val_ids, val_labels = torch.randint(0, V, (5, T), generator=g), torch.randint(1, V, (5, T), generator=g)
+    names = [n for n, _ in model.named_parameters()]
+    ref = dict(zip(names, torch.autograd.grad(_own_loss(model(val_ids), val_labels), list(model.parameters()))))
+    got = psn.reference_dots(ref, chunk=2)
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    grads = _per_sample_grads(_model(), ids, labels)
+    want = sum(grads[n] @ ref[n].reshape(-1).double() for n in names)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12 * want.abs().max().item())
+    with pytest.raises(ValueError, match="not parameters"):
+        psn.reference_dots({"nope.weight": torch.zeros(1)})

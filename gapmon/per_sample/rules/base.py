@@ -120,6 +120,17 @@ class NormRule:
                 out.setdefault(key, (param, []))[1].append(value)
         return [(param, torch.stack(values)) for param, values in out.values()]
 
+    def reference_dots(self, module: nn.Module, pos: tuple, batch: int,
+                       reference: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[batch] float64 <g_i, r> of the per-sample gradients of `pos` with a reference gradient (`reference`:
+        id(parameter) -> tensor of its shape; parameters without one add nothing). Default: from per_sample_grads."""
+        out = torch.zeros(batch, dtype=torch.float64, device=next(t.device for t in pos if isinstance(t, torch.Tensor)))
+        for param, g in self.per_sample_grads(module, pos, batch):
+            r = reference.get(id(param))
+            if r is not None:
+                out = out + (g.reshape(batch, -1) @ r.to(g.device, torch.float64).reshape(-1))
+        return out
+
     def gram_block(self, module: nn.Module, pa: tuple, pb: tuple) -> torch.Tensor:
         """[Ba, Bb] inner products <g_i, g_j> of the per-sample gradients of the positions `pa` (Ba samples) and
         `pb` (Bb samples) over this rule's parameters. Default: by polarisation of norm_sq, exact for any rule

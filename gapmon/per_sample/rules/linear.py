@@ -101,6 +101,18 @@ class LinearRule(NormRule):
             out.append((module.bias, g.sum(1)))
         return out
 
+    def reference_dots(self, module, pos, batch, reference):
+        """<Σ_t g_t a_tᵀ, R> = Σ_t g_tᵀ R a_t, without forming the per-sample products."""
+        a, g = (t.double() for t in pos)
+        out = torch.zeros(batch, dtype=torch.float64, device=g.device)
+        r = reference.get(id(module.weight)) if trainable(module.weight) else None
+        if r is not None:
+            out = out + ((a @ r.to(a.device, torch.float64).T) * g).sum((1, 2))
+        rb = reference.get(id(module.bias)) if trainable(module.bias) else None
+        if rb is not None:
+            out = out + g.sum(1) @ rb.to(g.device, torch.float64)
+        return out
+
     def gram_block(self, module, pa, pb):
         (a1, g1), (a2, g2) = pa, pb
         out = torch.zeros(g1.shape[0], g2.shape[0], dtype=torch.float64, device=g1.device)
