@@ -273,3 +273,51 @@ def test_reference_dots_match_per_sample_gradients():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12 * want.abs().max().item())
     with pytest.raises(ValueError, match="not parameters"):
         psn.reference_dots({"nope.weight": torch.zeros(1)})
+
+
+def _fsdp2_worker(rank, world, root):
+    """FSDP2 wrapped per layer over 2 ranks, each rank its own samples: the global Gram and the collected
+    per-sample gradients (each rank writes its own samples of the full layers) equal the per-sample gradients
+    of the whole model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gapmon.per_sample import PerSampleGradients, load_gradients
+
+    batches = _batches()
+    ids = torch.cat([b[0] for b in batches])
+    labels = torch.cat([b[1] for b in batches])
+    mine = torch.arange(0, 3) if rank == 0 else torch.arange(3, 7)
+    grads = _per_sample_grads(_model(), ids, labels)
+    flat = torch.cat(list(grads.values()), dim=1)
+
+    model = _model()
+    for layer in (model.emb, model.norm, model.up, model.conv, model.rnn, model.head):
+        fully_shard(layer)
+    fully_shard(model)
+    psn = gapmon.PerSampleGradNorms(model, gram=True)
+    _own_loss(model(ids[mine]), labels[mine]).backward()
+    got_ids, k = psn.global_gram(mine)
+    assert got_ids.tolist() == list(range(7))
+    torch.testing.assert_close(k, flat @ flat.T, rtol=1e-10, atol=1e-12 * (flat @ flat.T).abs().max().item())
+    psn.close()
+
+    model.zero_grad()
+    with PerSampleGradients(model, root, layers=("up", "rnn", "emb"), chunk=2) as coll:
+        coll.begin_step(0)
+        _own_loss(model(ids[mine]), labels[mine]).backward()
+        coll.end_step(sample_ids=mine)
+    dist.barrier()
+    for layer in ("up", "rnn", "emb"):
+        got_ids, got = load_gradients(root, 0, layer)
+        assert got_ids.tolist() == list(range(7))
+        for name, g in got.items():
+            torch.testing.assert_close(g.reshape(7, -1), grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_global_gram_and_collection(tmp_path):
+    from helpers import run_distributed
+
+    run_distributed(_fsdp2_worker, 2, str(tmp_path))
