@@ -249,12 +249,7 @@ inline int64_t plan_block_chunks(BlockOperand* ops, int64_t n) {
 }
 
 GAPMON_HD int64_t find_block_operand(const BlockOperand* ops, int64_t n, int64_t chunk) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (ops[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
-  }
-  return lo;
+  return owner_of_chunk(ops, n, chunk);
 }
 
 // Loads group `group` of `op` (widened to double) into xs; returns its number of elements.
@@ -281,14 +276,6 @@ GAPMON_HD int load_group_any(const BlockOperand& op, int64_t group, double* xs) 
 // Tensors of float32 or narrower take this path: the same casts as cast_block (the same counts; the error
 // sums in another order), written as fixed-length loops over a group's 32 lanes that vectorise, with the
 // rounding done on float32 bits. float64 tensors take cast_block.
-
-GAPMON_HD uint32_t bits_of(float v) {
-  union {
-    float f;
-    uint32_t u;
-  } pun{v};
-  return pun.u;
-}
 
 // v >= 0 (float32) rounded to nearest even onto the grid of `f` (no saturation): below the smallest normal
 // the spacing is fixed, 2^(min_normal_exp - mantissa_bits), and adding then subtracting `magic` (that

@@ -60,6 +60,18 @@ GAPMON_HD int64_t last_view_at_most(const StridedView* views, int64_t num_views,
   return lo;
 }
 
+// Index of the last of ops[0, n) (any type with a first_chunk, in increasing order) whose first_chunk is
+// <= chunk: the operand that owns global chunk `chunk`.
+template <typename Op>
+GAPMON_HD int64_t owner_of_chunk(const Op* ops, int64_t n, int64_t chunk) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (ops[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Index of the view that owns global chunk `chunk`.
 GAPMON_HD int64_t find_view(const StridedView* views, int64_t num_views, int64_t chunk) {
   return last_view_at_most(views, num_views, &StridedView::first_chunk, chunk);

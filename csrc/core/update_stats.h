@@ -68,12 +68,7 @@ inline int64_t plan_update_chunks(UpdateOperands* ops, int64_t n) {
 
 // Index of the operand that owns global chunk `chunk`.
 GAPMON_HD int64_t find_update_operand(const UpdateOperands* ops, int64_t n, int64_t chunk) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (ops[mid].first_chunk <= chunk) lo = mid; else hi = mid - 1;
-  }
-  return lo;
+  return owner_of_chunk(ops, n, chunk);
 }
 
 // Calls f(W{}, G{}) with the storage types of the weights and the gradient.

@@ -29,7 +29,6 @@ the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rul
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 from typing import Any, Iterable, Sequence
 
@@ -39,10 +38,10 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, check_int, name_cleaner
+from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import BatchTracker
 from .coverage import LayerCoverage, trainable_state, untied_parameter_names
-from .gram import cosine, global_gram, gram_by_layer, per_sample_gradients, reference_dots
+from .gram import GradientProducts
 from .layer_hooks import LayerHooks
 from .micro_batch import (
     Collection,
@@ -57,7 +56,7 @@ from .sample_ids import sample_ids as checked_sample_ids
 from .use_check import UseChecker
 
 
-class PerSampleGradNorms:
+class PerSampleGradNorms(GradientProducts):
     """Norms of per-sample gradients of the covered parameters, computed during backward.
 
     `local_norms()` returns ||∇θ loss_i|| for this rank's samples, in the order the forward passes
@@ -282,73 +281,6 @@ class PerSampleGradNorms:
         """The dtype of norms no layer computed: float64 for a float64 model, else float32."""
         floats = [p.dtype for _, p in self._params if p.is_floating_point()]
         return torch.float64 if floats and all(d == torch.float64 for d in floats) else torch.float32
-
-    def gram(self) -> torch.Tensor:
-        """[B_local, B_local] float64 Gram matrix K[i, j] = <g_i, g_j> of this rank's samples' own-loss gradients
-        over the covered parameters (gram=True; gapmon.per_sample.gram): its diagonal is local_norms()**2."""
-        layers = self.gram_by_layer()
-        if layers:
-            return torch.stack(list(layers.values())).sum(0)
-        b = sum(mb.batch for mb in self._state.micro)  # no covered layer was per-sample: zeros, as local_norms()
-        return torch.zeros(b, b, dtype=torch.float64)
-
-    def gram_by_layer(self) -> dict[str, torch.Tensor]:
-        """gram() of each covered layer's parameters, by module name."""
-        self._collect()
-        return gram_by_layer(self._coverage.layers, self._state.micro, self.loss_weights(), self.config.gram)
-
-    def global_gram(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, K) of every rank's samples, ordered by global sample id, each id once (as global_norms):
-        `sample_ids` are this rank's samples' ids in local_norms() order. Gathers every rank's kept layer
-        inputs and output gradients; every rank gets the same K."""
-        ids = checked_sample_ids(sample_ids, "PerSampleGradNorms.global_gram")
-        self._collect()
-        if ids.numel() != sum(mb.batch for mb in self._state.micro):
-            raise ValueError(f"PerSampleGradNorms.global_gram: {ids.numel()} sample ids for "
-                             f"{sum(mb.batch for mb in self._state.micro)} samples")
-        return global_gram(self._coverage.layers, self._state.micro, self.loss_weights(), ids,
-                           self.config.process_group, self.config.gram)
-
-    def reference_dots(self, reference: dict[str, torch.Tensor], chunk: int = 8) -> torch.Tensor:
-        """[B_local] float64 <g_i, g_ref>: each sample's own-loss gradient against a reference gradient (e.g. a
-        validation batch's), {parameter name: tensor}, over the covered parameters it names (gram=True). Names
-        that are not the model's parameters are refused."""
-        if not self.config.gram:
-            gram_by_layer(self._coverage.layers, self._state.micro, self.loss_weights(), False)  # raises
-        by_name = {name: p for name, p in self.model.named_parameters()}
-        unknown = sorted(set(reference) - set(by_name))
-        if unknown:
-            raise ValueError(f"PerSampleGradNorms.reference_dots: {unknown[:5]} are not parameters of the model")
-        self._collect()
-        ref = {id(by_name[name]): r.detach() for name, r in reference.items()}
-        return reference_dots(self._coverage.layers, self._state.micro, self.loss_weights(), ref,
-                              check_int(chunk, "PerSampleGradNorms.reference_dots", "chunk", 1))
-
-    def keep_layers(self, patterns: Sequence[str]) -> list[str]:
-        """Keeps the inputs and output gradients of the covered layers whose module names match one of the
-        glob `patterns` ("*.attn.*"), for per_sample_gradients(); returns their names (ValueError if none)."""
-        names = [name for name, _, _ in self._coverage.layers]
-        chosen = {i for i, n in enumerate(names) if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
-        if not chosen:
-            raise ValueError(f"PerSampleGradNorms.keep_layers: no covered layer matches {list(patterns)}; "
-                             f"covered: {names[:20]}{' ...' if len(names) > 20 else ''}")
-        if self._layer_hooks.keep_positions is not True:
-            self._layer_hooks.keep_positions = chosen
-        return [names[i] for i in sorted(chosen)]
-
-    def per_sample_gradients(self, chunk: int = 8):
-        """Yields (layer, first sample, count, {parameter name: [count, *shape] float64}): the per-sample
-        gradients of each sample's own loss for the layers keep_layers() (or gram=True) kept, `chunk` samples
-        at a time, materialised one chunk at once (Linear by a per-sample product, other layers from their
-        rule's gradient sketch against identity probes)."""
-        self._collect()
-        return per_sample_gradients(self._coverage.layers, self._state.micro, self.loss_weights(),
-                                    self._param_names, check_int(chunk, "PerSampleGradNorms.per_sample_gradients",
-                                                                 "chunk", 1))
-
-    def similarity(self) -> torch.Tensor:
-        """[B_local, B_local] cosine similarity of the samples' gradients, from gram() (0 where a norm is 0)."""
-        return cosine(self.gram())
 
     def global_norms(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, norms) of every rank's samples, ordered by global sample id, each sample once.

@@ -10,9 +10,14 @@ samples' positions concatenated (as it adds two calls of a layer). The blocks ar
 the weighted loss the backward ran on (w_i g_i); K is of each sample's own loss: divided by w_i w_j."""
 from __future__ import annotations
 
+import fnmatch
+from typing import Sequence
+
 import torch
 
+from ..utils import check_int
 from .micro_batch import MicroBatch
+from .sample_ids import sample_ids as checked_sample_ids
 
 
 def own_loss_scale(k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -98,6 +103,12 @@ def global_gram(layers: list, micro: list[MicroBatch], weights: torch.Tensor, id
     return sorted_ids[keep], k[rows][:, rows]
 
 
+def own_loss_rows(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-sample gradients of the weighted loss, g[i] = w_i grad loss_i -> grad loss_i (0 where w_i is 0)."""
+    w = weights.to(g.device, torch.float64).reshape(-1, *([1] * (g.dim() - 1)))
+    return torch.where(w != 0, g / torch.where(w != 0, w, torch.ones_like(w)), torch.zeros_like(g))
+
+
 def cosine(k: torch.Tensor) -> torch.Tensor:
     """Cosine similarity K[i, j] / (|g_i| |g_j|) from a Gram matrix (0 where a norm is 0)."""
     norms = k.diagonal().clamp(min=0).sqrt()
@@ -105,48 +116,116 @@ def cosine(k: torch.Tensor) -> torch.Tensor:
     return torch.where(outer > 0, k / torch.where(outer > 0, outer, torch.ones_like(outer)), torch.zeros_like(k))
 
 
+def _kept_chunks(micro: list[MicroBatch], chunk: int):
+    """Yields (offset of the micro-batch, it, layer index, first sample in it, count, positions of those
+    samples) over the kept positions, `chunk` samples at a time (a position tensor may hold k rows a sample)."""
+    offset = 0
+    for mb in micro:
+        for index, pos in mb.positions.items():
+            for start in range(0, mb.batch, chunk):
+                c = min(chunk, mb.batch - start)
+                yield offset, mb, index, start, c, tuple(
+                    t[start * (t.shape[0] // mb.batch):(start + c) * (t.shape[0] // mb.batch)]
+                    if isinstance(t, torch.Tensor) else t for t in pos)
+        offset += mb.batch
+
+
 def per_sample_gradients(layers: list, micro: list[MicroBatch], weights: torch.Tensor, param_names: dict[int, str],
                          chunk: int):
     """Yields (layer name, first sample, count, {parameter name: [count, *shape] float64}) of the own-loss
     per-sample gradients of every layer whose positions were kept, `chunk` samples at a time (only one chunk
     is materialised at once)."""
-    offset = 0
-    for mb in micro:
-        w = weights[offset:offset + mb.batch]
-        for index, pos in mb.positions.items():
-            name, module, rule = layers[index]
-            for start in range(0, mb.batch, chunk):
-                c = min(chunk, mb.batch - start)
-                piece = tuple(t[start * (t.shape[0] // mb.batch):(start + c) * (t.shape[0] // mb.batch)]
-                              if isinstance(t, torch.Tensor) else t for t in pos)
-                scale = w[start:start + c]
-                safe = torch.where(scale != 0, scale, torch.ones_like(scale))
-                grads = {}
-                with torch.no_grad():
-                    for param, g in rule.per_sample_grads(module, piece, c):
-                        s = safe.to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
-                        grads[param_names[id(param)]] = torch.where(s != 0, g / s, torch.zeros_like(g)) * (
-                            scale.to(g.device) != 0).reshape(s.shape)
-                yield name, offset + start, c, grads
-        offset += mb.batch
+    for offset, _, index, start, c, piece in _kept_chunks(micro, chunk):
+        name, module, rule = layers[index]
+        w = weights[offset + start:offset + start + c]
+        grads = {}
+        with torch.no_grad():
+            for param, g in rule.per_sample_grads(module, piece, c):
+                grads[param_names[id(param)]] = own_loss_rows(g, w)
+        yield name, offset + start, c, grads
 
 
 def reference_dots(layers: list, micro: list[MicroBatch], weights: torch.Tensor, reference: dict[int, torch.Tensor],
                    chunk: int) -> torch.Tensor:
     """[B] float64 <g_i, g_ref> of the own-loss per-sample gradients over the layers whose positions were kept and
     the parameters `reference` holds (id(parameter) -> its reference gradient), `chunk` samples at a time."""
-    total = sum(mb.batch for mb in micro)
-    out = torch.zeros(total, dtype=torch.float64)
-    offset = 0
-    for mb in micro:
-        for index, pos in mb.positions.items():
-            _, module, rule = layers[index]
-            for start in range(0, mb.batch, chunk):
-                c = min(chunk, mb.batch - start)
-                piece = tuple(t[start * (t.shape[0] // mb.batch):(start + c) * (t.shape[0] // mb.batch)]
-                              if isinstance(t, torch.Tensor) else t for t in pos)
-                with torch.no_grad():
-                    out[offset + start:offset + start + c] += rule.reference_dots(module, piece, c, reference).cpu()
-        offset += mb.batch
-    w = weights.to(torch.float64)
-    return torch.where(w != 0, out / torch.where(w != 0, w, torch.ones_like(w)), torch.zeros_like(out))
+    out = torch.zeros(sum(mb.batch for mb in micro), dtype=torch.float64)
+    for offset, _, index, start, c, piece in _kept_chunks(micro, chunk):
+        _, module, rule = layers[index]
+        with torch.no_grad():
+            out[offset + start:offset + start + c] += rule.reference_dots(module, piece, c, reference).cpu()
+    return own_loss_rows(out, weights)
+
+
+class GradientProducts:
+    """What PerSampleGradNorms gives beyond the norms from the positions it keeps (gram=True, or keep_layers):
+    Gram matrices, similarities, inner products with a reference gradient and the per-sample gradients
+    themselves. A mixin: it reads the norms' own state (coverage, micro-batches, weights, parameter names)."""
+
+    def gram(self) -> torch.Tensor:
+        """[B_local, B_local] float64 Gram matrix K[i, j] = <g_i, g_j> of this rank's samples' own-loss gradients
+        over the covered parameters (gram=True; gapmon.per_sample.gram): its diagonal is local_norms()**2."""
+        layers = self.gram_by_layer()
+        if layers:
+            return torch.stack(list(layers.values())).sum(0)
+        b = sum(mb.batch for mb in self._state.micro)  # no covered layer was per-sample: zeros, as local_norms()
+        return torch.zeros(b, b, dtype=torch.float64)
+
+    def gram_by_layer(self) -> dict[str, torch.Tensor]:
+        """gram() of each covered layer's parameters, by module name."""
+        self._collect()
+        return gram_by_layer(self._coverage.layers, self._state.micro, self.loss_weights(), self.config.gram)
+
+    def global_gram(self, sample_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, K) of every rank's samples, ordered by global sample id, each id once (as global_norms):
+        `sample_ids` are this rank's samples' ids in local_norms() order. Gathers every rank's kept layer
+        inputs and output gradients; every rank gets the same K."""
+        ids = checked_sample_ids(sample_ids, "PerSampleGradNorms.global_gram")
+        self._collect()
+        if ids.numel() != sum(mb.batch for mb in self._state.micro):
+            raise ValueError(f"PerSampleGradNorms.global_gram: {ids.numel()} sample ids for "
+                             f"{sum(mb.batch for mb in self._state.micro)} samples")
+        return global_gram(self._coverage.layers, self._state.micro, self.loss_weights(), ids,
+                           self.config.process_group, self.config.gram)
+
+    def reference_dots(self, reference: dict[str, torch.Tensor], chunk: int = 8) -> torch.Tensor:
+        """[B_local] float64 <g_i, g_ref>: each sample's own-loss gradient against a reference gradient (e.g. a
+        validation batch's), {parameter name: tensor}, over the covered parameters it names (gram=True). Names
+        that are not the model's parameters are refused."""
+        if not self.config.gram:
+            gram_by_layer(self._coverage.layers, self._state.micro, self.loss_weights(), False)  # raises
+        by_name = {name: p for name, p in self.model.named_parameters()}
+        unknown = sorted(set(reference) - set(by_name))
+        if unknown:
+            raise ValueError(f"PerSampleGradNorms.reference_dots: {unknown[:5]} are not parameters of the model")
+        self._collect()
+        ref = {id(by_name[name]): r.detach() for name, r in reference.items()}
+        return reference_dots(self._coverage.layers, self._state.micro, self.loss_weights(), ref,
+                              check_int(chunk, "PerSampleGradNorms.reference_dots", "chunk", 1))
+
+    def keep_layers(self, patterns: Sequence[str]) -> list[str]:
+        """Keeps the inputs and output gradients of the covered layers whose module names match one of the
+        glob `patterns` ("*.attn.*"), for per_sample_gradients(); returns their names (ValueError if none)."""
+        names = [name for name, _, _ in self._coverage.layers]
+        chosen = {i for i, n in enumerate(names) if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+        if not chosen:
+            raise ValueError(f"PerSampleGradNorms.keep_layers: no covered layer matches {list(patterns)}; "
+                             f"covered: {names[:20]}{' ...' if len(names) > 20 else ''}")
+        if self._layer_hooks.keep_positions is not True:
+            self._layer_hooks.keep_positions = chosen
+        return [names[i] for i in sorted(chosen)]
+
+    def per_sample_gradients(self, chunk: int = 8):
+        """Yields (layer, first sample, count, {parameter name: [count, *shape] float64}): the per-sample
+        gradients of each sample's own loss for the layers keep_layers() (or gram=True) kept, `chunk` samples
+        at a time, materialised one chunk at once (Linear by a per-sample product, other layers from their
+        rule's gradient sketch against identity probes)."""
+        self._collect()
+        return per_sample_gradients(self._coverage.layers, self._state.micro, self.loss_weights(),
+                                    self._param_names, check_int(chunk, "PerSampleGradNorms.per_sample_gradients",
+                                                                 "chunk", 1))
+
+    def similarity(self) -> torch.Tensor:
+        """[B_local, B_local] cosine similarity of the samples' gradients, from gram() (0 where a norm is 0)."""
+        return cosine(self.gram())
+

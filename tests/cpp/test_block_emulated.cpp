@@ -14,6 +14,7 @@
 #include "../../csrc/cpu/block_kernels.h"
 #include "../../csrc/cuda/block_cuda.h"
 #include "checks.h"
+#include "stored_values.h"
 
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 void gapmon_emu_set_block_schedule(unsigned seed);  // tests/cpp/block_cuda_emulated.cpp
@@ -23,23 +24,6 @@ namespace {
 using core::BlockFormat;
 using core::DType;
 
-std::vector<uint8_t> store(const std::vector<float>& values, DType dt) {
-  std::vector<uint8_t> out;
-  for (float v : values) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    if (dt == DType::kFloat32) {
-      out.insert(out.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 4);
-    } else if (dt == DType::kFloat64) {
-      double d = v;
-      out.insert(out.end(), reinterpret_cast<uint8_t*>(&d), reinterpret_cast<uint8_t*>(&d) + 8);
-    } else {  // bfloat16 (truncated bits) or half (the same bits reinterpreted: any half value will do)
-      const uint16_t h = static_cast<uint16_t>(bits >> 16);
-      out.push_back(h & 0xFF), out.push_back(h >> 8);
-    }
-  }
-  return out;
-}
 
 void run_case(DType dt, const char* what) {
   std::mt19937 rng(11);

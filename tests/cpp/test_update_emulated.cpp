@@ -13,6 +13,7 @@
 #include "../../csrc/cpu/update_kernels.h"
 #include "../../csrc/cuda/update_cuda.h"
 #include "checks.h"
+#include "stored_values.h"
 
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 void gapmon_emu_set_update_schedule(unsigned seed);  // tests/cpp/update_cuda_emulated.cpp
@@ -21,34 +22,6 @@ namespace {
 
 using core::DType;
 
-// Storage of `values` (already representable) in dtype `dt`, as raw bytes.
-std::vector<uint8_t> store(const std::vector<float>& values, DType dt) {
-  std::vector<uint8_t> out;
-  for (float v : values) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    if (dt == DType::kFloat32) {
-      out.insert(out.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 4);
-    } else if (dt == DType::kFloat64) {
-      double d = v;
-      out.insert(out.end(), reinterpret_cast<uint8_t*>(&d), reinterpret_cast<uint8_t*>(&d) + 8);
-    } else if (dt == DType::kBFloat16) {
-      const uint16_t h = static_cast<uint16_t>(bits >> 16);  // values are bfloat16-exact
-      out.push_back(h & 0xFF), out.push_back(h >> 8);
-    } else {  // half: 8 significant bits, normal
-      const float a = std::fabs(v);
-      uint16_t h = 0;
-      if (a != 0) {
-        int e;
-        const float m = std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1)
-        h = static_cast<uint16_t>(((e - 1 + 15) << 10) | (static_cast<uint32_t>(m * 2048) & 0x3FF));
-      }
-      if (v < 0) h |= 0x8000;
-      out.push_back(h & 0xFF), out.push_back(h >> 8);
-    }
-  }
-  return out;
-}
 
 // Values exact in every dtype: k / 128 with |k| < 256 (8 significant bits).
 std::vector<float> values(int64_t n, std::mt19937& rng) {
