@@ -353,15 +353,16 @@ GAPMON_HD FormatConsts format_consts(BlockFormat f, double tensor_scale_value) {
           pow2f(ef.min_normal_exp - ef.mantissa_bits + 23), tensor_scale_value};
 }
 
-// One block's scale (as cast_block computes it): v = a * mul (float32), dequantised q * dq_mul / dq_div;
-// counts the block, its scale flags and its range into acc.
-GAPMON_HD void block_scale_f32(const float* a, int n, const FormatConsts& c, LaneRow& acc, float& mul, double& dq_mul,
+// The largest and the smallest non-zero magnitude of each 16-element half of a group (the group's loader takes
+// them on the bits: non-negative floats order as their bits, and integer min/max reductions vectorise).
+struct GroupRange {
+  float amax[2], amin[2];  // amin: +inf for a half without a non-zero element
+};
+
+// One block's scale (as cast_block computes it) from its largest and smallest non-zero magnitudes: v = a * mul
+// (float32), dequantised q * dq_mul / dq_div; counts the block, its scale flags and its range into acc.
+GAPMON_HD void block_scale_f32(float amax, float amin, const FormatConsts& c, LaneRow& acc, float& mul, double& dq_mul,
                                double& dq_div) {
-  float amax = 0, amin = INFINITY;
-  for (int i = 0; i < n; ++i) {
-    amax = a[i] > amax ? a[i] : amax;
-    amin = (a[i] != 0 && a[i] < amin) ? a[i] : amin;
-  }
   acc.blocks += 1;
   if (amax > 0) {
     const double ratio = static_cast<double>(amax) / amin;
@@ -395,16 +396,32 @@ GAPMON_HD void block_scale_f32(const float* a, int n, const FormatConsts& c, Lan
 }
 
 // The element loop of a group: kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div), 2 (current: q / s).
-template <int kKind>
-GAPMON_HD void cast_lanes(const float (&a)[kGroupElems], const float (&mul)[kGroupElems], const double (&dq_mul)[kGroupElems],
-                          const double (&dq_div)[kGroupElems], const FormatConsts& c, LaneRow& acc) {
+// A group's scales: one per lane (NVFP4's two blocks), or one for the whole group (a 32-element block), which
+// the element loop then reads from registers.
+struct LaneScales {
+  const float* m;
+  const double *dm, *dd;
+  GAPMON_HD float mul(int i) const { return m[i]; }
+  GAPMON_HD double dq_mul(int i) const { return dm[i]; }
+  GAPMON_HD double dq_div(int i) const { return dd[i]; }
+};
+struct GroupScale {
+  float m;
+  double dm, dd;
+  GAPMON_HD float mul(int) const { return m; }
+  GAPMON_HD double dq_mul(int) const { return dm; }
+  GAPMON_HD double dq_div(int) const { return dd; }
+};
+
+template <int kKind, typename Scales>
+GAPMON_HD void cast_lanes(const float (&a)[kGroupElems], const Scales& sc, const FormatConsts& c, LaneRow& acc) {
   // Element-wise and branch-free (selects on the bits), so that the loops vectorise; then the squares are
   // added lane by lane. v <= 2^128 * 2^127 is finite or +inf, and +inf rounds on the bits to itself (its
   // mantissa is zero), above top: saturated.
   int flags[kGroupElems];
   double err_sq[kGroupElems], sig_sq[kGroupElems];
   for (int i = 0; i < kGroupElems; ++i) {
-    const float v = a[i] * mul[i];
+    const float v = a[i] * sc.mul(i);
     const float r = round_to_grid(v, c.mantissa_bits, c.min_normal, c.magic);
     const int sat = r > c.top;
     const float q = select_f32(sat, c.top, r);
@@ -414,11 +431,11 @@ GAPMON_HD void cast_lanes(const float (&a)[kGroupElems], const float (&mul)[kGro
     if (kKind == 0) {
       // MX: q * 2^X is a float32 (|X| <= 127 and q has at most 4 significant bits; for float32 inputs it stays
       // below 2^128) within a factor 2 of a, so a - q * 2^X is exact in float32 (Sterbenz).
-      err = static_cast<double>(a[i] - q * (1.0f / mul[i]));
+      err = static_cast<double>(a[i] - q * (1.0f / sc.mul(i)));
     } else if (kKind == 1) {
-      err = static_cast<double>(a[i]) - static_cast<double>(q) * dq_mul[i] / dq_div[i];
+      err = static_cast<double>(a[i]) - static_cast<double>(q) * sc.dq_mul(i) / sc.dq_div(i);
     } else {
-      err = static_cast<double>(a[i]) - static_cast<double>(q) / dq_div[i];
+      err = static_cast<double>(a[i]) - static_cast<double>(q) / sc.dq_div(i);
     }
     err_sq[i] = err * err;
     sig_sq[i] = static_cast<double>(a[i]) * a[i];
@@ -434,24 +451,34 @@ GAPMON_HD void cast_lanes(const float (&a)[kGroupElems], const float (&mul)[kGro
 
 // A group of n <= 32 magnitudes (a[n..32) zero; non-finite elements already zeroed and counted) cast to c's
 // format.
-GAPMON_HD void cast_group_f32(const float (&a)[kGroupElems], int n, const FormatConsts& c, LaneRow& acc) {
+GAPMON_HD void cast_group_f32(const float (&a)[kGroupElems], int n, const GroupRange& range, const FormatConsts& c,
+                              LaneRow& acc) {
+  if (c.block == kGroupElems) {  // one block: its scale in registers
+    GroupScale sc{1, 0, 1};
+    if (n > 0) {
+      block_scale_f32(range.amax[0] > range.amax[1] ? range.amax[0] : range.amax[1],
+                      range.amin[0] < range.amin[1] ? range.amin[0] : range.amin[1], c, acc, sc.m, sc.dm, sc.dd);
+    }
+    if (c.format == BlockFormat::kCurrentE4m3 || c.format == BlockFormat::kCurrentE5m2) cast_lanes<2>(a, sc, c, acc);
+    else cast_lanes<0>(a, sc, c, acc);
+    return;
+  }
   float mul[kGroupElems];
   double dq_mul[kGroupElems], dq_div[kGroupElems];
   const int b = c.block;
   for (int start = 0; start < kGroupElems; start += b) {
     float m = 1;  // padding lanes: a = 0 casts to 0 with nothing to divide by zero
     double dm = 0, dd = 1;
-    if (start < n) block_scale_f32(a + start, n - start < b ? n - start : b, c, acc, m, dm, dd);
+    if (start < n) block_scale_f32(range.amax[start / 16], range.amin[start / 16], c, acc, m, dm, dd);
     for (int i = start; i < start + b; ++i) mul[i] = m, dq_mul[i] = dm, dq_div[i] = dd;
   }
-  if (c.format == BlockFormat::kNvfp4) cast_lanes<1>(a, mul, dq_mul, dq_div, c, acc);
-  else if (c.format == BlockFormat::kCurrentE4m3 || c.format == BlockFormat::kCurrentE5m2) cast_lanes<2>(a, mul, dq_mul, dq_div, c, acc);
-  else cast_lanes<0>(a, mul, dq_mul, dq_div, c, acc);
+  cast_lanes<1>(a, LaneScales{mul, dq_mul, dq_div}, c, acc);
 }
 
 // Loads group `group` of `op` as float32 magnitudes, zero-padded to 32; non-finite ones zeroed and counted.
 template <typename T>
-GAPMON_HD int load_group_f32(const BlockOperand& op, int64_t group, float (&a)[kGroupElems], int64_t& nonfinite) {
+GAPMON_HD int load_group_f32(const BlockOperand& op, int64_t group, float (&a)[kGroupElems], GroupRange& range,
+                             int64_t& nonfinite) {
   const int64_t per_row = groups_per_row(op.cols);
   const int64_t row = group / per_row, first = (group % per_row) * kGroupElems;
   const int n = static_cast<int>(op.cols - first < kGroupElems ? op.cols - first : kGroupElems);
@@ -470,6 +497,17 @@ GAPMON_HD int load_group_f32(const BlockOperand& op, int64_t group, float (&a)[k
     a[i] = finite ? m : 0.0f;
   }
   nonfinite += bad;
+  for (int h = 0; h < 2; ++h) {
+    uint32_t top = 0, low = 0x7F800000u;  // +inf: no non-zero element
+    for (int i = 16 * h; i < 16 * h + 16; ++i) {
+      const uint32_t b = bits_of(a[i]);
+      const uint32_t nz = b - 1u < 0x7F800000u ? b : 0x7F800000u;  // zero (b - 1 wraps) counts as +inf
+      top = b > top ? b : top;
+      low = nz < low ? nz : low;
+    }
+    range.amax[h] = f32_from_bits(top);
+    range.amin[h] = f32_from_bits(low);
+  }
   return n;
 }
 
@@ -490,13 +528,14 @@ GAPMON_HD void cast_groups(const BlockOperand& op, int64_t begin, int64_t end, c
   FormatConsts consts[kNumBlockFormats];
   for (int f = 0; f < num_formats; ++f) consts[f] = format_consts(formats[f], scales[f]);
   float a[kGroupElems];
+  GroupRange range;
   int64_t nonfinite = 0;
   for (int64_t g = begin; g < end; ++g) {
     int n;
-    if (op.dtype == DType::kFloat32) n = load_group_f32<float>(op, g, a, nonfinite);
-    else if (op.dtype == DType::kBFloat16) n = load_group_f32<BF16>(op, g, a, nonfinite);
-    else n = load_group_f32<Half>(op, g, a, nonfinite);
-    for (int f = 0; f < num_formats; ++f) cast_group_f32(a, n, consts[f], acc[f]);
+    if (op.dtype == DType::kFloat32) n = load_group_f32<float>(op, g, a, range, nonfinite);
+    else if (op.dtype == DType::kBFloat16) n = load_group_f32<BF16>(op, g, a, range, nonfinite);
+    else n = load_group_f32<Half>(op, g, a, range, nonfinite);
+    for (int f = 0; f < num_formats; ++f) cast_group_f32(a, n, range, consts[f], acc[f]);
   }
   for (int f = 0; f < num_formats; ++f) {
     acc[f].fold_into(rows[f]);
