@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import MonitorConfig, PerSampleConfig, Schedule, per_sample_option
-from ..utils import ParameterWatch, check_int, check_step, clean_named, rank_and_world
+from ..utils import ParameterWatch, check_int, check_step, clean_named, layer_type_name, rank_and_world
 from .activations import ActivationRecorder
 from .block_format_metrics import BlockFormatMetrics
 from .data_parallel import DataParallelNoise
@@ -126,7 +126,7 @@ class GAPMonitor:
         self.sinks: list[Sink] = list(config.sinks)
         # The root module (and a wrapper's inner root, e.g. DDP's `module`) is not an activation source.
         modules = [(n, m) for n, m in clean_named(model, model.named_modules(), "modules") if n]
-        self._module_types = {n: type(m).__name__ for n, m in modules}  # numerics histogram groups
+        self._module_types = {n: layer_type_name(m) for n, m in modules}  # numerics histogram groups (Linear, not FSDPLinear)
         self._watch = ParameterWatch(model)
         self._tensors = WatchedTensors(model, modules, real_only=config.params or config.grads)
         self._recorder = ActivationRecorder(modules, config.activations, config.activation_grads,

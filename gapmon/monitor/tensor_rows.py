@@ -10,7 +10,7 @@ from ..stats import ops
 from ..stats.distributed import dtensor_multi_states, fsdp1_shard_groups
 from ..stats.layout import STAT_NAMES, STATE_NAMES
 from ..stats.numerics import states_and_numerics
-from ..utils import clean_named, refuse_complex
+from ..utils import clean_named, layer_type_name, refuse_complex
 
 
 def rows_with_sparse(tensors: list[torch.Tensor], correction: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ class WatchedTensors:
         if self.real_only:
             refuse_complex(self.params, "GAPMonitor", "the statistics are of real tensors. Store it as real and "
                            "imaginary parts (torch.view_as_real) or pass params=False, grads=False")
-        owner_types = {id(p): type(m).__name__ for _, m in self.modules for p in m.parameters(recurse=False)}
+        owner_types = {id(p): layer_type_name(m) for _, m in self.modules for p in m.parameters(recurse=False)}
         self.types = {n: owner_types.get(id(p), type(model).__name__) for n, p in self.params}
         shard_groups = fsdp1_shard_groups(model)
         self.flat_groups = [shard_groups.get(id(p)) for _, p in self.params]  # FSDP1 flat shards

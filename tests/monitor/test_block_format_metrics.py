@@ -135,6 +135,23 @@ def _fsdp2_worker(rank, world):
     acts = {k: v for k, v in plain.items() if k.startswith("gap/activation") and ("fp" in k.split("/")[-1])}
     assert len(acts) == 2 * 3 * len(FORMATS) * 8
     _assert_metrics(got, acts)  # the sharded model's activations, merged over the ranks, as the plain one's
+    # The numerics histogram groups name the layers' own classes, as without FSDP2 (not FSDPLinear).
+    seen = []
+
+    class Capture:
+        def write(self, step, metrics, info):
+            seen.append(info)
+
+        def close(self):
+            pass
+
+    model.zero_grad()
+    with gapmon.GAPMonitor(model, numerics=("bf16",), sinks=[Capture()]) as mon:
+        _step(model, mon)
+    if rank == 0:
+        groups = set(seen[0]["numerics_histograms"])
+        assert {"params/Linear", "grads/Linear", "activations/Linear"} <= groups, groups
+        assert not any("FSDP" in g for g in groups), groups
     dist.barrier()
 
 
