@@ -112,17 +112,30 @@ def fsdp_gradient_divide_factors(model: nn.Module) -> set:
 class FSDPReduction:
     """What one FSDP2 parameter group's gradient reduction does, read from the group (torch 2.11, 2.13):
     its parameters (the sharded ones the model holds), the reduce-scatter it calls (`comm`), the number of
-    data-parallel ranks (shard x replicate) and the factor the sum of their gradients is divided by."""
+    data-parallel ranks (shard x replicate) and the factor the sum of their gradients is divided by (each read
+    when used, so that later FSDP2 settings and replaced parameters are seen)."""
 
     def __init__(self, group: Any):
         self.group = group
-        self.params = [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
         mesh_info = group.mesh_info
         self.shard_size = getattr(mesh_info, "shard_mesh_size", 1)
         self.data_parallel_size = self.shard_size * getattr(mesh_info, "replicate_mesh_size", 1)
-        factor = getattr(group, "gradient_divide_factor", None)
-        self.divide_factor = float(factor) if factor is not None else float(self.data_parallel_size)
-        self.force_sum = bool(getattr(group, "force_sum_reduction_for_comms", False))
+
+    @property
+    def divide_factor(self) -> float:
+        """What FSDP2 divides the sum of the ranks' gradients by (set_gradient_divide_factor, else the ranks)."""
+        factor = getattr(self.group, "gradient_divide_factor", None)
+        return float(factor) if factor is not None else float(self.data_parallel_size)
+
+    @property
+    def force_sum(self) -> bool:
+        return bool(getattr(self.group, "force_sum_reduction_for_comms", False))
+
+    @property
+    def params(self) -> list:
+        """The group's sharded parameters as the model holds them now (read each time: meta-device init then
+        to_empty, or a load with assign=True, replaces them)."""
+        return [fsdp_param.sharded_param for fsdp_param in self.group.fsdp_params]
 
     @property
     def comm(self) -> Any:
