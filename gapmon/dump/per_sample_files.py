@@ -10,7 +10,8 @@ Layout, one generation per step and rank:
                                                           CRC-32 of its bytes, the layers and parameters
 
 A rank writes into ``rank{R}.tmp-*`` and renames it to ``rank{R}`` once its manifest is written, so a reader
-sees a rank's step whole or not at all; a rewrite of the step replaces the old generation only then.
+sees a rank's step whole or not at all; a rewrite moves the old generation aside (``rank{R}.old-{pid}``) just
+before, and the reader takes that one while ``rank{R}`` is missing: at any instant, the old or the new one.
 Nothing is written through a link or outside DIR. The reader checks every size and checksum, and that the
 files are the ones the manifest names.
 """
@@ -127,14 +128,24 @@ def collected_layers(root: str | Path, step: int) -> list[str]:
 
 
 def _rank_dirs(root: str | Path, step: int) -> list[Path]:
+    """Each rank's sealed generation of `step`: rank{R}, or, while a rewrite is between its two renames (or
+    was cut there by a crash), the old generation it moved aside, rank{R}.old-{pid}."""
     d = step_dir(root, step)
     if not d.is_dir() or d.is_symlink():
         raise DumpMissingError(f"no collected per-sample gradients for step {step} under {root}")
-    dirs = sorted((r for r in d.glob("rank*") if r.is_dir() and not r.is_symlink() and r.name[4:].isdigit()),
-                  key=lambda r: int(r.name[4:]))
-    if not dirs:
+    found: dict[int, Path] = {}
+    for r in sorted(d.glob("rank*")):
+        if not r.is_dir() or r.is_symlink():
+            continue
+        name, _, old = r.name.partition(".old-")
+        if not name[4:].isdigit() or (old and (not old.isdigit() or not (r / MANIFEST).is_file())):
+            continue
+        rank = int(name[4:])
+        if not old or rank not in found:  # the current generation wins over a moved-aside one
+            found[rank] = r
+    if not found:
         raise DumpIncompleteError(f"{d} holds no sealed rank generation")
-    return dirs
+    return [found[rank] for rank in sorted(found)]
 
 
 def load_gradients(root: str | Path, step: int, layer: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -321,3 +321,19 @@ def test_fsdp2_global_gram_and_collection(tmp_path):
     from helpers import run_distributed
 
     run_distributed(_fsdp2_worker, 2, str(tmp_path))
+
+
+def test_a_rewrite_cut_between_its_renames_leaves_the_old_generation(tmp_path):
+    """A step written twice: the second generation replaces the first; a crash after the old one was moved
+    aside and before the new one was renamed in leaves the old one readable."""
+    from gapmon.dump.per_sample_files import RankWriter
+    from gapmon.per_sample import load_gradients
+
+    for value in (1.0, 2.0):
+        w = RankWriter(tmp_path, 5, 0)
+        w.write_chunk("up", 0, torch.tensor([1, 2]), {"up.weight": torch.full((2, 3), value)})
+        w.seal()
+    assert load_gradients(tmp_path, 5, "up")[1]["up.weight"].unique().tolist() == [2.0]
+    final = tmp_path / "step00000005" / "rank0"
+    final.rename(final.with_name("rank0.old-123"))  # as if the process died between the two renames
+    assert load_gradients(tmp_path, 5, "up")[1]["up.weight"].unique().tolist() == [2.0]
