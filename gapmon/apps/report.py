@@ -153,6 +153,14 @@ def _log_heatmap(series: dict[str, list[tuple[int, float]]], steps: list[int], t
     plt.close(fig)
 
 
+def _add_figure(fig, out: Path, image: str, title: str, images: list, plt) -> None:
+    """Lays out, saves (atomically) and closes a report figure, and lists it under `title`."""
+    fig.tight_layout()
+    _save(fig, out / image, 110)
+    plt.close(fig)
+    images.append((title, image))
+
+
 def _save(fig, path: Path, dpi: int) -> None:
     """A figure as a PNG, written atomically (a link planted at `path` is replaced, never written through)."""
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
@@ -294,10 +302,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     ax.set_ylabel("max |activation|")
     ax.set_title("Activation max over steps (largest 12 modules)")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    _save(fig, out / "activation_max.png", 110)
-    plt.close(fig)
-    images.append(("Activation max", "activation_max.png"))
+    _add_figure(fig, out, "activation_max.png", "Activation max", images, plt)
 
     # 3. Loss and global gradient norm.
     train = read_run_file(run_dir, TRAIN_FILE, skipped)
@@ -313,10 +318,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         ax2.plot([t["step"] for t in train], [t["loss"] for t in train], color="tab:red", label="loss")
         ax2.set_ylabel("loss", color="tab:red")
     ax.set_title("Loss and global gradient norm")
-    fig.tight_layout()
-    _save(fig, out / "loss_grad_norm.png", 110)
-    plt.close(fig)
-    images.append(("Loss and global gradient norm", "loss_grad_norm.png"))
+    _add_figure(fig, out, "loss_grad_norm.png", "Loss and global gradient norm", images, plt)
 
     # 4. Per-sample gradient norms.
     per_sample = read_run_file(run_dir, PER_SAMPLE_FILE, skipped)
@@ -327,10 +329,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         ax.set_xlabel("per-sample gradient norm")
         ax.set_ylabel("samples")
         ax.set_title(f"Per-sample gradient norms ({len(values)} samples over {len(per_sample)} steps)")
-        fig.tight_layout()
-        _save(fig, out / "per_sample_norms.png", 110)
-        plt.close(fig)
-        images.append(("Per-sample gradient norms", "per_sample_norms.png"))
+        _add_figure(fig, out, "per_sample_norms.png", "Per-sample gradient norms", images, plt)
 
     # 5. Low-precision numerics (GAPMonitor(numerics=...)): exponent histograms over steps.
     numerics = numerics_series(records)
@@ -353,10 +352,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         ax.set_ylabel("B_simple = tr(Sigma) / |G|^2")
         ax.set_title("Gradient noise scale (critical batch size), moving averages")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        _save(fig, out / "noise_scale.png", 110)
-        plt.close(fig)
-        images.append(("Gradient noise scale", "noise_scale.png"))
+        _add_figure(fig, out, "noise_scale.png", "Gradient noise scale", images, plt)
 
     # 7. Per-block formats (GAPMonitor(block_formats=...)): mean SQNR and underflow share per kind and format.
     blocks = block_format_series(records)
@@ -373,10 +369,7 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
         bottom.set_ylabel("share cast to zero")
         bottom.set_xlabel("step")
         top.legend(fontsize=7)
-        fig.tight_layout()
-        _save(fig, out / "block_formats.png", 110)
-        plt.close(fig)
-        images.append(("Per-block formats (MX, NVFP4, current scaling)", "block_formats.png"))
+        _add_figure(fig, out, "block_formats.png", "Per-block formats (MX, NVFP4, current scaling)", images, plt)
 
     # 8. Per-sample gradient similarity of the last collected step (PerSampleGradients under RUN_DIR).
     collected = per_sample_gradients_dir(run_dir)
