@@ -199,6 +199,28 @@ def test_update_sums_cuda_match_float64_and_the_cpu():
     torch.library.opcheck(torch.ops.gapmon.update_sums.default, ([x, x[0].half()], [x * 2, x[1].half()], [x.t().contiguous().t(), x[2]]))
 
 
+def test_block_numerics_cuda_match_the_cpu():
+    """The per-block format kernel on CUDA: every format and dtype, partial blocks, several chunks, non-finite
+    values; counts, minima and maxima equal to the CPU kernel's, sums within 1e-12; the same bits twice."""
+    from gapmon.stats import block_formats as bf
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        xs = [(torch.randn(shape, generator=g, dtype=torch.float64) * 4).to(dtype) for shape in ((3, 70), (2100, 40), (5,), ())]
+        xs[1][7, 3] = float("inf")
+        cpu = bf.block_numerics(xs, bf.BLOCK_FORMATS)
+        dev = [x.cuda() for x in xs]
+        got = bf.block_numerics(dev, bf.BLOCK_FORMATS)
+        assert torch.equal(got, bf.block_numerics(dev, bf.BLOCK_FORMATS)), dtype
+        sums = [bf.BLOCK_COLUMNS.index(c) for c in ("error_sq", "signal_sq")]
+        exact = [i for i in range(len(bf.BLOCK_COLUMNS)) if i not in sums]
+        assert torch.equal(got.cpu()[..., exact], cpu[..., exact]), dtype
+        torch.testing.assert_close(got.cpu()[..., sums], cpu[..., sums], rtol=1e-12, atol=0, msg=str(dtype))
+    x = torch.randn(6, 40, device="cuda")
+    torch.library.opcheck(torch.ops.gapmon.block_numerics.default,
+                          ([x, x[0].bfloat16()], [0, 3], torch.tensor([3.0, 2.0], dtype=torch.float64, device="cuda")))
+
+
 def test_monitor_on_cuda():
     from helpers import assert_metrics_close, brute_force_gap_metrics
 
