@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from helpers import memory_logger
 
 import gapmon
 from gapmon.integrations import require
@@ -75,20 +76,6 @@ def test_lightning_trainer_logs_to_its_loggers(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    class Logger(pl.loggers.Logger):
-        name, version = "memory", 0
-        records: list = []
-
-        @property
-        def experiment(self):
-            return None
-
-        def log_hyperparams(self, params, *args, **kwargs):
-            pass
-
-        def log_metrics(self, metrics, step=None):
-            self.records.append((step, dict(metrics)))
-
     grads = {}
 
     class Recorder(pl.Callback):
@@ -99,12 +86,13 @@ def test_lightning_trainer_logs_to_its_loggers(tmp_path):
     data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=3)
     gap = GAPMonitorCallback(interval=1)
-    logger = Logger()
+    records: list = []
+    logger = memory_logger(pl, records, dict)()
     trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", logger=logger,
                          callbacks=[gap, Recorder()], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path), log_every_n_steps=1)
     trainer.fit(Module(), loader)
-    gap_records = {step: m for step, m in logger.records if "gap/global_batch_size" in m}
+    gap_records = {step: m for step, m in records if "gap/global_batch_size" in m}
     assert sorted(gap_records) == [0, 1, 2]
     for step, metrics in gap_records.items():
         assert metrics["gap/global_batch_size"] == 6  # 3 samples x 2 accumulated batches

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import memory_logger
 
 from gapmon.monitor.metric_names import GLOBAL_BATCH_SIZE, per_sample_norm_name
 
@@ -60,24 +61,6 @@ def _reference_norms(make_model, state: dict, samples: list[dict], covered: set[
         sq = sum(p.grad.double().square().sum() for n, p in model.named_parameters() if n in covered and p.grad is not None)
         norms.append(float(sq) ** 0.5)
     return norms
-
-
-def _memory_logger(pl, records: list, keep):
-    """A Lightning logger class that appends (step, keep(metrics)) to `records`."""
-    class Logger(pl.loggers.Logger):
-        name, version = "memory", 0
-
-        @property
-        def experiment(self):
-            return None
-
-        def log_hyperparams(self, params, *args, **kwargs):
-            pass
-
-        def log_metrics(self, metrics, step=None):
-            records.append((step, keep(metrics)))
-
-    return Logger
 
 
 def _hf_args(transformers, tmp_path, **kw):
@@ -281,6 +264,37 @@ def test_plain_api_loss_weights_give_each_samples_own_loss():
     norms.close()
 
 
+OLMO_SEQ, OLMO_VOCAB = 8, 64
+
+
+def _olmo_model():
+    from olmo_core.nn.transformer import TransformerConfig
+
+    return TransformerConfig.olmo2_1M(vocab_size=OLMO_VOCAB, n_layers=2).build(init_device="cpu")
+
+
+def _olmo_train_module(tmp_path, lr: float):
+    """(model, train module, the trainer stand-in it reports to, the dict its record_metric fills): an OLMo2 1M
+    model in OLMo-core's TransformerTrainModule (micro-batches of 2 sequences of OLMO_SEQ tokens), as its
+    Trainer sets it up."""
+    from types import SimpleNamespace
+
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModule
+
+    torch.manual_seed(0)
+    model = _olmo_model()
+    module = TransformerTrainModule(model, optim=AdamWConfig(lr=lr), rank_microbatch_size=2 * OLMO_SEQ,
+                                    max_sequence_length=OLMO_SEQ, device=torch.device("cpu"))
+    recorded: dict[str, float] = {}
+    trainer = SimpleNamespace(global_step=1, global_batch_size=4 * OLMO_SEQ, dp_process_group=None, train_module=module,
+                              save_folder=str(tmp_path), work_dir=tmp_path,
+                              record_metric=lambda name, value, *a, **k: recorded.__setitem__(name, value),
+                              record_ce_loss=lambda value, *a, **k: None)
+    module._trainer = trainer
+    return model, module, trainer, recorded
+
+
 @pytest.mark.slow
 def test_olmo_core_per_sample_norms_with_micro_batches(tmp_path):
     """OLMo-core's TransformerTrainModule splits the rank's batch into micro-batches, sums each token's
@@ -288,27 +302,11 @@ def test_olmo_core_per_sample_norms_with_micro_batches(tmp_path):
     each sample's own loss (mean over its label tokens), against a loop over the samples. The callback is
     driven as olmo_core's Trainer drives it (pre_step, train_batch, pre_optim_step)."""
     pytest.importorskip("olmo_core", reason="needs ai2-olmo-core (CI installs it)")
-    from types import SimpleNamespace
-
-    from olmo_core.nn.transformer import TransformerConfig
-    from olmo_core.optim import AdamWConfig
-    from olmo_core.train.train_module import TransformerTrainModule
-
     import gapmon
     from gapmon.integrations.olmo import GAPMonitorCallback
 
-    seq, vocab = 8, 64
-    config = TransformerConfig.olmo2_1M(vocab_size=vocab, n_layers=2)
-    torch.manual_seed(0)
-    model = config.build(init_device="cpu")
-    module = TransformerTrainModule(model, optim=AdamWConfig(lr=1e-3), rank_microbatch_size=2 * seq,
-                                    max_sequence_length=seq, device=torch.device("cpu"))
-    recorded: dict[str, float] = {}
-    trainer = SimpleNamespace(global_step=1, global_batch_size=4 * seq, dp_process_group=None, train_module=module,
-                              save_folder=str(tmp_path), work_dir=tmp_path,
-                              record_metric=lambda name, value, *a, **k: recorded.__setitem__(name, value),
-                              record_ce_loss=lambda value, *a, **k: None)
-    module._trainer = trainer
+    seq, vocab = OLMO_SEQ, OLMO_VOCAB
+    model, module, trainer, recorded = _olmo_train_module(tmp_path, lr=1e-3)
     callback = GAPMonitorCallback(gapmon_config=gapmon.MonitorConfig(per_sample=gapmon.PerSampleConfig()))
     callback.trainer = trainer
     with warnings.catch_warnings():
@@ -334,7 +332,7 @@ def test_olmo_core_per_sample_norms_with_micro_batches(tmp_path):
     def loss_of(m, s):
         return m(s["input_ids"][None], labels=s["labels"][None]).loss  # the mean over its label tokens
 
-    want = _reference_norms(lambda: config.build(init_device="cpu"), state,
+    want = _reference_norms(_olmo_model, state,
                             [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)], covered, loss_of)
     assert got == pytest.approx(want, rel=1e-4)
     assert recorded[GLOBAL_BATCH_SIZE] == 4
@@ -419,7 +417,7 @@ def test_lightning_keeps_everything_it_logs_without_gapmon(tmp_path):
     def run(callbacks):
         records = []
 
-        Logger = _memory_logger(pl, records, lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("gap/")})
+        Logger = memory_logger(pl, records, lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("gap/")})
 
         torch.manual_seed(0)
         data = torch.utils.data.TensorDataset(torch.randn(24, 6), torch.randn(24, 1))
@@ -510,7 +508,7 @@ def test_lightning_logs_the_optimizer_updates(tmp_path):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.1)
 
-    Logger = _memory_logger(pl, records, dict)
+    Logger = memory_logger(pl, records, dict)
 
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(12, 6), torch.randn(12, 1))
@@ -529,26 +527,11 @@ def test_olmo_core_records_the_optimizer_updates(tmp_path):
     """The OLMo-core callback, driven as its Trainer drives it (pre_step, train_batch, pre_optim_step, the
     optimizer step, post_train_batch), records gap/update/... of the train module's optimizer."""
     pytest.importorskip("olmo_core", reason="needs ai2-olmo-core (CI installs it)")
-    from types import SimpleNamespace
-
-    from olmo_core.nn.transformer import TransformerConfig
-    from olmo_core.optim import AdamWConfig
-    from olmo_core.train.train_module import TransformerTrainModule
-
     import gapmon
     from gapmon.integrations.olmo import GAPMonitorCallback
 
-    seq, vocab = 8, 64
-    torch.manual_seed(0)
-    model = TransformerConfig.olmo2_1M(vocab_size=vocab, n_layers=2).build(init_device="cpu")
-    module = TransformerTrainModule(model, optim=AdamWConfig(lr=1e-2), rank_microbatch_size=2 * seq,
-                                    max_sequence_length=seq, device=torch.device("cpu"))
-    recorded: dict[str, float] = {}
-    trainer = SimpleNamespace(global_step=1, global_batch_size=4 * seq, dp_process_group=None, train_module=module,
-                              save_folder=str(tmp_path), work_dir=tmp_path,
-                              record_metric=lambda name, value, *a, **k: recorded.__setitem__(name, value),
-                              record_ce_loss=lambda value, *a, **k: None)
-    module._trainer = trainer
+    seq, vocab = OLMO_SEQ, OLMO_VOCAB
+    model, module, trainer, recorded = _olmo_train_module(tmp_path, lr=1e-2)
     callback = GAPMonitorCallback(gapmon_config=gapmon.MonitorConfig(activations=False, activation_grads=False),
                                   optimizer_stats=True)
     callback.trainer = trainer
