@@ -165,3 +165,19 @@ def layer_type_name(module: nn.Module) -> str:
         if issubclass(cls, nn.Module) and not issubclass(cls, FSDPModule):
             return cls.__name__
     return type(module).__name__
+
+
+def first_of_each_id(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the ids sorted, each once; the row of each one's first occurrence in `ids`)."""
+    order = torch.argsort(ids, stable=True)
+    ordered = ids[order]
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return ordered[keep], order[keep]
+
+
+def cosine_from_gram(k: torch.Tensor) -> torch.Tensor:
+    """Cosine similarities K[i, j] / (|g_i| |g_j|) from a Gram matrix (0 where a norm is 0)."""
+    norms = k.diagonal().clamp(min=0).sqrt()
+    outer = norms[:, None] * norms[None, :]
+    return torch.where(outer > 0, k / torch.where(outer > 0, outer, torch.ones_like(outer)), torch.zeros_like(k))

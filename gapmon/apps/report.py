@@ -376,9 +376,9 @@ def make_report(run_dir: str | Path, skipped: list[str] | None = None) -> Path:
     if collected != run_dir:
         steps_held = collected_steps(collected)
         if steps_held:
-            for layer in collected_layers(collected, steps_held[-1])[:4]:  # a few figures, not one per layer
+            for k, layer in enumerate(collected_layers(collected, steps_held[-1])[:4]):  # a few, not one per layer
                 ids, cos = similarity_from_files(collected, steps_held[-1], layer)
-                image = f"similarity_{layer.replace('.', '_')}.png"
+                image = f"similarity_{k}.png"  # by place: a module name may be "" or hold any character
                 similarity_figure(ids, cos, f"step {steps_held[-1]}, {layer}", out / image)
                 images.append((f"Per-sample gradient similarity, {layer} (step {steps_held[-1]})", image))
 

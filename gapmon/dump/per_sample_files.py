@@ -2,10 +2,12 @@
 
 Layout, one generation per step and rank:
 
-    DIR/step{S:08d}/rank{R}/{layer}.{chunk}.safetensors   per-sample gradients of a layer's parameters for
-                                                          a chunk of samples: "{param}" [c, *shape], the
-                                                          chunk's sample ids "ids" [c] (int64); header:
-                                                          step, rank, layer, dtype (JSON under "gapmon")
+    DIR/step{S:08d}/rank{R}/{L:04d}.{chunk:06d}.safetensors  per-sample gradients of the L-th layer written
+                                                          (its module name, any string, in the header and the
+                                                          manifest), for a chunk of samples: "{param}"
+                                                          [c, *shape], the chunk's sample ids "ids" [c]
+                                                          (int64); header: step, rank, layer, dtype (JSON
+                                                          under "gapmon")
     DIR/step{S:08d}/rank{R}/MANIFEST.json                 written last: every file with its size and the
                                                           CRC-32 of its bytes, the layers and parameters
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..utils import cosine_from_gram, first_of_each_id
 from .format import CHECKSUM, DumpCorruptError, DumpIncompleteError, DumpInconsistentError, DumpMissingError, dtype_name, file_crc32
 from .safe_io import ensure_real_dir, fsync_path, write_json, write_safetensors
 
@@ -38,10 +41,10 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step{step:08d}"
 
 
-def _file_name(layer: str, chunk: int) -> str:
-    if "/" in layer or layer.startswith(".") or not layer:
-        raise ValueError(f"gapmon per-sample gradients: layer name {layer!r} cannot name a file")
-    return f"{layer}.{chunk:06d}.safetensors"
+def _file_name(layer_index: int, chunk: int) -> str:
+    """A file's name from the layer's place among those written (not its module name, which may be "" for a
+    root module, or hold characters a file name cannot)."""
+    return f"{layer_index:04d}.{chunk:06d}.safetensors"
 
 
 class RankWriter:
@@ -56,7 +59,7 @@ class RankWriter:
 
     def write_chunk(self, layer: str, chunk: int, ids: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
         """Per-sample gradients of `layer`'s parameters (name -> [c, *shape]) for the samples `ids` [c]."""
-        name = _file_name(layer, chunk)
+        name = _file_name(list(self.layers).index(layer) if layer in self.layers else len(self.layers), chunk)
         tensors = {"ids": ids.to(torch.int64).cpu().contiguous()}
         dtypes = set()
         for param, g in grads.items():
@@ -175,20 +178,12 @@ def load_gradients(root: str | Path, step: int, layer: str) -> tuple[torch.Tenso
             found = True
     if not found:
         raise DumpMissingError(f"no per-sample gradients of layer {layer!r} at step {step} under {root}")
-    ids = torch.cat(ids_parts)
-    order = torch.argsort(ids, stable=True)
-    ids = ids[order]
-    keep = torch.ones_like(ids, dtype=torch.bool)
-    keep[1:] = ids[1:] != ids[:-1]
-    rows = order[keep]
-    return ids[keep], {name: torch.cat(ts)[rows] for name, ts in parts.items()}
+    ids, rows = first_of_each_id(torch.cat(ids_parts))
+    return ids, {name: torch.cat(ts)[rows] for name, ts in parts.items()}
 
 
 def similarity_from_files(root: str | Path, step: int, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, [N, N] cosine similarity) of `layer`'s collected per-sample gradients at `step` (float64)."""
     ids, grads = load_gradients(root, step, layer)
     flat = torch.cat([g.reshape(g.shape[0], -1).double() for g in grads.values()], dim=1)
-    k = flat @ flat.T
-    norms = k.diagonal().clamp(min=0).sqrt()
-    outer = norms[:, None] * norms[None, :]
-    return ids, torch.where(outer > 0, k / torch.where(outer > 0, outer, torch.ones_like(outer)), torch.zeros_like(k))
+    return ids, cosine_from_gram(flat @ flat.T)

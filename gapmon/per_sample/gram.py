@@ -15,16 +15,27 @@ from typing import Sequence
 
 import torch
 
-from ..utils import check_int
+from ..utils import check_int, cosine_from_gram, first_of_each_id
 from .micro_batch import MicroBatch
 from .sample_ids import sample_ids as checked_sample_ids
 
 
 def own_loss_scale(k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """K of the weighted gradients w_i g_i -> K of the own-loss gradients g_i (0 where a weight is 0)."""
-    w = weights.to(k.device, torch.float64)
-    safe = torch.where(w != 0, w, torch.ones_like(w))
-    return torch.where((w[:, None] != 0) & (w[None, :] != 0), k / (safe[:, None] * safe[None, :]), torch.zeros_like(k))
+    return own_loss_rows(own_loss_rows(k, weights).T, weights).T
+
+
+def _layer_gram(module, rule, held: list[tuple[int, int, tuple]], total: int, device: torch.device) -> torch.Tensor:
+    """[total, total] Gram of one layer's parameters from its (row offset, samples, positions) blocks: every pair
+    of blocks once, by the layer's rule."""
+    k = torch.zeros(total, total, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for x, (oa, ba, pa) in enumerate(held):
+            for ob, bb, pb in held[x:]:
+                block = rule.gram_block(module, pa, pb).double().to(device)
+                k[oa:oa + ba, ob:ob + bb] = block
+                k[ob:ob + bb, oa:oa + ba] = block.T
+    return k
 
 
 def gram_by_layer(layers: list, micro: list[MicroBatch], weights: torch.Tensor, enabled: bool) -> dict[str, torch.Tensor]:
@@ -40,34 +51,10 @@ def gram_by_layer(layers: list, micro: list[MicroBatch], weights: torch.Tensor, 
     out: dict[str, torch.Tensor] = {}
     for index, (name, module, rule) in enumerate(layers):
         held = [(offsets[m], mb.batch, mb.positions[index]) for m, mb in enumerate(micro) if index in mb.positions]
-        if not held:
-            continue
-        device = next(t.device for t in held[0][2] if isinstance(t, torch.Tensor))
-        k = torch.zeros(total, total, dtype=torch.float64, device=device)
-        with torch.no_grad():
-            for x, (oa, ba, pa) in enumerate(held):
-                for ob, bb, pb in held[x:]:
-                    block = rule.gram_block(module, pa, pb).double()
-                    k[oa:oa + ba, ob:ob + bb] = block
-                    k[ob:ob + bb, oa:oa + ba] = block.T
-        out[name] = own_loss_scale(k, weights)
+        if held:
+            device = next(t.device for t in held[0][2] if isinstance(t, torch.Tensor))
+            out[name] = own_loss_scale(_layer_gram(module, rule, held, total, device), weights)
     return out
-
-
-def _blocks_gram(layers: list, blocks: dict[int, list[tuple[int, int, tuple]]], total: int,
-                 device: torch.device) -> torch.Tensor:
-    """Sum over layers of the [total, total] Gram assembled from each layer's (offset, batch, positions) blocks."""
-    k = torch.zeros(total, total, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for index, held in blocks.items():
-            _, module, rule = layers[index]
-            for x, (oa, ba, pa) in enumerate(held):
-                for ob, bb, pb in held[x:]:
-                    block = rule.gram_block(module, pa, pb).double().to(device)
-                    k[oa:oa + ba, ob:ob + bb] += block
-                    if ob != oa:
-                        k[ob:ob + bb, oa:oa + ba] += block.T
-    return k
 
 
 def global_gram(layers: list, micro: list[MicroBatch], weights: torch.Tensor, ids: torch.Tensor, group,
@@ -93,27 +80,18 @@ def global_gram(layers: list, micro: list[MicroBatch], weights: torch.Tensor, id
             for index, pos in positions.items():
                 blocks.setdefault(index, []).append((offset, batch, tuple(t.to(device) for t in pos)))
             offset += batch
-    all_ids = torch.cat([p["ids"] for p in parts])
-    k = own_loss_scale(_blocks_gram(layers, blocks, offset, device), torch.cat([p["weights"] for p in parts]))
-    order = torch.argsort(all_ids, stable=True)
-    sorted_ids = all_ids[order]
-    keep = torch.ones_like(sorted_ids, dtype=torch.bool)
-    keep[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    rows = order[keep].to(k.device)
-    return sorted_ids[keep], k[rows][:, rows]
+    k = sum((_layer_gram(layers[i][1], layers[i][2], held, offset, device) for i, held in blocks.items()),
+            torch.zeros(offset, offset, dtype=torch.float64, device=device))
+    k = own_loss_scale(k, torch.cat([p["weights"] for p in parts]))
+    ids, rows = first_of_each_id(torch.cat([p["ids"] for p in parts]))
+    rows = rows.to(k.device)
+    return ids, k[rows][:, rows]
 
 
 def own_loss_rows(g: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Per-sample gradients of the weighted loss, g[i] = w_i grad loss_i -> grad loss_i (0 where w_i is 0)."""
     w = weights.to(g.device, torch.float64).reshape(-1, *([1] * (g.dim() - 1)))
     return torch.where(w != 0, g / torch.where(w != 0, w, torch.ones_like(w)), torch.zeros_like(g))
-
-
-def cosine(k: torch.Tensor) -> torch.Tensor:
-    """Cosine similarity K[i, j] / (|g_i| |g_j|) from a Gram matrix (0 where a norm is 0)."""
-    norms = k.diagonal().clamp(min=0).sqrt()
-    outer = norms[:, None] * norms[None, :]
-    return torch.where(outer > 0, k / torch.where(outer > 0, outer, torch.ones_like(outer)), torch.zeros_like(k))
 
 
 def _kept_chunks(micro: list[MicroBatch], chunk: int):
@@ -227,5 +205,5 @@ class GradientProducts:
 
     def similarity(self) -> torch.Tensor:
         """[B_local, B_local] cosine similarity of the samples' gradients, from gram() (0 where a norm is 0)."""
-        return cosine(self.gram())
+        return cosine_from_gram(self.gram())
 

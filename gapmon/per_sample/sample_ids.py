@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..utils import first_of_each_id
+
 
 def sample_ids(sample_ids: Any, op: str = "PerSampleGradNorms.global_norms") -> torch.Tensor:
     """Sample ids as an int64 vector, exact (ids of any size a 64-bit integer holds); ValueError naming
@@ -61,8 +63,5 @@ def by_global_id(ids: torch.Tensor, norms: torch.Tensor, group: Any) -> tuple[to
         raise ValueError(f"PerSampleGradNorms.global_norms: got {ids.numel()} sample ids for {norms.numel()} samples")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         ids, norms = all_gather_varlen(ids, norms, group)
-    order = torch.argsort(ids, stable=True)
-    ids, norms = ids[order], norms[order]
-    keep = torch.ones_like(ids, dtype=torch.bool)
-    keep[1:] = ids[1:] != ids[:-1]
-    return ids[keep], norms[keep]
+    ids, rows = first_of_each_id(ids)
+    return ids, norms[rows]

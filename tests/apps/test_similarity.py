@@ -51,5 +51,6 @@ def test_report_shows_the_last_collected_step(tmp_path):
     _collect(tmp_path)
     report = make_report(tmp_path).read_text()
     assert "Per-sample gradient similarity, 0 (step 1)" in report
-    assert (tmp_path / "report" / "similarity_0.png").stat().st_size > 1000
+    assert (tmp_path / "report" / "similarity_0.png").stat().st_size > 1000  # layer "0", the first collected
+    assert "![Per-sample gradient similarity, 2 (step 1)](similarity_1.png)" in report
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])

@@ -2,6 +2,8 @@
 per-sample gradients materialised in float64 (a backward per sample; torch.func.vmap(grad(...)) where it applies), over micro-batches, per layer
 (Linear in both of its forms, Embedding, LayerNorm, a grouped Conv1d and a GRU by polarisation), with the
 norms as the diagonal; float32 within 1e-4; refusals."""
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -194,7 +196,9 @@ def test_collected_gradients_equal_per_sample_gradients(tmp_path):
     flat = torch.cat([want[n] for n in want if n.startswith("up.")], dim=1)
     k = flat @ flat.T
     torch.testing.assert_close(cos, k / (k.diagonal().sqrt()[:, None] * k.diagonal().sqrt()[None, :]), rtol=1e-9, atol=1e-12)
-    victim = sorted((tmp_path / "step00000003" / "rank0").glob("up.*.safetensors"))[0]
+    rank_dir = tmp_path / "step00000003" / "rank0"
+    manifest = json.loads((rank_dir / "MANIFEST.json").read_text())
+    victim = rank_dir / next(f["file"] for f in manifest["files"] if f["layer"] == "up")
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -337,3 +341,23 @@ def test_a_rewrite_cut_between_its_renames_leaves_the_old_generation(tmp_path):
     final = tmp_path / "step00000005" / "rank0"
     final.rename(final.with_name("rank0.old-123"))  # as if the process died between the two renames
     assert load_gradients(tmp_path, 5, "up")[1]["up.weight"].unique().tolist() == [2.0]
+
+
+def test_collection_of_a_root_layer(tmp_path):
+    """A model that is itself a covered layer (module name ""): collected and read back (files are named by
+    the layer's place, not its name)."""
+    from gapmon.per_sample import PerSampleGradients, load_gradients
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with PerSampleGradients(model, tmp_path, chunk=3) as coll:
+        assert coll.layers == [""]
+        coll.begin_step(0)
+        model(x).square().sum(1).mean().backward()  # the mean of the samples' own losses
+        coll.end_step()
+    ids, grads = load_gradients(tmp_path, 0, "")
+    assert ids.tolist() == [0, 1, 2, 3]
+    for i in range(4):
+        w, = torch.autograd.grad(model(x[i:i + 1]).square().sum(), [model.weight])
+        torch.testing.assert_close(grads["weight"][i], w, rtol=1e-10, atol=1e-12)
