@@ -5,7 +5,7 @@ Layout, one generation per step and rank:
     DIR/step{S:08d}/rank{R}/{L:04d}.{chunk:06d}.safetensors  per-sample gradients of the L-th layer written
                                                           (its module name, any string, in the header and the
                                                           manifest), for a chunk of samples: "{param}"
-                                                          [c, *shape], the chunk's sample ids "ids" [c]
+                                                          [c, *shape], the chunk's sample ids "__ids__" [c]
                                                           (int64); header: step, rank, layer, dtype (JSON
                                                           under "gapmon")
     DIR/step{S:08d}/rank{R}/MANIFEST.json                 written last: every file with its size and the
@@ -35,6 +35,7 @@ from .safe_io import ensure_real_dir, fsync_path, write_json, write_safetensors
 HEADER_KEY = "gapmon"
 MANIFEST = "MANIFEST.json"
 FORMAT = "gapmon-per-sample-gradients/1"
+IDS_KEY = "__ids__"  # beside the parameters' names (a parameter of that name is refused)
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -60,11 +61,13 @@ class RankWriter:
     def write_chunk(self, layer: str, chunk: int, ids: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
         """Per-sample gradients of `layer`'s parameters (name -> [c, *shape]) for the samples `ids` [c]."""
         name = _file_name(list(self.layers).index(layer) if layer in self.layers else len(self.layers), chunk)
-        tensors = {"ids": ids.to(torch.int64).cpu().contiguous()}
+        tensors = {IDS_KEY: ids.to(torch.int64).cpu().contiguous()}
         dtypes = set()
         for param, g in grads.items():
-            if param == "ids" or g.shape[0] != ids.numel():
-                raise ValueError(f"gapmon per-sample gradients: {layer}.{param}: {g.shape[0]} rows for {ids.numel()} ids")
+            if param == IDS_KEY:
+                raise ValueError(f"gapmon per-sample gradients: a parameter named {IDS_KEY!r} would hide the sample ids")
+            if g.shape[0] != ids.numel():
+                raise ValueError(f"gapmon per-sample gradients: {param!r}: {g.shape[0]} rows for {ids.numel()} ids")
             tensors[param] = g.detach().cpu().contiguous()
             dtypes.add(dtype_name(g.dtype))
         header = {"format": FORMAT, "step": self.step, "rank": self.rank, "layer": layer, "chunk": chunk,
@@ -171,7 +174,7 @@ def load_gradients(root: str | Path, step: int, layer: str) -> tuple[torch.Tenso
             if path.stat().st_size != entry["bytes"] or file_crc32(path) != entry[CHECKSUM]:
                 raise DumpCorruptError(f"{path}: size or checksum does not match its manifest")
             tensors = load_file(str(path))
-            ids = tensors.pop("ids")
+            ids = tensors.pop(IDS_KEY)
             ids_parts.append(ids)
             for name, t in tensors.items():
                 parts.setdefault(name, []).append(t)

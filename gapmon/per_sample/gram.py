@@ -50,7 +50,7 @@ def gram_by_layer(layers: list, micro: list[MicroBatch], weights: torch.Tensor, 
         total += mb.batch
     out: dict[str, torch.Tensor] = {}
     for index, (name, module, rule) in enumerate(layers):
-        held = [(offsets[m], mb.batch, mb.positions[index]) for m, mb in enumerate(micro) if index in mb.positions]
+        held = [(offsets[m], mb.batch, mb.kept_positions()[index]) for m, mb in enumerate(micro) if index in mb.positions]
         if held:
             device = next(t.device for t in held[0][2] if isinstance(t, torch.Tensor))
             out[name] = own_loss_scale(_layer_gram(module, rule, held, total, device), weights)
@@ -67,12 +67,12 @@ def global_gram(layers: list, micro: list[MicroBatch], weights: torch.Tensor, id
     if not enabled:
         gram_by_layer(layers, micro, weights, enabled)  # raises the same error
     mine = {"ids": ids.cpu(), "weights": weights.cpu(), "batches": [mb.batch for mb in micro],
-            "positions": [{i: tuple(t.cpu() for t in pos) for i, pos in mb.positions.items()} for mb in micro]}
+            "positions": [{i: tuple(t.cpu() for t in pos) for i, pos in mb.kept_positions().items()} for mb in micro]}
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     parts = [mine] if world == 1 else [None] * world
     if world > 1:
         dist.all_gather_object(parts, mine, group=group)
-    device = next((t.device for mb in micro for pos in mb.positions.values() for t in pos), torch.device("cpu"))
+    device = next((t.device for mb in micro for pos in mb.kept_positions().values() for t in pos), torch.device("cpu"))
     blocks: dict[int, list[tuple[int, int, tuple]]] = {}
     offset = 0
     for part in parts:
@@ -99,7 +99,7 @@ def _kept_chunks(micro: list[MicroBatch], chunk: int):
     samples) over the kept positions, `chunk` samples at a time (a position tensor may hold k rows a sample)."""
     offset = 0
     for mb in micro:
-        for index, pos in mb.positions.items():
+        for index, pos in mb.kept_positions().items():
             for start in range(0, mb.batch, chunk):
                 c = min(chunk, mb.batch - start)
                 yield offset, mb, index, start, c, tuple(

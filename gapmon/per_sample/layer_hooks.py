@@ -208,6 +208,6 @@ class LayerHooks:
             pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
             sq = rule.norm_sq(module, pos).double()
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
-            mb.positions[index] = pos  # for gram() and per_sample_gradients(): they need the positions
+            mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
         mb.add(sq, acc, layer_type_name(module))
 

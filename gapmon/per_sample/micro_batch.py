@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _torch_compat
 from ..utils import first_input
 from .batch_provenance import BatchTracker
 from .rules import Call
@@ -50,6 +51,24 @@ class MicroBatch:
     weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
     used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
     positions: dict[int, tuple] = field(default_factory=dict)  # layer -> its calls' positions (kept for gram())
+    position_versions: dict[int, tuple] = field(default_factory=dict)  # their in-place versions when kept
+
+    def keep_positions(self, index: int, pos: tuple) -> None:
+        """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""
+        self.positions[index] = pos
+        self.position_versions[index] = tuple(_torch_compat.version_counter(t) if isinstance(t, torch.Tensor) else None
+                                              for t in pos)
+
+    def kept_positions(self) -> dict[int, tuple]:
+        """The kept positions; RuntimeError if one was changed in place since (an input buffer the loop refilled):
+        the Gram or gradients read from it would be another batch's."""
+        for index, pos in self.positions.items():
+            now = tuple(_torch_compat.version_counter(t) if isinstance(t, torch.Tensor) else None for t in pos)
+            if now != self.position_versions[index]:
+                raise RuntimeError("PerSampleGradNorms: a layer's input or output gradient kept for gram() / "
+                                   "per_sample_gradients() was changed in place after backward (a reused input "
+                                   "buffer?); read them before refilling the buffers, or pass a copy to the model")
+        return self.positions
 
     def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str) -> None:
         """Adds a layer's squared norms (float64, summed in `acc`), to the total and to its layer type's."""

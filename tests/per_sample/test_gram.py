@@ -361,3 +361,23 @@ def test_collection_of_a_root_layer(tmp_path):
     for i in range(4):
         w, = torch.autograd.grad(model(x[i:i + 1]).square().sum(), [model.weight])
         torch.testing.assert_close(grads["weight"][i], w, rtol=1e-10, atol=1e-12)
+
+
+def test_an_input_buffer_refilled_before_the_gram_is_read_is_refused():
+    """A loop that refills its input buffer in place after backward and before reading the Gram would get
+    another batch's: refused in one line (the kept positions' in-place versions changed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    buffer = torch.randn(5, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, gram=True)
+    model(buffer).square().mean().backward()
+    want = psn.gram()  # read before the refill: fine
+    psn2 = gapmon.PerSampleGradNorms(model, gram=True)
+    psn.close()
+    model(buffer).square().mean().backward()
+    buffer.copy_(torch.randn(5, 3, dtype=torch.float64))  # the next batch, into the same buffer
+    with pytest.raises(RuntimeError, match="changed in place after backward"):
+        psn2.gram()
+    with pytest.raises(RuntimeError, match="changed in place after backward"):
+        list(psn2.per_sample_gradients())
+    assert want.shape == (5, 5)
