@@ -115,13 +115,17 @@ GAPMON_HD double cast_magnitude(double a, const ElementFormat& f, bool& saturate
   return saturated ? f.max_finite : r;
 }
 
-// The per-tensor constants of a format: NVFP4's global encode scale g, or current scaling's s (1 when
-// amax is 0: nothing to cast). `amax` is the tensor's largest finite |x|.
+// A float32 scale that overflows is clamped to float32's largest value, as TransformerEngine clamps its scales.
+GAPMON_HD float finite_scale(float s) { return s > 3.4028234663852886e38f ? 3.4028234663852886e38f : s; }
+
+// The per-tensor constants of a format: NVFP4's global encode scale g, or current scaling's s (1 when amax
+// is 0 or beyond float32: nothing to scale by, as TransformerEngine). `amax` is the tensor's largest finite |x|.
 GAPMON_HD double tensor_scale(BlockFormat f, double amax) {
   if (!needs_tensor_amax(f) || !(amax > 0)) return 1.0;
   const float a = to_f32(amax);
-  if (f == BlockFormat::kNvfp4) return static_cast<double>(448.0f * 6.0f / a);
-  return static_cast<double>(static_cast<float>(element_format(f).max_finite) / a);
+  if (!(a <= 3.4028234663852886e38f)) return 1.0;
+  if (f == BlockFormat::kNvfp4) return static_cast<double>(finite_scale(448.0f * 6.0f / a));
+  return static_cast<double>(finite_scale(static_cast<float>(element_format(f).max_finite) / a));
 }
 
 // The row accumulator of one format.
@@ -194,7 +198,7 @@ GAPMON_HD void cast_block(const double* xs, int n, BlockFormat f, bool wide, dou
     if (s == 0) {
       scale_mul = 0;  // the whole block casts to zero
     } else {
-      scale_mul = static_cast<double>(g / static_cast<float>(s));
+      scale_mul = static_cast<double>(finite_scale(g / static_cast<float>(s)));
       dequant_mul = s;
       dequant_div = g;
     }
@@ -287,12 +291,13 @@ GAPMON_HD float select_f32(bool c, float x, float y) {
 }
 
 GAPMON_HD float round_to_grid(float v, int mantissa_bits, float min_normal, float magic) {
-  const float sub = (v + magic) - magic;
-  const int shift = 23 - mantissa_bits;
-  uint32_t b = bits_of(v);
-  b += ((1u << (shift - 1)) - 1u) + ((b >> shift) & 1u);
-  b &= ~((1u << shift) - 1u);
-  return select_f32(v < min_normal, sub, f32_from_bits(b));
+  // v + c, with c = 2^(e + 23 - mantissa_bits) for v's binade e (at least the smallest normal's), has the
+  // format's spacing at v as its float32 spacing: the addition rounds v to the grid (nearest, ties to even)
+  // and subtracting c again is exact.
+  (void)magic;
+  const uint32_t e = bits_of(v) & 0x7F800000u, lo = bits_of(min_normal);
+  const float c = f32_from_bits((e > lo ? e : lo) + (static_cast<uint32_t>(23 - mantissa_bits) << 23));
+  return (v + c) - c;
 }
 
 constexpr int kLanes = 8;
@@ -385,7 +390,7 @@ GAPMON_HD void block_scale_f32(float amax, float amin, const FormatConsts& c, La
     if (sc == 0) {
       mul = 0;
     } else {
-      mul = g / static_cast<float>(sc);
+      mul = finite_scale(g / static_cast<float>(sc));
       dq_mul = sc;
       dq_div = g;
     }

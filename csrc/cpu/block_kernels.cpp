@@ -31,7 +31,9 @@ __attribute__((flatten, target("avx2,fma,f16c"))) void groups_avx2(const core::B
 __attribute__((flatten, target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void groups_avx512(
     const core::BlockOperand& op, int64_t begin, int64_t end, const core::BlockFormat* formats, int num_formats,
     double amax, core::BlockRow* rows) {
-  core::cast_groups(op, begin, end, formats, num_formats, amax, rows);
+  if (!isa::cast_groups_avx512(op, begin, end, formats, num_formats, amax, rows)) {
+    core::cast_groups(op, begin, end, formats, num_formats, amax, rows);
+  }
 }
 #endif
 

@@ -201,6 +201,15 @@ def cast_to_element(a: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.
     return torch.where(a == 0, torch.zeros_like(q), q), saturated
 
 
+def _tensor_scale(numerator: float, amax: float) -> torch.Tensor:
+    """A per-tensor float32 scale numerator / fp32(amax), as TransformerEngine computes it: 1 when amax is 0 or
+    beyond float32, float32's largest value where the quotient overflows."""
+    a32 = torch.tensor(amax, dtype=torch.float32)
+    if not (amax > 0) or torch.isinf(a32):
+        return torch.tensor(1.0)
+    return (torch.tensor(numerator, dtype=torch.float32) / a32).clamp_max(torch.finfo(torch.float32).max)
+
+
 def block_numerics(xs: Sequence[torch.Tensor], codes: Sequence[int], amaxes: Sequence[float]) -> torch.Tensor:
     """[N, F, 12] float64 rows (gapmon.stats.block_formats.BLOCK_COLUMNS) of xs cast to the block formats `codes`,
     blocks along the last dim; amaxes[i]: tensor i's largest finite |x| (for NVFP4 and current scaling)."""
@@ -233,19 +242,18 @@ def block_numerics(xs: Sequence[torch.Tensor], codes: Sequence[int], amaxes: Seq
                 q, saturated = cast_to_element(v, element)
                 deq = q * torch.exp2(exp_b)
             elif kind == "nv":
-                a32 = torch.tensor(amaxes[i], dtype=torch.float32)
-                g = (torch.tensor(448.0 * 6.0, dtype=torch.float32) / a32) if amaxes[i] > 0 else torch.tensor(1.0)
+                g = _tensor_scale(448.0 * 6.0, amaxes[i])
                 scale_in = (amax_b.float() / 6.0) * g
                 s, over = cast_to_element(scale_in.double(), "e4m3")
                 under = (amax_b > 0) & (s < 2.0 ** -6)
                 enc = torch.where(s > 0, g / s.float().clamp_min(torch.finfo(torch.float32).tiny), torch.zeros(()))
+                enc = enc.clamp_max(torch.finfo(torch.float32).max)
                 v = a * enc.double() if wide else (a.float() * enc).double()
                 v = torch.where(s > 0, v, torch.zeros_like(v))
                 q, saturated = cast_to_element(v, element)
                 deq = q * s / g.double()
             else:
-                a32 = torch.tensor(amaxes[i], dtype=torch.float32)
-                scale = (torch.tensor(largest, dtype=torch.float32) / a32) if amaxes[i] > 0 else torch.tensor(1.0)
+                scale = _tensor_scale(largest, amaxes[i])
                 v = a * scale.double() if wide else (a.float() * scale).double()
                 q, saturated = cast_to_element(v, element)
                 deq = q / scale.double()

@@ -108,6 +108,9 @@ def test_scale_underflow_and_overflow():
     assert tiny[COL["scale_underflow"]] == 1 and tiny[COL["to_zero"]] == 32
     huge = _row(torch.full((32,), 1e300, dtype=torch.float64), "mxfp8_e5m2", torch.float64)  # X = 981 > 127
     assert huge[COL["scale_overflow"]] == 1 and huge[COL["saturated"]] == 32
+    # A float64 amax beyond float32 gives no per-tensor scale (1, as TransformerEngine): the values saturate.
+    big = _row(torch.full((32,), 1e300, dtype=torch.float64), "fp8_e4m3_current", torch.float64)
+    assert big[COL["saturated"]] == 32 and big[COL["to_zero"]] == 0
     # NVFP4: one large block sets the tensor scale; a block 2^-30 below it has a block scale below e4m3's
     # smallest subnormal: it casts to zero.
     x = torch.cat([torch.full((16,), 1.0), torch.full((16,), 2.0 ** -30)])
@@ -140,6 +143,53 @@ def test_exact_values_have_no_error_and_metrics_name_the_formats():
         bf.block_numerics([x], ["mxfp6"])
     with pytest.raises(ValueError, match="twice"):
         bf.check_block_formats(["nvfp4", "nvfp4"])
+
+
+def _edge_tensor(dtype, rows, cols, seed):
+    """Random magnitudes over 40 binades with every edge mixed in: zeros, a zero block, subnormals of the
+    dtype, the largest finite value, non-finite elements, a block of one huge value."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-20, 20, (rows, cols), generator=g))
+    x = x.to(dtype)
+    info = torch.finfo(dtype)
+    flat = x.view(-1)
+    n = flat.numel()
+    flat[: min(n, 32)] = 0
+    for k, v in enumerate([info.tiny / 4, info.max, -info.max, math.inf, math.nan, info.tiny, 2.0 ** 20]):
+        flat[(97 * (k + 1)) % n] = v
+    return x
+
+
+@pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled extension")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_every_cpu_instruction_set_gives_the_same_counts(dtype):
+    """The AVX-512 kernel (16 groups at a time, its own order of the float64 sums) against the core's loops
+    (the generic build) and the reference: every count equal, sums within 1e-12; whole and shorter groups,
+    batches of fewer than 16 groups, a tensor so small that its per-tensor scales overflow float32 (clamped to
+    its largest value, as TransformerEngine does)."""
+    start = gapmon.cpu_isa()
+    cases = [_edge_tensor(dtype, r, c, r * 1000 + c) for r, c in [(37, 64), (5, 70), (300, 32), (3, 1000)]]
+    cases.append((torch.rand(4, 64, generator=torch.Generator().manual_seed(5)) * 1e-39).to(dtype))
+    amaxes = bf.finite_amaxes(cases)
+    try:
+        gapmon.cpu_isa("generic")
+        want = [bf.block_numerics([x], ALL, amaxes[i : i + 1]) for i, x in enumerate(cases)]
+        for i, x in enumerate(cases):
+            _assert_rows_equal(want[i], reference.block_numerics([x], list(range(len(ALL))), amaxes[i : i + 1].tolist()),
+                               ("generic", dtype, tuple(x.shape)))
+        for isa in ("avx2", "avx512"):
+            try:
+                gapmon.cpu_isa(isa)
+            except (RuntimeError, ValueError):
+                continue  # not on this CPU
+            for i, x in enumerate(cases):
+                got = bf.block_numerics([x], ALL, amaxes[i : i + 1])
+                _assert_rows_equal(got, want[i], (isa, dtype, tuple(x.shape)))
+                sums = [COL["error_sq"], COL["signal_sq"]]
+                counts = [c for c in range(len(BLOCK_COLUMNS)) if c not in sums]
+                assert torch.equal(got[..., counts], want[i][..., counts]), (isa, dtype, tuple(x.shape))
+    finally:
+        gapmon.cpu_isa(start)
 
 
 @pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled extension")
