@@ -227,6 +227,13 @@ GAPMON_HD void cast_group(const double* xs, int n, BlockFormat f, bool wide, dou
 // The groups of a [rows, cols] tensor: ceil(cols / 32) per row.
 GAPMON_HD int64_t groups_per_row(int64_t cols) { return (cols + kGroupElems - 1) / kGroupElems; }
 
+// The first group of a [rows, cols] tensor (cols > 0) that starts at flat element `e` or after: the groups
+// that start in a range [lo, hi) of elements are [group_at(lo), group_at(hi)), so that a pass over chunks of
+// elements takes each group once, in the chunk its first element is in.
+GAPMON_HD int64_t group_at(int64_t e, int64_t cols) {
+  return (e / cols) * groups_per_row(cols) + ((e % cols) + kGroupElems - 1) / kGroupElems;
+}
+
 constexpr int64_t kGroupsPerChunk = 2048;  // 65536 elements: the unit of parallel work
 
 // One tensor: contiguous [rows, cols] elements (cols = its last dim) of dtype `dtype`.

@@ -48,11 +48,16 @@ ChunkArgs* groups_for_isa() {
 
 }  // namespace
 
+void block_groups(const core::BlockOperand& op, int64_t begin, int64_t end, const core::BlockFormat* formats,
+                  int num_formats, double amax, core::BlockRow* rows) {
+  if (begin < end) groups_for_isa()(op, begin, end, formats, num_formats, amax, rows);
+}
+
 void block_chunk(const core::BlockOperand& op, int64_t chunk_in_tensor, const core::BlockFormat* formats,
                  int num_formats, double amax, core::BlockRow* rows) {
   const int64_t groups = op.rows * core::groups_per_row(op.cols);
   const int64_t begin = chunk_in_tensor * core::kGroupsPerChunk;
-  groups_for_isa()(op, begin, std::min(begin + core::kGroupsPerChunk, groups), formats, num_formats, amax, rows);
+  block_groups(op, begin, std::min(begin + core::kGroupsPerChunk, groups), formats, num_formats, amax, rows);
 }
 
 }  // namespace cpu

@@ -10,6 +10,10 @@
 namespace gapmon {
 namespace cpu {
 
+// The rows of formats[0, num_formats) over groups [begin, end) of `op` (tensor amax `amax`), added to rows.
+void block_groups(const core::BlockOperand& op, int64_t begin, int64_t end, const core::BlockFormat* formats,
+                  int num_formats, double amax, core::BlockRow* rows);
+
 // The rows of formats[0, num_formats) over chunk `chunk_in_tensor` of `op` (tensor amax `amax`) into rows.
 void block_chunk(const core::BlockOperand& op, int64_t chunk_in_tensor, const core::BlockFormat* formats,
                  int num_formats, double amax, core::BlockRow* rows);

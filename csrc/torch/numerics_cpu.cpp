@@ -147,9 +147,70 @@ at::Tensor block_numerics_cpu(at::TensorList xs, at::IntArrayRef format_codes, c
   return out;
 }
 
+// The statistics states, the numerics rows (when `with_numerics`; else [N, 0]) and the per-block format rows
+// [N, F, kNumBlockColumns] of xs in one pass over memory: right after each chunk's state, while the chunk is
+// in cache, its numerics and the block groups that start in it (core::group_at). Every chunk's partials are
+// merged in chunk order: the same bits whatever the threads. A tensor that is not contiguous has its blocks
+// cast from its contiguous copy, after the pass.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cpu(at::TensorList xs, bool with_numerics,
+                                                                          at::IntArrayRef format_codes,
+                                                                          const at::Tensor& amaxes) {
+  const char* op = "states_numerics_blocks";
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  const int64_t n = static_cast<int64_t>(xs.size()), num_formats = static_cast<int64_t>(formats.size());
+  std::vector<at::Tensor> keep_alive;
+  auto views = views_of(xs, op, keep_alive);
+  const std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  at::Tensor blocks = at::empty({n, num_formats, core::kNumBlockColumns}, at::kDouble);
+  const int64_t numerics_width = with_numerics ? core::kNumNumericsColumns : 0;
+  if (n == 0) return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, numerics_width}, at::kDouble), blocks};
+  bool need_amax = false;
+  for (core::BlockFormat f : formats) need_amax = need_amax || core::needs_tensor_amax(f);
+  const double* amax = need_amax ? amaxes.data_ptr<double>() : nullptr;
+  std::vector<char> in_pass(n);
+  for (int64_t i = 0; i < n; ++i) in_pass[i] = xs[i].is_contiguous() && ops[i].cols > 0;
+  const int64_t total = core::plan_chunks(views.data(), n);
+  std::vector<ChunkNumerics> chunks(with_numerics ? total : 0);
+  std::vector<core::BlockRow> block_chunks(total * num_formats);
+  const auto states = compute_states(views, n, [&](const core::StridedView& v, int64_t c, int64_t item, int64_t lo,
+                                                   int64_t hi) {
+    if (lo >= hi) return;
+    if (with_numerics) chunks[c] = cpu::chunk_numerics(v, item, lo, hi);
+    const int64_t i = v.out_row;
+    if (in_pass[i]) {
+      cpu::block_groups(ops[i], core::group_at(lo, ops[i].cols), core::group_at(hi, ops[i].cols), formats.data(),
+                        static_cast<int>(num_formats), amax ? amax[i] : 0.0, block_chunks.data() + c * num_formats);
+    }
+  });
+  std::vector<at::Tensor> rest;
+  std::vector<int64_t> rest_index;
+  double* b = blocks.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (!in_pass[i]) {
+      rest.push_back(xs[i]);
+      rest_index.push_back(i);
+      continue;
+    }
+    const core::StridedView& v = views[i];
+    for (int64_t f = 0; f < num_formats; ++f) {
+      core::BlockRow row;
+      for (int64_t c = v.first_chunk; c < v.first_chunk + v.chunks_per_item; ++c) row.merge(block_chunks[c * num_formats + f]);
+      std::copy(row.v, row.v + core::kNumBlockColumns, b + (i * num_formats + f) * core::kNumBlockColumns);
+    }
+  }
+  if (!rest.empty()) {
+    const at::Tensor index = at::tensor(rest_index, at::kLong);
+    const at::Tensor rest_amaxes = need_amax ? amaxes.index_select(0, index).contiguous() : amaxes;
+    blocks.index_copy_(0, index, block_numerics_cpu(rest, format_codes, rest_amaxes));
+  }
+  at::Tensor numerics = with_numerics ? numerics_rows_of(views, chunks) : at::zeros({n, 0}, at::kDouble);
+  return {states_to_tensor(states), numerics, blocks};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
+  m.impl("states_numerics_blocks", &states_numerics_blocks_cpu);
   m.impl("block_numerics", &block_numerics_cpu);
   m.impl("numerics_states", &numerics_states_cpu);
   m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);

@@ -76,6 +76,9 @@ TORCH_LIBRARY(gapmon, m) {
   // formats coded in `formats`; `amaxes` (float64 [N], each tensor's largest finite |x|) for the formats
   // scaled per tensor (NVFP4, current scaling). One read of each element.
   m.def("block_numerics(Tensor[] xs, int[] formats, Tensor amaxes) -> Tensor");
+  // (multi_tensor_states(xs), numerics_states(xs) if `numerics` else [N, 0], block_numerics(xs, formats, amaxes)) in
+  // one pass over memory: each chunk's numerics and block groups are taken while it is in cache.
+  m.def("states_numerics_blocks(Tensor[] xs, bool numerics, int[] formats, Tensor amaxes) -> (Tensor, Tensor, Tensor)");
   // accumulate_instance_stats, and x's numerics row merged into row `numerics_row` of a float64
   // [rows, C] table in place (after what the row holds), in one pass over x (GAPMonitor's activation
   // hooks with numerics on).
@@ -93,7 +96,8 @@ TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
   for (const char* op : {"tensor_stats", "instance_stats", "multi_tensor_stats", "multi_tensor_states", "merge_states",
                          "finalize_states", "accumulate_instance_stats", "numerics_states",
                          "merge_numerics_states", "multi_tensor_states_and_numerics",
-                         "accumulate_instance_stats_and_numerics", "update_sums", "block_numerics"}) {
+                         "accumulate_instance_stats_and_numerics", "update_sums", "block_numerics",
+                         "states_numerics_blocks"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

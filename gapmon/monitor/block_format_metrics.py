@@ -29,9 +29,10 @@ class BlockFormatMetrics:
         self._warned = False
 
     def tensors_on_device(self, names: list[tuple[str, str]], tensors: list[torch.Tensor], groups: list,
-                          stat_rows: torch.Tensor, out: StepBuffer) -> None:
-        """The block rows of the tensors (one read each, given their amaxes from `stat_rows`), added to `out`.
-        FSDP1 flat pieces (`groups[i]` not None) are left out: a flat piece has lost the parameter's rows."""
+                          stat_rows: torch.Tensor, out: StepBuffer, block_rows: torch.Tensor | None = None) -> None:
+        """The block rows of the tensors added to `out`: `block_rows` when the statistics pass took them, else
+        cast here (one more read each, given their amaxes from `stat_rows`). FSDP1 flat pieces (`groups[i]` not
+        None) are left out: a flat piece has lost the parameter's rows."""
         keep = [i for i, g in enumerate(groups) if g is None]
         if len(keep) < len(tensors) and not self._warned:
             self._warned = True
@@ -47,7 +48,7 @@ class BlockFormatMetrics:
             return
         amaxes = finite_amaxes(dense, stat_rows[keep])
         self._amaxes = amaxes.tolist()
-        rows = block_numerics(dense, self.formats, amaxes)
+        rows = block_numerics(dense, self.formats, amaxes) if block_rows is None else block_rows[keep]
         out.add("block_formats", rows.reshape(len(dense) * width))
 
     # The activations' rows: a contributor to the monitor's reduction over the ranks (readout.reduced_step).

@@ -265,13 +265,15 @@ class GAPMonitor:
         config, recorder = self.config, self._recorder
         names, tensors, groups = self._tensors.gather(config.params, config.grads)
         device = tensors[0].device if tensors else (recorder.acc.device if recorder.acc is not None else torch.device("cpu"))
-        rows, numerics_rows = self._tensors.rows(tensors, groups, config.correction, bool(config.numerics), device)
+        formats = config.block_formats if self._block_formats is not None else ()
+        rows, numerics_rows, block_rows = self._tensors.rows_and_blocks(tensors, groups, config.correction,
+                                                                        bool(config.numerics), formats, device)
         parts = [p for p in (self._per_sample_metrics, self._data_parallel, self._block_formats) if p is not None]
         out = reduced_step(recorder.accumulator(device), self._batch_size, config.process_group, parts)
         out.add("rows", rows)
         numerics = self._numerics.on_device(names, tensors, groups, out, numerics_rows) if self._numerics else None
         if self._block_formats is not None:
-            self._block_formats.tensors_on_device(names, tensors, groups, rows, out)
+            self._block_formats.tensors_on_device(names, tensors, groups, rows, out, block_rows)
         host = out.cat().cpu().tolist()  # the one device-to-host copy
         metrics = self._readout.tensor_metrics(names, out, host)
         if self._block_formats is not None:

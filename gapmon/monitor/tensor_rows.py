@@ -1,6 +1,6 @@
 """The parameter and gradient side of GAPMonitor: which tensors a step measures, and their statistics
 rows in one fused pass over all of them (DTensors and FSDP1 flat shards merged exactly across ranks,
-sparse gradients without densifying), with their numerics rows in the same pass when asked."""
+sparse gradients without densifying), with their numerics and block-format rows in the same pass when asked."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,7 @@ import torch.nn as nn
 from ..stats import ops
 from ..stats.distributed import dtensor_multi_states, fsdp1_shard_groups
 from ..stats.layout import STAT_NAMES, STATE_NAMES
+from ..stats.block_formats import states_numerics_blocks
 from ..stats.numerics import states_and_numerics
 from ..utils import clean_named, layer_type_name, refuse_complex
 
@@ -67,6 +68,17 @@ class WatchedTensors:
             tensors += [t for _, t, _ in with_grad]
             groups += [g for _, _, g in with_grad]
         return names, tensors, groups
+
+    @staticmethod
+    def rows_and_blocks(tensors: list[torch.Tensor], groups: list, correction: int, numerics: bool,
+                        formats: tuple[str, ...], device: torch.device
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """rows(), and the tensors' block-format rows [N, F, 12] from the same pass (None when the formats need
+        a pass of their own: sparse gradients; NaN rows for FSDP1 flat pieces)."""
+        if not formats or not tensors or any(t.is_sparse for t in tensors):
+            return *WatchedTensors.rows(tensors, groups, correction, numerics, device), None
+        states, numerics_rows, blocks = states_numerics_blocks(tensors, formats, numerics, flat_groups=groups)
+        return ops.finalize_rows(states, correction), numerics_rows, blocks
 
     @staticmethod
     def rows(tensors: list[torch.Tensor], groups: list, correction: int, numerics: bool,

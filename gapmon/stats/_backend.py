@@ -136,6 +136,12 @@ if COMPILED:
     def _(xs, formats, amaxes):
         return xs[0].new_empty((len(xs), len(formats), len(BLOCK_COLUMNS)), dtype=torch.float64)
 
+    @torch.library.register_fake(f"{_LIB}::states_numerics_blocks")
+    def _(xs, numerics, formats, amaxes):
+        return (xs[0].new_empty((len(xs), len(STATE_NAMES)), dtype=torch.float64),
+                xs[0].new_empty((len(xs), len(NUMERICS_COLUMNS) if numerics else 0), dtype=torch.float64),
+                xs[0].new_empty((len(xs), len(formats), len(BLOCK_COLUMNS)), dtype=torch.float64))
+
     @torch.library.register_fake(f"{_LIB}::update_sums")
     def _(before, after, grads):
         return before[0].new_empty((len(before), len(UPDATE_COLUMNS)), dtype=torch.float64)
@@ -197,6 +203,24 @@ def block_numerics_rows(xs: Sequence[torch.Tensor], codes: Sequence[int], amaxes
     if not _compiled_for(xs[0].device):
         return reference.block_numerics(xs, codes, amaxes.tolist()).to(xs[0].device)
     return torch.ops.gapmon.block_numerics(xs, list(codes), amaxes.to(xs[0].device, torch.float64).contiguous())
+
+
+def states_numerics_blocks_rows(xs: Sequence[torch.Tensor], numerics: bool, codes: Sequence[int],
+                                amaxes: torch.Tensor) -> torch.Tensor:
+    """[N, 7 + C + F * 12] float64: the mergeable states, the numerics rows (C columns, none without `numerics`)
+    and the block-format rows of N local tensors on one device, side by side. On the CPU one pass over each
+    tensor (the compiled op); on CUDA the statistics-and-numerics launch, then the block launch (two reads);
+    without the extension the references one after the other."""
+    xs = list(xs)
+    check_tensor_list(xs, "states_numerics_blocks")
+    n = len(xs)
+    if xs and COMPILED and xs[0].device.type == "cpu":
+        states, rows, blocks = torch.ops.gapmon.states_numerics_blocks(xs, numerics, list(codes),
+                                                                       amaxes.to(torch.float64).contiguous())
+        return torch.cat((states, rows, blocks.reshape(n, -1)), dim=1)
+    first = states_and_numerics_rows(xs) if numerics else multi_states(xs)
+    blocks = block_numerics_rows(xs, codes, amaxes)
+    return torch.cat((first, blocks.to(first.device).reshape(n, -1)), dim=1)
 
 
 def update_sums(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],

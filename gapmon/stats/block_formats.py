@@ -35,7 +35,7 @@ import torch
 from ..utils import is_dtensor
 from . import _backend, distributed
 from .distributed import merge_block_rows  # noqa: F401  (a public name of this module)
-from .layout import BLOCK_COLUMNS, STAT_NAMES
+from .layout import BLOCK_COLUMNS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
 
 BLOCK_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "fp8_e4m3_current", "fp8_e5m2_current")
 _CODE = {name: code for code, name in enumerate(BLOCK_FORMATS)}
@@ -101,6 +101,68 @@ def block_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str],
     if not any(is_dtensor(x) for x in xs):
         return _backend.block_numerics_rows(xs, codes, amaxes)
     return distributed.dtensor_block_rows(xs, codes, amaxes, max(_BLOCK_ELEMS.get(f, 32) for f in formats))
+
+
+def states_numerics_blocks(xs: Sequence[torch.Tensor], formats: Sequence[str], numerics: bool = True,
+                           amaxes: torch.Tensor | None = None, flat_groups: Sequence | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(statistics states [N, 7], numerics rows [N, C] or None without `numerics`, block rows [N, F, 12]) of N
+    tensors, as multi_tensor_states, numerics_states and block_numerics give them, in one pass over each tensor
+    on the CPU (each chunk's numerics and blocks are taken while it is in cache; on CUDA, for now, the
+    statistics-and-numerics launch and then the block launch). The formats scaled per block (MX) are always
+    cast in the pass; those scaled by the tensor's amax (NVFP4, current scaling) too when `amaxes` is given,
+    else after it, with the amaxes the pass measured: a second read of the tensors, the price of a scale that
+    depends on the whole tensor. DTensors and FSDP1 flat pieces (`flat_groups`) are merged over their groups
+    with one collective; a DTensor whose shards cut blocks is cast whole; a flat piece's block rows are NaN
+    (it has lost its parameter's shape)."""
+    from .ops import finalize_rows
+
+    formats = check_block_formats(formats)
+    if not formats:
+        raise ValueError("gapmon.states_numerics_blocks: name at least one format")
+    xs = list(xs)
+    n_state, n_num, n_col = len(STATE_NAMES), (len(NUMERICS_COLUMNS) if numerics else 0), len(BLOCK_COLUMNS)
+    in_pass = [f for f in formats if amaxes is not None or f not in _TENSOR_SCALED]
+    if not xs:
+        return (torch.empty(0, n_state, dtype=torch.float64), torch.empty(0, n_num, dtype=torch.float64) if numerics
+                else None, torch.empty(0, len(formats), n_col, dtype=torch.float64))
+    given = amaxes if amaxes is not None else torch.zeros(len(xs), dtype=torch.float64)
+    if in_pass:
+        codes, width = [_CODE[f] for f in in_pass], len(in_pass) * n_col
+
+        def merge(parts: torch.Tensor) -> torch.Tensor:
+            merged = [_backend.merge_states(parts[..., :n_state].contiguous())]
+            if numerics:
+                merged.append(_backend.merge_numerics_rows(parts[..., n_state:n_state + n_num].contiguous()))
+            r, n = parts.shape[0], parts.shape[1]
+            blocks = parts[..., n_state + n_num:].reshape(r, n, len(in_pass), n_col)
+            return torch.cat(merged + [merge_block_rows(blocks).reshape(n, width)], dim=-1)
+
+        rows = distributed.full_tensor_rows(
+            xs, "states_numerics_blocks", lambda local: _backend.states_numerics_blocks_rows(local, numerics, codes, given),
+            merge, flat_groups)
+        blocks = rows[:, n_state + n_num:].reshape(len(xs), len(in_pass), n_col).clone()
+        block = max(_BLOCK_ELEMS.get(f, 32) for f in in_pass)
+        cut = [i for i, x in enumerate(xs) if is_dtensor(x) and not distributed.blocks_whole(x, block)]
+        if cut:  # the shards' rows are not the tensor's: cast it whole
+            blocks[cut] = distributed.dtensor_block_rows([xs[i] for i in cut], codes, given[cut], block).to(blocks.device)
+    else:
+        rows = (distributed.full_tensor_rows(xs, "states_and_numerics", _backend.states_and_numerics_rows,
+                                             _backend.merge_states_and_numerics_rows, flat_groups) if numerics
+                else distributed.dtensor_multi_states(xs, flat_groups))
+        blocks = rows.new_empty(len(xs), 0, n_col)
+    states = rows[:, :n_state].contiguous()
+    numerics_rows = rows[:, n_state:n_state + n_num].contiguous() if numerics else None
+    later = [f for f in formats if f not in in_pass]
+    if later:
+        measured = finite_amaxes(xs, finalize_rows(states, 0))
+        blocks = torch.cat((blocks, block_numerics(xs, later, measured).to(blocks.device)), dim=1)
+        order = [(in_pass + later).index(f) for f in formats]
+        blocks = blocks[:, order]
+    for i, group in enumerate(flat_groups or ()):
+        if group is not None:
+            blocks[i] = math.nan
+    return states, numerics_rows, blocks.contiguous()
 
 
 def _share(part: float, whole: float) -> float:

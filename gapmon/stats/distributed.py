@@ -162,7 +162,7 @@ def merge_block_rows(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _blocks_whole(x, block: int) -> bool:
+def blocks_whole(x, block: int) -> bool:
     """Whether every shard of DTensor x holds whole blocks of `block` elements along the last dim: the last
     dim is not sharded, or one mesh dim shards it into chunks (torch's: ceil(n / k)) of whole blocks; a 1-D
     tensor's last dim is its dim 0."""
@@ -181,7 +181,7 @@ def dtensor_block_rows(xs: list, codes: list[int], amaxes: torch.Tensor, block: 
     blocks whole give local rows merged over the mesh dims that shard them; a tensor whose shards cut a
     block is cast whole (all-gathered), exactly."""
     xs = [materialize_partial(x) if is_dtensor(x) else x for x in xs]
-    whole = [not is_dtensor(x) or _blocks_whole(x, block) for x in xs]
+    whole = [not is_dtensor(x) or blocks_whole(x, block) for x in xs]
     local = [(x.to_local() if is_dtensor(x) else x) if ok else x.full_tensor() for x, ok in zip(xs, whole)]
     rows = _backend.block_numerics_rows(local, codes, amaxes)
     n, f, c = rows.shape

@@ -13,6 +13,7 @@ import gapmon
 from gapmon.stats import block_formats as bf
 from gapmon.stats import reference
 from gapmon.stats.layout import BLOCK_COLUMNS
+from gapmon.stats.numerics import multi_tensor_numerics, numerics_states, states_and_numerics  # noqa: F401
 
 ALL = bf.BLOCK_FORMATS
 COL = {name: i for i, name in enumerate(BLOCK_COLUMNS)}
@@ -145,6 +146,51 @@ def test_exact_values_have_no_error_and_metrics_name_the_formats():
         bf.check_block_formats(["nvfp4", "nvfp4"])
 
 
+def _assert_same_states(got, want, what):
+    assert torch.equal(torch.nan_to_num(got, nan=7.0), torch.nan_to_num(want, nan=7.0)), what
+
+
+@pytest.mark.parametrize("numerics", [True, False])
+@pytest.mark.parametrize("formats", [("mxfp8_e4m3",), ("nvfp4", "mxfp4", "fp8_e5m2_current"), ("fp8_e4m3_current",), ALL])
+@pytest.mark.parametrize("given_amaxes", [True, False])
+def test_one_pass_equals_the_statistics_numerics_and_block_passes(numerics, formats, given_amaxes):
+    """states_numerics_blocks: the states and numerics rows bit for bit those of the one-pass statistics and
+    numerics op, every count of the block rows that of block_numerics (groups split across the pass's chunks:
+    rows of 70 over 3 chunks, a row longer than a chunk), sums within 1e-12; non-contiguous, 0-dim, empty,
+    float64, bfloat16, float16 tensors and non-finite elements; formats in the order asked, whether the
+    per-tensor scaled ones are cast in the pass (amaxes given) or after it."""
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(2000, 70, generator=g), torch.randn(5, generator=g), torch.randn(64, 96, generator=g).t(),
+          torch.randn((), generator=g), torch.randn(0, 4), torch.randn(3, 100000, generator=g).bfloat16(),
+          torch.randn(3, 33, generator=g).half(), torch.randn(4, 40, generator=g).double()]
+    xs[0][3, 5], xs[6][1, 1] = math.inf, math.nan
+    amaxes = bf.finite_amaxes(xs) if given_amaxes else None
+    states, rows, blocks = bf.states_numerics_blocks(xs, formats, numerics=numerics, amaxes=amaxes)
+    want_states, want_rows = states_and_numerics(xs)
+    _assert_same_states(states, want_states, "states")
+    if numerics:
+        _assert_same_states(rows, want_rows, "numerics")
+    else:
+        assert rows is None
+    want = bf.block_numerics(xs, formats)
+    _assert_rows_equal(blocks, want, formats)
+    sums = [COL["error_sq"], COL["signal_sq"]]
+    counts = [c for c in range(len(BLOCK_COLUMNS)) if c not in sums]
+    assert torch.equal(blocks[..., counts], want[..., counts])
+    _assert_rows_equal(blocks, reference.block_numerics(xs, [bf.BLOCK_FORMATS.index(f) for f in formats],
+                                                        bf.finite_amaxes(xs).tolist()), "reference")
+
+
+def test_one_pass_op_refusals_and_empty_lists():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="at least one format"):
+        bf.states_numerics_blocks([x], ())
+    with pytest.raises(ValueError, match="unknown format"):
+        bf.states_numerics_blocks([x], ("mxfp6",))
+    states, rows, blocks = bf.states_numerics_blocks([], ("mxfp4", "nvfp4"))
+    assert states.shape == (0, 7) and rows.shape[0] == 0 and blocks.shape == (0, 2, len(BLOCK_COLUMNS))
+
+
 def _edge_tensor(dtype, rows, cols, seed):
     """Random magnitudes over 40 binades with every edge mixed in: zeros, a zero block, subnormals of the
     dtype, the largest finite value, non-finite elements, a block of one huge value."""
@@ -217,6 +263,11 @@ def _dtensor_worker(rank, world):
     got = bf.block_numerics(dts, ALL)
     want = bf.block_numerics(cases, ALL)
     _assert_rows_equal(got, want, rank)
+    # the one-pass op: states, numerics and blocks of the full tensors, one collective for the three
+    states, numerics, blocks = bf.states_numerics_blocks(dts, ALL)
+    sharded_states, sharded_numerics = states_and_numerics(dts)  # (tested against the full tensors elsewhere)
+    assert torch.equal(states, sharded_states) and torch.equal(numerics, sharded_numerics)
+    _assert_rows_equal(blocks, want, ("one pass", rank))
     dist.barrier()
 
 
