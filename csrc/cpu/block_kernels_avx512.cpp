@@ -123,11 +123,11 @@ inline void add_quotient_errors(__m512 a, __m512 p, __m512d d, __m512d inv, __m5
 
 // One format's sums over the chunk, in lanes.
 struct FormatLanes {
-  __m512i to_zero, subnormal, saturated;
+  __m512i to_zero, below_normal, saturated;  // below_normal: cast to zero or to a subnormal
   __m512d err_lo, err_hi;
   int64_t scale_under = 0, scale_over = 0;
 
-  FormatLanes() : to_zero(_mm512_setzero_si512()), subnormal(to_zero), saturated(to_zero), err_lo(_mm512_setzero_pd()),
+  FormatLanes() : to_zero(_mm512_setzero_si512()), below_normal(to_zero), saturated(to_zero), err_lo(_mm512_setzero_pd()),
                   err_hi(err_lo) {}
 };
 
@@ -145,41 +145,67 @@ struct SharedLanes {
 // A batch of up to 16 whole groups: their magnitudes (non-finite ones zeroed) and their ranges.
 struct Batch {
   __m512 a[kBatch][2];
-  __m512i amax[2], amin[2];  // per half h: lane j = group j's largest / smallest non-zero magnitude bits (+inf: none)
+  // lane j: group j's largest / smallest non-zero magnitude bits (+inf: none), per 16-element half h when the
+  // batch was loaded with halves (NVFP4's blocks), else of the whole group in [0] (and [1] the same)
+  __m512i amax[2], amin[2];
   __mmask16 valid;
 };
 
-template <typename T>
+// Loads a batch: its magnitudes, ranges, non-zero count and signal, as if every element were finite (a
+// non-finite one is seen by the batch's largest magnitude; not tested element by element): the rare batch
+// that has one is then taken again from its loaded (L1) copy, non-finite elements zeroed and counted.
+template <bool kHalves, typename T>
 void load_batch(const T* const* groups, int count, Batch& b, SharedLanes& s) {
-  __m512i top[2][kBatch], low[2][kBatch];
   const __m512i ones = _mm512_set1_epi32(1), inf = _mm512_set1_epi32(static_cast<int>(kInfBits));
+  constexpr int kParts = kHalves ? 2 : 1;
+  __m512i top[kParts][kBatch], low[kParts][kBatch];
+  const SharedLanes before = s;
+  auto account = [&](int j, __m512i m0, __m512i m1) {
+    const __m512i l0 = _mm512_sub_epi32(m0, ones), l1 = _mm512_sub_epi32(m1, ones);  // zero wraps: not a minimum
+    if (kHalves) {
+      top[0][j] = m0, top[kParts - 1][j] = m1, low[0][j] = l0, low[kParts - 1][j] = l1;
+    } else {
+      top[0][j] = _mm512_max_epu32(m0, m1), low[0][j] = _mm512_min_epu32(l0, l1);
+    }
+    if (j < count) {
+      s.nonzero = _mm512_mask_add_epi32(s.nonzero, _mm512_test_epi32_mask(m0, m0), s.nonzero, ones);
+      s.nonzero = _mm512_mask_add_epi32(s.nonzero, _mm512_test_epi32_mask(m1, m1), s.nonzero, ones);
+      add_squares(_mm512_castsi512_ps(m0), s.sig_lo, s.sig_hi);
+      add_squares(_mm512_castsi512_ps(m1), s.sig_lo, s.sig_hi);
+    }
+  };
+  __m512i largest = _mm512_setzero_si512();
   for (int j = 0; j < kBatch; ++j) {
-    for (int h = 0; h < 2; ++h) {
-      if (j >= count) {
-        b.a[j][h] = _mm512_setzero_ps();
-        top[h][j] = _mm512_setzero_si512();
-        low[h][j] = _mm512_set1_epi32(-1);
-        continue;
+    __m512i m0 = _mm512_setzero_si512(), m1 = m0;
+    if (j < count) {
+      m0 = magnitudes(groups[j]), m1 = magnitudes(groups[j] + 16);
+      largest = _mm512_max_epu32(largest, _mm512_max_epu32(m0, m1));
+    }
+    b.a[j][0] = _mm512_castsi512_ps(m0), b.a[j][1] = _mm512_castsi512_ps(m1);
+    account(j, m0, m1);
+  }
+  if (_mm512_cmpge_epu32_mask(largest, inf)) [[unlikely]] {
+    s = before;
+    for (int j = 0; j < count; ++j) {
+      __m512i m[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i bits = _mm512_castps_si512(b.a[j][h]);
+        const __mmask16 finite = _mm512_cmplt_epu32_mask(bits, inf);
+        s.nonfinite += 16 - popcount(finite);
+        m[h] = _mm512_maskz_mov_epi32(finite, bits);
+        b.a[j][h] = _mm512_castsi512_ps(m[h]);
       }
-      __m512i m = magnitudes(groups[j] + 16 * h);
-      const __mmask16 finite = _mm512_cmplt_epu32_mask(m, inf);
-      s.nonfinite += 16 - popcount(finite);
-      m = _mm512_maskz_mov_epi32(finite, m);
-      const __mmask16 nz = _mm512_test_epi32_mask(m, m);
-      s.nonzero = _mm512_mask_add_epi32(s.nonzero, nz, s.nonzero, ones);
-      b.a[j][h] = _mm512_castsi512_ps(m);
-      top[h][j] = m;
-      low[h][j] = _mm512_sub_epi32(m, ones);  // zero wraps to the largest: left out of the minimum
-      add_squares(b.a[j][h], s.sig_lo, s.sig_hi);
+      account(j, m[0], m[1]);
     }
   }
   b.valid = static_cast<__mmask16>((1u << count) - 1u);
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < kParts; ++h) {
     b.amax[h] = reduce16(top[h], max_u32);
     const __m512i lowest = reduce16(low[h], min_u32);
     const __mmask16 none = _mm512_cmpeq_epi32_mask(lowest, _mm512_set1_epi32(-1));
     b.amin[h] = _mm512_mask_mov_epi32(_mm512_add_epi32(lowest, ones), none, inf);
   }
+  if (!kHalves) b.amax[1] = b.amax[0], b.amin[1] = b.amin[0];
   s.groups += count;
 }
 
@@ -222,11 +248,10 @@ inline __m512 cast16(__m512 a, __m512 mul, const Grid& grid, FormatLanes& f) {
   const __m512 q = _mm512_min_ps(r, grid.top);
   const __mmask16 nz = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
   const __mmask16 zero = _mm512_mask_cmp_ps_mask(nz, q, _mm512_setzero_ps(), _CMP_EQ_OQ);
-  const __mmask16 pos = _mm512_cmp_ps_mask(q, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __mmask16 sub = _mm512_mask_cmp_ps_mask(pos, q, grid.min_normal, _CMP_LT_OQ);
+  const __mmask16 below = _mm512_mask_cmp_ps_mask(nz, q, grid.min_normal, _CMP_LT_OQ);  // zero or subnormal
   f.saturated = _mm512_mask_add_epi32(f.saturated, sat, f.saturated, ones);
   f.to_zero = _mm512_mask_add_epi32(f.to_zero, zero, f.to_zero, ones);
-  f.subnormal = _mm512_mask_add_epi32(f.subnormal, sub, f.subnormal, ones);
+  f.below_normal = _mm512_mask_add_epi32(f.below_normal, below, f.below_normal, ones);
   return q;
 }
 
@@ -331,7 +356,8 @@ void cast_whole_groups(const core::BlockOperand& op, int64_t begin, int64_t end,
   int count = 0;
   auto flush = [&] {
     if (count == 0) return;
-    load_batch(pending, count, batch, shared);
+    if (need16) load_batch<true>(pending, count, batch, shared);
+    else load_batch<false>(pending, count, batch, shared);
     batch_ranges(batch, need16, shared);
     for (int k = 0; k < num_formats; ++k) {
       const BlockFormat f = formats[k];
@@ -362,7 +388,7 @@ void cast_whole_groups(const core::BlockOperand& op, int64_t begin, int64_t end,
     BlockRow r;
     r.v[core::bNonzero] = static_cast<double>(nonzero);
     r.v[core::bToZero] = static_cast<double>(sum_lanes(f.to_zero));
-    r.v[core::bSubnormal] = static_cast<double>(sum_lanes(f.subnormal));
+    r.v[core::bSubnormal] = static_cast<double>(sum_lanes(f.below_normal) - sum_lanes(f.to_zero));
     r.v[core::bSaturated] = static_cast<double>(sum_lanes(f.saturated));
     r.v[core::bBlocks] = formats[k] == BlockFormat::kNvfp4 ? 2 * whole : whole;
     r.v[core::bScaleUnderflow] = static_cast<double>(f.scale_under);
