@@ -13,7 +13,7 @@ from .dump.reconstruct import reconstruct_gradients
 from .monitor.gap_monitor import GAPMonitor
 from .monitor.sinks import JSONLSink, Sink, TensorBoardSink, WandbSink
 from .per_sample import PerSampleGradNorms
-from .stats.block_formats import BLOCK_FORMATS, block_format_metrics, block_numerics
+from .stats.block_formats import BLOCK_FORMATS, block_format_metrics, block_numerics, states_numerics_blocks
 from .stats.layout import STAT_NAMES, Stats
 from .stats.numerics import FORMATS, Numerics, exponent_histogram, multi_tensor_numerics, numerics_states
 from .stats.ops import (
@@ -50,6 +50,7 @@ __all__ = [
     "BLOCK_FORMATS",
     "block_numerics",
     "block_format_metrics",
+    "states_numerics_blocks",
     "GAPMonitor",
     "PerSampleGradNorms",
     "GradientDumper",

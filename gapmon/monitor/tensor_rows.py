@@ -7,9 +7,9 @@ import torch
 import torch.nn as nn
 
 from ..stats import ops
+from ..stats.block_formats import states_numerics_blocks
 from ..stats.distributed import dtensor_multi_states, fsdp1_shard_groups
 from ..stats.layout import STAT_NAMES, STATE_NAMES
-from ..stats.block_formats import states_numerics_blocks
 from ..stats.numerics import states_and_numerics
 from ..utils import clean_named, layer_type_name, refuse_complex
 

@@ -13,7 +13,7 @@ import gapmon
 from gapmon.stats import block_formats as bf
 from gapmon.stats import reference
 from gapmon.stats.layout import BLOCK_COLUMNS
-from gapmon.stats.numerics import multi_tensor_numerics, numerics_states, states_and_numerics  # noqa: F401
+from gapmon.stats.numerics import states_and_numerics
 
 ALL = bf.BLOCK_FORMATS
 COL = {name: i for i, name in enumerate(BLOCK_COLUMNS)}
@@ -243,6 +243,11 @@ def test_op_registration_and_refusals():
     x = torch.randn(6, 40)
     torch.library.opcheck(torch.ops.gapmon.block_numerics.default, ([x, x[0].bfloat16()], [0, 3],
                                                                     torch.tensor([3.0, 2.0], dtype=torch.float64)))
+    for numerics in (True, False):
+        torch.library.opcheck(torch.ops.gapmon.states_numerics_blocks.default,
+                              ([x, x[0].bfloat16(), x.t()], numerics, [0, 3], torch.tensor([3.0, 2.0, 3.0], dtype=torch.float64)))
+    with pytest.raises(ValueError, match="amax"):
+        torch.ops.gapmon.states_numerics_blocks([x], True, [3], torch.zeros(0, dtype=torch.float64))
     with pytest.raises(ValueError, match="amax"):
         torch.ops.gapmon.block_numerics([x], [3], torch.zeros(0, dtype=torch.float64))
     with pytest.raises(ValueError, match="unknown format code"):
