@@ -255,7 +255,7 @@ def bench_block_formats(device: str, sizes: list[int], rows: list[dict]) -> None
 
     for dtype in (torch.float32, torch.bfloat16):
         for exp in sizes:
-            xs = [x.reshape(-1, 4096) for x in rotation(torch.randn(2**exp, device=device).to(dtype), device)]
+            xs = [x.reshape(-1, min(4096, 2**exp)) for x in rotation(torch.randn(2**exp, device=device).to(dtype), device)]
             n, x = len(xs), xs[0]
             amaxes = [finite_amaxes([t]).to(device) for t in xs]
             stats_s = timeit(lambda i: gapmon.tensor_stats(xs[i % n]), device)

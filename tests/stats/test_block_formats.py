@@ -181,6 +181,20 @@ def test_one_pass_equals_the_statistics_numerics_and_block_passes(numerics, form
                                                         bf.finite_amaxes(xs).tolist()), "reference")
 
 
+def test_one_pass_gives_the_same_bits_whatever_the_threads():
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(300, 700, generator=g), torch.randn(50, 4096, generator=g).bfloat16(), torch.randn(9, 70, generator=g)]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(torch.cat([r.reshape(3, -1) for r in bf.states_numerics_blocks(xs, ALL)], dim=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
 def test_one_pass_op_refusals_and_empty_lists():
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match="at least one format"):
