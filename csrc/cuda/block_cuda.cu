@@ -1,19 +1,13 @@
 // The per-block format numerics on CUDA: a block per chunk of groups (32-element MX blocks), a thread per
 // group at a time; each thread's rows are combined over the block by fixed-order trees in shared memory
-// (sums, the minimum of min_nonzero, the maximum of max_block_ratio), then one thread per tensor and
-// format merges its chunks in order.
+// (block_rows.cuh), then one thread per tensor and format merges its chunks in order.
 #include "block_cuda.h"
+#include "block_rows.cuh"
 #include "launch.h"
 
 namespace gapmon {
 namespace cuda {
 namespace {
-
-__device__ __forceinline__ double combine(int column, double a, double b) {
-  if (column == core::bMinNonzero) return b < a ? b : a;
-  if (column == core::bMaxBlockRatio) return b > a ? b : a;
-  return a + b;
-}
 
 __global__ void __launch_bounds__(kBlockThreads)
     block_chunk_kernel(const core::BlockOperand* __restrict__ ops, int64_t n, const __grid_constant__ BlockFormatList formats,
@@ -25,35 +19,22 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t groups = op.rows * core::groups_per_row(op.cols);
   const int64_t begin = (chunk - op.first_chunk) * core::kGroupsPerChunk;
   const int64_t end = begin + core::kGroupsPerChunk < groups ? begin + core::kGroupsPerChunk : groups;
-  const double amax = amaxes != nullptr ? amaxes[i] : 0.0;
-  core::BlockRow rows[core::kNumBlockFormats];
-  for (int64_t g = begin + threadIdx.x; g < end; g += kBlockThreads) {
-    core::cast_groups(op, g, g + 1, formats.codes, formats.num, amax, rows);
-  }
-  for (int f = 0; f < formats.num; ++f) {
-    for (int k = 0; k < core::kNumBlockColumns; ++k) {
-      partial[threadIdx.x] = rows[f].v[k];
-      __syncthreads();
-      for (int width = kBlockThreads / 2; width > 0; width /= 2) {
-        if (static_cast<int>(threadIdx.x) < width) {
-          partial[threadIdx.x] = combine(k, partial[threadIdx.x], partial[threadIdx.x + width]);
-        }
-        __syncthreads();
-      }
-      if (threadIdx.x == 0) chunk_rows[(chunk * formats.num + f) * core::kNumBlockColumns + k] = partial[0];
-      __syncthreads();
-    }
-  }
+  cast_and_combine_groups<kBlockThreads>(op, begin, end, formats, amaxes != nullptr ? amaxes[i] : 0.0, partial,
+                                         chunk_rows + chunk * formats.num * core::kNumBlockColumns);
 }
 
+// Merges each tensor's chunk rows in order: its block chunks (core::block_chunks_for), or with kStatsChunks the
+// chunks of the fused statistics pass (core::chunks_for its elements).
+template <bool kStatsChunks>
 __global__ void block_rows_kernel(const core::BlockOperand* __restrict__ ops, int64_t n, int num_formats,
                                   const double* __restrict__ chunk_rows, double* __restrict__ out) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= n * num_formats) return;
   const int64_t i = t / num_formats, f = t % num_formats;
   const core::BlockOperand& op = ops[i];
+  const int64_t chunks = kStatsChunks ? core::chunks_for(op.rows * op.cols) : core::block_chunks_for(op);
   core::BlockRow row;
-  for (int64_t c = op.first_chunk; c < op.first_chunk + core::block_chunks_for(op); ++c) {
+  for (int64_t c = op.first_chunk; c < op.first_chunk + chunks; ++c) {
     core::BlockRow part;
     for (int k = 0; k < core::kNumBlockColumns; ++k) part.v[k] = chunk_rows[(c * num_formats + f) * core::kNumBlockColumns + k];
     row.merge(part);
@@ -75,10 +56,21 @@ cudaError_t launch_block_numerics(const core::BlockOperand* ops, int64_t n, int6
                                                                                                 chunk_rows);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const int threads = 128;
+  constexpr int threads = 128;
   const int64_t rows = n * formats.num;
-  GAPMON_LAUNCH(block_rows_kernel, static_cast<unsigned>((rows + threads - 1) / threads), threads, stream)(
+  GAPMON_LAUNCH(block_rows_kernel<false>, static_cast<unsigned>((rows + threads - 1) / threads), threads, stream)(
       ops, n, formats.num, chunk_rows, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_merge_fused_block_rows(const core::BlockOperand* ops, int64_t n, int num_formats,
+                                          const double* chunk_rows, double* out, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (num_formats < 1 || num_formats > core::kNumBlockFormats || chunk_rows == nullptr) return cudaErrorInvalidValue;
+  constexpr int threads = 128;
+  const int64_t rows = n * num_formats;
+  GAPMON_LAUNCH(block_rows_kernel<true>, static_cast<unsigned>((rows + threads - 1) / threads), threads, stream)(
+      ops, n, num_formats, chunk_rows, out);
   return cudaGetLastError();
 }
 

@@ -29,5 +29,24 @@ cudaError_t launch_block_numerics(const core::BlockOperand* ops, int64_t n, int6
                                   const BlockFormatList& formats, const double* amaxes, double* chunk_rows, double* out,
                                   cudaStream_t stream);
 
+// The block formats of the fused statistics pass (launch_stats_and_numerics): the chunk the statistics reader
+// has just read (in L2, or L1) is read again by the same block right away, and the groups that start in it
+// (core::group_at) are cast, so the tensor comes from DRAM once. ops: a device array, one operand per view
+// (view i's tensor as contiguous [rows, cols]; a null `data`, rows = cols = 0: not cast in the pass, its
+// rows left empty); amaxes: device float64 [views] when a format needs the tensor's amax, else nullptr;
+// chunk_rows: [total_chunks, formats.num, kNumBlockColumns] scratch, every chunk's rows written.
+struct FusedBlocks {
+  const core::BlockOperand* ops = nullptr;  // nullptr: no block formats in the pass
+  BlockFormatList formats;
+  const double* amaxes = nullptr;
+  double* chunk_rows = nullptr;
+};
+
+// Rows [n, num_formats, kNumBlockColumns] of `out` from the fused pass's chunk rows: tensor i's merged in order
+// over its statistics chunks [ops[i].first_chunk, + core::chunks_for(ops[i].rows * ops[i].cols)) (the glue sets
+// first_chunk to its view's).
+cudaError_t launch_merge_fused_block_rows(const core::BlockOperand* ops, int64_t n, int num_formats,
+                                          const double* chunk_rows, double* out, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace gapmon

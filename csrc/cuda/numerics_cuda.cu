@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "../core/numerics.h"
+#include "block_rows.cuh"
 #include "chunk_reader.cuh"
 #include "launch.h"
 #include "numerics_cuda.h"
@@ -129,15 +130,32 @@ __device__ void write_published_chunks(const NumericsTargets& numerics, int64_t 
       thread_moments[0], v, row, numerics);
 }
 
+// The fused pass's block formats of chunk c (at `at`): the groups of its tensor that start in the chunk's
+// elements, read again right after the statistics reader read them (from L2), cast by the block's threads and
+// combined into the chunk's rows. Out of line: the rows live in this call's frame, not in the registers of
+// the statistics reader.
+__device__ __noinline__ void fused_block_chunk(const FusedBlocks& blocks, const ChunkPlace& at, int64_t c,
+                                               double* partial) {
+  const core::BlockOperand& op = blocks.ops[at.row];
+  const bool cast = op.data != nullptr && op.cols > 0 && at.lo < at.hi;
+  const int64_t begin = cast ? core::group_at(at.lo, op.cols) : 0, end = cast ? core::group_at(at.hi, op.cols) : 0;
+  cast_and_combine_groups<kThreads>(op, begin, end, blocks.formats,
+                                    blocks.amaxes != nullptr ? blocks.amaxes[at.row] : 0.0, partial,
+                                    blocks.chunk_rows + c * blocks.formats.num * core::kNumBlockColumns);
+}
+
 // Statistics and numerics of every item, a block per chunk (grid-stride over chunks). Each item's
 // statistics go where `stats` says (rows, states, and the instance fold by the block that writes the
 // last row, as launch_stats does); its numerics to its row of numerics.out, or, with merge_items,
 // every chunk's numerics are published and the block that finishes the last row merges them all
 // into one row.
+// kFused: with the block formats of `blocks` (a kernel of its own, so that the plain pass keeps its registers).
+template <bool kFused>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     stats_numerics_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks, int64_t rows,
-                          const StatsTargets stats, const NumericsTargets numerics) {
+                          const StatsTargets stats, const NumericsTargets numerics, const __grid_constant__ FusedBlocks blocks) {
   using Group = ChunkGroup<kThreads>;
+  __shared__ double block_partial[kFused ? kThreads : 1];
   __shared__ State<double> thread_states[kThreads];
   __shared__ Moments thread_moments[kThreads];
   __shared__ unsigned bins[core::kNumBins];
@@ -192,6 +210,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
       if (stats.acc_row != nullptr) fold_rows<kThreads>(stats.out_stats, rows, stats.acc_row);
       if (numerics.merge_items) write_published_chunks(numerics, 0, total_chunks, v, 0, thread_moments);
     }
+    if constexpr (kFused) fused_block_chunk(blocks, at, c, block_partial);
     __syncthreads();  // bins, moments and states are reused by the next chunk
   }
 }
@@ -213,7 +232,8 @@ __global__ void merge_numerics_kernel(const double* states, int64_t parts, int64
 }  // namespace
 
 cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& plan, int64_t rows,
-                                      const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream) {
+                                      const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream,
+                                      const FusedBlocks& fused) {
   if (rows == 0) return cudaSuccess;
   const bool several = needs_chunk_states(plan.max_chunks_per_item);
   const bool fold = stats.acc_row != nullptr;
@@ -221,13 +241,20 @@ cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& 
       ((several || numerics.merge_items) && numerics.chunk_rows == nullptr) ||
       (several && stats.chunk_states == nullptr) ||
       ((several || fold || numerics.merge_items) && stats.counters == nullptr) ||
-      (numerics.merge_items && views.num != 1)) {
+      (numerics.merge_items && views.num != 1) ||
+      (fused.ops != nullptr && (numerics.merge_items || fused.chunk_rows == nullptr || fused.formats.num < 1 ||
+                                fused.formats.num > core::kNumBlockFormats))) {
     return cudaErrorInvalidValue;
   }
   constexpr int64_t kMaxGrid = int64_t(1) << 20;
   const int64_t blocks = plan.total_chunks < kMaxGrid ? plan.total_chunks : kMaxGrid;
-  GAPMON_LAUNCH(stats_numerics_kernel, static_cast<unsigned>(blocks), kThreads, stream)(views, plan.total_chunks, rows,
-                                                                                        stats, numerics);
+  if (fused.ops != nullptr) {
+    GAPMON_LAUNCH(stats_numerics_kernel<true>, static_cast<unsigned>(blocks), kThreads, stream)(
+        views, plan.total_chunks, rows, stats, numerics, fused);
+  } else {
+    GAPMON_LAUNCH(stats_numerics_kernel<false>, static_cast<unsigned>(blocks), kThreads, stream)(
+        views, plan.total_chunks, rows, stats, numerics, fused);
+  }
   return cudaGetLastError();
 }
 

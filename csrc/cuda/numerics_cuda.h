@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "block_cuda.h"
 #include "stats_cuda.h"
 
 namespace gapmon {
@@ -31,8 +32,14 @@ struct NumericsTargets {
 // counts, the moment and state merges run in a fixed order). The plan must read every view by blocks
 // (plan.warp_chunks == 0: tensors, or instances that are not many short rows), and merge_items needs a
 // single view; anything else, or missing scratch, is cudaErrorInvalidValue.
+//
+// With `blocks` (FusedBlocks::ops not null), each chunk's block-format rows too: right after the block has read
+// the chunk for the statistics and numerics, it reads it again (from L2) and casts the groups that start in
+// it, so each tensor comes from DRAM once; launch_merge_fused_block_rows then merges each tensor's chunks.
+// Not with merge_items.
 cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& plan, int64_t rows,
-                                      const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream);
+                                      const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream,
+                                      const FusedBlocks& blocks = FusedBlocks());
 
 // [parts, n, kNumNumericsColumns] rows -> [n, kNumNumericsColumns], merged over parts in order.
 cudaError_t launch_merge_numerics(const double* states, int64_t parts, int64_t n, double* out, cudaStream_t stream);

@@ -256,7 +256,7 @@ at::Tensor finalize_states_cuda(const at::Tensor& states, int64_t correction) {
 // states and chunk numerics rows (one allocation each, no memset) and counters.
 void launch_with_numerics(std::vector<core::StridedView>& views, const cuda::LaunchPlan& plan, int64_t rows,
                           const at::Device& device, cuda::StatsTargets stats, cuda::NumericsTargets numerics,
-                          const char* op) {
+                          const char* op, const cuda::FusedBlocks& fused = cuda::FusedBlocks()) {
   const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor table_storage;
@@ -274,7 +274,7 @@ void launch_with_numerics(std::vector<core::StridedView>& views, const cuda::Lau
   if (several || numerics.merge_items || stats.acc_row != nullptr) {
     stats.counters = zeroed_counters(rows + 1, device, stream, captured_counters, op);
   }
-  check_launch(cuda::launch_stats_and_numerics(table, plan, rows, stats, numerics, stream), op);
+  check_launch(cuda::launch_stats_and_numerics(table, plan, rows, stats, numerics, stream, fused), op);
 }
 
 // Numerics rows (csrc/core/numerics.h) of every tensor and, if `with_states`, their statistics states,
@@ -363,9 +363,82 @@ void accumulate_instance_stats_and_numerics_cuda(const at::Tensor& x, at::Tensor
   launch_with_numerics(whole, cuda::plan_launch(whole.data(), 1), 1, x.device(), cuda::StatsTargets(), numerics, op);
 }
 
+// The statistics states, the numerics rows and the per-block format rows of xs in one launch that reads each
+// tensor from DRAM once (launch_stats_and_numerics with FusedBlocks: each chunk is read again from L2 by the
+// block that has just read it for the statistics), then the merge of each tensor's chunk rows. A tensor that
+// is not contiguous is cast by the block kernel from its contiguous copy. Without `numerics`: the statistics
+// launch and the block kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::TensorList xs, bool with_numerics,
+                                                                           at::IntArrayRef format_codes,
+                                                                           const at::Tensor& amaxes) {
+  const char* op = "states_numerics_blocks";
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  const int64_t n = static_cast<int64_t>(xs.size()), num_formats = static_cast<int64_t>(formats.size());
+  const int64_t numerics_width = with_numerics ? core::kNumNumericsColumns : 0;
+  if (n == 0) {
+    const auto host = at::TensorOptions().dtype(at::kDouble);
+    return {at::empty({0, int64_t(core::kNumStateColumns)}, host), at::empty({0, numerics_width}, host),
+            at::empty({0, num_formats, int64_t(core::kNumBlockColumns)}, host)};
+  }
+  const at::Device device = xs[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+  if (!with_numerics) {
+    return {multi_tensor_states_cuda(xs), at::empty({n, 0}, opts), block_numerics_cuda(xs, format_codes, amaxes)};
+  }
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  auto views = views_of(xs, op, keep_alive);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), n);  // single items: by blocks, in order
+  std::vector<int64_t> rest;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(xs[i].is_contiguous() && ops[i].cols > 0)) {
+      ops[i].data = nullptr, ops[i].rows = 0, ops[i].cols = 0;  // empty rows in the pass; cast below
+      rest.push_back(i);
+    }
+    ops[i].first_chunk = views[i].first_chunk;
+  }
+  static_assert(sizeof(core::BlockOperand) % sizeof(uint64_t) == 0, "operands are uploaded as 8-byte words");
+  at::Tensor ops_storage;
+  const auto* ops_device = static_cast<const core::BlockOperand*>(
+      device_copy(ops.data(), n * int64_t(sizeof(core::BlockOperand)), device, stream, ops_storage, op));
+  cuda::FusedBlocks fused;
+  fused.ops = ops_device;
+  fused.formats.num = static_cast<int>(num_formats);
+  bool need_amax = false;
+  for (int64_t f = 0; f < num_formats; ++f) {
+    fused.formats.codes[f] = formats[f];
+    need_amax = need_amax || core::needs_tensor_amax(formats[f]);
+  }
+  fused.amaxes = need_amax ? amaxes.data_ptr<double>() : nullptr;
+  at::Tensor chunk_rows = at::empty({plan.total_chunks, num_formats, int64_t(core::kNumBlockColumns)}, opts);
+  fused.chunk_rows = chunk_rows.data_ptr<double>();
+  at::Tensor states = at::empty({n, int64_t(core::kNumStateColumns)}, opts);
+  at::Tensor numerics_rows = at::empty({n, numerics_width}, opts);
+  at::Tensor blocks = at::empty({n, num_formats, int64_t(core::kNumBlockColumns)}, opts);
+  cuda::StatsTargets stats;
+  stats.out_states = states.data_ptr<double>();
+  cuda::NumericsTargets numerics;
+  numerics.out = numerics_rows.data_ptr<double>();
+  launch_with_numerics(views, plan, n, device, stats, numerics, op, fused);
+  check_launch(cuda::launch_merge_fused_block_rows(ops_device, n, static_cast<int>(num_formats),
+                                                   chunk_rows.data_ptr<double>(), blocks.data_ptr<double>(), stream),
+               op);
+  if (!rest.empty()) {
+    std::vector<at::Tensor> others;
+    for (int64_t i : rest) others.push_back(xs[i]);
+    const at::Tensor index = at::tensor(rest, at::kLong).to(device);
+    const at::Tensor their_amaxes = need_amax ? amaxes.index_select(0, index).contiguous() : amaxes;
+    blocks.index_copy_(0, index, block_numerics_cuda(others, format_codes, their_amaxes));
+  }
+  return {states, numerics_rows, blocks};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
+  m.impl("states_numerics_blocks", &states_numerics_blocks_cuda);
   m.impl("accumulate_instance_stats", &accumulate_instance_stats_cuda);
   m.impl("update_sums", &update_sums_cuda);
   m.impl("block_numerics", &block_numerics_cuda);

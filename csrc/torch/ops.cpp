@@ -77,7 +77,8 @@ TORCH_LIBRARY(gapmon, m) {
   // scaled per tensor (NVFP4, current scaling). One read of each element.
   m.def("block_numerics(Tensor[] xs, int[] formats, Tensor amaxes) -> Tensor");
   // (multi_tensor_states(xs), numerics_states(xs) if `numerics` else [N, 0], block_numerics(xs, formats, amaxes)) in
-  // one pass over memory: each chunk's numerics and block groups are taken while it is in cache.
+  // one pass over memory: each chunk's numerics and block groups are taken while it is in cache (on CUDA, with
+  // numerics, one launch: each chunk re-read from L2 by the block that has just read it).
   m.def("states_numerics_blocks(Tensor[] xs, bool numerics, int[] formats, Tensor amaxes) -> (Tensor, Tensor, Tensor)");
   // accumulate_instance_stats, and x's numerics row merged into row `numerics_row` of a float64
   // [rows, C] table in place (after what the row holds), in one pass over x (GAPMonitor's activation

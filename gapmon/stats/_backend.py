@@ -208,13 +208,13 @@ def block_numerics_rows(xs: Sequence[torch.Tensor], codes: Sequence[int], amaxes
 def states_numerics_blocks_rows(xs: Sequence[torch.Tensor], numerics: bool, codes: Sequence[int],
                                 amaxes: torch.Tensor) -> torch.Tensor:
     """[N, 7 + C + F * 12] float64: the mergeable states, the numerics rows (C columns, none without `numerics`)
-    and the block-format rows of N local tensors on one device, side by side. On the CPU one pass over each
-    tensor (the compiled op); on CUDA the statistics-and-numerics launch, then the block launch (two reads);
-    without the extension the references one after the other."""
+    and the block-format rows of N local tensors on one device, side by side: the compiled op reads each tensor
+    once (CPU: each chunk while in cache; CUDA: one launch, each chunk re-read from L2 by the block that has
+    just read it); without the extension, the references one after the other."""
     xs = list(xs)
     check_tensor_list(xs, "states_numerics_blocks")
     n = len(xs)
-    if xs and COMPILED and xs[0].device.type == "cpu":
+    if xs and _compiled_for(xs[0].device):
         states, rows, blocks = torch.ops.gapmon.states_numerics_blocks(xs, numerics, list(codes),
                                                                        amaxes.to(torch.float64).contiguous())
         return torch.cat((states, rows, blocks.reshape(n, -1)), dim=1)

@@ -108,8 +108,8 @@ def states_numerics_blocks(xs: Sequence[torch.Tensor], formats: Sequence[str], n
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(statistics states [N, 7], numerics rows [N, C] or None without `numerics`, block rows [N, F, 12]) of N
     tensors, as multi_tensor_states, numerics_states and block_numerics give them, in one pass over each tensor
-    on the CPU (each chunk's numerics and blocks are taken while it is in cache; on CUDA, for now, the
-    statistics-and-numerics launch and then the block launch). The formats scaled per block (MX) are always
+    (CPU: each chunk's numerics and blocks are taken while it is in cache; CUDA: one launch, each chunk read
+    again from L2 by the block that has just read it for the statistics). The formats scaled per block (MX) are always
     cast in the pass; those scaled by the tensor's amax (NVFP4, current scaling) too when `amaxes` is given,
     else after it, with the amaxes the pass measured: a second read of the tensors, the price of a scale that
     depends on the whole tensor. DTensors and FSDP1 flat pieces (`flat_groups`) are merged over their groups

@@ -11,13 +11,16 @@
 #include <vector>
 
 #include "../../csrc/core/block_formats.h"
+#include "../../csrc/core/numerics.h"
 #include "../../csrc/cpu/block_kernels.h"
 #include "../../csrc/cuda/block_cuda.h"
+#include "../../csrc/cuda/numerics_cuda.h"
 #include "checks.h"
 #include "stored_values.h"
 
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 void gapmon_emu_set_block_schedule(unsigned seed);  // tests/cpp/block_cuda_emulated.cpp
+void gapmon_emu_set_numerics_schedule(unsigned seed);  // tests/cpp/numerics_cuda_emulated.cpp
 
 namespace {
 
@@ -91,9 +94,113 @@ void run_case(DType dt, const char* what) {
   gapmon_emu_set_block_schedule(0);
 }
 
+// The fused pass (launch_stats_and_numerics with FusedBlocks, then launch_merge_fused_block_rows): the block
+// rows of the CPU kernel (counts equal, sums within 1e-12) although the groups are taken per statistics chunk
+// (a group straddling two chunks counted once, in the first), a tensor left out of the pass gets empty rows,
+// and the statistics states and numerics rows have the bits of the pass without block formats; the same bits
+// under shuffled block schedules.
+void run_fused_case(DType dt, const char* what) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t shapes[][2] = {{1, 70}, {3, 33}, {0, 32}, {4100, 40}, {1, 3 * 65536 + 7}, {2, 16}, {5, 64}};
+  const int64_t n = sizeof shapes / sizeof shapes[0];
+  const int64_t left_out = n - 1;  // as a non-contiguous tensor: cast by the block kernel, not in the pass
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<core::BlockOperand> ops(n);
+  std::vector<core::StridedView> views(n);
+  std::vector<double> amaxes(n, 3.5);
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<float> v(shapes[i][0] * shapes[i][1]);
+    for (auto& x : v) x = normal(rng) * std::exp(3.0f * normal(rng));
+    if (v.size() > 2) v[v.size() / 3] = INFINITY;
+    data.push_back(store(v, dt));
+    const int64_t numel = static_cast<int64_t>(v.size());
+    core::StridedView& view = views[i];
+    view.data = data.back().data(), view.dtype = dt, view.out_row = i, view.item_numel = numel;
+    view.ndim = numel == 0 ? 0 : 1, view.sizes[0] = numel, view.strides[0] = 1;
+  }
+  const gapmon::cuda::LaunchPlan plan = gapmon::cuda::plan_launch(views.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    ops[i].dtype = dt;
+    if (i != left_out) ops[i].data = views[i].data, ops[i].rows = shapes[i][0], ops[i].cols = shapes[i][1];
+    ops[i].first_chunk = views[i].first_chunk;
+  }
+  gapmon::cuda::BlockFormatList formats;
+  formats.num = core::kNumBlockFormats;
+  for (int f = 0; f < formats.num; ++f) formats.codes[f] = static_cast<BlockFormat>(f);
+  const int64_t width = formats.num * core::kNumBlockColumns;
+  std::vector<double> want(n * width);
+  for (int64_t i = 0; i < n; ++i) {
+    core::BlockOperand whole = ops[i];
+    whole.data = views[i].data, whole.rows = shapes[i][0], whole.cols = shapes[i][1];
+    std::vector<core::BlockRow> rows(formats.num);
+    for (int64_t c = 0; i != left_out && c < core::block_chunks_for(whole); ++c) {
+      std::vector<core::BlockRow> part(formats.num);
+      gapmon::cpu::block_chunk(whole, c, formats.codes, formats.num, amaxes[i], part.data());
+      for (int f = 0; f < formats.num; ++f) rows[f].merge(part[f]);
+    }
+    for (int f = 0; f < formats.num; ++f) std::memcpy(want.data() + i * width + f * core::kNumBlockColumns, rows[f].v, sizeof rows[f].v);
+  }
+  gapmon::cuda::ViewTable table;
+  table.num = n;
+  for (int64_t i = 0; i < n; ++i) table.inline_views[i] = views[i];
+  auto pass = [&](bool fused, std::vector<double>& states, std::vector<double>& numerics, std::vector<double>& blocks) {
+    std::vector<double> chunk_states(plan.total_chunks * core::kNumStateColumns, -7.0);
+    std::vector<double> chunk_numerics(plan.total_chunks * core::kNumNumericsColumns, -7.0);
+    std::vector<double> chunk_rows(plan.total_chunks * width, -7.0);
+    std::vector<unsigned> counters(n + 1, 0u);
+    states.assign(n * core::kNumStateColumns, -7.0), numerics.assign(n * core::kNumNumericsColumns, -7.0);
+    blocks.assign(n * width, -7.0);
+    gapmon::cuda::StatsTargets stats;
+    stats.out_states = states.data(), stats.chunk_states = chunk_states.data(), stats.counters = counters.data();
+    gapmon::cuda::NumericsTargets targets;
+    targets.out = numerics.data(), targets.chunk_rows = chunk_numerics.data();
+    gapmon::cuda::FusedBlocks fused_blocks;
+    if (fused) {
+      fused_blocks.ops = ops.data(), fused_blocks.formats = formats, fused_blocks.amaxes = amaxes.data();
+      fused_blocks.chunk_rows = chunk_rows.data();
+    }
+    CHECK(gapmon::cuda::launch_stats_and_numerics(table, plan, n, stats, targets, nullptr, fused_blocks) == cudaSuccess,
+          "%s: fused launch", what);
+    if (fused) {
+      CHECK(gapmon::cuda::launch_merge_fused_block_rows(ops.data(), n, formats.num, chunk_rows.data(), blocks.data(),
+                                                        nullptr) == cudaSuccess, "%s: merge launch", what);
+    }
+  };
+  std::vector<double> plain_states, plain_numerics, unused;
+  pass(false, plain_states, plain_numerics, unused);
+  std::vector<double> first;
+  for (unsigned seed : {0u, 4u, 8u}) {
+    gapmon_emu_set_numerics_schedule(seed);
+    gapmon_emu_set_block_schedule(seed);
+    std::vector<double> states, numerics, got;
+    pass(true, states, numerics, got);
+    CHECK(std::memcmp(states.data(), plain_states.data(), states.size() * sizeof(double)) == 0 &&
+              std::memcmp(numerics.data(), plain_numerics.data(), numerics.size() * sizeof(double)) == 0,
+          "%s: the block formats changed the states or numerics", what);
+    for (int64_t r = 0; r < n * formats.num; ++r) {
+      for (int k = 0; k < core::kNumBlockColumns; ++k) {
+        const double g = got[r * core::kNumBlockColumns + k], w = want[r * core::kNumBlockColumns + k];
+        const bool sum = k == core::bErrorSq || k == core::bSignalSq;
+        CHECK(sum ? close(g, w, 1e-12) : g == w, "%s: fused row %lld column %d: %g vs %g", what, static_cast<long long>(r),
+              k, g, w);
+      }
+    }
+    if (first.empty()) first = got;
+    CHECK(std::memcmp(first.data(), got.data(), got.size() * sizeof(double)) == 0, "%s: schedule %u changed the bits",
+          what, seed);
+  }
+  gapmon_emu_set_numerics_schedule(0);
+  gapmon_emu_set_block_schedule(0);
+}
+
 }  // namespace
 
 int main() {
+  run_fused_case(DType::kFloat32, "fused float32");
+  run_fused_case(DType::kFloat64, "fused float64");
+  run_fused_case(DType::kBFloat16, "fused bfloat16");
+  run_fused_case(DType::kFloat16, "fused float16");
   run_case(DType::kFloat32, "float32");
   run_case(DType::kFloat64, "float64");
   run_case(DType::kBFloat16, "bfloat16");

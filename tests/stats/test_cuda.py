@@ -216,15 +216,22 @@ def test_block_numerics_cuda_match_the_cpu():
         exact = [i for i in range(len(bf.BLOCK_COLUMNS)) if i not in sums]
         assert torch.equal(got.cpu()[..., exact], cpu[..., exact]), dtype
         torch.testing.assert_close(got.cpu()[..., sums], cpu[..., sums], rtol=1e-12, atol=0, msg=str(dtype))
-        # the one-pass function on CUDA (for now the two launches): the same rows as the CPU's one pass
-        states, numerics, blocks = bf.states_numerics_blocks(dev, bf.BLOCK_FORMATS)
-        cpu_states, cpu_numerics, cpu_blocks = bf.states_numerics_blocks(xs, bf.BLOCK_FORMATS)
+        # the one-pass function on CUDA (one launch: each chunk re-read from L2 and cast), a transposed tensor
+        # cast apart: the same rows as the CPU's one pass, the same bits twice
+        states, numerics, blocks = bf.states_numerics_blocks(dev + [dev[1].t()], bf.BLOCK_FORMATS)
+        again = bf.states_numerics_blocks(dev + [dev[1].t()], bf.BLOCK_FORMATS)
+        assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip((states, numerics, blocks), again))
+        cpu_states, cpu_numerics, cpu_blocks = bf.states_numerics_blocks(xs + [xs[1].t()], bf.BLOCK_FORMATS)
         torch.testing.assert_close(states.cpu(), cpu_states, rtol=1e-12, atol=0, equal_nan=True, msg=str(dtype))
         torch.testing.assert_close(numerics.cpu(), cpu_numerics, rtol=1e-12, atol=0, equal_nan=True, msg=str(dtype))
         assert torch.equal(blocks.cpu()[..., exact], cpu_blocks[..., exact]), dtype
     x = torch.randn(6, 40, device="cuda")
     torch.library.opcheck(torch.ops.gapmon.block_numerics.default,
                           ([x, x[0].bfloat16()], [0, 3], torch.tensor([3.0, 2.0], dtype=torch.float64, device="cuda")))
+    for with_numerics in (True, False):
+        torch.library.opcheck(torch.ops.gapmon.states_numerics_blocks.default,
+                              ([x, x[0].bfloat16(), x.t()], with_numerics, [0, 3],
+                               torch.tensor([3.0, 2.0, 3.0], dtype=torch.float64, device="cuda")))
 
 
 def test_monitor_on_cuda():
