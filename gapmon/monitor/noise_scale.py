@@ -64,16 +64,23 @@ class NoiseScale:
 
     @staticmethod
     def on_device_by_id(buffer: StepBuffer, squared: dict[str, torch.Tensor], weights: torch.Tensor,
-                        averaged_over: float, ids: torch.Tensor, group: Any) -> None:
+                        averaged_over: float, ids: torch.Tensor, group: Any, refusal: str = "") -> None:
         """on_device for samples that several ranks may hold (the same id): every rank's ids, squared norms
         and weights are all-gathered, each sample counts once with the sum of its weights (a sample two ranks
-        average holds weight w/2 on each), and rank 0 adds the sums (the monitor's reduction adds them)."""
+        average holds weight w/2 on each), and rank 0 adds the sums (the monitor's reduction adds them). A rank
+        whose ids do not count its samples, or that brings a `refusal` (its ids were refused), makes every rank
+        raise (in the gather: none is left waiting)."""
         device = buffer.device
         groups = sorted(squared)
         values = torch.stack([squared[g].to(torch.float64).cpu() for g in groups]
                              + [weights.to(torch.float64).cpu() / averaged_over], dim=1)
+        if not refusal and ids.numel() != values.shape[0]:
+            refusal = (f"GAPMonitor: got {ids.numel()} sample ids for the step's {values.shape[0]} samples (pass "
+                       "every micro-batch's ids, in order)")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            ids, values = all_gather_rows(ids, values, group)
+            ids, values = all_gather_rows(ids, values, group, refusal)
+        elif refusal:
+            raise ValueError(refusal)
         unique, inverse = torch.unique(ids, return_inverse=True)
         n = unique.numel()
         w = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, values[:, -1])

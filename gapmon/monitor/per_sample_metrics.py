@@ -62,11 +62,12 @@ class PerSampleMetrics:
         if self._ids is None:
             self.noise.on_device(sums, squared, weights, divided_by)
             return
-        ids, self._ids = checked_sample_ids(torch.cat(self._ids), "GAPMonitor.add_samples"), None
-        if ids.numel() != norms.numel():
-            raise ValueError(f"GAPMonitor: got {ids.numel()} sample ids for the step's {norms.numel()} samples (pass "
-                             "every micro-batch's ids, in order)")
-        self.noise.on_device_by_id(sums, squared, weights, divided_by, ids, self.group)
+        ids, self._ids, refusal = torch.cat(self._ids), None, ""
+        try:
+            ids = checked_sample_ids(ids, "GAPMonitor.add_samples")  # an id repeated over micro-batches
+        except ValueError as error:  # raised on every rank by the gather below, none left waiting in it
+            refusal = str(error)
+        self.noise.on_device_by_id(sums, squared, weights, divided_by, ids, self.group, refusal)  # and the count
 
     def _divided_by(self) -> float:
         """The divisor of the data-parallel reduction: the ranks of the monitor's group (DDP, FSDP2 by default),

@@ -31,14 +31,19 @@ def sample_ids(sample_ids: Any, op: str = "PerSampleGradNorms.global_norms") -> 
     return ids
 
 
-def all_gather_rows(ids: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def all_gather_rows(ids: torch.Tensor, values: torch.Tensor, group, refusal: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """All-gathers per-rank rows of different counts: ids [B] as int64 (exact) beside float64 values
-    [B, C] (their bits, exact), in one all-gather after one of the counts; returns (ids, values) on the CPU."""
+    [B, C] (their bits, exact), in one all-gather after one of the counts; returns (ids, values) on the CPU.
+    `refusal`: why this rank's rows cannot be used (empty: they can); it travels with the counts, so that every
+    rank raises the same ValueError, naming the ranks, rather than one raising while the others wait."""
     device = values.device if values.device.type != "cpu" or dist.get_backend(group) == "gloo" else torch.device("cuda")
     world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([ids.numel()], device=device), group=group)
-    counts = torch.cat(sizes).tolist()  # one host read for all ranks
+    sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([ids.numel(), int(bool(refusal))], device=device), group=group)
+    counts, refused = torch.stack(sizes).t().tolist()  # one host read for all ranks
+    if any(refused):
+        ranks = [r for r, bad in enumerate(refused) if bad]
+        raise ValueError(f"{refusal or 'another rank refused its rows'} (rank(s) {ranks} of the group)")
     longest, columns = int(max(counts)), values.shape[1]
     padded = torch.zeros(1 + columns, longest, dtype=torch.int64, device=device)
     padded[0, : ids.numel()] = ids.to(device)

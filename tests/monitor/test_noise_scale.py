@@ -183,6 +183,33 @@ def test_noise_scale_under_ddp_equals_the_global_batch_computation():
     run_distributed(_ddp_worker, 2)
 
 
+def _refused_ids_worker(rank, world):
+    """One rank's sample ids refused (too few for its samples; an id repeated over its micro-batches): every
+    rank raises the same error naming that rank, none is left waiting in the gather."""
+    all_ids, all_labels = _batch(9, 6)
+    mine = torch.arange(3) + 3 * rank
+    for case in ("count", "repeated"):
+        ddp = nn.parallel.DistributedDataParallel(_net())
+        with gapmon.GAPMonitor(ddp, per_sample_grad_norms=True, activations=False, activation_grads=False) as mon:
+            if case == "count":
+                mon.begin_step(0, sample_ids=mine.tolist() if rank == 0 else mine[:2].tolist())
+                _own_losses(ddp, all_ids[mine], all_labels[mine]).mean().backward()
+            else:
+                mon.begin_step(0)
+                for k, part in enumerate((mine[:2], mine[2:])):
+                    mon.add_samples(len(part), sample_ids=part if rank == 0 or k == 0 else mine[:1])
+                    with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+                        _own_losses(ddp, all_ids[part], all_labels[part]).mean().backward()
+            with pytest.raises(ValueError, match=r"rank\(s\) \[1\]"):
+                mon.end_step()
+        dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_with_refused_sample_ids_makes_every_rank_raise():
+    run_distributed(_refused_ids_worker, 2)
+
+
 def _data_parallel_worker(rank, world):
     """DDP with the monitor's communication hook: the two-batch estimate from each rank's local mean gradient
     (3 samples, or 6 over two micro-batches accumulated under no_sync) and the global one equals the
