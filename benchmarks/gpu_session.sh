@@ -16,6 +16,8 @@
 #                                   .gpu-build/ (git-ignored) here and name .gpu-build in every later
 #                                   call's carry; their "reuse" phase installs it (no rebuild).
 #   call2  reuse stats ncu         limits 300 + 90 + 180 = 570 s   (#11's kernel targets; ncu per case,
+#                                   #36's fused pass with an MX format: its DRAM bytes read should equal the
+#                                   plain statistics-and-numerics pass's, one read;
 #                                   the statistics-and-numerics kernel of #23 included)
 #   call3  reuse monitor persample numerics  limits 150 + 150 + 100 + 30 + 20 + 120 = 570 s  (#12's step targets;
 #                                   #23's numerics kernel against the statistics pass, x.sum and the reference;
@@ -131,7 +133,7 @@ fi
 if want ncu; then
   section "ncu: one launch of every kernel_bench case a target names (clocks left as they are)"
   run 90 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
-    csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu -o /tmp/gapmon_kernel_bench &&
+    csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu csrc/cuda/block_cuda.cu -o /tmp/gapmon_kernel_bench &&
     run 180 ncu --clock-control none --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
       --kernel-name regex:"stats_kernel|stats_numerics_kernel" /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
   tail -80 "$out/ncu.txt" | tee -a "$log"

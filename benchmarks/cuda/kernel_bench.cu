@@ -1,11 +1,12 @@
-// Times the statistics kernels, and the statistics-and-numerics kernel, through their launchers,
-// without torch: for comparing compile-time variants (GAPMON_CUDA_GROUP, GAPMON_CUDA_VEC_UNROLL; see
-// tune.sh) and for profiling with ncu. Checks every case against a float64 host computation before
-// timing it (and a numerics case's histogram against the element count), so a fast but wrong variant
-// fails instead of winning.
+// Times the statistics kernels, and the statistics-and-numerics kernel (alone and fused with an MX block
+// format, which re-reads each chunk from L2: ncu's DRAM bytes of the two should be the same), through their
+// launchers, without torch: for comparing compile-time variants (GAPMON_CUDA_GROUP, GAPMON_CUDA_VEC_UNROLL;
+// see tune.sh) and for profiling with ncu. Checks every case against a float64 host computation before
+// timing it (and a numerics case's histogram against the element count, a fused case's block rows against
+// the element and block counts), so a fast but wrong variant fails instead of winning.
 //
 //   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -arch=sm_90 -I csrc benchmarks/cuda/kernel_bench.cu \
-//        csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu -o kernel_bench && ./kernel_bench
+//        csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu csrc/cuda/block_cuda.cu -o kernel_bench && ./kernel_bench
 //
 // Prints one line per case: elements, time per call (median of CUDA-event timed runs of 20
 // back-to-back calls), GB/s read, and the device-to-device copy bandwidth (bytes read + written).
@@ -20,9 +21,11 @@
 #include <string>
 #include <vector>
 
+#include "core/block_formats.h"
 #include "core/group_acc.h"
 #include "core/numerics.h"
 #include "core/strided_view.h"
+#include "cuda/block_cuda.h"
 #include "cuda/numerics_cuda.h"
 #include "cuda/stats_cuda.h"
 
@@ -45,6 +48,7 @@ struct Case {
   DType dtype;
   int64_t rows, row_numel;
   bool numerics = false;  // launch_stats_and_numerics (statistics and numerics rows in one pass)
+  bool mx = false;        // ... with MXFP8 e4m3 blocks of rows of 4096 in the same launch (a single item)
 };
 
 double median(std::vector<double> xs) {
@@ -139,8 +143,26 @@ void run(const Case& c, double copy_gbps, bool once) {
   cuda::NumericsTargets numerics;
   numerics.out = numerics_out;
   numerics.chunk_rows = numerics_scratch;
+  // The fused case: the tensor as [numel / 4096, 4096] cast to MXFP8 e4m3 (as csrc/torch/cuda_ops.cpp sets it up).
+  gapmon::core::BlockOperand op;
+  op.data = data, op.dtype = c.dtype, op.cols = 4096, op.rows = numel / 4096, op.first_chunk = v.first_chunk;
+  gapmon::core::BlockOperand* op_device = nullptr;
+  double *block_scratch = nullptr, *block_out = nullptr;
+  cuda::FusedBlocks fused;
+  if (c.mx) {
+    check(cudaMalloc(&op_device, sizeof op), "cudaMalloc operand");
+    check(cudaMemcpy(op_device, &op, sizeof op, cudaMemcpyHostToDevice), "copy operand");
+    check(cudaMalloc(&block_scratch, chunks * core::kNumBlockColumns * sizeof(double)), "cudaMalloc block scratch");
+    check(cudaMalloc(&block_out, core::kNumBlockColumns * sizeof(double)), "cudaMalloc block out");
+    fused.ops = op_device, fused.chunk_rows = block_scratch;
+    fused.formats.num = 1, fused.formats.codes[0] = core::BlockFormat::kMxfp8E4m3;
+  }
   auto call = [&] {
-    if (c.numerics) {
+    if (c.mx) {
+      check(cuda::launch_stats_and_numerics(table, plan, c.rows, targets, numerics, nullptr, fused),
+            "launch_stats_and_numerics with blocks");
+      check(cuda::launch_merge_fused_block_rows(op_device, 1, 1, block_scratch, block_out, nullptr), "merge block rows");
+    } else if (c.numerics) {
       check(cuda::launch_stats_and_numerics(table, plan, c.rows, targets, numerics, nullptr), "launch_stats_and_numerics");
     } else {
       check(cuda::launch_stats(table, plan, c.rows, targets, nullptr), "launch_stats");
@@ -158,6 +180,16 @@ void run(const Case& c, double copy_gbps, bool once) {
                      rows[r * columns + core::nCount], (long long)c.row_numel);
         std::exit(1);
       }
+    }
+  }
+  if (c.mx) {  // every element seen once (normal(3, 2) data: finite, non-zero), every block once
+    double row[core::kNumBlockColumns];
+    check(cudaMemcpy(row, block_out, sizeof row, cudaMemcpyDeviceToHost), "copy block row");
+    if (row[core::bNonzero] + row[core::bNonfinite] > double(numel) || row[core::bBlocks] != double(numel / 32) ||
+        row[core::bNonzero] < 0.99 * double(numel)) {
+      std::fprintf(stderr, "%s: block row counts %g elements and %g blocks, want %lld and %lld\n", c.name,
+                   row[core::bNonzero], row[core::bBlocks], (long long)numel, (long long)(numel / 32));
+      std::exit(1);
     }
   }
   std::vector<double> got(c.rows * core::kNumStats);
@@ -190,6 +222,9 @@ void run(const Case& c, double copy_gbps, bool once) {
   cudaFree(counters);
   cudaFree(numerics_out);
   cudaFree(numerics_scratch);
+  cudaFree(op_device);
+  cudaFree(block_scratch);
+  cudaFree(block_out);
 }
 
 
@@ -223,6 +258,8 @@ int main(int argc, char** argv) {
       {"instance_stats [65536, 64]", DType::kFloat32, 65536, 64},
       {"stats+numerics fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true},
       {"stats+numerics bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26, true},
+      {"stats+numerics+mxfp8 fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true, true},
+      {"stats+numerics+mxfp8 bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26, true, true},
   };
   for (const Case& c : cases) run(c, copy_gbps, once);
   return 0;
