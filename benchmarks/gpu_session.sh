@@ -135,6 +135,7 @@ if want ncu; then
   run 90 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
     csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu csrc/cuda/block_cuda.cu -o /tmp/gapmon_kernel_bench &&
     run 180 ncu --clock-control none --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+      --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
       --kernel-name regex:"stats_kernel|stats_numerics_kernel" /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
   tail -80 "$out/ncu.txt" | tee -a "$log"
 fi
