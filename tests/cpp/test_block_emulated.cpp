@@ -28,6 +28,25 @@ using core::BlockFormat;
 using core::DType;
 
 
+gapmon::cuda::BlockFormatList all_formats() {
+  gapmon::cuda::BlockFormatList formats;
+  formats.num = core::kNumBlockFormats;
+  for (int f = 0; f < formats.num; ++f) formats.codes[f] = static_cast<BlockFormat>(f);
+  return formats;
+}
+
+// The CPU kernel's rows of one tensor, chunk by chunk in order (as csrc/torch/numerics_cpu.cpp merges them),
+// into dst ([formats.num, kNumBlockColumns]).
+void cpu_rows(const core::BlockOperand& op, const gapmon::cuda::BlockFormatList& formats, double amax, double* dst) {
+  std::vector<core::BlockRow> rows(formats.num);
+  for (int64_t c = 0; c < core::block_chunks_for(op); ++c) {
+    std::vector<core::BlockRow> part(formats.num);
+    gapmon::cpu::block_chunk(op, c, formats.codes, formats.num, amax, part.data());
+    for (int f = 0; f < formats.num; ++f) rows[f].merge(part[f]);
+  }
+  for (int f = 0; f < formats.num; ++f) std::memcpy(dst + f * core::kNumBlockColumns, rows[f].v, sizeof rows[f].v);
+}
+
 void run_case(DType dt, const char* what) {
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -58,23 +77,10 @@ void run_case(DType dt, const char* what) {
   for (size_t i = 0; i < ops.size(); ++i) ops[i].data = data[i].data();
   const int64_t n = static_cast<int64_t>(ops.size());
   const int64_t total = core::plan_block_chunks(ops.data(), n);
-  gapmon::cuda::BlockFormatList formats;
-  formats.num = core::kNumBlockFormats;
-  for (int f = 0; f < formats.num; ++f) formats.codes[f] = static_cast<BlockFormat>(f);
+  const gapmon::cuda::BlockFormatList formats = all_formats();
   const int64_t width = formats.num * core::kNumBlockColumns;
-  // The CPU kernel, chunk by chunk in order, as csrc/torch/numerics_cpu.cpp merges them.
   std::vector<double> want(n * width);
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<core::BlockRow> rows(formats.num);
-    for (int64_t c = 0; c < core::block_chunks_for(ops[i]); ++c) {
-      std::vector<core::BlockRow> part(formats.num);
-      gapmon::cpu::block_chunk(ops[i], c, formats.codes, formats.num, amaxes[i], part.data());
-      for (int f = 0; f < formats.num; ++f) rows[f].merge(part[f]);
-    }
-    for (int f = 0; f < formats.num; ++f) {
-      std::memcpy(want.data() + i * width + f * core::kNumBlockColumns, rows[f].v, sizeof rows[f].v);
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) cpu_rows(ops[i], formats, amaxes[i], want.data() + i * width);
   std::vector<double> chunk_rows(total * width, -7.0), got(n * width, -7.0), first;
   for (unsigned seed : {0u, 5u, 9u}) {
     gapmon_emu_set_block_schedule(seed);
@@ -125,21 +131,13 @@ void run_fused_case(DType dt, const char* what) {
     if (i != left_out) ops[i].data = views[i].data, ops[i].rows = shapes[i][0], ops[i].cols = shapes[i][1];
     ops[i].first_chunk = views[i].first_chunk;
   }
-  gapmon::cuda::BlockFormatList formats;
-  formats.num = core::kNumBlockFormats;
-  for (int f = 0; f < formats.num; ++f) formats.codes[f] = static_cast<BlockFormat>(f);
+  const gapmon::cuda::BlockFormatList formats = all_formats();
   const int64_t width = formats.num * core::kNumBlockColumns;
   std::vector<double> want(n * width);
   for (int64_t i = 0; i < n; ++i) {
-    core::BlockOperand whole = ops[i];
-    whole.data = views[i].data, whole.rows = shapes[i][0], whole.cols = shapes[i][1];
-    std::vector<core::BlockRow> rows(formats.num);
-    for (int64_t c = 0; i != left_out && c < core::block_chunks_for(whole); ++c) {
-      std::vector<core::BlockRow> part(formats.num);
-      gapmon::cpu::block_chunk(whole, c, formats.codes, formats.num, amaxes[i], part.data());
-      for (int f = 0; f < formats.num; ++f) rows[f].merge(part[f]);
-    }
-    for (int f = 0; f < formats.num; ++f) std::memcpy(want.data() + i * width + f * core::kNumBlockColumns, rows[f].v, sizeof rows[f].v);
+    core::BlockOperand whole = ops[i];  // the tensor left out of the pass: empty rows there
+    if (i != left_out) whole.data = views[i].data, whole.rows = shapes[i][0], whole.cols = shapes[i][1];
+    cpu_rows(whole, formats, amaxes[i], want.data() + i * width);
   }
   gapmon::cuda::ViewTable table;
   table.num = n;
