@@ -69,6 +69,21 @@ CASES = {
     "set_loss_weights nan": (lambda: _norms().set_loss_weights(math.nan), ValueError, "finite"),
     "set_loss_weights wrong count": (lambda: _norms().set_loss_weights(torch.ones(3)), ValueError, "4 samples"),
 }
+# A bare tensor where a list of tensors is asked for would be measured row by row (each row a tensor of its
+# own): refused, as torch's _foreach ops refuse it.
+M = torch.randn(4, 32)
+for _name, _call in {
+    "multi_tensor_stats": lambda: gapmon.multi_tensor_stats(M),
+    "multi_tensor_states": lambda: gapmon.multi_tensor_states(M),
+    "multi_tensor_numerics": lambda: gapmon.multi_tensor_numerics(M),
+    "numerics_states": lambda: numerics.numerics_states(M),
+    "states_and_numerics": lambda: numerics.states_and_numerics(M),
+    "block_numerics": lambda: gapmon.block_numerics(M, ["mxfp4"]),
+    "block_format_metrics": lambda: gapmon.block_format_metrics(M, ["mxfp4"]),
+    "states_numerics_blocks": lambda: gapmon.states_numerics_blocks(M, ["mxfp4"]),
+    "update_sums": lambda: gapmon.stats.ops.update_rows(M, M, M),
+}.items():
+    CASES[f"{_name} of a bare tensor"] = (_call, TypeError, f"gapmon.{_name}: expected a list of tensors")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -372,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::T
                                                                            at::IntArrayRef format_codes,
                                                                            const at::Tensor& amaxes) {
   const char* op = "states_numerics_blocks";
-  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes, op);
   const int64_t n = static_cast<int64_t>(xs.size()), num_formats = static_cast<int64_t>(formats.size());
   const int64_t numerics_width = with_numerics ? core::kNumNumericsColumns : 0;
   if (n == 0) {
@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::T
     return {multi_tensor_states_cuda(xs), at::empty({n, 0}, opts), block_numerics_cuda(xs, format_codes, amaxes)};
   }
   std::vector<at::Tensor> keep_alive;
-  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive, op);
   auto views = views_of(xs, op, keep_alive);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), n);  // single items: by blocks, in order

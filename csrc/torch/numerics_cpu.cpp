@@ -156,11 +156,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cpu(at::Te
                                                                           at::IntArrayRef format_codes,
                                                                           const at::Tensor& amaxes) {
   const char* op = "states_numerics_blocks";
-  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes, op);
   const int64_t n = static_cast<int64_t>(xs.size()), num_formats = static_cast<int64_t>(formats.size());
   std::vector<at::Tensor> keep_alive;
   auto views = views_of(xs, op, keep_alive);
-  const std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  const std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive, op);
   at::Tensor blocks = at::empty({n, num_formats, core::kNumBlockColumns}, at::kDouble);
   const int64_t numerics_width = with_numerics ? core::kNumNumericsColumns : 0;
   if (n == 0) return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, numerics_width}, at::kDouble), blocks};

@@ -188,12 +188,12 @@ inline std::vector<core::UpdateOperands> update_operands(at::TensorList before, 
 }
 
 // The formats of block_numerics, checked: ValueError naming an unknown code.
-inline std::vector<core::BlockFormat> block_formats_of(at::IntArrayRef formats) {
+inline std::vector<core::BlockFormat> block_formats_of(at::IntArrayRef formats, const char* op = "block_numerics") {
   TORCH_CHECK_VALUE(!formats.empty() && formats.size() <= static_cast<size_t>(core::kNumBlockFormats),
-                    "gapmon.block_numerics: expected 1 to ", core::kNumBlockFormats, " format codes, got ", formats.size());
+                    "gapmon.", op, ": expected 1 to ", core::kNumBlockFormats, " format codes, got ", formats.size());
   std::vector<core::BlockFormat> out;
   for (int64_t f : formats) {
-    TORCH_CHECK_VALUE(f >= 0 && f < core::kNumBlockFormats, "gapmon.block_numerics: unknown format code ", f,
+    TORCH_CHECK_VALUE(f >= 0 && f < core::kNumBlockFormats, "gapmon.", op, ": unknown format code ", f,
                       " (0..", core::kNumBlockFormats - 1, ")");
     out.push_back(static_cast<core::BlockFormat>(f));
   }
@@ -204,12 +204,13 @@ inline std::vector<core::BlockFormat> block_formats_of(at::IntArrayRef formats) 
 // contiguous copies in `keep_alive`. `amaxes`: float64 [N] on the tensors' device when a format needs the
 // tensor's amax (NVFP4, current scaling), else ignored.
 inline std::vector<core::BlockOperand> block_operands(at::TensorList xs, const std::vector<core::BlockFormat>& formats,
-                                                      const at::Tensor& amaxes, std::vector<at::Tensor>& keep_alive) {
+                                                      const at::Tensor& amaxes, std::vector<at::Tensor>& keep_alive,
+                                                      const char* op = "block_numerics") {
   std::vector<core::BlockOperand> ops(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) {
     const at::Tensor& x = xs[i];
-    ops[i].dtype = checked_dtype(x, "block_numerics");
-    TORCH_CHECK_VALUE(x.device() == xs[0].device(), "gapmon.block_numerics: expected every tensor on ", xs[0].device(),
+    ops[i].dtype = checked_dtype(x, op);
+    TORCH_CHECK_VALUE(x.device() == xs[0].device(), "gapmon.", op, ": expected every tensor on ", xs[0].device(),
                       ", got ", x.device(), " for tensor ", i);
     const at::Tensor c = x.is_contiguous() ? x : keep_alive.emplace_back(x.contiguous());
     ops[i].data = c.data_ptr();
@@ -222,7 +223,7 @@ inline std::vector<core::BlockOperand> block_operands(at::TensorList xs, const s
     TORCH_CHECK_VALUE(amaxes.scalar_type() == at::kDouble && amaxes.dim() == 1 &&
                           amaxes.size(0) == static_cast<int64_t>(xs.size()) && amaxes.device() == xs[0].device() &&
                           amaxes.is_contiguous(),
-                      "gapmon.block_numerics: NVFP4 and current scaling need each tensor's amax: a contiguous float64 [",
+                      "gapmon.", op, ": NVFP4 and current scaling need each tensor's amax: a contiguous float64 [",
                       xs.size(), "] tensor on ", xs[0].device(), ", got ", amaxes.scalar_type(), " ", amaxes.sizes(),
                       " on ", amaxes.device());
   }

@@ -35,7 +35,7 @@ import torch
 from ..utils import is_dtensor
 from . import _backend, distributed
 from .distributed import merge_block_rows  # noqa: F401  (a public name of this module)
-from .layout import BLOCK_COLUMNS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES
+from .layout import BLOCK_COLUMNS, NUMERICS_COLUMNS, STAT_NAMES, STATE_NAMES, tensor_list
 
 BLOCK_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "fp8_e4m3_current", "fp8_e5m2_current")
 _CODE = {name: code for code, name in enumerate(BLOCK_FORMATS)}
@@ -90,7 +90,7 @@ def block_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str],
     mesh; a shard boundary inside a block (a 1-D tensor or a sharded last dim whose shards are not whole
     blocks) is handled exactly by casting the full tensor."""
     formats = check_block_formats(formats)
-    xs = list(xs)
+    xs = tensor_list(xs, "block_numerics")
     if not formats:
         raise ValueError("gapmon.block_numerics: name at least one format")
     if not xs:
@@ -120,7 +120,7 @@ def states_numerics_blocks(xs: Sequence[torch.Tensor], formats: Sequence[str], n
     formats = check_block_formats(formats)
     if not formats:
         raise ValueError("gapmon.states_numerics_blocks: name at least one format")
-    xs = list(xs)
+    xs = tensor_list(xs, "states_numerics_blocks")
     n_state, n_num, n_col = len(STATE_NAMES), (len(NUMERICS_COLUMNS) if numerics else 0), len(BLOCK_COLUMNS)
     in_pass = [f for f in formats if amaxes is not None or f not in _TENSOR_SCALED]
     if not xs:
@@ -197,7 +197,7 @@ def block_format_metrics(xs: Sequence[torch.Tensor], formats: Sequence[str]) -> 
     """Per tensor: {format: {field: value} (BLOCK_METRIC_FIELDS), "range_bits": value}, from one read of each
     element (and its amax, from a statistics pass, for the per-tensor scaled formats)."""
     formats = check_block_formats(formats)
-    xs = list(xs)
+    xs = tensor_list(xs, "block_format_metrics")
     amaxes = finite_amaxes(xs)
     rows = block_numerics(xs, formats, amaxes).cpu().tolist()
     out: list[dict[str, object]] = []

@@ -79,6 +79,15 @@ def check_states(states, dims: int, op: str) -> None:
                          f"got {states.dtype} {list(states.shape)}")
 
 
+def tensor_list(xs, op: str) -> list:
+    """`xs` (a sequence of tensors) as a list. A bare tensor is refused, as torch's _foreach ops refuse it:
+    iterating it would silently measure each of its rows as a tensor of its own."""
+    if isinstance(xs, torch.Tensor):
+        raise TypeError(f"gapmon.{op}: expected a list of tensors, got one tensor of shape {tuple(xs.shape)}; pass "
+                        "[x] (or list(x) to measure each of its rows apart)")
+    return list(xs)
+
+
 def check_tensor_list(xs: list, op: str) -> set[type]:
     """check_tensor and check_same_device over a list, in one pass that reads each tensor's type,
     dtype, layout and device once (the per-tensor checks, with their messages, run only when

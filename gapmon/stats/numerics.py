@@ -37,7 +37,7 @@ import torch
 
 from ..utils import check_int
 from . import _backend, distributed
-from .layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list  # noqa: F401
+from .layout import BIN, BIN_NAMES, EXP_MAX, EXP_MIN, MOMENT_NAMES, NUM_BINS, NUMERICS_COLUMNS, STATE_NAMES, check_tensor_list, tensor_list  # noqa: F401
 
 _FIRST_EXP = 2  # column of bin e = EXP_MIN
 
@@ -77,7 +77,7 @@ def numerics_states(xs: Sequence[torch.Tensor], flat_groups: Sequence | None = N
     """[N, len(NUMERICS_COLUMNS)] float64 numerics rows of N tensors (one parallel pass over each).
     A DTensor gives the row of its full tensor on every rank (shards merged over the mesh);
     `flat_groups[i]`, if not None, is the process group over which plain tensor i is split (FSDP1)."""
-    xs = list(xs)
+    xs = tensor_list(xs, "numerics_states")
     if not xs:
         return torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
     return distributed.full_tensor_rows(xs, "numerics_states", _backend.numerics_rows, _backend.merge_numerics_rows,
@@ -89,7 +89,7 @@ def states_and_numerics(xs: Sequence[torch.Tensor], flat_groups: Sequence | None
     numerics_states give them, in one pass over each tensor (each chunk's numerics are taken while it
     is in cache; on CUDA one launch). DTensors and FSDP1 flat pieces are merged over their groups with
     one collective for both."""
-    xs = list(xs)
+    xs = tensor_list(xs, "states_and_numerics")
     width = len(STATE_NAMES)
     if not xs:
         return torch.empty(0, width, dtype=torch.float64), torch.empty(0, len(NUMERICS_COLUMNS), dtype=torch.float64)
@@ -184,6 +184,7 @@ def multi_tensor_numerics(xs: Sequence[torch.Tensor], formats: Sequence[str] = t
                           margin: int = 0) -> Numerics:
     """Exponent histograms, kurtosis and per-format underflow/overflow shares of N tensors (mixed
     sizes, dtypes, DTensors), from one pass over each."""
+    xs = tensor_list(xs, "multi_tensor_numerics")
     formats = check_formats(formats)  # before the pass: a bad argument costs no read of the tensors
     margin = check_int(margin, "gapmon.multi_tensor_numerics", "margin (binades below the format's top)")
     return numerics_from_rows(numerics_states(xs), formats, margin)

@@ -21,7 +21,7 @@ from ._backend import (  # noqa: F401
     cpu_isa,
     cuda_kernels_compiled,
 )
-from .layout import STAT_NAMES, Stats
+from .layout import STAT_NAMES, Stats, tensor_list
 
 
 def _correction(value, op: str) -> int:
@@ -62,7 +62,7 @@ def multi_tensor_rows(xs: Sequence[torch.Tensor], correction: int = 1) -> torch.
     """The [N, 7] float64 buffer behind `multi_tensor_stats` (columns in STAT_NAMES order), for
     callers that read every statistic at once, e.g. in one device-to-host copy."""
     correction = _correction(correction, "multi_tensor_rows")
-    xs = list(xs)
+    xs = tensor_list(xs, "multi_tensor_stats")
     if not xs:
         return torch.empty(0, len(STAT_NAMES), dtype=torch.float64)
     if distributed.is_sharded(xs, "multi_tensor_stats"):
@@ -76,7 +76,7 @@ def update_rows(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
     gradients: [N, 5] float64 rows (layout.UPDATE_COLUMNS: |after - before|^2, |before|^2, |grad|^2,
     <after - before, grad>, count), of the full tensors for DTensors (FSDP2: the shards' sums added over
     the mesh; the gradient redistributed to its parameter's placements if they differ)."""
-    before, after, grads = list(before), list(after), list(grads)
+    before, after, grads = (tensor_list(t, "update_sums") for t in (before, after, grads))
     if any(is_dtensor(t) for t in before + after + grads):
         return distributed.dtensor_update_rows(before, after, grads)
     return _backend.update_sums(before, after, grads)
@@ -85,7 +85,7 @@ def update_rows(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
 def multi_tensor_states(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Mergeable partial states of local tensors: [N, 7] float64 (count, mean, m2, max_abs, sumsq,
     nonfinite, zeros). Merge partial states of pieces of a tensor with `merge_states`."""
-    return _backend.multi_states(xs)
+    return _backend.multi_states(tensor_list(xs, "multi_tensor_states"))
 
 
 def merge_states(states: torch.Tensor) -> torch.Tensor:
