@@ -371,8 +371,42 @@ struct GroupRange {
   float amax[2], amin[2];  // amin: +inf for a half without a non-zero element
 };
 
-// One block's scale (as cast_block computes it) from its largest and smallest non-zero magnitudes: v = a * mul
-// (float32), dequantised q * dq_mul / dq_div; counts the block, its scale flags and its range into acc.
+// One block's scale (as cast_block computes it) from its largest finite magnitude, for the float32 path: v = a * mul
+// (float32), dequantised q * dq_mul / dq_div; whether the scale under- or overflows.
+struct BlockScale {
+  float mul = 1;
+  double dq_mul = 1, dq_div = 1;
+  bool under = false, over = false;
+};
+
+GAPMON_HD BlockScale block_scale_of(float amax, const FormatConsts& c) {
+  BlockScale s;
+  if (c.format == BlockFormat::kMxfp8E4m3 || c.format == BlockFormat::kMxfp8E5m2 || c.format == BlockFormat::kMxfp4) {
+    int x_exp = amax > 0 ? floor_log2_f32(amax) - c.max_exp : -127;
+    if (x_exp < -127) s.under = true, x_exp = -127;
+    if (x_exp > 127) s.over = true, x_exp = 127;
+    s.mul = pow2f(-x_exp);  // 2^-127 .. 2^127: exact in float32
+    s.dq_mul = pow2d(x_exp);
+  } else if (c.format == BlockFormat::kNvfp4) {
+    const float g = static_cast<float>(c.tensor_scale);
+    const double sc = cast_magnitude(static_cast<double>((amax / 6.0f) * g), e4m3(), s.over);
+    s.under = amax > 0 && sc < 0.015625;  // e4m3's smallest normal, 2^-6
+    if (sc == 0) {
+      s.mul = 0;
+    } else {
+      s.mul = finite_scale(g / static_cast<float>(sc));
+      s.dq_mul = sc;
+      s.dq_div = g;
+    }
+  } else {
+    s.mul = static_cast<float>(c.tensor_scale);
+    s.dq_div = c.tensor_scale;
+  }
+  return s;
+}
+
+// One block's scale from its largest and smallest non-zero magnitudes, counting the block, its scale flags and its
+// range into acc.
 GAPMON_HD void block_scale_f32(float amax, float amin, const FormatConsts& c, LaneRow& acc, float& mul, double& dq_mul,
                                double& dq_div) {
   acc.blocks += 1;
@@ -381,30 +415,34 @@ GAPMON_HD void block_scale_f32(float amax, float amin, const FormatConsts& c, La
     acc.max_ratio = ratio > acc.max_ratio ? ratio : acc.max_ratio;
     acc.min_nonzero = amin < acc.min_nonzero ? amin : acc.min_nonzero;
   }
-  mul = 1, dq_mul = 1, dq_div = 1;
-  if (c.format == BlockFormat::kMxfp8E4m3 || c.format == BlockFormat::kMxfp8E5m2 || c.format == BlockFormat::kMxfp4) {
-    int x_exp = amax > 0 ? floor_log2_f32(amax) - c.max_exp : -127;
-    if (x_exp < -127) acc.scale_under += 1, x_exp = -127;
-    if (x_exp > 127) acc.scale_over += 1, x_exp = 127;
-    mul = pow2f(-x_exp);  // 2^-127 .. 2^127: exact in float32
-    dq_mul = pow2d(x_exp);
-  } else if (c.format == BlockFormat::kNvfp4) {
-    const float g = static_cast<float>(c.tensor_scale);
-    bool over = false;
-    const double sc = cast_magnitude(static_cast<double>((amax / 6.0f) * g), e4m3(), over);
-    if (over) acc.scale_over += 1;
-    if (amax > 0 && sc < 0.015625) acc.scale_under += 1;  // e4m3's smallest normal, 2^-6
-    if (sc == 0) {
-      mul = 0;
-    } else {
-      mul = finite_scale(g / static_cast<float>(sc));
-      dq_mul = sc;
-      dq_div = g;
-    }
+  const BlockScale s = block_scale_of(amax, c);
+  acc.scale_under += s.under ? 1 : 0;
+  acc.scale_over += s.over ? 1 : 0;
+  mul = s.mul, dq_mul = s.dq_mul, dq_div = s.dq_div;
+}
+
+// One element's cast on the float32 path, kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div) or 2 (current:
+// q / dq_div): returns its flags (non-zero | cast to zero << 8 | to a subnormal << 16 | saturated << 24: four
+// counts of at most 32 add up a byte each) and sets err = a - dequantised(q) in float64. Branch-free (selects on
+// the bits), so that loops over elements vectorise. v <= 2^128 * 2^127 is finite or +inf, and +inf rounds on the
+// bits to itself (its mantissa is zero), above top: saturated.
+template <int kKind>
+GAPMON_HD int cast_element_f32(float a, float mul, double dq_mul, double dq_div, const FormatConsts& c, double& err) {
+  const float v = a * mul;
+  const float r = round_to_grid(v, c.mantissa_bits, c.min_normal, c.magic);
+  const int sat = r > c.top;
+  const float q = select_f32(sat, c.top, r);
+  const int nz = a > 0;
+  if (kKind == 0) {
+    // MX: q * 2^X is a float32 (|X| <= 127 and q has at most 4 significant bits; for float32 inputs it stays
+    // below 2^128) within a factor 2 of a, so a - q * 2^X is exact in float32 (Sterbenz).
+    err = static_cast<double>(a - q * (1.0f / mul));
+  } else if (kKind == 1) {
+    err = static_cast<double>(a) - static_cast<double>(q) * dq_mul / dq_div;
   } else {
-    mul = static_cast<float>(c.tensor_scale);
-    dq_div = c.tensor_scale;
+    err = static_cast<double>(a) - static_cast<double>(q) / dq_div;
   }
+  return nz | ((nz & (q == 0)) << 8) | ((nz & (q > 0) & (q < c.min_normal)) << 16) | ((nz & sat) << 24);
 }
 
 // The element loop of a group: kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div), 2 (current: q / s).
@@ -427,28 +465,12 @@ struct GroupScale {
 
 template <int kKind, typename Scales>
 GAPMON_HD void cast_lanes(const float (&a)[kGroupElems], const Scales& sc, const FormatConsts& c, LaneRow& acc) {
-  // Element-wise and branch-free (selects on the bits), so that the loops vectorise; then the squares are
-  // added lane by lane. v <= 2^128 * 2^127 is finite or +inf, and +inf rounds on the bits to itself (its
-  // mantissa is zero), above top: saturated.
+  // Element-wise (cast_element_f32), then the squares added lane by lane.
   int flags[kGroupElems];
   double err_sq[kGroupElems], sig_sq[kGroupElems];
   for (int i = 0; i < kGroupElems; ++i) {
-    const float v = a[i] * sc.mul(i);
-    const float r = round_to_grid(v, c.mantissa_bits, c.min_normal, c.magic);
-    const int sat = r > c.top;
-    const float q = select_f32(sat, c.top, r);
-    const int nz = a[i] > 0;
-    flags[i] = nz | ((nz & (q == 0)) << 8) | ((nz & (q > 0) & (q < c.min_normal)) << 16) | ((nz & sat) << 24);
     double err;
-    if (kKind == 0) {
-      // MX: q * 2^X is a float32 (|X| <= 127 and q has at most 4 significant bits; for float32 inputs it stays
-      // below 2^128) within a factor 2 of a, so a - q * 2^X is exact in float32 (Sterbenz).
-      err = static_cast<double>(a[i] - q * (1.0f / sc.mul(i)));
-    } else if (kKind == 1) {
-      err = static_cast<double>(a[i]) - static_cast<double>(q) * sc.dq_mul(i) / sc.dq_div(i);
-    } else {
-      err = static_cast<double>(a[i]) - static_cast<double>(q) / sc.dq_div(i);
-    }
+    flags[i] = cast_element_f32<kKind>(a[i], sc.mul(i), sc.dq_mul(i), sc.dq_div(i), c, err);
     err_sq[i] = err * err;
     sig_sq[i] = static_cast<double>(a[i]) * a[i];
   }

@@ -8,7 +8,7 @@
 // order at every barrier round: a result that depends on which block or thread runs first shows
 // up as a difference between schedules. Shared memory is per OS thread, hence per running block.
 // It emulates what the kernels use: threadIdx/blockIdx/blockDim/gridDim, __syncthreads,
-// __syncthreads_or, per-warp __shfl_down_sync, __any_sync and __syncwarp, __ldg/__ldcg, __threadfence, atomicAdd
+// __syncthreads_or, per-warp __shfl_down_sync, __shfl_xor_sync, __any_sync and __syncwarp, __ldg/__ldcg, __threadfence, atomicAdd
 // on counters, static __shared__ arrays and kernel launches. Device memory is host memory. It
 // checks the kernels' logic (indexing, chunking, barriers, merge order, independence of the
 // schedule), not their speed.
@@ -258,6 +258,18 @@ inline double __shfl_down_sync(unsigned, double value, unsigned delta) {
   const double got = lane + static_cast<int>(delta) < 32 && tid + static_cast<int>(delta) < b.threads
                          ? b.exchange[tid + delta]
                          : value;  // lanes past the end keep their own value, as the hardware does
+  gapmon_emu::warp_barrier();
+  return got;
+}
+
+// A butterfly exchange within the warp (lane ^ lane_mask), for 32-bit unsigned values (exact in the exchange's
+// doubles).
+inline unsigned __shfl_xor_sync(unsigned, unsigned value, int lane_mask) {
+  auto& b = *gapmon_emu::running;
+  const int tid = gapmon_emu::thread_id(), partner = tid ^ lane_mask;
+  b.exchange[tid] = value;
+  gapmon_emu::warp_barrier();
+  const unsigned got = partner < b.threads ? static_cast<unsigned>(b.exchange[partner]) : value;
   gapmon_emu::warp_barrier();
   return got;
 }
