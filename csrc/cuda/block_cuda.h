@@ -21,8 +21,9 @@ struct BlockFormatList {
 
 // Rows [n, formats.num, core::kNumBlockColumns] of `out` for the tensors `ops` (a device array, chunks planned
 // by core::plan_block_chunks; amaxes: device float64 [n] when a format needs the tensor's amax, else
-// nullptr): one block per chunk of core::kGroupsPerChunk groups (a thread per group at a time, each element
-// read once and cast to every format), reduced over its threads in a fixed tree order into chunk_rows
+// nullptr): one block per chunk of core::kGroupsPerChunk groups (a warp per group, a lane per element, one format
+// after another; float64 tensors a thread per group: block_rows.cuh), reduced over its threads in a fixed tree
+// order into chunk_rows
 // ([total_chunks, formats.num, kNumBlockColumns] scratch); a second launch merges each tensor's chunks in
 // order. No atomics: the rows do not depend on the schedule.
 cudaError_t launch_block_numerics(const core::BlockOperand* ops, int64_t n, int64_t total_chunks,
