@@ -10,11 +10,13 @@ import warnings
 import torch
 
 from ..stats.block_formats import BLOCK_COLUMNS, block_metrics, block_numerics, finite_amaxes, range_bits
+from ..stats.layout import STAT_NAMES
 from .activations import ACTIVATION_KINDS, ActivationRecorder
 from .metric_names import metric_name
 from .step_buffer import StepBuffer
 
 _MIN, _MAX = BLOCK_COLUMNS.index("min_nonzero"), BLOCK_COLUMNS.index("max_block_ratio")
+_MAX_ABS, _NONFINITE = STAT_NAMES.index("max_abs"), STAT_NAMES.index("nonfinite")
 _SUMS = [i for i in range(len(BLOCK_COLUMNS)) if i not in (_MIN, _MAX)]
 
 
@@ -25,7 +27,9 @@ class BlockFormatMetrics:
         self.formats, self.recorder = formats, recorder
         self._names: list[tuple[str, str]] = []
         self._numels: list[int] = []
-        self._amaxes: list[float] = []
+        self._amaxes: list[float] | None = []  # None: taken from the step's host copy of the statistics rows
+        self._kept: list[int] = []
+        self._dense: list[torch.Tensor] = []
         self._warned = False
 
     def tensors_on_device(self, names: list[tuple[str, str]], tensors: list[torch.Tensor], groups: list,
@@ -46,10 +50,25 @@ class BlockFormatMetrics:
             self._amaxes = []
             out.add("block_formats", torch.empty(0, dtype=torch.float64, device=out.device))
             return
-        amaxes = finite_amaxes(dense, stat_rows[keep])
-        self._amaxes = amaxes.tolist()
-        rows = block_numerics(dense, self.formats, amaxes) if block_rows is None else block_rows[keep]
+        if block_rows is None:
+            amaxes = finite_amaxes(dense, stat_rows[keep])
+            self._amaxes = amaxes.tolist()
+            rows = block_numerics(dense, self.formats, amaxes)
+        else:  # the amaxes (for range_bits) wait for the step's one host copy: no read to the host here
+            self._amaxes, self._kept, self._dense = None, keep, dense
+            rows = block_rows[keep]
         out.add("block_formats", rows.reshape(len(dense) * width))
+
+    def _amaxes_from(self, out: StepBuffer, host: list) -> list[float]:
+        """Each kept tensor's largest finite |x|: its statistics row's max_abs from the host copy, measured only
+        for a tensor with non-finite elements (whose max_abs is not finite)."""
+        rows, width = out.of(host, "rows"), len(STAT_NAMES)
+        amaxes = []
+        for i, j in enumerate(self._kept):
+            row = rows[j * width:(j + 1) * width]
+            amaxes.append(row[_MAX_ABS] if row[_NONFINITE] == 0 else finite_amaxes([self._dense[i]])[0].item())
+        self._dense = []
+        return amaxes
 
     # The activations' rows: a contributor to the monitor's reduction over the ranks (readout.reduced_step).
     def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +113,8 @@ class BlockFormatMetrics:
         flat = out.of(host, "block_formats")
         columns = len(BLOCK_COLUMNS)
         metrics: dict[str, float] = self._activation_metrics(out, host)
+        if self._amaxes is None:
+            self._amaxes = self._amaxes_from(out, host)
         for i, (kind, name) in enumerate(self._names):
             base = i * len(self.formats) * columns
             for f, fmt in enumerate(self.formats):

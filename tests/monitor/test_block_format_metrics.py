@@ -158,3 +158,19 @@ def _fsdp2_worker(rank, world):
 @pytest.mark.multiprocess
 def test_fsdp2_sharded_metrics_equal_the_whole_model():
     run_distributed(_fsdp2_worker, 2)
+
+
+def test_range_bits_of_a_tensor_with_non_finite_elements_is_of_its_finite_ones():
+    """range_bits takes the amax from the step's statistics rows; a tensor with an Inf (whose max_abs is not
+    finite) has its finite amax measured."""
+    model = _model()
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.inf
+    with gapmon.GAPMonitor(model, block_formats=("mxfp8_e4m3",), grads=False, activations=False,
+                           activation_grads=False) as mon:
+        got = _step(model, mon)
+    for name, p in model.named_parameters():
+        a = p.detach().abs()
+        finite = a[torch.isfinite(a)]
+        want = math.log2(finite.max().item() / finite[finite > 0].min().item())
+        assert got[f"gap/params/{name}/range_bits"] == pytest.approx(want, rel=1e-12), name
