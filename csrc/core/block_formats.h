@@ -288,22 +288,24 @@ GAPMON_HD int load_group_any(const BlockOperand& op, int64_t group, double* xs) 
 // sums in another order), written as fixed-length loops over a group's 32 lanes that vectorise, with the
 // rounding done on float32 bits. float64 tensors take cast_block.
 
-// v >= 0 (float32) rounded to nearest even onto the grid of `f` (no saturation): below the smallest normal
-// the spacing is fixed, 2^(min_normal_exp - mantissa_bits), and adding then subtracting `magic` (that
-// spacing times 2^23) rounds to it; above, the mantissa is cut to mantissa_bits on the bits.
 // c ? x : y on the bits (no float select, which would keep a loop from vectorising).
 GAPMON_HD float select_f32(bool c, float x, float y) {
   const uint32_t m = 0u - static_cast<uint32_t>(c);
   return f32_from_bits((bits_of(x) & m) | (bits_of(y) & ~m));
 }
 
-GAPMON_HD float round_to_grid(float v, int mantissa_bits, float min_normal, float magic) {
-  // v + c, with c = 2^(e + 23 - mantissa_bits) for v's binade e (at least the smallest normal's), has the
-  // format's spacing at v as its float32 spacing: the addition rounds v to the grid (nearest, ties to even)
-  // and subtracting c again is exact.
-  (void)magic;
-  const uint32_t e = bits_of(v) & 0x7F800000u, lo = bits_of(min_normal);
-  const float c = f32_from_bits((e > lo ? e : lo) + (static_cast<uint32_t>(23 - mantissa_bits) << 23));
+// v >= 0 (float32, +inf included) rounded to nearest even onto the grid of a format with `mantissa_bits` and
+// smallest normal `min_normal` (no saturation): v + c, with c = 2^(e + 23 - mantissa_bits) for v's binade e (at
+// least the smallest normal's), has the format's spacing at v as its float32 spacing, so the addition rounds v
+// to the grid and subtracting c again is exact. c is capped at 2^127 (finite): only values far above every
+// format's largest (from 2^105) reach the cap, and they stay above it, so they saturate, +inf included.
+GAPMON_HD float round_to_grid(float v, int mantissa_bits, float min_normal) {
+  const uint32_t shift = static_cast<uint32_t>(23 - mantissa_bits) << 23, top = 0x7F000000u - shift;
+  uint32_t e = bits_of(v) & 0x7F800000u;
+  const uint32_t lo = bits_of(min_normal);
+  e = e > lo ? e : lo;
+  e = e < top ? e : top;
+  const float c = f32_from_bits(e + shift);
   return (v + c) - c;
 }
 
@@ -355,14 +357,14 @@ GAPMON_HD int floor_log2_f32(float a) {
 struct FormatConsts {
   BlockFormat format;
   int mantissa_bits, max_exp, block;
-  float top, min_normal, magic;
+  float top, min_normal;
   double tensor_scale;  // NVFP4: g; current scaling: s
 };
 
 GAPMON_HD FormatConsts format_consts(BlockFormat f, double tensor_scale_value) {
   const ElementFormat ef = element_format(f);
   return {f, ef.mantissa_bits, ef.max_exp, block_elems(f), static_cast<float>(ef.max_finite), pow2f(ef.min_normal_exp),
-          pow2f(ef.min_normal_exp - ef.mantissa_bits + 23), tensor_scale_value};
+          tensor_scale_value};
 }
 
 // The largest and the smallest non-zero magnitude of each 16-element half of a group (the group's loader takes
@@ -429,7 +431,7 @@ GAPMON_HD void block_scale_f32(float amax, float amin, const FormatConsts& c, La
 template <int kKind>
 GAPMON_HD int cast_element_f32(float a, float mul, double dq_mul, double dq_div, const FormatConsts& c, double& err) {
   const float v = a * mul;
-  const float r = round_to_grid(v, c.mantissa_bits, c.min_normal, c.magic);
+  const float r = round_to_grid(v, c.mantissa_bits, c.min_normal);
   const int sat = r > c.top;
   const float q = select_f32(sat, c.top, r);
   const int nz = a > 0;

@@ -74,23 +74,25 @@ inline __m512i reduce16(const __m512i (&v)[kBatch], Op op) {
 inline __m512i max_u32(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
 inline __m512i min_u32(__m512i a, __m512i b) { return _mm512_min_epu32(a, b); }
 
-// v (float32, >= 0, finite) rounded to nearest even onto an element format's grid (no saturation).
+// v (float32, >= 0, +inf included) rounded to nearest even onto an element format's grid (no saturation): the
+// vector form of core::round_to_grid, its c capped at 2^127 the same way.
 struct Grid {
-  __m512i min_normal_bits, shift;  // the smallest normal's bits; (23 - mantissa bits) << 23
-  __m512 top, min_normal, limit;  // limit: 2^(max_exp + 2), above the top binade: saturates either way
+  __m512i min_normal_bits, shift, cap;  // the smallest normal's bits; (23 - mantissa bits) << 23; 2^127 - shift
+  __m512 top, min_normal;
 
   Grid() = default;
   explicit Grid(const core::ElementFormat& f) {
     const float mn = core::pow2f(f.min_normal_exp);
     min_normal_bits = _mm512_set1_epi32(static_cast<int>(core::bits_of(mn)));
     shift = _mm512_set1_epi32((23 - f.mantissa_bits) << 23);
+    cap = _mm512_set1_epi32(static_cast<int>(0x7F000000u - (static_cast<uint32_t>(23 - f.mantissa_bits) << 23)));
     top = _mm512_set1_ps(static_cast<float>(f.max_finite));
     min_normal = _mm512_set1_ps(mn);
-    limit = _mm512_set1_ps(core::pow2f(f.max_exp + 2));
   }
   __m512 round(__m512 v) const {
     const __m512i e = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(kInfBits)));
-    const __m512 c = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_max_epu32(e, min_normal_bits), shift));
+    const __m512i capped = _mm512_min_epu32(_mm512_max_epu32(e, min_normal_bits), cap);
+    const __m512 c = _mm512_castsi512_ps(_mm512_add_epi32(capped, shift));
     return _mm512_sub_ps(_mm512_add_ps(v, c), c);
   }
 };
@@ -236,14 +238,10 @@ void batch_ranges(const Batch& b, bool need16, SharedLanes& s) {
 
 inline __m512 lane(__m512 v, int j) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j), v); }
 
-// Casts the 16 magnitudes a by v = a * mul onto the grid; counts into f; returns q. kClamp: v may be
-// beyond the grid (a per-tensor scale from a caller's amax), even +inf: clamped first (it saturates anyway).
-template <bool kClamp = false>
+// Casts the 16 magnitudes a by v = a * mul onto the grid; counts into f; returns q.
 inline __m512 cast16(__m512 a, __m512 mul, const Grid& grid, FormatLanes& f) {
   const __m512i ones = _mm512_set1_epi32(1);
-  __m512 v = _mm512_mul_ps(a, mul);
-  if (kClamp) v = _mm512_min_ps(v, grid.limit);
-  const __m512 r = grid.round(v);
+  const __m512 r = grid.round(_mm512_mul_ps(a, mul));
   const __mmask16 sat = _mm512_cmp_ps_mask(r, grid.top, _CMP_GT_OQ);
   const __m512 q = _mm512_min_ps(r, grid.top);
   const __mmask16 nz = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
@@ -287,7 +285,7 @@ void cast_current(const Batch& b, const core::FormatConsts& c, const Grid& grid,
   for (int j = 0; j < kBatch; ++j) {
     if (!((b.valid >> j) & 1)) break;
     for (int h = 0; h < 2; ++h) {
-      const __m512 q = cast16<true>(b.a[j][h], s, grid, f);
+      const __m512 q = cast16(b.a[j][h], s, grid, f);
       add_quotient_errors(b.a[j][h], q, sd, inv, f.err_lo, f.err_hi);
     }
   }

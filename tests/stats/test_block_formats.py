@@ -119,6 +119,29 @@ def test_scale_underflow_and_overflow():
     assert row[COL["blocks"]] == 2 and row[COL["scale_underflow"]] == 1 and row[COL["to_zero"]] == 16
 
 
+@pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled extension")
+def test_values_scaled_far_beyond_the_format_saturate_on_every_instruction_set():
+    """A caller's amax far below the tensor's scales its values beyond float32's binades of the grid (even to
+    +inf): every element saturates, with finite errors, on every instruction set (the rounding's constant once
+    overflowed to NaN there) as in the reference."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    start = gapmon.cpu_isa()
+    try:
+        for isa in ("generic", "avx2", "avx512"):
+            try:
+                gapmon.cpu_isa(isa)
+            except (RuntimeError, ValueError):
+                continue
+            for amax in (1e-30, 1e-38):
+                amaxes = torch.tensor([amax], dtype=torch.float64)
+                got = bf.block_numerics([x], ["fp8_e4m3_current", "fp8_e5m2_current"], amaxes)
+                want = reference.block_numerics([x], [4, 5], [amax])
+                _assert_rows_equal(got, want, (isa, amax))
+                assert (got[0, :, COL["saturated"]] == x.numel()).all(), (isa, amax)
+    finally:
+        gapmon.cpu_isa(start)
+
+
 def test_non_finite_elements_are_left_out_and_counted():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 40, generator=g)
