@@ -66,6 +66,15 @@ bool selected_isa_has_avx2() {
   return g_chunk_fn.load(std::memory_order_relaxed) != chunk_state_generic;
 }
 
+bool selected_isa_has_avx512() {
+  ensure_selected();
+#ifdef GAPMON_HAS_X86_ISAS
+  return g_chunk_fn.load(std::memory_order_relaxed) == isa::chunk_state_avx512;
+#else
+  return false;
+#endif
+}
+
 std::string active_isa() {
   ensure_selected();
   return g_isa_name.load();

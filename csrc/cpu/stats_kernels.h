@@ -19,6 +19,8 @@ std::string active_isa();
 // Whether the instruction set in use has AVX2, FMA and F16C ("avx2" or "avx512"): the numerics kernels
 // follow the same selection.
 bool selected_isa_has_avx2();
+// Whether it is "avx512" (AVX-512 F and BW with the above).
+bool selected_isa_has_avx512();
 
 // Selects an instruction set ("avx512", "avx2", "generic" or "auto" for the best supported).
 // Throws std::invalid_argument if the name is unknown or this CPU does not support it.

@@ -439,6 +439,26 @@ def test_zeros_subnormals_and_non_finite_values_in_scattered_blocks(dtype, cpu_i
     assert torch.equal(got[:nm.NUM_BINS], want[:nm.NUM_BINS])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_exponents_counted_in_pairs_over_odd_runs_and_calls_in_a_row(dtype, cpu_isa):
+    """The CPU kernel counts the exponents of neighbouring elements in pairs, in a table per thread that each
+    chunk must leave zero, and a run's odd last element alone: rows of odd length (an edge value only in such
+    a last element), exponents spread wide or all alike, one call after another, equal the reference's bins
+    exactly (a table left dirty, or a last element dropped or counted twice, changes them)."""
+    g = torch.Generator().manual_seed(5)
+    top = 100 if dtype != torch.float16 else 12
+    spread = torch.randn(4097, generator=g) * torch.exp2(torch.randint(-top, top, (4097,), generator=g).double())
+    base = torch.randn(37, 65, generator=g)
+    base[3, 32], base[9, 32], base[20, 32] = 0.0, float("nan"), float("inf")  # only in runs' last elements
+    cases = [spread.to(dtype), base.to(dtype)[:, :33], torch.ones(2001, dtype=dtype), spread.to(dtype)[1:],
+             base.to(dtype)[:, :33].t(), torch.full((1,), 3.0, dtype=dtype)]
+    for x in cases + cases[::-1]:
+        got, want = gapmon.numerics_states([x])[0], reference.numerics_states([x])[0]
+        assert torch.equal(got[:nm.NUM_BINS], want[:nm.NUM_BINS]), (x.shape, x.stride())
+        fused = gapmon.states_numerics_blocks([x], ["mxfp8_e4m3"])[1][0]
+        assert torch.equal(fused[:nm.NUM_BINS], want[:nm.NUM_BINS])
+
+
 def test_states_and_numerics_in_one_pass_equal_the_two_ops():
     """states_and_numerics (one pass on CPU) gives the bits of multi_tensor_states and numerics_states,
     over dtypes, layouts, empty and expanded tensors, one and many chunks."""
