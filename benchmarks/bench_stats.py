@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +48,17 @@ def timeit(fn, device: str, min_time: float = 0.5, max_reps: int = 200) -> float
         fn(len(times))
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def timeit_side_by_side(fns: dict, device: str, rounds: int = 4, min_time: float = 0.15) -> dict:
+    """Seconds per call of each of `fns` (name -> fn(i)), timed in turn over `rounds` rounds, each round by
+    `timeit`: the best of each over all rounds. A ratio of two of them is then measured side by side, through
+    the same spells of a shared machine's memory bandwidth, not minutes apart."""
+    best = {name: math.inf for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timeit(fn, device, min_time=min_time))
+    return best
 
 
 def single_call_time(fn, device: str, reps: int = 50) -> float:
@@ -258,16 +270,18 @@ def bench_block_formats(device: str, sizes: list[int], rows: list[dict]) -> None
             xs = [x.reshape(-1, min(4096, 2**exp)) for x in rotation(torch.randn(2**exp, device=device).to(dtype), device)]
             n, x = len(xs), xs[0]
             amaxes = [finite_amaxes([t]).to(device) for t in xs]
-            stats_s = timeit(lambda i: gapmon.tensor_stats(xs[i % n]), device)
             numerics_s = timeit(lambda i: gapmon.numerics.states_and_numerics([xs[i % n]]), device)
             for formats in [(f,) for f in BLOCK_FORMATS] + [BLOCK_FORMATS]:
+                fns = {"stats_s": lambda i: gapmon.tensor_stats(xs[i % n]),
+                       "gapmon_s": lambda i: gapmon.block_numerics([xs[i % n]], formats, amaxes[i % n]),
+                       "one_pass_s": lambda i: states_numerics_blocks([xs[i % n]], formats, amaxes=amaxes[i % n])}
+                if any(needs_tensor_amax(f) for f in formats):
+                    fns["amax_from_the_pass_s"] = lambda i: states_numerics_blocks([xs[i % n]], formats)
                 r = {"case": "block_numerics " + ("all six" if len(formats) > 1 else formats[0]),
                      "dtype": str(dtype).replace("torch.", ""), "numel": x.numel(), "bytes": x.numel() * x.element_size(),
-                     "rotated_inputs": n, "formats": list(formats), "stats_s": stats_s, "stats_and_numerics_s": numerics_s}
-                r["gapmon_s"] = timeit(lambda i: gapmon.block_numerics([xs[i % n]], formats, amaxes[i % n]), device)
-                r["one_pass_s"] = timeit(lambda i: states_numerics_blocks([xs[i % n]], formats, amaxes=amaxes[i % n]), device)
-                if any(needs_tensor_amax(f) for f in formats):
-                    r["amax_from_the_pass_s"] = timeit(lambda i: states_numerics_blocks([xs[i % n]], formats), device)
+                     "rotated_inputs": n, "formats": list(formats), "stats_and_numerics_s": numerics_s,
+                     **timeit_side_by_side(fns, device)}
+                stats_s = r["stats_s"]
                 r["gapmon_GBps"] = r["bytes"] / r["gapmon_s"] / 1e9
                 r["over_stats"] = r["gapmon_s"] / stats_s
                 r["with_numerics_over_stats"] = (r["gapmon_s"] + numerics_s) / stats_s
