@@ -292,7 +292,7 @@ struct KeyRange {
   uint32_t lo, hi;
 };
 
-inline KeyRange pair_keys_body(const uint32_t* bits, int64_t pairs, uint16_t* keys) {
+__attribute__((always_inline)) inline KeyRange pair_keys_body(const uint32_t* bits, int64_t pairs, uint16_t* keys) {
   uint32_t lo = 0xFFu, hi = 0;
   for (int64_t j = 0; j < pairs; ++j) {
     const uint32_t a = (bits[2 * j] >> 23) & 0xFFu, b = (bits[2 * j + 1] >> 23) & 0xFFu;

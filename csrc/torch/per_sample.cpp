@@ -5,13 +5,16 @@
 // batched product pair per chunk), and tile over the sequence only when one sample's Gram is larger,
 // so that only [B, tile, tile] blocks exist.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../core/stats_state.h"
+#include "../cpu/per_sample_kernels.h"
 
 namespace gapmon {
 namespace {
@@ -96,6 +99,37 @@ at::Tensor sum_of_squares(const at::Tensor& x) {
   return instance_stats.call(x, 1).select(1, core::kNorm).square();
 }
 
+// (the squared norm of each x[b] [n], the sum of the x[b] over b): on the CPU one read of x by
+// cpu::sum_rows_and_squares in chunks of kSumChunk elements (their squared sums, float64, added in chunk
+// order: the same bits whatever the threads), elsewhere ATen's sum and gapmon's statistics kernel.
+constexpr int64_t kSumChunk = 4096;
+std::tuple<at::Tensor, at::Tensor> sum_and_squares(const at::Tensor& x) {
+  const bool fused = x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble);
+  if (!fused) return {sum_of_squares(x), x.sum(0)};
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = xc.size(0), per = xc.numel() / std::max<int64_t>(1, n);
+  const int64_t chunks = (per + kSumChunk - 1) / kSumChunk;
+  at::Tensor sum = at::empty(xc.sizes().slice(1), xc.options());
+  std::vector<double> partial(chunks * n);
+  double* part = partial.data();
+  AT_DISPATCH_FLOATING_TYPES(xc.scalar_type(), "sum_and_squares", [&] {
+    const scalar_t* in = xc.const_data_ptr<scalar_t>();
+    scalar_t* out = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        cpu::sum_rows_and_squares(in, n, per, c * kSumChunk, std::min(per, (c + 1) * kSumChunk), out, part + c * n);
+      }
+    });
+  });
+  if (n == 0) sum.zero_();
+  at::Tensor sq = at::zeros({n}, xc.options().dtype(at::kDouble));
+  double* total = sq.data_ptr<double>();
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t b = 0; b < n; ++b) total[b] += part[c * n + b];
+  }
+  return {sq.to(x.scalar_type()), sum};
+}
+
 // ||g_b^T a_b||_F^2 per sample, forming the per-sample gradients in batches that stay under
 // `max_elements` elements.
 at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_elements) {
@@ -128,8 +162,9 @@ std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, 
   for (int64_t s = 0; s < b; s += step) {
     const int64_t n = std::min(step, b - s);
     const at::Tensor grads = wide_bmm(g.narrow(0, s, n).transpose(1, 2), a.narrow(0, s, n));  // [n, p, d]
-    sq.narrow(0, s, n).copy_(sum_of_squares(grads));
-    grad = grad.defined() ? grad.add_(grads.sum(0)) : grads.sum(0);
+    auto [batch_sq, batch_sum] = sum_and_squares(grads);
+    sq.narrow(0, s, n).copy_(batch_sq);
+    grad = grad.defined() ? grad.add_(batch_sum) : batch_sum;
   }
   return {sq, grad.defined() ? grad : at::zeros({g.size(2), a.size(2)}, wide)};
 }
