@@ -196,36 +196,46 @@ at::Tensor update_sums_cuda(at::TensorList before, at::TensorList after, at::Ten
   return out;
 }
 
-// The per-block format rows (csrc/core/block_formats.h): the operand table copied to the device, one launch
-// for the chunks and one for the rows.
-at::Tensor block_numerics_cuda(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
-  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
-  std::vector<at::Tensor> keep_alive;
-  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+// The per-block format rows [N, F, kNumBlockColumns] of prepared operands (csrc/core/block_formats.h; amax: the
+// operands' tensor amaxes on the device, or null when no format needs one): the operand table copied to the
+// device, one launch for the chunks and one for the rows.
+at::Tensor block_rows_of_cuda(std::vector<core::BlockOperand>& ops, const std::vector<core::BlockFormat>& formats,
+                              const double* amax, const at::Device device, const char* op) {
   const int64_t n = static_cast<int64_t>(ops.size());
   if (n == 0) return at::empty({0, static_cast<int64_t>(formats.size()), core::kNumBlockColumns}, at::kDouble);
-  const at::Device device = xs[0].device();
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cuda::BlockFormatList list;
   list.num = static_cast<int>(formats.size());
-  bool need_amax = false;
-  for (int f = 0; f < list.num; ++f) {
-    list.codes[f] = formats[f];
-    need_amax = need_amax || core::needs_tensor_amax(formats[f]);
-  }
+  for (int f = 0; f < list.num; ++f) list.codes[f] = formats[f];
   const int64_t total = core::plan_block_chunks(ops.data(), n);
   static_assert(sizeof(core::BlockOperand) % sizeof(uint64_t) == 0, "operands are uploaded as 8-byte words");
   at::Tensor table;
   const auto* ops_device = static_cast<const core::BlockOperand*>(
-      device_copy(ops.data(), n * int64_t(sizeof(core::BlockOperand)), device, stream, table, "block_numerics"));
+      device_copy(ops.data(), n * int64_t(sizeof(core::BlockOperand)), device, stream, table, op));
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   at::Tensor chunk_rows = at::empty({total, list.num, core::kNumBlockColumns}, options);
   at::Tensor out = at::empty({n, list.num, core::kNumBlockColumns}, options);
-  check_launch(cuda::launch_block_numerics(ops_device, n, total, list, need_amax ? amaxes.data_ptr<double>() : nullptr,
-                                           chunk_rows.data_ptr<double>(), out.data_ptr<double>(), stream),
-               "block_numerics");
+  check_launch(cuda::launch_block_numerics(ops_device, n, total, list, amax, chunk_rows.data_ptr<double>(),
+                                           out.data_ptr<double>(), stream),
+               op);
   return out;
+}
+
+bool any_needs_amax(const std::vector<core::BlockFormat>& formats) {
+  for (core::BlockFormat f : formats) {
+    if (core::needs_tensor_amax(f)) return true;
+  }
+  return false;
+}
+
+at::Tensor block_numerics_cuda(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  if (ops.empty()) return block_rows_of_cuda(ops, formats, nullptr, at::Device(at::kCPU), "block_numerics");
+  const double* amax = any_needs_amax(formats) ? amaxes.data_ptr<double>() : nullptr;
+  return block_rows_of_cuda(ops, formats, amax, xs[0].device(), "block_numerics");
 }
 
 at::Tensor merge_states_cuda(const at::Tensor& states) {
@@ -392,8 +402,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::T
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cuda::LaunchPlan plan = cuda::plan_launch(views.data(), n);  // single items: by blocks, in order
   std::vector<int64_t> rest;
+  std::vector<core::BlockOperand> rest_ops;  // cast after the pass from these operands (their copies made above)
   for (int64_t i = 0; i < n; ++i) {
     if (!(xs[i].is_contiguous() && ops[i].cols > 0)) {
+      rest_ops.push_back(ops[i]);
       ops[i].data = nullptr, ops[i].rows = 0, ops[i].cols = 0;  // empty rows in the pass; cast below
       rest.push_back(i);
     }
@@ -406,11 +418,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::T
   cuda::FusedBlocks fused;
   fused.ops = ops_device;
   fused.formats.num = static_cast<int>(num_formats);
-  bool need_amax = false;
-  for (int64_t f = 0; f < num_formats; ++f) {
-    fused.formats.codes[f] = formats[f];
-    need_amax = need_amax || core::needs_tensor_amax(formats[f]);
-  }
+  for (int64_t f = 0; f < num_formats; ++f) fused.formats.codes[f] = formats[f];
+  const bool need_amax = any_needs_amax(formats);
   fused.amaxes = need_amax ? amaxes.data_ptr<double>() : nullptr;
   at::Tensor chunk_rows = at::empty({plan.total_chunks, num_formats, int64_t(core::kNumBlockColumns)}, opts);
   fused.chunk_rows = chunk_rows.data_ptr<double>();
@@ -426,11 +435,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::T
                                                    chunk_rows.data_ptr<double>(), blocks.data_ptr<double>(), stream),
                op);
   if (!rest.empty()) {
-    std::vector<at::Tensor> others;
-    for (int64_t i : rest) others.push_back(xs[i]);
     const at::Tensor index = at::tensor(rest, at::kLong).to(device);
-    const at::Tensor their_amaxes = need_amax ? amaxes.index_select(0, index).contiguous() : amaxes;
-    blocks.index_copy_(0, index, block_numerics_cuda(others, format_codes, their_amaxes));
+    const at::Tensor their_amaxes = need_amax ? amaxes.index_select(0, index).contiguous() : at::Tensor();
+    blocks.index_copy_(0, index, block_rows_of_cuda(rest_ops, formats, need_amax ? their_amaxes.data_ptr<double>() : nullptr,
+                                                    device, op));
   }
   return {states, numerics_rows, blocks};
 }

@@ -113,18 +113,14 @@ at::Tensor merge_numerics_states_cpu(const at::Tensor& states) {
   return out;
 }
 
-// The per-block format rows [N, F, kNumBlockColumns] of xs: every chunk of every tensor in one parallel
-// region (each element read once, cast to every format), each tensor's chunks merged in order.
-at::Tensor block_numerics_cpu(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
-  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
-  std::vector<at::Tensor> keep_alive;
-  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+// The per-block format rows [N, F, kNumBlockColumns] of prepared operands (amax[i]: operand i's tensor amax,
+// or null when no format needs one): every chunk of every operand in one parallel region (each element read
+// once, cast to every format), each operand's chunks merged in order.
+at::Tensor block_rows_of(std::vector<core::BlockOperand>& ops, const std::vector<core::BlockFormat>& formats,
+                         const double* amax) {
   const int64_t n = static_cast<int64_t>(ops.size()), num_formats = static_cast<int64_t>(formats.size());
   at::Tensor out = at::empty({n, num_formats, core::kNumBlockColumns}, at::kDouble);
   if (n == 0) return out;
-  bool need_amax = false;
-  for (core::BlockFormat f : formats) need_amax = need_amax || core::needs_tensor_amax(f);
-  const double* amax = need_amax ? amaxes.data_ptr<double>() : nullptr;
   const int64_t total = core::plan_block_chunks(ops.data(), n);
   std::vector<core::BlockRow> chunks(total * num_formats);
   at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
@@ -147,6 +143,21 @@ at::Tensor block_numerics_cpu(at::TensorList xs, at::IntArrayRef format_codes, c
   return out;
 }
 
+bool any_needs_amax(const std::vector<core::BlockFormat>& formats) {
+  for (core::BlockFormat f : formats) {
+    if (core::needs_tensor_amax(f)) return true;
+  }
+  return false;
+}
+
+// The per-block format rows [N, F, kNumBlockColumns] of xs.
+at::Tensor block_numerics_cpu(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::BlockOperand> ops = block_operands(xs, formats, amaxes, keep_alive);
+  return block_rows_of(ops, formats, any_needs_amax(formats) && !ops.empty() ? amaxes.data_ptr<double>() : nullptr);
+}
+
 // The statistics states, the numerics rows (when `with_numerics`; else [N, 0]) and the per-block format rows
 // [N, F, kNumBlockColumns] of xs in one pass over memory: right after each chunk's state, while the chunk is
 // in cache, its numerics and the block groups that start in it (core::group_at). Every chunk's partials are
@@ -164,9 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cpu(at::Te
   at::Tensor blocks = at::empty({n, num_formats, core::kNumBlockColumns}, at::kDouble);
   const int64_t numerics_width = with_numerics ? core::kNumNumericsColumns : 0;
   if (n == 0) return {at::zeros({0, core::kNumStateColumns}, at::kDouble), at::zeros({0, numerics_width}, at::kDouble), blocks};
-  bool need_amax = false;
-  for (core::BlockFormat f : formats) need_amax = need_amax || core::needs_tensor_amax(f);
-  const double* amax = need_amax ? amaxes.data_ptr<double>() : nullptr;
+  const double* amax = any_needs_amax(formats) ? amaxes.data_ptr<double>() : nullptr;
   std::vector<char> in_pass(n);
   for (int64_t i = 0; i < n; ++i) in_pass[i] = xs[i].is_contiguous() && ops[i].cols > 0;
   const int64_t total = core::plan_chunks(views.data(), n);
@@ -182,13 +191,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cpu(at::Te
                         static_cast<int>(num_formats), amax ? amax[i] : 0.0, block_chunks.data() + c * num_formats);
     }
   });
-  std::vector<at::Tensor> rest;
+  std::vector<core::BlockOperand> rest;  // cast after the pass, from the operands prepared above (no second copy)
   std::vector<int64_t> rest_index;
+  std::vector<double> rest_amax;
   double* b = blocks.data_ptr<double>();
   for (int64_t i = 0; i < n; ++i) {
     if (!in_pass[i]) {
-      rest.push_back(xs[i]);
+      rest.push_back(ops[i]);
       rest_index.push_back(i);
+      if (amax) rest_amax.push_back(amax[i]);
       continue;
     }
     const core::StridedView& v = views[i];
@@ -199,9 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cpu(at::Te
     }
   }
   if (!rest.empty()) {
-    const at::Tensor index = at::tensor(rest_index, at::kLong);
-    const at::Tensor rest_amaxes = need_amax ? amaxes.index_select(0, index).contiguous() : amaxes;
-    blocks.index_copy_(0, index, block_numerics_cpu(rest, format_codes, rest_amaxes));
+    blocks.index_copy_(0, at::tensor(rest_index, at::kLong), block_rows_of(rest, formats, amax ? rest_amax.data() : nullptr));
   }
   at::Tensor numerics = with_numerics ? numerics_rows_of(views, chunks) : at::zeros({n, 0}, at::kDouble);
   return {states_to_tensor(states), numerics, blocks};
