@@ -51,6 +51,8 @@ def test_bench_persample_training_steps(tmp_path):
     (r,) = result["results"]
     assert r["seq_len"] == 16 and r["norms_s"] > 0 and r["skipped_s"] > 0 and isinstance(r["met"], bool)
     assert r["bookkeeping_s"] > 0 and isinstance(r["moonshot_met"], bool)
+    # the floor: every Linear layer's products timed (2 blocks of 4 and the head)
+    assert r["linear_layers"] == 9 and r["linear_products_s"] > 0 and r["norms_floor_ratio"] > 1
 
 
 def test_bench_provenance_reports_the_cost_per_op(tmp_path):
