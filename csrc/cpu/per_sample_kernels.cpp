@@ -36,15 +36,16 @@ __attribute__((always_inline)) inline void body(const T* x, int64_t n, int64_t s
     D8v acc_lo = {}, acc_hi = {};
     int64_t e = lo;
     for (; e + kLanes <= hi; e += kLanes) {
-      V v, o;
+      V v;
       std::memcpy(&v, row + e, sizeof v);
-      if (b == 0) {
-        o = v;
-      } else {
-        std::memcpy(&o, out + e, sizeof o);
-        o += v;
+      if (out != nullptr) {
+        V o = v;
+        if (b > 0) {
+          std::memcpy(&o, out + e, sizeof o);
+          o += v;
+        }
+        std::memcpy(out + e, &o, sizeof o);
       }
-      std::memcpy(out + e, &o, sizeof o);
       D8v w_lo, w_hi;
       widen(v, w_lo, w_hi);
       acc_lo += w_lo * w_lo;
@@ -53,7 +54,7 @@ __attribute__((always_inline)) inline void body(const T* x, int64_t n, int64_t s
     double s = lanes_sum(acc_lo) + lanes_sum(acc_hi);
     for (; e < hi; ++e) {
       const double w = static_cast<double>(row[e]);
-      out[e] = b == 0 ? row[e] : out[e] + row[e];
+      if (out != nullptr) out[e] = b == 0 ? row[e] : out[e] + row[e];
       s += w * w;
     }
     sq[b] = s;

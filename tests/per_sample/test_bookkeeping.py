@@ -233,14 +233,15 @@ def test_a_bookkept_weight_used_outside_its_layer_is_still_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_the_book_keeping_op_against_float64_per_sample_gradients(dtype, cpu_isa):
-    """gapmon::direct_norm_sq_and_grad, the one read of the per-sample gradients for their sum and their squared
-    norms (on the CPU a kernel per instruction set): per-sample gradients of 4,100 and 37 elements (chunks of
-    4,096 with a tail, rows shorter than a vector), batches formed whole or one and two samples at a time
+    """gapmon::direct_norm_sq_and_grad and direct_norm_sq: on the CPU the per-sample gradients formed a tile of
+    rows at a time and read once for their sum and their squared norms (a kernel per instruction set):
+    per-sample gradients of 4,100 and 37 elements (chunks of 4,096 with a tail, rows shorter than a vector),
+    of 200,000 (tiles of 43 rows of 100), batches formed whole or one and two samples at a time
     (max_elements), one sample, none, and non-contiguous operands, against float64 einsum; 1 and 2 threads
     give the same bits."""
     g = torch.Generator().manual_seed(11)
     tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-6}[dtype]
-    for b, t, d, p in ((5, 7, 41, 100), (3, 4, 37, 1), (1, 3, 16, 16), (0, 3, 8, 4)):
+    for b, t, d, p in ((5, 7, 41, 100), (3, 4, 37, 1), (3, 5, 2000, 100), (1, 3, 16, 16), (0, 3, 8, 4)):
         a = torch.randn(b, t, d, generator=g, dtype=torch.float64).to(dtype)
         gr = torch.randn(b, t, p, generator=g, dtype=torch.float64).to(dtype)
         per_sample = torch.einsum("btp,btd->bpd", gr.double(), a.double())
@@ -250,6 +251,8 @@ def test_the_book_keeping_op_against_float64_per_sample_gradients(dtype, cpu_isa
                 torch.testing.assert_close(sq.double(), per_sample.square().sum((1, 2)), rtol=tol, atol=0)
                 torch.testing.assert_close(summed.double(), per_sample.sum(0), rtol=tol, atol=tol * (float(per_sample.abs().max()) if b else 1.0))
                 assert summed.shape == (p, d) and sq.shape == (b,)
+                torch.testing.assert_close(torch.ops.gapmon.direct_norm_sq(*operands, max_elements).double(),
+                                           per_sample.square().sum((1, 2)), rtol=tol, atol=0)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
