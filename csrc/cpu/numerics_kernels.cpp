@@ -74,6 +74,10 @@ inline void load(const T* p, double& value, int& bin) {
 // into the 256 bins and clears them. Heap memory (256 KB) reached through a thread_local pointer, so that
 // the extension's TLS stays small.
 constexpr int kPairKeys = 1 << 16;
+// The pair table is used by blocks of at least kMinPairs pairs whose exponents keep the chunk's range within
+// kPairRange values: its fold then reads at most kPairRange^2 counters (2,304) per chunk.
+constexpr int64_t kMinPairs = 128;
+constexpr uint32_t kPairRange = 48;
 uint32_t* pair_table() {
   thread_local std::unique_ptr<uint32_t[]> table(new uint32_t[kPairKeys]());
   return table.get();
@@ -103,9 +107,20 @@ struct ChunkAccumulator {
   void add_block(double n, double shift, const double (&s)[4]) {
     out.moments = core::merge(out.moments, core::from_power_sums(n, shift, s[0], s[1], s[2], s[3]));
   }
-  // Counts `count` keys of the pair table with exponents in [key_lo, key_hi]; folds the table before its
+  // Counts `count` keys with exponents in [key_lo, key_hi]: in the pair table while the range it spans stays
+  // within kPairRange exponents and the block is long enough to pay for its share of the fold, else each
+  // exponent alone (the fold reads the square of the range: a chunk whose exponents spread over the whole
+  // float32 range, or a small tensor, would pay more for it than the pairs save). Folds the table before its
   // 32-bit counters could wrap.
   void add_pairs(const uint16_t* keys, int64_t count, uint32_t key_lo, uint32_t key_hi) {
+    const uint32_t new_lo = std::min(lo, key_lo), new_hi = std::max(hi, key_hi);
+    if (count < kMinPairs || new_hi - new_lo >= kPairRange) {
+      for (int64_t j = 0; j < count; ++j) {
+        ++singles[keys[j] & 0xFFu];
+        ++singles[keys[j] >> 8];
+      }
+      return;
+    }
     if (pending + count > (int64_t(1) << 31)) fold_pairs();
     int64_t j = 0;
     for (; j + 4 <= count; j += 4) {  // four a step: fewer taken branches per increment
@@ -116,8 +131,7 @@ struct ChunkAccumulator {
     }
     for (; j < count; ++j) ++pairs[keys[j]];
     pending += count;
-    lo = std::min(lo, key_lo);
-    hi = std::max(hi, key_hi);
+    lo = new_lo, hi = new_hi;
   }
   void fold_pairs() {
     for (uint32_t b = lo; b <= hi; ++b) {

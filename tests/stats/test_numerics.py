@@ -442,16 +442,24 @@ def test_zeros_subnormals_and_non_finite_values_in_scattered_blocks(dtype, cpu_i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_exponents_counted_in_pairs_over_odd_runs_and_calls_in_a_row(dtype, cpu_isa):
     """The CPU kernel counts the exponents of neighbouring elements in pairs, in a table per thread that each
-    chunk must leave zero, and a run's odd last element alone: rows of odd length (an edge value only in such
-    a last element), exponents spread wide or all alike, one call after another, equal the reference's bins
+    chunk must leave zero (blocks whose exponents would widen the chunk's range past 48 values, and short
+    blocks, count each exponent alone), and a run's odd last element alone: rows of odd length (an edge value
+    only in such a last element), exponents spread wide or all alike, a chunk that switches between the two
+    ways, zeros and subnormals in pair-counted blocks, one call after another, equal the reference's bins
     exactly (a table left dirty, or a last element dropped or counted twice, changes them)."""
     g = torch.Generator().manual_seed(5)
     top = 100 if dtype != torch.float16 else 12
     spread = torch.randn(4097, generator=g) * torch.exp2(torch.randint(-top, top, (4097,), generator=g).double())
     base = torch.randn(37, 65, generator=g)
     base[3, 32], base[9, 32], base[20, 32] = 0.0, float("nan"), float("inf")  # only in runs' last elements
+    # blocks whose exponents the pair table takes, then one it must not (the chunk's range would grow too wide),
+    # then pairs again; values around the smallest normal (zeros and subnormals in pair-counted blocks)
+    near = torch.randn(2048, generator=g, dtype=torch.float64)
+    shifted = torch.cat((near, near * 2.0 ** (top // 2 + 8), near * 0.5)).to(dtype)
+    tiny = (near * torch.finfo(dtype).tiny * 8).to(dtype)
+    tiny[::97] = 0.0
     cases = [spread.to(dtype), base.to(dtype)[:, :33], torch.ones(2001, dtype=dtype), spread.to(dtype)[1:],
-             base.to(dtype)[:, :33].t(), torch.full((1,), 3.0, dtype=dtype)]
+             base.to(dtype)[:, :33].t(), torch.full((1,), 3.0, dtype=dtype), shifted, tiny]
     for x in cases + cases[::-1]:
         got, want = gapmon.numerics_states([x])[0], reference.numerics_states([x])[0]
         assert torch.equal(got[:nm.NUM_BINS], want[:nm.NUM_BINS]), (x.shape, x.stride())
