@@ -222,13 +222,6 @@ at::Tensor block_rows_of_cuda(std::vector<core::BlockOperand>& ops, const std::v
   return out;
 }
 
-bool any_needs_amax(const std::vector<core::BlockFormat>& formats) {
-  for (core::BlockFormat f : formats) {
-    if (core::needs_tensor_amax(f)) return true;
-  }
-  return false;
-}
-
 at::Tensor block_numerics_cuda(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
   const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);
   std::vector<at::Tensor> keep_alive;

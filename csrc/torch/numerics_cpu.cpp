@@ -143,13 +143,6 @@ at::Tensor block_rows_of(std::vector<core::BlockOperand>& ops, const std::vector
   return out;
 }
 
-bool any_needs_amax(const std::vector<core::BlockFormat>& formats) {
-  for (core::BlockFormat f : formats) {
-    if (core::needs_tensor_amax(f)) return true;
-  }
-  return false;
-}
-
 // The per-block format rows [N, F, kNumBlockColumns] of xs.
 at::Tensor block_numerics_cpu(at::TensorList xs, at::IntArrayRef format_codes, const at::Tensor& amaxes) {
   const std::vector<core::BlockFormat> formats = block_formats_of(format_codes);

@@ -200,6 +200,14 @@ inline std::vector<core::BlockFormat> block_formats_of(at::IntArrayRef formats, 
   return out;
 }
 
+// Whether any of the formats scales by the tensor's amax (NVFP4, current scaling): the ops then read `amaxes`.
+inline bool any_needs_amax(const std::vector<core::BlockFormat>& formats) {
+  for (core::BlockFormat f : formats) {
+    if (core::needs_tensor_amax(f)) return true;
+  }
+  return false;
+}
+
 // The operands of block_numerics: each tensor as contiguous [rows, last dim] (a 0-dim tensor: [1, 1]);
 // contiguous copies in `keep_alive`. `amaxes`: float64 [N] on the tensors' device when a format needs the
 // tensor's amax (NVFP4, current scaling), else ignored.
