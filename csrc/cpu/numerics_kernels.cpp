@@ -86,8 +86,8 @@ uint32_t* pair_table() {
 // The running state of one chunk: its bins, its merged moments, and the open block of power sums.
 struct ChunkAccumulator {
   ChunkNumerics out;
-  // Biased float32 exponents: pairs in the thread's table, single elements (a run's odd last one) here;
-  // zeros and NaNs (exponents 0 and 255) are told apart in fix-ups.
+  // Biased float32 exponents: pairs in the thread's table, the others (a run's odd last element, the blocks
+  // add_pairs counts alone) in `singles`; zeros and NaNs (exponents 0 and 255) are told apart in fix-ups.
   uint32_t* pairs = pair_table();
   uint32_t singles[256] = {};
   uint64_t folded[256] = {};  // the pairs' counts, per exponent, once folded
