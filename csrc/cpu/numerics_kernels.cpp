@@ -248,48 +248,6 @@ __attribute__((target("avx2,fma"))) void block_sums_avx2(const uint32_t* bits, i
   add_lanes_and_tail(l1, l2, l3, l4, bits, i, n, shift, s);
 }
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 intrinsics (their undefined vectors)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-// AVX-512: two sets of 8 lanes, 16 elements a step, so that each sum's add chain waits on its latency half
-// as often (the 4-lane forms were latency-bound, a quarter of the numerics pass). Its lanes group the
-// elements otherwise than the 4-lane forms do, so its last bits differ from theirs (as FMA's do from the
-// generic build's); any one instruction set gives the same bits on every run and thread count.
-__attribute__((target("avx512f,avx2,fma"))) void block_sums_avx512(const uint32_t* bits, int64_t n, double shift,
-                                                                   double (&s)[4]) {
-  __m512d a1 = _mm512_setzero_pd(), a2 = a1, a3 = a1, a4 = a1, b1 = a1, b2 = a1, b3 = a1, b4 = a1;
-  const __m512d sh = _mm512_set1_pd(shift);
-  const float* f = reinterpret_cast<const float*>(bits);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(f + i)), sh);
-    const __m512d e = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(f + i + 8)), sh);
-    const __m512d d2 = _mm512_mul_pd(d, d), e2 = _mm512_mul_pd(e, e);
-    a1 = _mm512_add_pd(a1, d);
-    a2 = _mm512_add_pd(a2, d2);
-    a3 = _mm512_fmadd_pd(d2, d, a3);
-    a4 = _mm512_fmadd_pd(d2, d2, a4);
-    b1 = _mm512_add_pd(b1, e);
-    b2 = _mm512_add_pd(b2, e2);
-    b3 = _mm512_fmadd_pd(e2, e, b3);
-    b4 = _mm512_fmadd_pd(e2, e2, b4);
-  }
-  // Lanes k and k + 4 of the two sets' sum first: four lanes, as the other forms finish.
-  double l[4][8], l1[4], l2[4], l3[4], l4[4];
-  _mm512_storeu_pd(l[0], _mm512_add_pd(a1, b1));
-  _mm512_storeu_pd(l[1], _mm512_add_pd(a2, b2));
-  _mm512_storeu_pd(l[2], _mm512_add_pd(a3, b3));
-  _mm512_storeu_pd(l[3], _mm512_add_pd(a4, b4));
-  for (int k = 0; k < 4; ++k) {
-    l1[k] = l[0][k] + l[0][k + 4];
-    l2[k] = l[1][k] + l[1][k + 4];
-    l3[k] = l[2][k] + l[2][k + 4];
-    l4[k] = l[3][k] + l[3][k + 4];
-  }
-  add_lanes_and_tail(l1, l2, l3, l4, bits, i, n, shift, s);
-}
-#pragma GCC diagnostic pop
-
 // float16 values as float32 bits, 8 at a time by F16C (the scalar conversion was a third of the pass).
 __attribute__((target("avx2,f16c"))) void half_bits_f16c(const Half* q, int64_t n, uint32_t* out) {
   int64_t i = 0;
@@ -359,9 +317,8 @@ PairKeys pair_keys(bool avx2, bool avx512) {
 // The instruction set of the statistics kernels (select_isa) decides here too: AVX2 (which the avx2 and
 // avx512 selections imply, with FMA and F16C) or the generic code.
 using BlockSums = void (*)(const uint32_t*, int64_t, double, double (&)[4]);
-BlockSums block_sums(bool avx2, bool avx512) {
+BlockSums block_sums(bool avx2) {
 #if defined(__x86_64__)
-  if (avx512) return block_sums_avx512;
   if (avx2) return block_sums_avx2;
 #endif
   return block_sums_generic;
@@ -374,7 +331,7 @@ void add_run_f32(const T* p, int64_t len, ChunkAccumulator& acc) {
   uint32_t widened[kBlock];
   uint16_t keys[kBlock / 2];
   const bool avx2 = selected_isa_has_avx2(), avx512 = selected_isa_has_avx512();
-  const BlockSums sums = block_sums(avx2, avx512);
+  const BlockSums sums = block_sums(avx2);
   const PairKeys keys_of = pair_keys(avx2, avx512);
   for (int64_t start = 0; start < len; start += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, len - start);
