@@ -75,11 +75,46 @@ def local_shape_and_global_offset(shape, mesh, placements) -> tuple[tuple[int, .
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
+_PLAIN_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
 def tree_map_tensors(fn: Callable, tree: Any) -> Any:
-    """`tree` with fn applied to every tensor in it (torch.utils._pytree.tree_map_only)."""
+    """`tree` with fn applied to every tensor in it (torch.utils._pytree.tree_map_only). A layer call's
+    (args tuple, kwargs dict) of tensors and plain values is mapped directly: the pytree walk costs tens of
+    µs per call and leaves reference cycles for the garbage collector (its recursive helper)."""
+    if type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and type(tree[1]) is dict:
+        args, kwargs = tree
+        if all(isinstance(v, (torch.Tensor, *_PLAIN_LEAVES)) for v in (*args, *kwargs.values())):
+            return (tuple(fn(v) if isinstance(v, torch.Tensor) else v for v in args),
+                    {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, fn, tree)
+
+
+class ModeSuspended:
+    """Runs a block with the torch-function mode `mode` off while it is the innermost one, else as it is:
+    gapmon's layer hooks run inside the forward pass that BatchTracker (a TorchFunctionMode) follows, and
+    their own tensor calls (shapes, detach, hooks) are not the model's: through the mode each cost its
+    dispatch and rules, ~150 calls of a small GPT block's forward."""
+
+    __slots__ = ("mode", "popped")
+
+    def __init__(self, mode: Any):
+        self.mode, self.popped = mode, False
+
+    def __enter__(self) -> "ModeSuspended":
+        n = torch._C._len_torch_function_stack()
+        if self.mode is not None and n and torch._C._get_function_stack_at(n - 1) is self.mode:
+            torch._C._pop_torch_function_stack()
+            self.popped = True
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.popped:
+            torch._C._push_on_torch_function_stack(self.mode)
+            self.popped = False
+        return False
 
 
 def tensor_leaves(tree: Any) -> list:

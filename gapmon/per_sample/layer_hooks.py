@@ -82,9 +82,20 @@ class LayerHooks:
 
     def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
         if self.state.collecting and self.state.micro and not _torch_compat.functorch_transforms_active():
-            self.state.micro[-1].used[index] = self.layers[index][2].params(module)
+            with _torch_compat.ModeSuspended(self.state.tracking):
+                self.state.micro[-1].used[index] = self.layers[index][2].params(module)
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
+        """Outside the batch tracking's mode (the hook's own tensor calls are not the model's); an output it
+        replaces (book-keeping) takes the batch dim of the one it replaces."""
+        tracking = self.state.tracking
+        with _torch_compat.ModeSuspended(tracking):
+            replaced = self._follow_call(index, module, args, kwargs, output)
+        if replaced is not None and tracking is not None:
+            tracking.mark(replaced, tracking.status(first_tensor(output)))
+        return replaced
+
+    def _follow_call(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         outputs = output
         output = first_tensor(output)  # nn.MultiheadAttention returns (output, weights)
         if not self.state.collecting or not self.state.micro:
