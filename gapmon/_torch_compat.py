@@ -75,6 +75,16 @@ def local_shape_and_global_offset(shape, mesh, placements) -> tuple[tuple[int, .
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, in one multi-tensor op (torch._foreach_norm)."""
+    return list(torch._foreach_norm(tensors))
+
+
+def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """a[i] - b[i] for each i, in one multi-tensor op (torch._foreach_sub)."""
+    return list(torch._foreach_sub(a, b))
+
+
 _PLAIN_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 

@@ -112,10 +112,14 @@ class LayerCoverage:
     def _covered_parameters(self, param_names: dict[int, str]):
         """(parameter name, layer name, layer, parameter) of every parameter a covered layer's rule is about."""
         for name, module, rule in self.layers:
-            # By attribute: under FSDP2 the module holds sharded or unsharded parameter objects by turns.
-            attrs = {id(p): attr for attr, p in module.named_parameters(recurse=rule.owns_submodules)}
-            for p in rule.params(module):
-                yield param_names.get(id(p)) or (f"{name}.{attrs[id(p)]}" if name else attrs[id(p)]), name, module, p
+            attrs = None  # by attribute, when the object is not a named one: under FSDP2 the module holds sharded or
+            for p in rule.params(module):  # unsharded parameter objects by turns
+                full = param_names.get(id(p))
+                if not full:
+                    if attrs is None:
+                        attrs = {id(q): attr for attr, q in module.named_parameters(recurse=rule.owns_submodules)}
+                    full = f"{name}.{attrs[id(p)]}" if name else attrs[id(p)]
+                yield full, name, module, p
 
     def warn_uncovered(self, error: type, stacklevel: int, params: list[tuple[str, torch.Tensor]],
                        param_names: dict[int, str]) -> None:

@@ -143,9 +143,11 @@ class UseChecker:
         checks = [c for c in self.checks.values() if c.unchecked is None and c.layer not in skipped]
         if not checks:
             return
-        with torch.no_grad():
-            diff = torch.stack([(c.total - c.explained).norm() for c in checks])
-            size = torch.stack([torch.maximum(c.total.norm(), c.explained.norm()) for c in checks])
+        with torch.no_grad():  # a few multi-tensor ops, not three norms per parameter
+            totals, explained = [c.total for c in checks], [c.explained for c in checks]
+            diff = torch.stack(_torch_compat.foreach_norm(_torch_compat.foreach_sub(totals, explained)))
+            size = torch.maximum(torch.stack(_torch_compat.foreach_norm(totals)),
+                                 torch.stack(_torch_compat.foreach_norm(explained)))
             bad = (diff > size * torch.tensor([c.rtol for c in checks], dtype=torch.float64, device=diff.device))
             bad = bad.cpu().tolist()  # one device-to-host read
         if not any(bad):
