@@ -143,7 +143,8 @@ def test_ghost_norm_is_one_product_per_layer_when_the_grams_fit():
 @pytest.mark.slow
 def test_grams_too_large_for_one_product_are_built_whole_in_chunks_of_samples():
     """B * T^2 above 2^24 with one sample's Gram below it: whole Grams for 4 samples at a time (2
-    chunks of 5 samples: 2 products each, not 36 tile pairs), for Linear and Embedding alike."""
+    chunks of 5 samples: 2 products each, not 36 tile pairs) for Linear; Embedding on the CPU sums each
+    sample's rows instead (no product at all)."""
     if gapmon.backend() == "torch":
         pytest.skip("needs the compiled ops")
     gen = torch.Generator().manual_seed(0)
@@ -156,10 +157,41 @@ def test_grams_too_large_for_one_product_are_built_whole_in_chunks_of_samples():
     ids = torch.randint(0, 50, (b, t), generator=gen)
     ids[0, :7] = 3  # the padding id
     got, calls = _bmm_calls(lambda: torch.ops.gapmon.embedding_norm_sq(ids, g, 3))
-    assert calls == 2
+    assert calls == 0
     one_hot = torch.nn.functional.one_hot(ids, 50).double() * ids.ne(3).unsqueeze(-1)
     want = torch.bmm(one_hot.transpose(1, 2), g.double()).square().sum((1, 2))  # per-sample [vocab, d] grads
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_embedding_norms_by_rows_equal_the_gram_pairs_and_float64(dtype):
+    """On the CPU embedding_norm_sq sums each sample's positions of one id into its table row (sorted by sample
+    and id) instead of pairing positions through Grams: the same norms as the Gram form (a tile given) and as
+    float64 one-hot per-sample gradients, with a padding id, ids repeated within and across samples, one
+    position, one id everywhere, no sample and no position; ids outside [0, 2^32) are refused."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator().manual_seed(4)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    cases = [(torch.randint(0, 7, (4, 50), generator=gen), 3), (torch.randint(0, 1000, (3, 40), generator=gen), -1),
+             (torch.zeros(2, 30, dtype=torch.long), -1), (torch.zeros(2, 30, dtype=torch.long), 0),
+             (torch.tensor([[5]]), -1), (torch.randint(0, 3, (5, 17), generator=gen).int(), 2)]
+    for ids, pad in cases:
+        g = torch.randn(*ids.shape, 6, generator=gen, dtype=torch.float64).to(dtype)
+        one_hot = torch.nn.functional.one_hot(ids.long(), int(ids.max()) + 1).double()
+        if pad >= 0:
+            one_hot = one_hot * ids.ne(pad).unsqueeze(-1)
+        want = torch.bmm(one_hot.transpose(1, 2), g.double()).square().sum((1, 2))
+        got = torch.ops.gapmon.embedding_norm_sq(ids, g, pad)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(torch.ops.gapmon.embedding_norm_sq(ids, g, pad, 8).double(), want, rtol=tol, atol=tol)
+    assert torch.ops.gapmon.embedding_norm_sq(torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5, 3), -1).shape == (0,)
+    assert torch.equal(torch.ops.gapmon.embedding_norm_sq(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, 3), -1),
+                       torch.zeros(2))
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError, match="ids must lie in"):
+            torch.ops.gapmon.embedding_norm_sq(torch.tensor([[0, bad]]), torch.ones(1, 2, 3), -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
