@@ -214,10 +214,17 @@ class LayerHooks:
         with torch.no_grad():
             acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
-            for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
-                self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
-            pos = pieces[0] if len(pieces) == 1 else tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
-            sq = rule.norm_sq(module, pos).double()
+            if len(pieces) == 1:  # the use check takes the weight gradient when the norms formed it
+                pos = pieces[0]
+                sq, weight_grad = rule.norm_sq_and_weight_grad(module, pos)
+                self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), pos, _dtype_of(pairs[0][1]),
+                                     weight_grad)
+            else:
+                for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
+                    self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
+                pos = tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
+                sq = rule.norm_sq(module, pos)
+            sq = sq.double()
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
             mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
         mb.add(sq, acc, layer_type_name(module))

@@ -13,7 +13,7 @@ from gapmon.apps.examples import GPTConfig, lm_loss, synthetic_batch
 # T = 16 against d = 16: every Linear layer of this model takes the direct form (T (d + p) >= d p),
 # so every one is book-kept.
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=2)
-BOOKKEEPING_OP = "gapmon::direct_norm_sq_and_grad"
+BOOKKEEPING_OP = "BookkeepingLinear"  # the autograd Function, once per book-kept call (the op also serves plain norms)
 
 
 def _linears(model: nn.Module) -> int:

@@ -21,9 +21,9 @@ def _gpt(seq_len=8, norm="rms"):
 @pytest.mark.parametrize("seq_len, regime", [(8, "ghost"), (64, "direct")])
 def test_transformer_matches_vmap(monkeypatch, reduction, norm, seq_len, regime):
     calls = {"ghost": 0, "direct": 0}
-    for name in calls:
-        real = getattr(linear_rule, f"_{name}")
-        monkeypatch.setattr(linear_rule, f"_{name}", lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
+    for fn, name in (("_ghost", "ghost"), ("_direct", "direct"), ("_direct_and_grad", "direct")):
+        real = getattr(linear_rule, fn)
+        monkeypatch.setattr(linear_rule, fn, lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
     model = _gpt(seq_len, norm)
     x, y = synthetic_batch(model.cfg, 5, 1)
     psn = gapmon.PerSampleGradNorms(model, loss_reduction=reduction, strict=True)

@@ -53,7 +53,7 @@ def _worker(rank: int, world: int):
                 where = f"{wrapper} {layout} bookkeeping={bookkeeping}"
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     lm_loss(model(x[local_ids]), y[local_ids]).backward()
-                bookkept = sum(e.count for e in prof.key_averages() if e.key == "gapmon::direct_norm_sq_and_grad")
+                bookkept = sum(e.count for e in prof.key_averages() if e.key == "BookkeepingLinear")
                 assert (bookkept > 0) == bookkeeping, (where, bookkept)
                 local = psn.local_norms()
                 torch.testing.assert_close(local, want[local_ids], rtol=1e-4, atol=1e-6)

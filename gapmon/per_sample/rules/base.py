@@ -198,6 +198,13 @@ class NormRule:
     def norm_sq(self, module: nn.Module, pos: Sequence[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def norm_sq_and_weight_grad(self, module: nn.Module,
+                                pos: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """norm_sq, and the weight gradient of these positions when the norms formed it on the way (then the
+        use check sketches it instead of reading the positions again, as for a book-kept call); None
+        otherwise. Only a rule with bookkept_sketch returns one."""
+        return self.norm_sq(module, pos), None
+
     def grad_sketch(self, module: nn.Module, pos: Sequence[torch.Tensor],
                     probe: Callable[[torch.Tensor], torch.Tensor]) -> list["Sketch"] | None:
         """A Sketch per trainable parameter: the sum over samples of the per-sample gradients of one
