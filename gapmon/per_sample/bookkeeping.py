@@ -8,7 +8,9 @@ the per-sample gradients once, takes their squared norms and sums them into the 
 The norms then cost no extra GEMM, only a read of the per-sample gradients.
 
 The weight gradient is summed in float32 or wider: under bf16 autocast it is more precise than
-autograd's (a bf16 GEMM result), so its bits differ from a plain step's.
+autograd's (a bf16 GEMM result), so its bits differ from a plain step's. The bias gradient is the sum of
+the per-sample bias gradients (one read of the output gradient for both), in another order than
+autograd's: its last bits may differ too.
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ class _Carried:
 class BookkeepingLinear(torch.autograd.Function):
     """Identity on the output of F.linear(x, weight, bias) (carried detached); its backward is
     Linear's, with the weight gradient summed from per-sample gradients whose squared norms ([B], or
-    None for a frozen weight) go to `report(g, sq, weight_grad)`, g the output gradient as [B, T, p] and
-    weight_grad the sum (float32 or wider; None for a frozen weight)."""
+    None for a frozen weight) go to `report(g, sq, weight_grad, bias_sums)`, g the output gradient as [B, T, p],
+    weight_grad the sum (float32 or wider; None for a frozen weight) and bias_sums each sample's bias gradient
+    [B, p], whose sum is the bias gradient (None for a frozen or absent bias)."""
 
     @staticmethod
     def forward(ctx, carried: _Carried, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
+                report: Callable[..., None]) -> torch.Tensor:
         ctx.save_for_backward(carried.operand, weight)
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -48,7 +51,7 @@ class BookkeepingLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         a, weight = ctx.saved_tensors
         compute = grad_out.dtype  # the dtype F.linear ran in (bfloat16 under bf16 autocast)
-        grad_x = grad_w = grad_b = sq = summed = None
+        grad_x = grad_w = grad_b = sq = summed = bias_sums = None
         if ctx.needs_input_grad[1]:
             grad_x = (grad_out @ weight.to(compute)).to(ctx.x_dtype)
         b = grad_out.shape[0]
@@ -56,14 +59,15 @@ class BookkeepingLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             sq, summed = _backend.direct_norm_sq_and_grad(a.reshape(b, -1, a.shape[-1]), g)
             grad_w = summed.to(weight.dtype)
-        if ctx.needs_input_grad[3]:
-            grad_b = g.sum((0, 1), dtype=_backend.product_dtype(g)).to(ctx.bias_dtype)
-        ctx.report(g, sq, summed)
+        if ctx.needs_input_grad[3]:  # each sample's bias gradient, once: for the norms and their sum
+            bias_sums = g.sum(1, dtype=_backend.product_dtype(g))
+            grad_b = bias_sums.sum(0).to(ctx.bias_dtype)
+        ctx.report(g, sq, summed, bias_sums)
         return None, grad_x, grad_w, grad_b, None
 
 
 def bookkeep(output: torch.Tensor, x: torch.Tensor, module: torch.nn.Linear,
-             report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor:
+             report: Callable[..., None]) -> torch.Tensor:
     """The output of `module`(x) to return from its forward hook: the same values, whose backward
     runs through BookkeepingLinear (the original output's graph is dropped with it). It saves the
     input as F.linear used it: under autocast its 16-bit cast, as autocast itself saves."""

@@ -183,10 +183,11 @@ class LayerHooks:
             self.finish(index, mb)
 
     def _bookkept(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None,
-                  weight_grad: torch.Tensor | None = None) -> None:
+                  weight_grad: torch.Tensor | None = None, bias_sums: torch.Tensor | None = None) -> None:
         """BookkeepingLinear's backward of call `call` of layer `index`: g is the output gradient
-        [B, T, p], weight_sq the weight part of the squared norms and weight_grad the weight gradient
-        (the sum of the per-sample gradients it formed: the use check sketches it, not them again)."""
+        [B, T, p], weight_sq the weight part of the squared norms, weight_grad the weight gradient
+        (the sum of the per-sample gradients it formed: the use check sketches it, not them again) and
+        bias_sums each sample's bias gradient [B, p] (None without a trainable bias)."""
         calls = mb.layers.get(index)
         if calls is not None and len(calls.calls) > 1:
             # The layer ran several times: its per-sample gradient is the sum over the calls, whose
@@ -199,9 +200,9 @@ class LayerHooks:
         _, module, rule = self.layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
-            sq = rule.bookkept_norm_sq(module, g, weight_sq).double()
+            sq = rule.bookkept_norm_sq(module, g, weight_sq, bias_sums).double()
             self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), rule.positions(module, record.calls[call], g, acc),
-                                 g.dtype, weight_grad)
+                                 g.dtype, weight_grad, None if bias_sums is None else bias_sums.sum(0))
         mb.add(sq, acc, layer_type_name(module))
 
     def finish(self, index: int, mb: MicroBatch) -> None:

@@ -118,7 +118,8 @@ class UseChecker:
         check.widen(grad.dtype, check.repeats)
 
     def explain(self, name: str, module: nn.Module, rule: NormRule, used: list[torch.Tensor] | None, piece: tuple,
-                dtype: torch.dtype, weight_grad: torch.Tensor | None = None) -> None:
+                dtype: torch.dtype, weight_grad: torch.Tensor | None = None,
+                bias_grad: torch.Tensor | None = None) -> None:
         """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters: to
         the parameter objects the forward used (under FSDP2 the module may hold other ones by now)."""
         now = rule.params(module)
@@ -126,7 +127,7 @@ class UseChecker:
         as_used = {id(p): u for p, u in zip(now, used)} if len(used) == len(now) else {}
         probe = lambda p: self.probe(as_used.get(id(p), p))  # noqa: E731
         sketches = (rule.grad_sketch(module, piece, probe) if weight_grad is None
-                    else rule.bookkept_sketch(module, piece, weight_grad, probe))
+                    else rule.bookkept_sketch(module, piece, weight_grad, probe, bias_grad))
         if sketches is None:
             for p in used:
                 self.check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"

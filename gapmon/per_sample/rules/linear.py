@@ -170,22 +170,28 @@ class LinearRule(NormRule):
             return bookkeeping.bookkeep(output, x, module, report)
         return None
 
-    def bookkept_sketch(self, module, pos, weight_grad: torch.Tensor | None, probe):
-        """grad_sketch of a book-kept call from the weight gradient it formed (no second read of A and G)."""
+    def bookkept_sketch(self, module, pos, weight_grad: torch.Tensor | None, probe,
+                        bias_grad: torch.Tensor | None = None):
+        """grad_sketch of a call from the weight gradient it formed (no second read of A and G), and the bias
+        gradient when it was formed too (else summed from G)."""
         a, g = pos
         out = []
         if trainable(module.weight) and weight_grad is not None:
             out.append(Sketch(module.weight, sketch(weight_grad, probe(module.weight))))
         if trainable(module.bias):
-            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
+            if bias_grad is None:
+                bias_grad = g.sum((0, 1), dtype=_backend.product_dtype(g))
+            out.append(Sketch(module.bias, sketch(bias_grad, probe(module.bias))))
         return out
 
-    def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None) -> torch.Tensor:
+    def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None,
+                         bias_sums: torch.Tensor | None = None) -> torch.Tensor:
         """Squared norms of a book-kept call (gapmon.per_sample.bookkeeping): the weight part formed with the
-        weight gradient, plus the bias part from the output gradient g [B, T, p]."""
+        weight gradient, plus the bias part from each sample's bias gradient (`bias_sums` [B, p], else summed
+        from the output gradient g [B, T, p])."""
         out = torch.zeros(g.shape[0], dtype=_backend.product_dtype(g), device=g.device)
         if weight_sq is not None:
             out = out + weight_sq
         if trainable(module.bias):
-            out = out + bias_norm_sq(g)
+            out = out + (bias_norm_sq(g) if bias_sums is None else bias_sums.square().sum(1))
         return out
