@@ -134,10 +134,11 @@ constexpr int64_t kTileElems = int64_t(1) << 18;
 void products_in_tiles(const at::Tensor& a, const at::Tensor& g, at::Tensor* sum, double* sq) {
   const int64_t n = a.size(0), p = g.size(2), d = a.size(2);
   const int64_t tile = std::max<int64_t>(1, kTileElems / std::max<int64_t>(1, n * d));
+  const at::Tensor aw = a.to(at::promote_types(sum_dtype(a), sum_dtype(g)));  // widened once, not per tile
   for (int64_t r = 0; r < p; r += tile) {
     const int64_t rows = std::min(tile, p - r);
     at::Tensor part = sum != nullptr ? sum->narrow(0, r, rows) : at::Tensor();
-    sum_and_squares_into(wide_bmm(g.narrow(2, r, rows).transpose(1, 2), a), sum != nullptr ? &part : nullptr, sq);
+    sum_and_squares_into(wide_bmm(g.narrow(2, r, rows).transpose(1, 2), aw), sum != nullptr ? &part : nullptr, sq);
   }
   if (p == 0 && sum != nullptr) sum->zero_();
 }
