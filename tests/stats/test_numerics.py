@@ -467,6 +467,42 @@ def test_exponents_counted_in_pairs_over_odd_runs_and_calls_in_a_row(dtype, cpu_
         assert torch.equal(fused[:nm.NUM_BINS], want[:nm.NUM_BINS])
 
 
+def test_every_instruction_set_gives_the_same_bits():
+    """The numerics rows (bins and moments) of float32, bfloat16 and float16 tensors are the same bits on the
+    generic, AVX2 and AVX-512 kernels (the AVX2 power sums once used FMA, which the generic build has not: the
+    moments' last bits then depended on the machine), and so is the one pass with block formats."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled kernels")
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(70001, generator=gen) * 3, torch.randn(30000, generator=gen).bfloat16(),
+          torch.randn(333, 77, generator=gen).half(), torch.randn(5000, generator=gen) + 1e4]
+    isas = [i for i in ("generic", "avx2", "avx512") if _isa_supported(i)]
+    previous = gapmon.cpu_isa()
+    try:
+        rows = {}
+        for isa in isas:
+            gapmon.cpu_isa(isa)
+            rows[isa] = ([gapmon.numerics_states([x])[0] for x in xs],
+                         gapmon.states_numerics_blocks(xs, ["mxfp8_e4m3"])[1])
+    finally:
+        gapmon.cpu_isa(previous)
+    for isa in isas[1:]:
+        for got, want in zip(rows[isa][0], rows[isas[0]][0]):
+            assert torch.equal(got, want), isa
+        assert torch.equal(rows[isa][1], rows[isas[0]][1]), isa
+
+
+def _isa_supported(isa: str) -> bool:
+    previous = gapmon.cpu_isa()
+    try:
+        gapmon.cpu_isa(isa)
+        return True
+    except ValueError:
+        return False
+    finally:
+        gapmon.cpu_isa(previous)
+
+
 def test_states_and_numerics_in_one_pass_equal_the_two_ops():
     """states_and_numerics (one pass on CPU) gives the bits of multi_tensor_states and numerics_states,
     over dtypes, layouts, empty and expanded tensors, one and many chunks."""
