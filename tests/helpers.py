@@ -13,6 +13,21 @@ import torch.multiprocessing as mp
 import gapmon
 
 
+def cpu_isas() -> list[str]:
+    """The CPU instruction sets of the compiled kernels this machine supports (none on the pure-torch backend)."""
+    if gapmon.backend() == "torch":
+        return []
+    found, previous = [], gapmon.cpu_isa()
+    for isa in ("generic", "avx2", "avx512"):
+        try:
+            gapmon.cpu_isa(isa)
+            found.append(isa)
+        except ValueError:
+            pass
+    gapmon.cpu_isa(previous)
+    return found
+
+
 def float64_stats(x: torch.Tensor, correction: int = 1) -> dict[str, float]:
     """Exact (float64) statistics of the elements of x, with torch's semantics."""
     v = x.detach().double().reshape(-1)

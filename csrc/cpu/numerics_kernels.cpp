@@ -317,7 +317,7 @@ PairKeys pair_keys(bool avx2, bool avx512) {
 }
 
 // The instruction set of the statistics kernels (select_isa) decides here too: AVX2 (which the avx2 and
-// avx512 selections imply, with FMA and F16C) or the generic code.
+// avx512 selections imply, with F16C) or the generic code; the pair keys have an AVX-512 form.
 using BlockSums = void (*)(const uint32_t*, int64_t, double, double (&)[4]);
 BlockSums block_sums(bool avx2) {
 #if defined(__x86_64__)
@@ -338,8 +338,8 @@ void add_run_f32(const T* p, int64_t len, ChunkAccumulator& acc) {
   for (int64_t start = 0; start < len; start += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, len - start);
     const T* q = p + start;
-    // The block's float32 bits first: a copy that streams the data in (faster from DRAM than
-    // histogram loads straight from the tensor, measured), float16 converted by F16C.
+    // The block's float32 bits: float32 read in place; bfloat16 and float16 widened into a buffer first
+    // (float16 by F16C).
 #if defined(__x86_64__)
     if (std::is_same_v<T, Half> && avx2) {
       half_bits_f16c(reinterpret_cast<const Half*>(q), n, widened);

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import cpu_isas
 
 import gapmon
 from gapmon import numerics as nm
@@ -476,7 +477,7 @@ def test_every_instruction_set_gives_the_same_bits():
     gen = torch.Generator().manual_seed(8)
     xs = [torch.randn(70001, generator=gen) * 3, torch.randn(30000, generator=gen).bfloat16(),
           torch.randn(333, 77, generator=gen).half(), torch.randn(5000, generator=gen) + 1e4]
-    isas = [i for i in ("generic", "avx2", "avx512") if _isa_supported(i)]
+    isas = cpu_isas()
     previous = gapmon.cpu_isa()
     try:
         rows = {}
@@ -490,17 +491,6 @@ def test_every_instruction_set_gives_the_same_bits():
         for got, want in zip(rows[isa][0], rows[isas[0]][0]):
             assert torch.equal(got, want), isa
         assert torch.equal(rows[isa][1], rows[isas[0]][1]), isa
-
-
-def _isa_supported(isa: str) -> bool:
-    previous = gapmon.cpu_isa()
-    try:
-        gapmon.cpu_isa(isa)
-        return True
-    except ValueError:
-        return False
-    finally:
-        gapmon.cpu_isa(previous)
 
 
 def test_states_and_numerics_in_one_pass_equal_the_two_ops():
