@@ -149,60 +149,49 @@ bool in_tiles(const at::Tensor& a, const at::Tensor& g) {
   return a.is_cpu() && g.is_cpu() && (t == at::kFloat || t == at::kDouble);
 }
 
-// ||g_b^T a_b||_F^2 per sample, forming the per-sample gradients in batches that stay under
-// `max_elements` elements.
-at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_elements) {
-  check_pair(a, g, "direct_norm_sq");
-  TORCH_CHECK_VALUE(max_elements > 0, "gapmon.direct_norm_sq: max_elements must be positive, got ", max_elements);
-  const int64_t b = a.size(0), per_sample = a.size(2) * g.size(2);
-  const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, per_sample));
-  at::Tensor out = at::empty({b}, a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))));
-  if (in_tiles(a, g)) {
-    at::Tensor sq = at::zeros({b}, a.options().dtype(at::kDouble));
-    for (int64_t s = 0; s < b; s += step) {
-      const int64_t n = std::min(step, b - s);
-      products_in_tiles(a.narrow(0, s, n), g.narrow(0, s, n), nullptr, sq.data_ptr<double>() + s);
-    }
-    return out.copy_(sq);
-  }
-  for (int64_t s = 0; s < b; s += step) {
-    const int64_t n = std::min(step, b - s);
-    const at::Tensor grads = wide_bmm(g.narrow(0, s, n).transpose(1, 2), a.narrow(0, s, n));  // [n, p, d]
-    out.narrow(0, s, n).copy_(sum_of_squares(grads));
-  }
-  return out;
-}
-
-// Book-keeping: the squared norms of the per-sample gradients g_b^T a_b ([B]) and their sum over the
-// batch ([p, d], the layer's weight gradient), from one formation of the per-sample gradients in
-// batches under `max_elements` elements. Sums in float32 or wider (16-bit inputs: wide_bmm).
-std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, const at::Tensor& g,
-                                                           int64_t max_elements) {
-  check_pair(a, g, "direct_norm_sq_and_grad");
-  TORCH_CHECK_VALUE(max_elements > 0, "gapmon.direct_norm_sq_and_grad: max_elements must be positive, got ",
-                    max_elements);
-  const int64_t b = a.size(0), per_sample = a.size(2) * g.size(2);
-  const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, per_sample));
+// The per-sample gradients g_b^T a_b, formed in batches of samples under `max_elements` elements: their squared
+// norms [B] and, `with_sum`, their sum over the batch [p, d] (else an undefined tensor). On the CPU in cache-sized
+// tiles (products_in_tiles); elsewhere each batch whole, read by the statistics kernel and ATen's sum. Sums in
+// float32 or wider (16-bit inputs: wide_bmm).
+std::tuple<at::Tensor, at::Tensor> direct_products(const at::Tensor& a, const at::Tensor& g, int64_t max_elements,
+                                                   bool with_sum, const char* op) {
+  check_pair(a, g, op);
+  TORCH_CHECK_VALUE(max_elements > 0, "gapmon.", op, ": max_elements must be positive, got ", max_elements);
+  const int64_t b = a.size(0), p = g.size(2), d = a.size(2);
+  const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, p * d));
   const auto wide = a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g)));
   at::Tensor sq = at::empty({b}, wide);
   at::Tensor grad;  // the first batch's sum, then accumulated
-  const int64_t p = g.size(2), d = a.size(2);
   for (int64_t s = 0; s < b; s += step) {
     const int64_t n = std::min(step, b - s);
     const at::Tensor as = a.narrow(0, s, n), gs = g.narrow(0, s, n);
+    at::Tensor batch_sum;
     if (in_tiles(a, g)) {
-      at::Tensor batch_sum = at::empty({p, d}, wide);
       at::Tensor batch_sq = at::zeros({n}, a.options().dtype(at::kDouble));
-      products_in_tiles(as, gs, &batch_sum, batch_sq.data_ptr<double>());
+      if (with_sum) batch_sum = at::empty({p, d}, wide);
+      products_in_tiles(as, gs, with_sum ? &batch_sum : nullptr, batch_sq.data_ptr<double>());
       sq.narrow(0, s, n).copy_(batch_sq);
-      grad = grad.defined() ? grad.add_(batch_sum) : batch_sum;
-      continue;
+    } else {
+      const at::Tensor grads = wide_bmm(gs.transpose(1, 2), as);  // [n, p, d]
+      sq.narrow(0, s, n).copy_(sum_of_squares(grads));
+      if (with_sum) batch_sum = grads.sum(0);
     }
-    const at::Tensor grads = wide_bmm(gs.transpose(1, 2), as);  // [n, p, d]
-    sq.narrow(0, s, n).copy_(sum_of_squares(grads));
-    grad = grad.defined() ? grad.add_(grads.sum(0)) : grads.sum(0);
+    if (with_sum) grad = grad.defined() ? grad.add_(batch_sum) : batch_sum;
   }
-  return {sq, grad.defined() ? grad : at::zeros({p, d}, wide)};
+  if (with_sum && !grad.defined()) grad = at::zeros({p, d}, wide);
+  return {sq, grad};
+}
+
+// ||g_b^T a_b||_F^2 per sample.
+at::Tensor direct_norm_sq(const at::Tensor& a, const at::Tensor& g, int64_t max_elements) {
+  return std::get<0>(direct_products(a, g, max_elements, false, "direct_norm_sq"));
+}
+
+// Book-keeping: the squared norms of the per-sample gradients g_b^T a_b ([B]) and their sum over the
+// batch ([p, d], the layer's weight gradient), from one formation of the per-sample gradients.
+std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, const at::Tensor& g,
+                                                           int64_t max_elements) {
+  return direct_products(a, g, max_elements, true, "direct_norm_sq_and_grad");
 }
 
 // The squared norms of the per-sample table gradients formed row by row on the CPU: the positions sorted by
