@@ -196,13 +196,15 @@ class LayerHooks:
             return
         if calls is None or calls.grads[call] is not None:
             self._backward_hook(index, mb, call, g)  # raises: a second backward through this call
-        record = mb.layers.pop(index)
-        _, module, rule = self.layers[index]
+        del mb.layers[index]
+        name, module, rule = self.layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             sq = rule.bookkept_norm_sq(module, g, weight_sq, bias_sums).double()
-            self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), rule.positions(module, record.calls[call], g, acc),
-                                 g.dtype, weight_grad, None if bias_sums is None else bias_sums.sum(0))
+            grads = [] if weight_grad is None else [(module.weight, weight_grad)]
+            if bias_sums is not None:
+                grads.append((module.bias, bias_sums.sum(0)))
+            self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, grads)
         mb.add(sq, acc, layer_type_name(module))
 
     def finish(self, index: int, mb: MicroBatch) -> None:
@@ -215,11 +217,11 @@ class LayerHooks:
         with torch.no_grad():
             acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
-            if len(pieces) == 1:  # the use check takes the weight gradient when the norms formed it
+            if len(pieces) == 1:  # the use check takes the gradients when the norms formed them
                 pos = pieces[0]
-                sq, weight_grad = rule.norm_sq_and_weight_grad(module, pos)
+                sq, grads = rule.norm_sq_and_grads(module, pos)
                 self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), pos, _dtype_of(pairs[0][1]),
-                                     weight_grad)
+                                     grads)
             else:
                 for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
                     self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .micro_batch import Collection
-from .rules import NormRule, sketch, sketch_rows
+from .rules import NormRule, Sketch, sketch, sketch_rows
 
 # Relative difference between a parameter's accumulated gradient and the sum of the per-sample
 # gradients the rules saw (both sketched) above which the parameter had uses no rule saw; by the
@@ -118,16 +118,17 @@ class UseChecker:
         check.widen(grad.dtype, check.repeats)
 
     def explain(self, name: str, module: nn.Module, rule: NormRule, used: list[torch.Tensor] | None, piece: tuple,
-                dtype: torch.dtype, weight_grad: torch.Tensor | None = None,
-                bias_grad: torch.Tensor | None = None) -> None:
+                dtype: torch.dtype, grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters: to
-        the parameter objects the forward used (under FSDP2 the module may hold other ones by now)."""
+        the parameter objects the forward used (under FSDP2 the module may hold other ones by now). `grads`:
+        (parameter, that sum) of every trainable parameter when the norms formed them on the way (then they are
+        sketched, and the positions are not read again), else the rule's grad_sketch reads the positions."""
         now = rule.params(module)
         used = now if used is None else used
         as_used = {id(p): u for p, u in zip(now, used)} if len(used) == len(now) else {}
         probe = lambda p: self.probe(as_used.get(id(p), p))  # noqa: E731
-        sketches = (rule.grad_sketch(module, piece, probe) if weight_grad is None
-                    else rule.bookkept_sketch(module, piece, weight_grad, probe, bias_grad))
+        sketches = (rule.grad_sketch(module, piece, probe) if grads is None
+                    else [Sketch(p, sketch(grad, probe(p))) for p, grad in grads])
         if sketches is None:
             for p in used:
                 self.check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"

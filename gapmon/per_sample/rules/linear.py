@@ -117,17 +117,20 @@ class LinearRule(NormRule):
             out = out + bias_norm_sq(g)
         return out
 
-    def norm_sq_and_weight_grad(self, module, pos):
+    def norm_sq_and_grads(self, module, pos):
         """In the direct form the per-sample gradients are formed anyway: their sum over samples comes with the
-        norms (one read of them, in tiles), and the use check sketches that [p, d] sum rather than reading the
-        positions again (Gᵀ(A r): at T=512 the LM head's gradient alone is 64 MB)."""
+        norms (one read of them, in tiles), and each sample's bias gradient gives both its norm and the bias
+        gradient (one read of G)."""
         a, g = pos
         if not trainable(module.weight) or not direct_form(a.shape[1], a.shape[2], g.shape[2]):
             return self.norm_sq(module, pos), None
         out, weight_grad = _direct_and_grad(a, g)
+        grads = [(module.weight, weight_grad)]
         if trainable(module.bias):
-            out = out + bias_norm_sq(g)
-        return out, weight_grad
+            bias_sums = g.sum(1, dtype=_backend.product_dtype(g))
+            out = out + bias_sums.square().sum(1)
+            grads.append((module.bias, bias_sums.sum(0)))
+        return out, grads
 
     def per_sample_grads(self, module, pos, batch):
         a, g = (t.double() for t in pos)
@@ -175,20 +178,6 @@ class LinearRule(NormRule):
                 x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
             return bookkeeping.bookkeep(output, x, module, report)
         return None
-
-    def bookkept_sketch(self, module, pos, weight_grad: torch.Tensor | None, probe,
-                        bias_grad: torch.Tensor | None = None):
-        """grad_sketch of a call from the weight gradient it formed (no second read of A and G), and the bias
-        gradient when it was formed too (else summed from G)."""
-        a, g = pos
-        out = []
-        if trainable(module.weight) and weight_grad is not None:
-            out.append(Sketch(module.weight, sketch(weight_grad, probe(module.weight))))
-        if trainable(module.bias):
-            if bias_grad is None:
-                bias_grad = g.sum((0, 1), dtype=_backend.product_dtype(g))
-            out.append(Sketch(module.bias, sketch(bias_grad, probe(module.bias))))
-        return out
 
     def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None,
                          bias_sums: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,6 +28,20 @@ class _AffineNormRule(NormRule):
             out = out + bias_norm_sq(g)
         return out
 
+    def norm_sq_and_grads(self, module, pos):
+        """Each sample's gradients Σ_t G_t ⊙ x̂_t and Σ_t G_t, formed once: their squares are the norms, their sums
+        over samples the gradients the use check sketches (the positions are read once, not twice)."""
+        xhat, g = pos
+        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        grads = []
+        for name, per_sample in (("weight", lambda: (g * xhat).sum(1)), ("bias", lambda: g.sum(1))):
+            p = getattr(module, name, None)
+            if trainable(p):
+                sums = per_sample()
+                out = out + sums.square().sum(1)
+                grads.append((p, sums.sum(0)))
+        return out, grads
+
     def grad_sketch(self, module, pos, probe):
         xhat, g = pos
         out = []
