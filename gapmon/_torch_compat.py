@@ -40,6 +40,15 @@ def saved_tensors_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The module's own parameters, each once: what parameters(recurse=False) yields, read from its registry
+    (`_parameters`, which FSDP2 updates when it swaps the objects) without the generator walk, ~10x slower."""
+    own = [p for p in module._parameters.values() if p is not None]
+    if len(own) > 1 and len({id(p) for p in own}) < len(own):  # one parameter registered under two names
+        own = list({id(p): p for p in own}.values())
+    return own
+
+
 def has_kernel_for(op: str, dispatch_key: str) -> bool:
     """Whether the dispatcher has a kernel of `op` ("gapmon::tensor_stats") for `dispatch_key`."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)

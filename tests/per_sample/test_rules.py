@@ -374,3 +374,21 @@ def test_recurrent_layers_refuse_what_they_cannot_replay():
     assert psn.local_norms().tolist() == [0.0, 0.0, 0.0]
     with pytest.warns(RuntimeWarning, match="proj_size"):
         gapmon.PerSampleGradNorms(nn.LSTM(4, 5, proj_size=2))
+
+
+def test_a_rule_reads_the_parameters_a_module_holds_now():
+    """NormRule.params reads the module's registry at every call: what parameters(recurse=False) yields (each
+    object once, also when registered under two names; None entries and frozen ones left out), and a swapped
+    parameter object (as FSDP2 swaps them) is the one it gives next."""
+    from gapmon.per_sample.rules import LinearRule
+
+    layer, rule = nn.Linear(4, 3), LinearRule()
+    assert [id(p) for p in rule.params(layer)] == [id(p) for p in layer.parameters(recurse=False)]
+    layer.register_parameter("alias", layer.weight)  # one object under two names
+    layer.register_parameter("absent", None)
+    assert [id(p) for p in rule.params(layer)] == [id(layer.weight), id(layer.bias)]
+    layer.bias.requires_grad_(False)
+    assert [id(p) for p in rule.params(layer)] == [id(layer.weight)]
+    swapped = nn.Parameter(torch.zeros(3, 4))
+    layer.weight = swapped
+    assert rule.params(layer)[0] is swapped

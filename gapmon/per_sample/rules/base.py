@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.nn as nn
 
+from ... import _torch_compat
 from ...stats import _backend
 from ...utils import first_tensor
 
@@ -158,14 +159,10 @@ class NormRule:
 
     def params(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable parameters whose norms this rule covers. Read at every call of the layer (FSDP2 swaps the
-        parameter objects, requires_grad may change): a module's own parameters straight from its registry (what
-        parameters(recurse=False) yields, each once) rather than through the generator walk, ~10x slower."""
+        parameter objects, requires_grad may change)."""
         if self.owns_submodules:
             return [p for p in module.parameters() if p.requires_grad]
-        own = [p for p in module._parameters.values() if p is not None and p.requires_grad]
-        if len(own) > 1 and len({id(p) for p in own}) < len(own):  # one parameter registered under two names
-            own = list({id(p): p for p in own}.values())
-        return own
+        return [p for p in _torch_compat.own_parameters(module) if p.requires_grad]
 
     def not_per_sample(self, module: nn.Module, call: Call, output: torch.Tensor, batch: int,
                        model_inputs: set[int]) -> str | None:
