@@ -129,7 +129,7 @@ class LayerHooks:
             self.coverage.skip(name, why)
             return
         call = batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
-        why = rule.not_per_sample(module, call, output.movedim(dim, 0), mb.batch, mb.inputs)
+        why = rule.not_per_sample(module, call, output.movedim(dim, 0) if dim else output, mb.batch, mb.inputs)
         if why is not None:
             self.coverage.skip(name, why)
             return
