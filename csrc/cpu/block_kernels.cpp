@@ -4,6 +4,7 @@
 #include "block_kernels.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "stats_kernels.h"
@@ -46,7 +47,65 @@ ChunkArgs* groups_for_isa() {
   return groups_generic;
 }
 
+// The largest magnitude bits below `inf` (the exponent-all-ones pattern: Inf and NaN left out) of n elements.
+template <typename U>
+U finite_magnitude_bits(const U* p, int64_t n, U abs_mask, U inf) {
+  U m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const U a = p[i] & abs_mask;
+    const U v = a < inf ? a : U(0);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+__attribute__((flatten)) double finite_amax_generic(const core::BlockOperand& op, int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
+  switch (op.dtype) {
+    case core::DType::kFloat32: {
+      const uint32_t m = finite_magnitude_bits(static_cast<const uint32_t*>(op.data) + begin, n, 0x7FFFFFFFu, 0x7F800000u);
+      return core::f32_from_bits(m);
+    }
+    case core::DType::kBFloat16: {
+      const uint16_t m = finite_magnitude_bits(static_cast<const uint16_t*>(op.data) + begin, n, uint16_t(0x7FFF), uint16_t(0x7F80));
+      return core::widen(core::BF16{m});
+    }
+    case core::DType::kFloat16: {
+      const uint16_t m = finite_magnitude_bits(static_cast<const uint16_t*>(op.data) + begin, n, uint16_t(0x7FFF), uint16_t(0x7C00));
+      return core::widen(core::Half{m});
+    }
+    case core::DType::kFloat64: {
+      const uint64_t m = finite_magnitude_bits<uint64_t>(static_cast<const uint64_t*>(op.data) + begin, n, 0x7FFFFFFFFFFFFFFFull,
+                                               0x7FF0000000000000ull);
+      double d;
+      std::memcpy(&d, &m, sizeof d);
+      return d;
+    }
+  }
+  return 0.0;
+}
+
+#ifdef GAPMON_HAS_X86_ISAS
+__attribute__((flatten, target("avx512f,avx512bw,avx512vl,avx2"))) double finite_amax_avx512(const core::BlockOperand& op,
+                                                                                              int64_t begin, int64_t end) {
+  return finite_amax_generic(op, begin, end);
+}
+__attribute__((flatten, target("avx2"))) double finite_amax_avx2(const core::BlockOperand& op, int64_t begin, int64_t end) {
+  return finite_amax_generic(op, begin, end);
+}
+#endif
+
 }  // namespace
+
+double finite_amax(const core::BlockOperand& op, int64_t begin, int64_t end) {
+  if (begin >= end) return 0.0;
+#ifdef GAPMON_HAS_X86_ISAS
+  const std::string isa = active_isa();
+  if (isa == "avx512") return finite_amax_avx512(op, begin, end);
+  if (isa == "avx2") return finite_amax_avx2(op, begin, end);
+#endif
+  return finite_amax_generic(op, begin, end);
+}
 
 void block_groups(const core::BlockOperand& op, int64_t begin, int64_t end, const core::BlockFormat* formats,
                   int num_formats, double amax, core::BlockRow* rows) {

@@ -18,6 +18,10 @@ void block_groups(const core::BlockOperand& op, int64_t begin, int64_t end, cons
 void block_chunk(const core::BlockOperand& op, int64_t chunk_in_tensor, const core::BlockFormat* formats,
                  int num_formats, double amax, core::BlockRow* rows);
 
+// The largest finite |x| over elements [begin, end) of `op` (0 when none): what the formats scaled per tensor take
+// as the tensor's amax. Compared as magnitude bits (monotonic for IEEE values), so that every dtype vectorises.
+double finite_amax(const core::BlockOperand& op, int64_t begin, int64_t end);
+
 #ifdef GAPMON_HAS_X86_ISAS
 namespace isa {
 // Groups [begin, end) of `op` cast with AVX-512 (block_kernels_avx512.cpp: whole groups 16 at a time, a row's

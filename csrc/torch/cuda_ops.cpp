@@ -12,9 +12,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -436,6 +438,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cuda(at::T
   return {states, numerics_rows, blocks};
 }
 
+// BlockRow::merge of device rows [F, kNumBlockColumns], in place into `held`: counts and sums add, the smallest
+// non-zero magnitude the smaller, the largest block ratio the larger.
+void merge_block_rows_into(at::Tensor held, const at::Tensor& fresh) {
+  at::Tensor merged = held + fresh;
+  for (const auto& [column, smaller] : {std::pair<int64_t, bool>{core::bMinNonzero, true}, {core::bMaxBlockRatio, false}}) {
+    const at::Tensor h = held.select(1, column), f = fresh.select(1, column);
+    merged.select(1, column).copy_(at::where(smaller ? f.lt(h) : f.gt(h), f, h));
+  }
+  held.copy_(merged);
+}
+
+// The instance fold (with `with_numerics`, and the numerics row) as accumulate_instance_stats(_and_numerics) gives
+// them, then x's per-block format rows by the block kernel, merged into the table row: two reads of x for now (the
+// CPU takes the blocks in the statistics pass).
+void accumulate_instance_stats_numerics_blocks_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
+                                                    bool with_numerics, at::Tensor& numerics, int64_t numerics_row,
+                                                    at::IntArrayRef format_codes, const std::optional<at::Tensor>& amax,
+                                                    at::Tensor& blocks, int64_t blocks_row) {
+  const char* op = "accumulate_instance_stats_numerics_blocks";
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes, op);
+  check_block_table(x, blocks, blocks_row, static_cast<int64_t>(formats.size()), op);
+  if (with_numerics) {
+    accumulate_instance_stats_and_numerics_cuda(x, acc, row, correction, numerics, numerics_row);
+  } else {
+    accumulate_instance_stats_cuda(x, acc, row, correction);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  // The amax when not given: x's largest finite |x| by ATen ops on the device (no host read).
+  const at::Tensor tensor_amax =
+      amax.has_value() ? *amax
+                       : at::where(at::isfinite(x), x.abs(), at::zeros({}, x.options())).amax().to(at::kDouble).reshape({1});
+  merge_block_rows_into(blocks.select(0, blocks_row), block_numerics_cuda({x}, format_codes, tensor_amax).select(0, 0));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
@@ -453,6 +489,7 @@ TORCH_LIBRARY_IMPL(gapmon, CUDA, m) {
   m.impl("merge_numerics_states", &merge_numerics_states_cuda);
   m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cuda);
   m.impl("accumulate_instance_stats_and_numerics", &accumulate_instance_stats_and_numerics_cuda);
+  m.impl("accumulate_instance_stats_numerics_blocks", &accumulate_instance_stats_numerics_blocks_cuda);
 }
 
 }  // namespace gapmon

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "../core/numerics.h"
@@ -209,6 +210,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> states_numerics_blocks_cpu(at::Te
   return {states_to_tensor(states), numerics, blocks};
 }
 
+// accumulate_instance_stats (with `with_numerics`, accumulate_instance_stats_and_numerics), and x's per-block format
+// rows merged into blocks[blocks_row] ([F, kNumBlockColumns], after what it holds), in one pass over x: right after
+// each chunk's state, while the chunk is in cache, its numerics and the block groups that start in it. The chunks'
+// block partials are merged in chunk order (the same bits whatever the threads). An x that is not contiguous, or
+// has no last dim to cut blocks from, has its blocks cast from its contiguous copy after the pass.
+void accumulate_instance_stats_numerics_blocks_cpu(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
+                                                   bool with_numerics, at::Tensor& numerics, int64_t numerics_row,
+                                                   at::IntArrayRef format_codes, const std::optional<at::Tensor>& amax,
+                                                   at::Tensor& blocks, int64_t blocks_row) {
+  const char* op = "accumulate_instance_stats_numerics_blocks";
+  check_accumulator(x, acc, row, op);
+  if (with_numerics) check_numerics_table(x, numerics, numerics_row);
+  const std::vector<core::BlockFormat> formats = block_formats_of(format_codes, op);
+  const int64_t num_formats = static_cast<int64_t>(formats.size());
+  check_block_table(x, blocks, blocks_row, num_formats, op);
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> views{make_view(x, 1, op, keep_alive)};
+  const bool need_amax = any_needs_amax(formats);
+  const at::Tensor given = amax.has_value() ? *amax : at::zeros({1}, at::kDouble);
+  std::vector<core::BlockOperand> ops = block_operands({x}, formats, given, keep_alive, op);
+  // The tensor amax of the formats scaled per tensor: given, or measured here (a read before the pass: the scale
+  // depends on the whole tensor), in parallel chunks whose maxima combine in any order.
+  double tensor_amax = 0.0;
+  if (need_amax && amax.has_value()) {
+    tensor_amax = given.data_ptr<double>()[0];
+  } else if (need_amax) {
+    const int64_t numel = ops[0].rows * ops[0].cols;
+    const int64_t pieces = std::max<int64_t>(1, (numel + core::kChunkElems - 1) / core::kChunkElems);
+    std::vector<double> maxima(pieces, 0.0);
+    at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {
+        maxima[k] = cpu::finite_amax(ops[0], k * core::kChunkElems, std::min(numel, (k + 1) * core::kChunkElems));
+      }
+    });
+    tensor_amax = *std::max_element(maxima.begin(), maxima.end());
+  }
+  const double* amax_ptr = need_amax ? &tensor_amax : nullptr;
+  // In the pass when every instance is whole rows of the last dim, laid out in order: block groups never straddle
+  // two instances, and instance `item`'s element lo is element item * item_numel + lo of the operand.
+  const bool in_pass = x.is_contiguous() && x.dim() >= 2 && ops[0].cols > 0;
+  const int64_t total = core::plan_chunks(views.data(), 1);
+  std::vector<ChunkNumerics> chunks(with_numerics ? total : 0);
+  std::vector<core::BlockRow> block_chunks(in_pass ? total * num_formats : 0);
+  const auto states = compute_states(views, x.size(0), [&](const core::StridedView& v, int64_t c, int64_t item,
+                                                           int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    if (with_numerics) chunks[c] = cpu::chunk_numerics(v, item, lo, hi);
+    if (in_pass) {
+      const int64_t base = item * v.item_numel, cols = ops[0].cols;
+      cpu::block_groups(ops[0], core::group_at(base + lo, cols), core::group_at(base + hi, cols), formats.data(),
+                        static_cast<int>(num_formats), tensor_amax, block_chunks.data() + c * num_formats);
+    }
+  });
+  fold_instances(states, correction, acc.data_ptr<double>() + row * core::kNumAccColumns);
+  if (with_numerics) {
+    merge_chunks_into(views[0], chunks.data(), static_cast<int64_t>(chunks.size()),
+                      numerics.data_ptr<double>() + numerics_row * core::kNumNumericsColumns);
+  }
+  const at::Tensor after = in_pass ? at::Tensor() : block_rows_of(ops, formats, amax_ptr);  // [1, F, C]
+  double* out = blocks.data_ptr<double>() + blocks_row * num_formats * core::kNumBlockColumns;
+  for (int64_t f = 0; f < num_formats; ++f) {
+    core::BlockRow fresh;
+    if (in_pass) {
+      for (int64_t c = 0; c < total; ++c) fresh.merge(block_chunks[c * num_formats + f]);
+    } else {
+      const double* r = after.data_ptr<double>() + f * core::kNumBlockColumns;
+      std::copy(r, r + core::kNumBlockColumns, fresh.v);
+    }
+    core::BlockRow held;
+    double* dst = out + f * core::kNumBlockColumns;
+    std::copy(dst, dst + core::kNumBlockColumns, held.v);
+    held.merge(fresh);
+    std::copy(held.v, held.v + core::kNumBlockColumns, dst);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
@@ -218,6 +295,7 @@ TORCH_LIBRARY_IMPL(gapmon, CPU, m) {
   m.impl("multi_tensor_states_and_numerics", &multi_tensor_states_and_numerics_cpu);
   m.impl("merge_numerics_states", &merge_numerics_states_cpu);
   m.impl("accumulate_instance_stats_and_numerics", &accumulate_instance_stats_and_numerics_cpu);
+  m.impl("accumulate_instance_stats_numerics_blocks", &accumulate_instance_stats_numerics_blocks_cpu);
 }
 
 }  // namespace gapmon

@@ -86,6 +86,14 @@ TORCH_LIBRARY(gapmon, m) {
   m.def(
       "accumulate_instance_stats_and_numerics(Tensor x, Tensor(a!) acc, int row, int correction, Tensor(b!) numerics, "
       "int numerics_row) -> ()");
+  // accumulate_instance_stats (and, with `numerics_on`, accumulate_instance_stats_and_numerics), and x's per-block
+  // format rows (block_numerics; `amax`: float64 [1], x's largest finite |x| for the formats scaled per tensor,
+  // measured by the op when None) merged into row `blocks_row` of a float64 [rows, F, 12] table in place:
+  // GAPMonitor's activation hooks with block formats on, one pass over x on the CPU (after the amax's read when a
+  // format needs it; on CUDA for now the instance op, then the block kernel).
+  m.def(
+      "accumulate_instance_stats_numerics_blocks(Tensor x, Tensor(a!) acc, int row, int correction, bool numerics_on, "
+      "Tensor(b!) numerics, int numerics_row, int[] formats, Tensor? amax, Tensor(c!) blocks, int blocks_row) -> ()");
   m.def("_cpu_isa(str request) -> str", &cpu_isa);
   m.def("_layout() -> str[]", &layout);
 }
@@ -98,7 +106,7 @@ TORCH_LIBRARY_IMPL(gapmon, Autograd, m) {
                          "finalize_states", "accumulate_instance_stats", "numerics_states",
                          "merge_numerics_states", "multi_tensor_states_and_numerics",
                          "accumulate_instance_stats_and_numerics", "update_sums", "block_numerics",
-                         "states_numerics_blocks"}) {
+                         "states_numerics_blocks", "accumulate_instance_stats_numerics_blocks"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

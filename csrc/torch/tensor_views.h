@@ -152,6 +152,19 @@ inline void check_numerics_table(const at::Tensor& x, const at::Tensor& table, i
                     row, " out of range for a table of ", table.size(0), " rows");
 }
 
+// Checks the per-block table of accumulate_instance_stats_numerics_blocks: float64 [rows, F, kNumBlockColumns] on
+// x's device, row `row` merged into in place.
+inline void check_block_table(const at::Tensor& x, const at::Tensor& table, int64_t row, int64_t num_formats,
+                              const char* op) {
+  TORCH_CHECK_VALUE(table.dim() == 3 && table.size(1) == num_formats && table.size(2) == core::kNumBlockColumns &&
+                        table.scalar_type() == at::kDouble && table.is_contiguous() && table.device() == x.device(),
+                    "gapmon.", op, ": expected a contiguous float64 [rows, ", num_formats, ", ", core::kNumBlockColumns,
+                    "] block table on ", x.device(), ", got ", table.scalar_type(), " ", table.sizes(), " on ",
+                    table.device());
+  TORCH_CHECK_INDEX(row >= 0 && row < table.size(0), "gapmon.", op, ": block row ", row, " out of range for a table of ",
+                    table.size(0), " rows");
+}
+
 // The operands of update_sums: per parameter the weights before and after the step (same shape and
 // dtype) and its gradient (same shape), all on one device; contiguous copies (`keep_alive`) of any
 // that are not. Raises ValueError/TypeError naming the parameter's index otherwise.

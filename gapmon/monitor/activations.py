@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..stats import ops
-from ..stats.block_formats import block_numerics, merge_block_rows, needs_tensor_amax
+from ..stats.block_formats import format_codes
 from ..stats.layout import ACC_NAMES, BLOCK_COLUMNS, NUMERICS_COLUMNS
 from ..utils import first_tensor, is_dtensor
 
@@ -41,11 +41,12 @@ def _untraced_grad_hook():
 class BlockRowsAccumulator:
     """Per (kind, module) row, the per-block format rows (gapmon.stats.block_formats) of the step's
     activations or activation gradients, merged over the micro-batches (each tensor cast with its own
-    scales, as a recipe casts each call's tensor), and their element counts."""
+    scales, as a recipe casts each call's tensor), and their element counts. The rows are merged in place by
+    the activation hook's op (accumulate_instance_stats_numerics_blocks), in the pass that takes the statistics."""
 
     def __init__(self, formats: tuple[str, ...], rows: int):
         self.formats, self.rows = formats, rows
-        self.scaled = any(needs_tensor_amax(f) for f in formats)
+        self.codes = format_codes(formats)
         self.table: torch.Tensor | None = None  # [rows, F, C]
         self.numels: torch.Tensor | None = None  # [rows]
 
@@ -56,14 +57,11 @@ class BlockRowsAccumulator:
             self.table[..., BLOCK_COLUMNS.index("min_nonzero")] = math.inf
             self.numels = torch.zeros(self.rows, dtype=torch.float64, device=device)
 
-    def add(self, row: int, x: torch.Tensor) -> None:
+    def table_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The table, on x's device (a new one on the first tensor of a step, or of a new device)."""
         if self.table is None or self.table.device != x.device:
             self.reset(x.device)
-        amax = (torch.where(torch.isfinite(x), x.abs(), 0).amax().double().reshape(1) if self.scaled
-                else torch.zeros(1, dtype=torch.float64, device=x.device))
-        new = block_numerics([x.detach()], self.formats, amax)[0]
-        self.table[row] = merge_block_rows(torch.stack((self.table[row], new)))
-        self.numels[row] += x.numel()
+        return self.table
 
 
 class ActivationRecorder:
@@ -186,13 +184,17 @@ class ActivationRecorder:
             self.first_seen[kind][index] = self._order[kind]
             self._order[kind] += 1
         acc, row = (self._grad_rows[index], 0) if backward else (self.acc, index)
-        if self.numerics:
-            numerics_row = self._num_rows[kind * len(self.modules) + index]
+        numerics_row = self._num_rows[kind * len(self.modules) + index] if self.numerics else None
+        if self.blocks is not None:  # the block rows in the same pass
+            blocks, blocks_row = self.blocks, kind * len(self.modules) + index
+            # (a format scaled per tensor: the op measures x's amax first, a read of its own)
+            ops.accumulate_instance_stats_numerics_blocks(x, acc, row, self.correction, numerics_row, 0, blocks.codes,
+                                                          None, blocks.table_for(x), blocks_row)
+            blocks.numels[blocks_row] += x.numel()
+        elif numerics_row is not None:
             ops.accumulate_instance_stats_and_numerics(x, acc, row, self.correction, numerics_row, 0)
         else:
             ops.accumulate_instance_stats(x, acc, row, self.correction)
-        if self.blocks is not None:
-            self.blocks.add(kind * len(self.modules) + index, x)
 
     def _new_acc(self, device: torch.device, old: torch.Tensor | None) -> torch.Tensor:
         if old is not None and old.abs().sum().item() != 0:

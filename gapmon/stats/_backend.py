@@ -124,6 +124,10 @@ if COMPILED:
     def _(x, acc, row, correction, numerics, numerics_row):
         return None
 
+    @torch.library.register_fake(f"{_LIB}::accumulate_instance_stats_numerics_blocks")
+    def _(x, acc, row, correction, numerics_on, numerics, numerics_row, formats, amax, blocks, blocks_row):
+        return None
+
     @torch.library.register_fake(f"{_LIB}::numerics_states")
     def _(xs):
             return xs[0].new_empty((len(xs), len(NUMERICS_COLUMNS)), dtype=torch.float64)
@@ -325,6 +329,24 @@ def accumulate_instance_stats_and_numerics(x: torch.Tensor, acc: torch.Tensor, r
         reference.accumulate_instance_stats_and_numerics(x.detach(), acc, row, correction, numerics, numerics_row)
         return
     torch.ops.gapmon.accumulate_instance_stats_and_numerics(x, acc, row, correction, numerics, numerics_row)
+
+
+def accumulate_instance_stats_numerics_blocks(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int,
+                                              numerics: torch.Tensor | None, numerics_row: int, codes: Sequence[int],
+                                              amax: torch.Tensor | None, blocks: torch.Tensor, blocks_row: int) -> None:
+    """accumulate_instance_stats (with a `numerics` table, accumulate_instance_stats_and_numerics), and x's per-block
+    format rows (block_numerics; `amax`: float64 [1], x's largest finite |x|, read by the formats scaled per tensor;
+    None: the op measures it) merged into row `blocks_row` of a float64 [rows, F, 12] table in place: GAPMonitor's
+    activation hooks with block formats on, one pass over x on the CPU (each chunk's block groups while it is in
+    cache; a format scaled per tensor needs a read of x for its amax first)."""
+    numerics_on = numerics is not None
+    table = numerics if numerics_on else acc.new_empty(0, len(NUMERICS_COLUMNS))
+    if not _compiled_for(x.device):
+        reference.accumulate_instance_stats_numerics_blocks(x.detach(), acc, row, correction, numerics_on, table,
+                                                            numerics_row, list(codes), amax, blocks, blocks_row)
+        return
+    torch.ops.gapmon.accumulate_instance_stats_numerics_blocks(x, acc, row, correction, numerics_on, table, numerics_row,
+                                                               list(codes), amax, blocks, blocks_row)
 
 
 # ------------------------------------------------------------------ per-sample norm products

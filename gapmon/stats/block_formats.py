@@ -67,6 +67,11 @@ def needs_tensor_amax(fmt: str) -> bool:
     return fmt in _TENSOR_SCALED
 
 
+def format_codes(formats: Sequence[str]) -> list[int]:
+    """The ops' codes of the named formats (checked: ValueError naming an unknown one)."""
+    return [_CODE[f] for f in check_block_formats(formats)]
+
+
 def finite_amaxes(xs: Sequence[torch.Tensor], stat_rows: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [N]: each tensor's largest finite |x| (of the full tensor for a DTensor). From statistics rows
     (max_abs, nonfinite) when given and the tensor is finite; else measured."""

@@ -17,6 +17,7 @@ from . import _backend, distributed
 from ._backend import (  # noqa: F401
     accumulate_instance_stats,
     accumulate_instance_stats_and_numerics,
+    accumulate_instance_stats_numerics_blocks,
     backend,
     cpu_isa,
     cuda_kernels_compiled,

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .layout import ACC_NAMES, BIN, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
+from .layout import ACC_NAMES, BIN, BLOCK_COLUMNS, EXP_MAX, EXP_MIN, NUM_BINS, NUMERICS_COLUMNS, STAT_NAMES, Stats, check_tensor
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +165,31 @@ def accumulate_instance_stats_and_numerics(x: torch.Tensor, acc: torch.Tensor, r
     accumulate_instance_stats(x, acc, row, correction)
     old = numerics[numerics_row].clone()
     numerics[numerics_row] = merge_numerics_states(torch.stack((old, numerics_states([x])[0].to(numerics.device))).unsqueeze(1))[0]
+
+
+def accumulate_instance_stats_numerics_blocks(x: torch.Tensor, acc: torch.Tensor, row: int, correction: int,
+                                              numerics_on: bool, numerics: torch.Tensor, numerics_row: int,
+                                              codes: Sequence[int], amax: torch.Tensor | None, blocks: torch.Tensor,
+                                              blocks_row: int) -> None:
+    """accumulate_instance_stats (and_numerics with `numerics_on`), and x's block-format rows merged into row
+    `blocks_row` of a [rows, F, C] float64 table in place (sums added, min_nonzero the smaller, max_block_ratio
+    the larger); `amax` None: x's largest finite |x|."""
+    if numerics_on:
+        accumulate_instance_stats_and_numerics(x, acc, row, correction, numerics, numerics_row)
+    else:
+        accumulate_instance_stats(x, acc, row, correction)
+    if amax is None:
+        a = x.detach().abs().double()
+        top = float(torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax()) if a.numel() else 0.0
+    else:
+        top = float(amax.reshape(-1)[0])
+    fresh = block_numerics([x], codes, [top])[0].to(blocks.device)
+    held = blocks[blocks_row].clone()
+    merged = held + fresh
+    for column, pick in (("min_nonzero", torch.minimum), ("max_block_ratio", torch.maximum)):
+        k = BLOCK_COLUMNS.index(column)
+        merged[:, k] = pick(held[:, k], fresh[:, k])
+    blocks[blocks_row] = merged
 
 
 def update_sums(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],

@@ -316,3 +316,69 @@ def _dtensor_worker(rank, world):
 @pytest.mark.multiprocess
 def test_dtensor_rows_equal_the_full_tensors():
     run_distributed(_dtensor_worker, 2)
+
+
+def _fresh_block_table(rows, formats):
+    table = torch.zeros(rows, len(formats), len(BLOCK_COLUMNS), dtype=torch.float64)
+    table[..., COL["min_nonzero"]] = math.inf
+    return table
+
+
+@pytest.mark.parametrize("numerics_on,amax_given", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("case", ["float32 [4, 100, 96]", "bfloat16 [3, 50, 70]", "float16 [2, 3, 33]",
+                                  "float32 transposed [33, 5]", "float32 [2, 300000] (several chunks)",
+                                  "float32 with inf and nan [6, 64]", "float32 [0, 32]"])
+def test_activation_fold_with_blocks_in_one_pass(numerics_on, amax_given, case):
+    """accumulate_instance_stats_numerics_blocks (GAPMonitor's activation hook with block formats on): the accumulator
+    and the numerics row get the bits of the ops without blocks, and the block row, merged in place twice over what it
+    held, equals the float64 reference's merge (counts exact, sums 1e-12); other rows untouched. The amax of the
+    formats scaled per tensor given, or measured by the op (its largest finite |x|: Inf and NaN left out)."""
+    from gapmon.stats import _backend
+    from gapmon.stats.layout import ACC_NAMES, NUMERICS_COLUMNS
+
+    g = torch.Generator().manual_seed(len(case))
+    shapes = {"float32 [4, 100, 96]": (4, 100, 96), "bfloat16 [3, 50, 70]": (3, 50, 70), "float16 [2, 3, 33]": (2, 3, 33),
+              "float32 transposed [33, 5]": (5, 33), "float32 [2, 300000] (several chunks)": (2, 300000),
+              "float32 with inf and nan [6, 64]": (6, 64), "float32 [0, 32]": (0, 32)}
+    x = torch.randn(shapes[case], generator=g, dtype=torch.float64) * torch.exp(2 * torch.randn(shapes[case], generator=g,
+                                                                                               dtype=torch.float64))
+    if "transposed" in case:
+        x = x.t()
+    if "inf" in case:
+        x[1, 3], x[4, 60] = math.inf, math.nan
+    x = x.to({"bfloat16": torch.bfloat16, "float16": torch.float16}.get(case.split()[0], torch.float32))
+    codes = bf.format_codes(ALL)
+    amax = (bf.finite_amaxes([x]) if x.numel() else torch.zeros(1, dtype=torch.float64)) if amax_given else None
+    acc, want_acc = (torch.zeros(3, len(ACC_NAMES), dtype=torch.float64) for _ in range(2))
+    table, want_table = (torch.zeros(2, len(NUMERICS_COLUMNS), dtype=torch.float64) for _ in range(2))
+    blocks, want_blocks = _fresh_block_table(4, ALL), _fresh_block_table(4, ALL)
+    for _ in range(2):
+        _backend.accumulate_instance_stats_numerics_blocks(x, acc, 1, 1, table if numerics_on else None, 1, codes, amax,
+                                                           blocks, 2)
+        if numerics_on:
+            _backend.accumulate_instance_stats_and_numerics(x, want_acc, 1, 1, want_table, 1)
+        else:
+            _backend.accumulate_instance_stats(x, want_acc, 1, 1)
+        if x.numel():  # (the reference's instance statistics take no empty batch; no block, nothing to merge)
+            reference.accumulate_instance_stats_numerics_blocks(x, acc.clone(), 1, 1, False, table.clone(), 1, codes,
+                                                                amax, want_blocks, 2)
+    torch.testing.assert_close(acc, want_acc, rtol=0, atol=0, equal_nan=True, msg=case)  # the same bits
+    torch.testing.assert_close(table, want_table, rtol=0, atol=0, equal_nan=True, msg=case)
+    _assert_rows_equal(blocks, want_blocks, case)
+    assert bool((blocks[[0, 1, 3]] == _fresh_block_table(3, ALL)).all())
+
+
+def test_activation_fold_with_blocks_refuses_a_wrong_table():
+    """The block table is checked like the other tables: dtype, shape (formats and columns), device, row."""
+    from gapmon.stats import _backend
+    from gapmon.stats.layout import ACC_NAMES
+
+    x, acc = torch.randn(2, 64), torch.zeros(1, len(ACC_NAMES), dtype=torch.float64)
+    codes, amax = bf.format_codes(["mxfp8_e4m3", "nvfp4"]), torch.ones(1, dtype=torch.float64)
+    for table, row, error in ((_fresh_block_table(2, ALL), 0, ValueError),  # six formats for two codes
+                              (_fresh_block_table(2, ["a", "b"]).float(), 0, ValueError),
+                              (_fresh_block_table(2, ["a", "b"]), 2, IndexError)):
+        with pytest.raises(error, match="block"):
+            _backend.accumulate_instance_stats_numerics_blocks(x, acc, 0, 1, None, 0, codes, amax, table, row)
+    with pytest.raises(ValueError, match="unknown"):
+        bf.format_codes(["mxfp9"])

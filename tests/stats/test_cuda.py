@@ -1,4 +1,6 @@
 """The CUDA kernels against float64 oracles (skipped without a GPU and CUDA kernels)."""
+import math
+
 import pytest
 import torch
 from helpers import assert_stats_match, float64_stats
@@ -473,6 +475,41 @@ def test_activation_fold_with_numerics_equals_the_separate_ops(shape):
         assert len(work) == 2 and "stats_kernel" in work[0] and "stats_numerics_kernel" in work[1], work
     else:
         assert len(work) == 1 and "stats_numerics_kernel" in work[0], work
+
+
+@pytest.mark.parametrize("numerics_on", [True, False])
+def test_activation_fold_with_blocks_equals_the_separate_ops(numerics_on):
+    """accumulate_instance_stats_numerics_blocks on CUDA: the accumulator and numerics row get the bits of the ops
+    without blocks; the block row, merged twice over what it held, equals the CPU op's (counts exact, sums 1e-12)."""
+    from gapmon import numerics as nm
+    from gapmon.stats import _backend
+    from gapmon.stats import block_formats as bf
+    from gapmon.stats.layout import BLOCK_COLUMNS
+
+    x = (torch.randn(4, 100, 96, device="cuda") * 3).bfloat16()
+    codes = bf.format_codes(bf.BLOCK_FORMATS)
+    amax = bf.finite_amaxes([x]).to("cuda")
+
+    def tables(device):
+        blocks = torch.zeros(3, len(codes), len(BLOCK_COLUMNS), dtype=torch.float64, device=device)
+        blocks[..., BLOCK_COLUMNS.index("min_nonzero")] = math.inf
+        return (torch.zeros(2, len(gapmon.stats.ACC_NAMES), dtype=torch.float64, device=device),
+                torch.zeros(2, len(nm.NUMERICS_COLUMNS), dtype=torch.float64, device=device), blocks)
+
+    (acc, table, blocks), (want_acc, want_table, _), (cpu_acc, cpu_table, cpu_blocks) = tables("cuda"), tables("cuda"), tables("cpu")
+    for _ in range(2):
+        _backend.accumulate_instance_stats_numerics_blocks(x, acc, 1, 1, table if numerics_on else None, 1, codes, amax,
+                                                           blocks, 2)
+        _backend.accumulate_instance_stats_numerics_blocks(x.cpu(), cpu_acc, 1, 1, cpu_table if numerics_on else None, 1,
+                                                           codes, amax.cpu(), cpu_blocks, 2)
+        if numerics_on:
+            gapmon.ops.accumulate_instance_stats_and_numerics(x, want_acc, 1, 1, want_table, 1)
+        else:
+            gapmon.ops.accumulate_instance_stats(x, want_acc, 1)
+    assert torch.equal(acc, want_acc) and torch.equal(table, want_table)
+    got, want = blocks.cpu(), cpu_blocks
+    assert torch.equal(got[..., :BLOCK_COLUMNS.index("error_sq")], want[..., :BLOCK_COLUMNS.index("error_sq")])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
 def test_a_tensors_bits_do_not_depend_on_the_list():

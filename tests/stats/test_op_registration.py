@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gapmon
+from gapmon.stats.layout import BLOCK_COLUMNS
 
 pytestmark = pytest.mark.skipif(gapmon.backend() == "torch", reason="needs the compiled extension")
 
@@ -31,6 +32,14 @@ def _samples():
         (torch.ops.gapmon.multi_tensor_states_and_numerics.default, ([x, torch.randn(4).bfloat16()],)),
         (torch.ops.gapmon.accumulate_instance_stats_and_numerics.default,
          (x.bfloat16(), torch.zeros(3, 6, dtype=torch.float64), 1, 1, torch.zeros(2, len(gapmon.stats.NUMERICS_COLUMNS), dtype=torch.float64), 1)),
+        (torch.ops.gapmon.accumulate_instance_stats_numerics_blocks.default,
+         (torch.randn(3, 2, 40), torch.zeros(3, 6, dtype=torch.float64), 1, 1, True,
+          torch.zeros(2, len(gapmon.stats.NUMERICS_COLUMNS), dtype=torch.float64), 1, [0, 3],
+          torch.full((1,), 3.0, dtype=torch.float64), torch.zeros(2, 2, len(BLOCK_COLUMNS), dtype=torch.float64), 1)),
+        (torch.ops.gapmon.accumulate_instance_stats_numerics_blocks.default,  # the amax measured by the op
+         (torch.randn(3, 2, 40).bfloat16(), torch.zeros(3, 6, dtype=torch.float64), 1, 1, False,
+          torch.zeros(0, len(gapmon.stats.NUMERICS_COLUMNS), dtype=torch.float64), 0, [3, 4], None,
+          torch.zeros(2, 2, len(BLOCK_COLUMNS), dtype=torch.float64), 0)),
         (torch.ops.gapmon.merge_numerics_states.default, (torch.ops.gapmon.numerics_states([x, x]).unsqueeze(0).repeat(2, 1, 1),)),
         (torch.ops.gapmon.update_sums.default, ([x, torch.randn(3).bfloat16()], [x + 1, torch.randn(3).bfloat16()],
                                                 [x.t().contiguous().t(), torch.randn(3)])),
