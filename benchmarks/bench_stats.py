@@ -294,6 +294,52 @@ def bench_block_formats(device: str, sizes: list[int], rows: list[dict]) -> None
                       f"{r['one_pass_s']*1e3:8.3f} ms = {r['one_pass_over_stats']:5.1f}x{later}", flush=True)
 
 
+def bench_activation_blocks(device: str, sizes: list[int], rows: list[dict]) -> None:
+    """What an activation hook costs with block formats on: the one op that folds the instance statistics, the
+    numerics row and the block rows (accumulate_instance_stats_numerics_blocks: one pass on CPU, the amax of a
+    format scaled per tensor measured by the op first) against the ops the hook ran before it (the numerics op, the
+    amax by torch ops, block_numerics, a merge of the rows) and against the numerics op alone. Instances [8, 2^exp / 8]
+    as [8, 512, ...] rows of 4096."""
+    from gapmon.stats import _backend
+    from gapmon.stats import block_formats as bf
+    from gapmon.stats.layout import BLOCK_COLUMNS
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for exp in sizes:
+            xs = [x.reshape(8, -1, min(4096, 2**exp // 8)) for x in rotation(torch.randn(2**exp, device=device).to(dtype), device)]
+            n, x = len(xs), xs[0]
+            acc = torch.zeros(2, len(gapmon.stats.ACC_NAMES), dtype=torch.float64, device=device)
+            table = torch.zeros(2, len(gapmon.numerics.NUMERICS_COLUMNS), dtype=torch.float64, device=device)
+            for formats in (("mxfp8_e4m3",), ("mxfp8_e4m3", "nvfp4")):
+                codes, scaled = bf.format_codes(formats), any(bf.needs_tensor_amax(f) for f in formats)
+                blocks = torch.zeros(2, len(formats), len(BLOCK_COLUMNS), dtype=torch.float64, device=device)
+                blocks[..., BLOCK_COLUMNS.index("min_nonzero")] = math.inf
+
+                def separate(i):
+                    t = xs[i % n]
+                    gapmon.ops.accumulate_instance_stats_and_numerics(t, acc, 1, 1, table, 1)
+                    amax = (torch.where(torch.isfinite(t), t.abs(), 0).amax().double().reshape(1) if scaled
+                            else torch.zeros(1, dtype=torch.float64, device=device))
+                    blocks[1] = bf.merge_block_rows(torch.stack((blocks[1], bf.block_numerics([t], formats, amax)[0])))
+
+                fns = {"numerics_op_s": lambda i: gapmon.ops.accumulate_instance_stats_and_numerics(xs[i % n], acc, 1, 1,
+                                                                                                       table, 1),
+                       "separate_ops_s": separate,
+                       "one_op_s": lambda i: _backend.accumulate_instance_stats_numerics_blocks(
+                           xs[i % n], acc, 1, 1, table[1:2], 0, codes, None, blocks, 1)}
+                r = {"case": "activation hook with block formats " + "+".join(formats),
+                     "dtype": str(dtype).replace("torch.", ""), "numel": x.numel(), "bytes": x.numel() * x.element_size(),
+                     "rotated_inputs": n, "formats": list(formats), **timeit_side_by_side(fns, device)}
+                r["gapmon_s"] = r["one_op_s"]
+                r["gapmon_GBps"] = r["bytes"] / r["one_op_s"] / 1e9
+                r["one_op_over_numerics_op"] = r["one_op_s"] / r["numerics_op_s"]
+                r["separate_over_numerics_op"] = r["separate_ops_s"] / r["numerics_op_s"]
+                rows.append(r)
+                print(f"activation hook {r['dtype']:>8} 2^{exp:<2} {'+'.join(formats):<17}: numerics op "
+                      f"{r['numerics_op_s']*1e3:8.3f} ms; with blocks one op {r['one_op_s']*1e3:8.3f} ms, the ops before "
+                      f"{r['separate_ops_s']*1e3:8.3f} ms", flush=True)
+
+
 def bench_activation_hook(device: str, sizes: list[int], rows: list[dict]) -> None:
     """What an activation hook costs with numerics on: the one op that folds the instance statistics
     and merges the numerics row in place (accumulate_instance_stats_and_numerics; one pass on CPU)
@@ -448,6 +494,7 @@ def main() -> None:
         bench_activation_hook(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
     if "blocks" in cases:
         bench_block_formats(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
+        bench_activation_blocks(device, [int(e) for e in args.numerics_sizes.split(",")], rows)
     missed = [f"{r['case']} {r['dtype']}: {t['target']}" for r in rows for t in r.get("targets", []) if not t["met"]]
     print("\ntargets not met:" + "".join(f"\n  {m}" for m in missed) if missed else "\nall targets met")
     table = markdown(rows)

@@ -50,11 +50,11 @@ ChunkArgs* groups_for_isa() {
 // The largest magnitude bits below `inf` (the exponent-all-ones pattern: Inf and NaN left out) of n elements.
 template <typename U>
 U finite_magnitude_bits(const U* p, int64_t n, U abs_mask, U inf) {
-  U m = 0;
+  U m = 0;  // a mask and an unsigned max per element (as written with selects, GCC kept it scalar)
   for (int64_t i = 0; i < n; ++i) {
-    const U a = p[i] & abs_mask;
-    const U v = a < inf ? a : U(0);
-    m = v > m ? v : m;
+    const U a = static_cast<U>(p[i] & abs_mask);
+    const U finite = static_cast<U>(U(0) - static_cast<U>(a < inf));
+    m = std::max(m, static_cast<U>(a & finite));
   }
   return m;
 }

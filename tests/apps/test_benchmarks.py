@@ -42,6 +42,9 @@ def test_bench_stats_reports_targets(tmp_path):
     assert numerics["gapmon_s"] > 0 and numerics["reference_s"] > 0 and numerics["on_over_off"] > 0
     hook = next(r for r in result["results"] if r["case"] == "activation hook with numerics")
     assert hook["one_op_s"] > 0 and hook["separate_ops_s"] > 0 and hook["fold_s"] > 0
+    blocks = [r for r in result["results"] if r["case"].startswith("activation hook with block formats")]
+    assert len(blocks) == 4 and all(r["one_op_s"] > 0 and r["separate_ops_s"] > 0 and r["numerics_op_s"] > 0
+                                    for r in blocks)
     multi = next(r for r in result["results"] if r["case"].startswith("multi_tensor_stats"))
     assert multi["targets"] and all(isinstance(t["met"], bool) for t in multi["targets"])
 
