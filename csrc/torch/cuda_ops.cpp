@@ -467,8 +467,9 @@ void accumulate_instance_stats_numerics_blocks_cuda(const at::Tensor& x, at::Ten
   const c10::cuda::CUDAGuard guard(x.device());
   // The amax when not given: x's largest finite |x| by ATen ops on the device (no host read).
   const at::Tensor tensor_amax =
-      amax.has_value() ? *amax
-                       : at::where(at::isfinite(x), x.abs(), at::zeros({}, x.options())).amax().to(at::kDouble).reshape({1});
+      amax.has_value()  ? *amax
+      : x.numel() == 0 ? at::zeros({1}, x.options().dtype(at::kDouble))
+                        : at::where(at::isfinite(x), x.abs(), at::zeros({}, x.options())).amax().to(at::kDouble).reshape({1});
   merge_block_rows_into(blocks.select(0, blocks_row), block_numerics_cuda({x}, format_codes, tensor_amax).select(0, 0));
 }
 
