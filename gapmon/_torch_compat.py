@@ -84,9 +84,10 @@ def local_shape_and_global_offset(shape, mesh, placements) -> tuple[tuple[int, .
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The 2-norm of each tensor, in one multi-tensor op (torch._foreach_norm)."""
-    return list(torch._foreach_norm(tensors))
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The 2-norm of each tensor (computed and returned in `dtype` when given), in one multi-tensor op
+    (torch._foreach_norm)."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,7 +16,8 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .micro_batch import Collection
-from .rules import NormRule, Sketch, sketch, sketch_rows
+from .rules import NormRule, sketch_rows
+from .rules.base import add_sketch
 
 # Relative difference between a parameter's accumulated gradient and the sum of the per-sample
 # gradients the rules saw (both sketched) above which the parameter had uses no rule saw; by the
@@ -28,10 +29,11 @@ USE_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3,
 class UseCheck:
     """Sketches of one parameter's gradient: accumulated by autograd, and explained by the rules."""
 
-    def __init__(self, name: str, layer: str, rows: int, device: torch.device):
+    def __init__(self, name: str, layer: str, rows: int, device: torch.device, dtype: torch.dtype):
         self.name, self.layer = name, layer
-        self.total = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.explained = torch.zeros(rows, dtype=torch.float64, device=device)
+        # Summed in the probe's dtype (float32, float64 for a float64 parameter): each sketch then adds in one op, and
+        # float32's rounding of a few sums (~1e-7) stays far below the float32 tolerance (1e-4).
+        self.total, self.explained = torch.zeros(2, rows, dtype=dtype, device=device)
         self.rtol = USE_CHECK_RTOL[torch.float64]
         self.repeats = 1
         self.unchecked: str | None = None  # why it cannot be checked (a rule without a sketch, a DTensor gradient)
@@ -93,7 +95,7 @@ class UseChecker:
         check = self.checks.get(id(p))
         if check is None:
             name = self.param_names.get(id(p), f"{layer} parameter {list(p.shape)}")  # FSDP2: unsharded parameters
-            check = self.checks[id(p)] = UseCheck(name, layer, sketch_rows(p), p.device)
+            check = self.checks[id(p)] = UseCheck(name, layer, sketch_rows(p), p.device, self.probe(p).dtype)
             check.widen(p.dtype)
         return check
 
@@ -112,9 +114,9 @@ class UseChecker:
                 grad = grad.coalesce()
                 r = self.probe(p)
                 vals = grad.values().reshape(grad.values().shape[0], -1).to(r.dtype) @ r
-                check.total += torch.zeros_like(check.total).index_add_(0, grad.indices()[0], vals.double())
+                check.total.index_add_(0, grad.indices()[0], vals)
             else:
-                check.total += sketch(grad, self.probe(p))
+                add_sketch(check.total, grad, self.probe(p))
         check.widen(grad.dtype, check.repeats)
 
     def explain(self, name: str, module: nn.Module, rule: NormRule, used: list[torch.Tensor] | None, piece: tuple,
@@ -127,8 +129,13 @@ class UseChecker:
         used = now if used is None else used
         as_used = {id(p): u for p, u in zip(now, used)} if len(used) == len(now) else {}
         probe = lambda p: self.probe(as_used.get(id(p), p))  # noqa: E731
-        sketches = (rule.grad_sketch(module, piece, probe) if grads is None
-                    else [Sketch(p, sketch(grad, probe(p))) for p, grad in grads])
+        if grads is not None:  # one matrix-vector op each, into the check
+            for p, grad in grads:
+                check = self.check(as_used.get(id(p), p), name)
+                add_sketch(check.explained, grad, probe(p))
+                check.widen(dtype)
+            return
+        sketches = rule.grad_sketch(module, piece, probe)
         if sketches is None:
             for p in used:
                 self.check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"
@@ -147,9 +154,10 @@ class UseChecker:
             return
         with torch.no_grad():  # a few multi-tensor ops, not three norms per parameter
             totals, explained = [c.total for c in checks], [c.explained for c in checks]
-            diff = torch.stack(_torch_compat.foreach_norm(_torch_compat.foreach_sub(totals, explained)))
-            size = torch.maximum(torch.stack(_torch_compat.foreach_norm(totals)),
-                                 torch.stack(_torch_compat.foreach_norm(explained)))
+            wide = torch.float64  # the norms of float32 and float64 sums, compared in float64
+            diff = torch.stack(_torch_compat.foreach_norm(_torch_compat.foreach_sub(totals, explained), wide))
+            size = torch.maximum(torch.stack(_torch_compat.foreach_norm(totals, wide)),
+                                 torch.stack(_torch_compat.foreach_norm(explained, wide)))
             bad = (diff > size * torch.tensor([c.rtol for c in checks], dtype=torch.float64, device=diff.device))
             bad = bad.cpu().tolist()  # one device-to-host read
         if not any(bad):
