@@ -73,6 +73,7 @@ class LayerCoverage:
         self.warned: set[str] = set()  # uncovered parameters already warned about
         self.skipped: set[str] = set()  # layers found not to be per-sample at run time
         self.checked_state: tuple | None = None  # what warn_uncovered last looked at
+        self._types: tuple[tuple, dict[str, str]] | None = None  # (what it was computed for, layer_types())
 
     def skip(self, name: str, why: str) -> None:
         message = f"PerSampleGradNorms: layer '{name}' is not per-sample ({why}); excluded from the norms"
@@ -104,10 +105,18 @@ class LayerCoverage:
             "skipped_layers": sorted(self.skipped),
         }
 
-    def layer_types(self, param_names: dict[int, str]) -> dict[str, str]:
-        """The type of the layer whose rule covers each covered parameter (name -> "Linear", ...)."""
-        return {full: layer_type_name(module) for full, name, module, _ in self._covered_parameters(param_names)
-                if name not in self.skipped}
+    def layer_types(self, param_names: dict[int, str], params: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        """The type of the layer whose rule covers each covered parameter (name -> "Linear", ...). Computed again
+        only when some requires_grad or the skipped layers changed (or forget() was called): it is read every step."""
+        state = (trainable_state(params), len(self.skipped))
+        if self._types is None or self._types[0] != state:
+            self._types = (state, {full: layer_type_name(module) for full, name, module, _
+                                   in self._covered_parameters(param_names) if name not in self.skipped})
+        return dict(self._types[1])
+
+    def forget(self) -> None:
+        """The parameters were replaced: what was derived from them is looked at again (warnings, layer types)."""
+        self.checked_state = self._types = None
 
     def _covered_parameters(self, param_names: dict[int, str]):
         """(parameter name, layer name, layer, parameter) of every parameter a covered layer's rule is about."""

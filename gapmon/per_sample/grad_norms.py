@@ -132,7 +132,7 @@ class PerSampleGradNorms(GradientProducts):
         self._params = [(names[id(p)], p) for p in model.parameters()]
         self._checker.forget(self._param_names)
         if self._coverage is not None:  # warn again about what the new parameters leave out
-            self._coverage.checked_state = None
+            self._coverage.forget()
         self._watch = ParameterWatch(model)
 
     # ------------------------------------------------------------------ hooks
@@ -301,12 +301,12 @@ class PerSampleGradNorms(GradientProducts):
     def covered_gradients(self, names: Iterable[str] | None = None) -> list[tuple[str, torch.Tensor | None]]:
         """(name, .grad) of every covered parameter (as the model holds it: a DTensor under FSDP2), or of those
         of `names` (covered_layer_types()'s keys, when the caller has them already)."""
-        covered = set(self._coverage.layer_types(self._param_names) if names is None else names)
+        covered = set(self._coverage.layer_types(self._param_names, self._params) if names is None else names)
         return [(n, p.grad) for n, p in self._params if n in covered]
 
     def covered_layer_types(self) -> dict[str, str]:
         """The layer type ("Linear", "Embedding", ...) of each covered parameter, as local_norms_by_layer_type groups them."""
-        return self._coverage.layer_types(self._param_names)
+        return self._coverage.layer_types(self._param_names, self._params)
 
     def close(self) -> None:
         """Removes the hooks."""

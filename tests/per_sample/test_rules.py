@@ -392,3 +392,20 @@ def test_a_rule_reads_the_parameters_a_module_holds_now():
     swapped = nn.Parameter(torch.zeros(3, 4))
     layer.weight = swapped
     assert rule.params(layer)[0] is swapped
+
+
+def test_covered_layer_types_follow_freezing_and_skipped_layers():
+    """covered_layer_types() (read every step by GAPMonitor's noise scale) is computed again when a requires_grad
+    flag or the skipped layers change, and when the parameters are replaced."""
+    model = _mlp()
+    psn = gapmon.PerSampleGradNorms(model)
+    want = {"0.weight": "Linear", "0.bias": "Linear", "1.weight": "LayerNorm", "1.bias": "LayerNorm",
+            "3.weight": "Linear", "3.bias": "Linear"}
+    assert psn.covered_layer_types() == want
+    model[1].weight.requires_grad_(False)
+    assert psn.covered_layer_types() == {k: v for k, v in want.items() if k != "1.weight"}
+    model[1].weight.requires_grad_(True)
+    assert psn.covered_layer_types() == want
+    psn._coverage.skip("3", "a test's reason")  # as a layer found not to be per-sample at run time
+    assert psn.covered_layer_types() == {k: v for k, v in want.items() if not k.startswith("3.")}
+    psn.close()
