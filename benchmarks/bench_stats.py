@@ -294,6 +294,16 @@ def bench_block_formats(device: str, sizes: list[int], rows: list[dict]) -> None
                       f"{r['one_pass_s']*1e3:8.3f} ms = {r['one_pass_over_stats']:5.1f}x{later}", flush=True)
 
 
+def hook_row(r: dict, base: str) -> dict:
+    """An activation-hook case's row: its one op as gapmon's time and throughput, and the one op and the separate ops
+    it replaced as multiples of `base` (the row's `{base}_s`)."""
+    r["gapmon_s"] = r["one_op_s"]
+    r["gapmon_GBps"] = r["bytes"] / r["one_op_s"] / 1e9
+    r[f"one_op_over_{base}"] = r["one_op_s"] / r[f"{base}_s"]
+    r[f"separate_over_{base}"] = r["separate_ops_s"] / r[f"{base}_s"]
+    return r
+
+
 def bench_activation_blocks(device: str, sizes: list[int], rows: list[dict]) -> None:
     """What an activation hook costs with block formats on: the one op that folds the instance statistics, the
     numerics row and the block rows (accumulate_instance_stats_numerics_blocks: one pass on CPU, the amax of a
@@ -330,11 +340,7 @@ def bench_activation_blocks(device: str, sizes: list[int], rows: list[dict]) -> 
                 r = {"case": "activation hook with block formats " + "+".join(formats),
                      "dtype": str(dtype).replace("torch.", ""), "numel": x.numel(), "bytes": x.numel() * x.element_size(),
                      "rotated_inputs": n, "formats": list(formats), **timeit_side_by_side(fns, device)}
-                r["gapmon_s"] = r["one_op_s"]
-                r["gapmon_GBps"] = r["bytes"] / r["one_op_s"] / 1e9
-                r["one_op_over_numerics_op"] = r["one_op_s"] / r["numerics_op_s"]
-                r["separate_over_numerics_op"] = r["separate_ops_s"] / r["numerics_op_s"]
-                rows.append(r)
+                rows.append(hook_row(r, "numerics_op"))
                 print(f"activation hook {r['dtype']:>8} 2^{exp:<2} {'+'.join(formats):<17}: numerics op "
                       f"{r['numerics_op_s']*1e3:8.3f} ms; with blocks one op {r['one_op_s']*1e3:8.3f} ms, the ops before "
                       f"{r['separate_ops_s']*1e3:8.3f} ms", flush=True)
@@ -364,11 +370,7 @@ def bench_activation_hook(device: str, sizes: list[int], rows: list[dict]) -> No
             r["one_op_s"] = timeit(
                 lambda i: gapmon.ops.accumulate_instance_stats_and_numerics(xs[i % n], acc, 1, 1, table, 1), device)
             r["separate_ops_s"] = timeit(separate, device)
-            r["gapmon_s"] = r["one_op_s"]
-            r["gapmon_GBps"] = r["bytes"] / r["one_op_s"] / 1e9
-            r["one_op_over_fold"] = r["one_op_s"] / r["fold_s"]
-            r["separate_over_fold"] = r["separate_ops_s"] / r["fold_s"]
-            rows.append(r)
+            rows.append(hook_row(r, "fold"))
             print(f"activation hook {r['dtype']:>8} 2^{exp:<2}: fold alone {r['fold_s']*1e3:8.3f} ms, with numerics "
                   f"one op {r['one_op_over_fold']:.2f}x, separate ops {r['separate_over_fold']:.2f}x", flush=True)
 
