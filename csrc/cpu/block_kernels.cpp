@@ -38,13 +38,23 @@ __attribute__((flatten, target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c
 }
 #endif
 
-ChunkArgs* groups_for_isa() {
+// The form of a kernel for the instruction set the statistics kernels use (select_isa).
+template <typename Fn>
+Fn* for_isa(Fn* generic, [[maybe_unused]] Fn* avx2, [[maybe_unused]] Fn* avx512) {
 #ifdef GAPMON_HAS_X86_ISAS
   const std::string isa = active_isa();
-  if (isa == "avx512") return groups_avx512;
-  if (isa == "avx2") return groups_avx2;
+  if (isa == "avx512") return avx512;
+  if (isa == "avx2") return avx2;
 #endif
+  return generic;
+}
+
+ChunkArgs* groups_for_isa() {
+#ifdef GAPMON_HAS_X86_ISAS
+  return for_isa<ChunkArgs>(groups_generic, groups_avx2, groups_avx512);
+#else
   return groups_generic;
+#endif
 }
 
 // The largest magnitude bits below `inf` (the exponent-all-ones pattern: Inf and NaN left out) of n elements.
@@ -58,6 +68,8 @@ U finite_magnitude_bits(const U* p, int64_t n, U abs_mask, U inf) {
   }
   return m;
 }
+
+using AmaxArgs = double(const core::BlockOperand&, int64_t, int64_t);
 
 __attribute__((flatten)) double finite_amax_generic(const core::BlockOperand& op, int64_t begin, int64_t end) {
   const int64_t n = end - begin;
@@ -100,11 +112,10 @@ __attribute__((flatten, target("avx2"))) double finite_amax_avx2(const core::Blo
 double finite_amax(const core::BlockOperand& op, int64_t begin, int64_t end) {
   if (begin >= end) return 0.0;
 #ifdef GAPMON_HAS_X86_ISAS
-  const std::string isa = active_isa();
-  if (isa == "avx512") return finite_amax_avx512(op, begin, end);
-  if (isa == "avx2") return finite_amax_avx2(op, begin, end);
-#endif
+  return for_isa<AmaxArgs>(finite_amax_generic, finite_amax_avx2, finite_amax_avx512)(op, begin, end);
+#else
   return finite_amax_generic(op, begin, end);
+#endif
 }
 
 void block_groups(const core::BlockOperand& op, int64_t begin, int64_t end, const core::BlockFormat* formats,

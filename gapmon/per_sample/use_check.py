@@ -16,8 +16,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .micro_batch import Collection
-from .rules import NormRule, sketch_rows
-from .rules.base import add_sketch
+from .rules import NormRule, add_sketch, sketch_rows
 
 # Relative difference between a parameter's accumulated gradient and the sum of the per-sample
 # gradients the rules saw (both sketched) above which the parameter had uses no rule saw; by the

@@ -7,7 +7,7 @@ A rule turns one call of a layer into per-sample squared norms of its trainable 
 from . import attention, conv, conv_transpose, embedding, linear, recurrent
 from . import normalization as norms
 from .attention import MultiheadAttentionRule
-from .base import Call, NormRule, Sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
+from .base import Call, NormRule, Sketch, add_sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
 from .conv import ConvRule
 from .conv_transpose import ConvTransposeRule
 from .embedding import EmbeddingBagRule, EmbeddingRule
@@ -18,7 +18,7 @@ from .recurrent import RecurrentRule
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent)
 
 __all__ = [
-    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "sketch_rows",
+    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch", "sketch_rows",
     "LinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "GroupNormRule",
     "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule", "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

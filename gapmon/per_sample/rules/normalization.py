@@ -9,47 +9,40 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .base import NormRule, Sketch, register_norm_rule, sketch, trainable
 
 
 # -------------------------------------------------------------------- normalisation layers
 class _AffineNormRule(NormRule):
     """Layers y = x̂ ⊙ weight + bias with per-position x̂: positions are (x̂, g) as [B, T, n]."""
 
-    def normalized(self, module, a: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def norm_sq(self, module, pos):
+    def per_sample_sums(self, module, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, [B, n] each sample's gradient) of the trainable weight (Σ_t G_t ⊙ x̂_t) and bias (Σ_t G_t): what
+        the norms square and the use check sums over samples, formed once."""
         xhat, g = pos
-        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
-        if trainable(getattr(module, "weight", None)):
-            out = out + (g * xhat).sum(1).square().sum(1)
-        if trainable(getattr(module, "bias", None)):
-            out = out + bias_norm_sq(g)
-        return out
-
-    def norm_sq_and_grads(self, module, pos):
-        """Each sample's gradients Σ_t G_t ⊙ x̂_t and Σ_t G_t, formed once: their squares are the norms, their sums
-        over samples the gradients the use check sketches (the positions are read once, not twice)."""
-        xhat, g = pos
-        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
-        grads = []
+        out = []
         for name, per_sample in (("weight", lambda: (g * xhat).sum(1)), ("bias", lambda: g.sum(1))):
             p = getattr(module, name, None)
             if trainable(p):
-                sums = per_sample()
-                out = out + sums.square().sum(1)
-                grads.append((p, sums.sum(0)))
+                out.append((p, per_sample()))
+        return out
+
+    def norm_sq(self, module, pos):
+        return self.norm_sq_and_grads(module, pos)[0]
+
+    def norm_sq_and_grads(self, module, pos):
+        """The squares of each sample's gradients are the norms, their sums over samples the gradients the use check
+        sketches (the positions are read once, not twice)."""
+        g = pos[1]
+        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        grads = []
+        for p, sums in self.per_sample_sums(module, pos):
+            out = out + sums.square().sum(1)
+            grads.append((p, sums.sum(0)))
         return out, grads
 
     def grad_sketch(self, module, pos, probe):
-        xhat, g = pos
-        out = []
-        for name, total in (("weight", lambda: (g * xhat).sum((0, 1))), ("bias", lambda: g.sum((0, 1)))):
-            p = getattr(module, name, None)
-            if trainable(p):
-                out.append(Sketch(p, sketch(total(), probe(p))))
-        return out
+        return [Sketch(p, sketch(sums.sum(0), probe(p))) for p, sums in self.per_sample_sums(module, pos)]
 
 
 @register_norm_rule(nn.LayerNorm, nn.RMSNorm)
