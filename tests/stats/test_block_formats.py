@@ -327,7 +327,7 @@ def _fresh_block_table(rows, formats):
 @pytest.mark.parametrize("numerics_on,amax_given", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("case", ["float32 [4, 100, 96]", "bfloat16 [3, 50, 70]", "float16 [2, 3, 33]",
                                   "float32 transposed [33, 5]", "float32 [2, 300000] (several chunks)",
-                                  "float32 with inf and nan [6, 64]", "float32 [0, 32]"])
+                                  "float32 with inf and nan [6, 64]", "float32 [0, 32]", "float64 with inf [3, 40]"])
 def test_activation_fold_with_blocks_in_one_pass(numerics_on, amax_given, case):
     """accumulate_instance_stats_numerics_blocks (GAPMonitor's activation hook with block formats on): the accumulator
     and the numerics row get the bits of the ops without blocks, and the block row, merged in place twice over what it
@@ -339,14 +339,17 @@ def test_activation_fold_with_blocks_in_one_pass(numerics_on, amax_given, case):
     g = torch.Generator().manual_seed(len(case))
     shapes = {"float32 [4, 100, 96]": (4, 100, 96), "bfloat16 [3, 50, 70]": (3, 50, 70), "float16 [2, 3, 33]": (2, 3, 33),
               "float32 transposed [33, 5]": (5, 33), "float32 [2, 300000] (several chunks)": (2, 300000),
-              "float32 with inf and nan [6, 64]": (6, 64), "float32 [0, 32]": (0, 32)}
+              "float32 with inf and nan [6, 64]": (6, 64), "float32 [0, 32]": (0, 32), "float64 with inf [3, 40]": (3, 40)}
     x = torch.randn(shapes[case], generator=g, dtype=torch.float64) * torch.exp(2 * torch.randn(shapes[case], generator=g,
                                                                                                dtype=torch.float64))
     if "transposed" in case:
         x = x.t()
-    if "inf" in case:
+    if "nan" in case:
         x[1, 3], x[4, 60] = math.inf, math.nan
-    x = x.to({"bfloat16": torch.bfloat16, "float16": torch.float16}.get(case.split()[0], torch.float32))
+    elif "inf" in case:
+        x[2, 7] = -math.inf
+    x = x.to({"bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}.get(case.split()[0],
+                                                                                                  torch.float32))
     codes = bf.format_codes(ALL)
     amax = (bf.finite_amaxes([x]) if x.numel() else torch.zeros(1, dtype=torch.float64)) if amax_given else None
     acc, want_acc = (torch.zeros(3, len(ACC_NAMES), dtype=torch.float64) for _ in range(2))
