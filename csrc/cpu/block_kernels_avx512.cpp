@@ -157,11 +157,14 @@ struct Batch {
 // non-finite one is seen by the batch's largest magnitude; not tested element by element): the rare batch
 // that has one is then taken again from its loaded (L1) copy, non-finite elements zeroed and counted.
 template <bool kHalves, typename T>
-void load_batch(const T* const* groups, int count, Batch& b, SharedLanes& s) {
+void load_batch(const T* const* groups, int count, Batch& b, SharedLanes& shared) {
   const __m512i ones = _mm512_set1_epi32(1), inf = _mm512_set1_epi32(static_cast<int>(kInfBits));
   constexpr int kParts = kHalves ? 2 : 1;
   __m512i top[kParts][kBatch], low[kParts][kBatch];
-  const SharedLanes before = s;
+  // the sums in a local copy, kept in registers (through the reference, GCC stored them every element vector:
+  // the stores to b may alias them), written back at the end
+  const SharedLanes before = shared;
+  SharedLanes s = shared;
   auto account = [&](int j, __m512i m0, __m512i m1) {
     const __m512i l0 = _mm512_sub_epi32(m0, ones), l1 = _mm512_sub_epi32(m1, ones);  // zero wraps: not a minimum
     if (kHalves) {
@@ -209,6 +212,7 @@ void load_batch(const T* const* groups, int count, Batch& b, SharedLanes& s) {
   }
   if (!kHalves) b.amax[1] = b.amax[0], b.amin[1] = b.amin[0];
   s.groups += count;
+  shared = s;
 }
 
 // max(ratio, amax / amin) over the lanes in `k` (float64 quotients, as the core's).
@@ -254,7 +258,9 @@ inline __m512 cast16(__m512 a, __m512 mul, const Grid& grid, FormatLanes& f) {
 }
 
 // MX (E8M0 scale per 32-element group): X = floor(log2(amax)) - emax, clamped to [-127, 127].
-void cast_mx(const Batch& b, const core::FormatConsts& c, const Grid& grid, FormatLanes& f) {
+void cast_mx(const Batch& b, const core::FormatConsts& c, const Grid& grid_in, FormatLanes& out) {
+  const Grid grid = grid_in;  // locals: kept in registers (see load_batch)
+  FormatLanes f = out;
   const __m512i amax = _mm512_max_epu32(b.amax[0], b.amax[1]);
   const __mmask16 nz = _mm512_mask_test_epi32_mask(b.valid, amax, amax);
   // float32 magnitudes are below 2^128: X <= 254 - 127 - emax < 127, so no scale overflows here
@@ -276,10 +282,13 @@ void cast_mx(const Batch& b, const core::FormatConsts& c, const Grid& grid, Form
       add_squares(_mm512_fnmadd_ps(q, ij, b.a[j][h]), f.err_lo, f.err_hi);
     }
   }
+  out = f;
 }
 
 // Per-tensor current scaling: v = fp32(a * s), dequantised q / s in float64.
-void cast_current(const Batch& b, const core::FormatConsts& c, const Grid& grid, FormatLanes& f) {
+void cast_current(const Batch& b, const core::FormatConsts& c, const Grid& grid_in, FormatLanes& out) {
+  const Grid grid = grid_in;  // locals: kept in registers (see load_batch)
+  FormatLanes f = out;
   const __m512 s = _mm512_set1_ps(static_cast<float>(c.tensor_scale));
   const __m512d sd = _mm512_set1_pd(c.tensor_scale), inv = _mm512_set1_pd(1.0 / c.tensor_scale);
   for (int j = 0; j < kBatch; ++j) {
@@ -289,11 +298,15 @@ void cast_current(const Batch& b, const core::FormatConsts& c, const Grid& grid,
       add_quotient_errors(b.a[j][h], q, sd, inv, f.err_lo, f.err_hi);
     }
   }
+  out = f;
 }
 
 // NVFP4: per 16-element half, S = e4m3(fp32(fp32(amax_b / 6) * g)) saturating; v = fp32(a * fp32(g / S));
 // dequantised q * S / g in float64 (q * S is exact in float32: 2 and 4 significant bits).
-void cast_nvfp4(const Batch& b, const core::FormatConsts& c, const Grid& grid, const Grid& scale_grid, FormatLanes& f) {
+void cast_nvfp4(const Batch& b, const core::FormatConsts& c, const Grid& grid_in, const Grid& scale_grid,
+                FormatLanes& out) {
+  const Grid grid = grid_in;  // locals: kept in registers (see load_batch)
+  FormatLanes f = out;
   const float g = static_cast<float>(c.tensor_scale);
   const __m512 gv = _mm512_set1_ps(g);
   const __m512d gd = _mm512_set1_pd(static_cast<double>(g)), inv = _mm512_set1_pd(1.0 / static_cast<double>(g));
@@ -316,6 +329,7 @@ void cast_nvfp4(const Batch& b, const core::FormatConsts& c, const Grid& grid, c
       add_quotient_errors(b.a[j][h], _mm512_mul_ps(q, lane(scale[h], j)), gd, inv, f.err_lo, f.err_hi);
     }
   }
+  out = f;
 }
 
 inline double sum_lanes(__m512d lo, __m512d hi) {

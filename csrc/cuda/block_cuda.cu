@@ -42,6 +42,35 @@ __global__ void block_rows_kernel(const core::BlockOperand* __restrict__ ops, in
   for (int k = 0; k < core::kNumBlockColumns; ++k) out[t * core::kNumBlockColumns + k] = row.v[k];
 }
 
+// launch_accumulate_fused_block_rows' one block: thread t merges chunks t, t + kBlockThreads, ... in order, the
+// block's fixed tree combines the threads' rows, thread 0 merges them into dst after what it holds.
+__global__ void __launch_bounds__(kBlockThreads)
+    accumulate_block_rows_kernel(const double* __restrict__ chunk_rows, int64_t total_chunks, int num_formats,
+                                 double* __restrict__ dst) {
+  __shared__ double partial[kBlockThreads];
+  __shared__ double fresh[core::kNumBlockFormats * core::kNumBlockColumns];
+  core::BlockRow rows[core::kNumBlockFormats];
+  for (int64_t c = threadIdx.x; c < total_chunks; c += kBlockThreads) {
+    for (int f = 0; f < num_formats; ++f) {
+      core::BlockRow part;
+      for (int k = 0; k < core::kNumBlockColumns; ++k) part.v[k] = chunk_rows[(c * num_formats + f) * core::kNumBlockColumns + k];
+      rows[f].merge(part);
+    }
+  }
+  combine_rows_over_block<kBlockThreads>(rows, num_formats, partial, fresh);
+  if (threadIdx.x == 0) {
+    for (int f = 0; f < num_formats; ++f) {
+      core::BlockRow held, part;
+      for (int k = 0; k < core::kNumBlockColumns; ++k) {
+        held.v[k] = dst[f * core::kNumBlockColumns + k];
+        part.v[k] = fresh[f * core::kNumBlockColumns + k];
+      }
+      held.merge(part);
+      for (int k = 0; k < core::kNumBlockColumns; ++k) dst[f * core::kNumBlockColumns + k] = held.v[k];
+    }
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_block_numerics(const core::BlockOperand* ops, int64_t n, int64_t total_chunks,
@@ -71,6 +100,16 @@ cudaError_t launch_merge_fused_block_rows(const core::BlockOperand* ops, int64_t
   const int64_t rows = n * num_formats;
   GAPMON_LAUNCH(block_rows_kernel<true>, static_cast<unsigned>((rows + threads - 1) / threads), threads, stream)(
       ops, n, num_formats, chunk_rows, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_accumulate_fused_block_rows(const double* chunk_rows, int64_t total_chunks, int num_formats,
+                                               double* dst, cudaStream_t stream) {
+  if (total_chunks <= 0) return cudaSuccess;
+  if (num_formats < 1 || num_formats > core::kNumBlockFormats || chunk_rows == nullptr || dst == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  GAPMON_LAUNCH(accumulate_block_rows_kernel, 1u, kBlockThreads, stream)(chunk_rows, total_chunks, num_formats, dst);
   return cudaGetLastError();
 }
 

@@ -49,5 +49,12 @@ struct FusedBlocks {
 cudaError_t launch_merge_fused_block_rows(const core::BlockOperand* ops, int64_t n, int num_formats,
                                           const double* chunk_rows, double* out, cudaStream_t stream);
 
+// The fused pass's chunk rows [total_chunks, num_formats, kNumBlockColumns] of one view (an activation's instances,
+// merge_items) merged into dst ([num_formats, kNumBlockColumns], a row of the step's table), after what it holds:
+// one block, its threads each merging a strided share of the chunks in order, then a fixed tree over the threads
+// (the same bits on every run).
+cudaError_t launch_accumulate_fused_block_rows(const double* chunk_rows, int64_t total_chunks, int num_formats,
+                                               double* dst, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace gapmon

@@ -130,17 +130,21 @@ __device__ void write_published_chunks(const NumericsTargets& numerics, int64_t 
       thread_moments[0], v, row, numerics);
 }
 
-// The fused pass's block formats of chunk c (at `at`): the groups of its tensor that start in the chunk's
-// elements, read again right after the statistics reader read them (from L2), cast by the block's threads and
-// combined into the chunk's rows. Out of line: the rows live in this call's frame, not in the registers of
+// The fused pass's block formats of chunk c (at `at`, of view `view_index`): the groups of its tensor that start in
+// the chunk's elements, read again right after the statistics reader read them (from L2), cast by the block's
+// threads and combined into the chunk's rows. The view's operand is its tensor as contiguous [rows, cols], its
+// items (an activation's instances, whole rows each) in order: item `at.item`'s element lo is the operand's
+// element at.item * item_numel + lo. Out of line: the rows live in this call's frame, not in the registers of
 // the statistics reader.
-__device__ __noinline__ void fused_block_chunk(const FusedBlocks& blocks, const ChunkPlace& at, int64_t c,
-                                               double* partial) {
-  const core::BlockOperand& op = blocks.ops[at.row];
+__device__ __noinline__ void fused_block_chunk(const FusedBlocks& blocks, int64_t view_index, const ChunkPlace& at,
+                                               int64_t c, double* partial) {
+  const core::BlockOperand& op = blocks.ops[view_index];
   const bool cast = op.data != nullptr && op.cols > 0 && at.lo < at.hi;
-  const int64_t begin = cast ? core::group_at(at.lo, op.cols) : 0, end = cast ? core::group_at(at.hi, op.cols) : 0;
+  const int64_t base = at.item * at.view->item_numel;
+  const int64_t begin = cast ? core::group_at(base + at.lo, op.cols) : 0;
+  const int64_t end = cast ? core::group_at(base + at.hi, op.cols) : 0;
   cast_and_combine_groups<kThreads>(op, begin, end, blocks.formats,
-                                    blocks.amaxes != nullptr ? blocks.amaxes[at.row] : 0.0, partial,
+                                    blocks.amaxes != nullptr ? blocks.amaxes[view_index] : 0.0, partial,
                                     blocks.chunk_rows + c * blocks.formats.num * core::kNumBlockColumns);
 }
 
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
       if (stats.acc_row != nullptr) fold_rows<kThreads>(stats.out_stats, rows, stats.acc_row);
       if (numerics.merge_items) write_published_chunks(numerics, 0, total_chunks, v, 0, thread_moments);
     }
-    if constexpr (kFused) fused_block_chunk(blocks, at, c, block_partial);
+    if constexpr (kFused) fused_block_chunk(blocks, at.view - views, at, c, block_partial);
     __syncthreads();  // bins, moments and states are reused by the next chunk
   }
 }
@@ -242,7 +246,7 @@ cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& 
       (several && stats.chunk_states == nullptr) ||
       ((several || fold || numerics.merge_items) && stats.counters == nullptr) ||
       (numerics.merge_items && views.num != 1) ||
-      (fused.ops != nullptr && (numerics.merge_items || fused.chunk_rows == nullptr || fused.formats.num < 1 ||
+      (fused.ops != nullptr && (fused.chunk_rows == nullptr || fused.formats.num < 1 ||
                                 fused.formats.num > core::kNumBlockFormats))) {
     return cudaErrorInvalidValue;
   }

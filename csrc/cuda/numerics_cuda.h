@@ -35,8 +35,9 @@ struct NumericsTargets {
 //
 // With `blocks` (FusedBlocks::ops not null), each chunk's block-format rows too: right after the block has read
 // the chunk for the statistics and numerics, it reads it again (from L2) and casts the groups that start in
-// it, so each tensor comes from DRAM once; launch_merge_fused_block_rows then merges each tensor's chunks.
-// Not with merge_items.
+// it, so each tensor comes from DRAM once; launch_merge_fused_block_rows then merges each tensor's chunks (with
+// merge_items, the single view's instances, whole rows of its operand each: launch_accumulate_fused_block_rows
+// merges all chunks into one row).
 cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& plan, int64_t rows,
                                       const StatsTargets& stats, const NumericsTargets& numerics, cudaStream_t stream,
                                       const FusedBlocks& blocks = FusedBlocks());

@@ -449,28 +449,72 @@ void merge_block_rows_into(at::Tensor held, const at::Tensor& fresh) {
   held.copy_(merged);
 }
 
-// The instance fold (with `with_numerics`, and the numerics row) as accumulate_instance_stats(_and_numerics) gives
-// them, then x's per-block format rows by the block kernel, merged into the table row: two reads of x for now (the
-// CPU takes the blocks in the statistics pass).
+// accumulate_instance_stats (with `with_numerics`, _and_numerics) and x's per-block format rows merged into
+// blocks[blocks_row], reading x once: one launch of the statistics pass with merge_items and FusedBlocks (each chunk
+// read again from L2 by the block that has just read it; the instances are whole rows of x's last dim, in order),
+// then a one-block merge of the chunks' block rows into the table row. Without numerics the pass computes a numerics
+// row into scratch and drops it: that pass is the one that casts in the same read. Two reads (the instance op, then
+// the block kernel) where the pass cannot take x: not contiguous, fewer than two dims (no instance of whole rows),
+// empty, or many short instances (read by warps). A format scaled per tensor without a given amax: x's amax by ATen
+// ops first, a read of its own (the scale depends on the whole tensor), as on the CPU.
 void accumulate_instance_stats_numerics_blocks_cuda(const at::Tensor& x, at::Tensor& acc, int64_t row, int64_t correction,
                                                     bool with_numerics, at::Tensor& numerics, int64_t numerics_row,
                                                     at::IntArrayRef format_codes, const std::optional<at::Tensor>& amax,
                                                     at::Tensor& blocks, int64_t blocks_row) {
   const char* op = "accumulate_instance_stats_numerics_blocks";
   const std::vector<core::BlockFormat> formats = block_formats_of(format_codes, op);
-  check_block_table(x, blocks, blocks_row, static_cast<int64_t>(formats.size()), op);
-  if (with_numerics) {
-    accumulate_instance_stats_and_numerics_cuda(x, acc, row, correction, numerics, numerics_row);
-  } else {
-    accumulate_instance_stats_cuda(x, acc, row, correction);
-  }
+  const int64_t num_formats = static_cast<int64_t>(formats.size());
+  check_block_table(x, blocks, blocks_row, num_formats, op);
+  check_accumulator(x, acc, row, op);
+  if (with_numerics) check_numerics_table(x, numerics, numerics_row);
   const c10::cuda::CUDAGuard guard(x.device());
-  // The amax when not given: x's largest finite |x| by ATen ops on the device (no host read).
+  const auto opts = x.options().dtype(at::kDouble);
+  const bool need_amax = any_needs_amax(formats);
   const at::Tensor tensor_amax =
-      amax.has_value()  ? *amax
-      : x.numel() == 0 ? at::zeros({1}, x.options().dtype(at::kDouble))
-                        : at::where(at::isfinite(x), x.abs(), at::zeros({}, x.options())).amax().to(at::kDouble).reshape({1});
-  merge_block_rows_into(blocks.select(0, blocks_row), block_numerics_cuda({x}, format_codes, tensor_amax).select(0, 0));
+      !need_amax || x.numel() == 0 ? at::zeros({1}, opts)
+      : amax.has_value()          ? *amax
+                                  : at::where(at::isfinite(x), x.abs(), at::zeros({}, x.options())).amax().to(at::kDouble).reshape({1});
+  double* block_dst = blocks.data_ptr<double>() + blocks_row * num_formats * core::kNumBlockColumns;
+  std::vector<at::Tensor> keep_alive;
+  std::vector<core::StridedView> instances{make_view(x, 1, op, keep_alive)};
+  const cuda::LaunchPlan plan = cuda::plan_launch(instances.data(), 1);
+  if (!(x.is_contiguous() && x.dim() >= 2 && x.numel() > 0 && plan.warp_chunks == 0)) {
+    if (with_numerics) {
+      accumulate_instance_stats_and_numerics_cuda(x, acc, row, correction, numerics, numerics_row);
+    } else {
+      accumulate_instance_stats_cuda(x, acc, row, correction);
+    }
+    merge_block_rows_into(blocks.select(0, blocks_row), block_numerics_cuda({x}, format_codes, tensor_amax).select(0, 0));
+    return;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  std::vector<core::BlockOperand> ops = block_operands({x}, formats, tensor_amax, keep_alive, op);
+  ops[0].first_chunk = 0;
+  at::Tensor ops_storage;
+  cuda::FusedBlocks fused;
+  fused.ops = static_cast<const core::BlockOperand*>(
+      device_copy(ops.data(), int64_t(sizeof(core::BlockOperand)), x.device(), stream, ops_storage, op));
+  fused.formats.num = static_cast<int>(num_formats);
+  for (int64_t f = 0; f < num_formats; ++f) fused.formats.codes[f] = formats[f];
+  fused.amaxes = need_amax ? tensor_amax.data_ptr<double>() : nullptr;
+  at::Tensor chunk_rows = at::empty({plan.total_chunks, num_formats, int64_t(core::kNumBlockColumns)}, opts);
+  fused.chunk_rows = chunk_rows.data_ptr<double>();
+  const int64_t items = x.size(0);
+  at::Tensor rows = at::empty({items, int64_t(core::kNumStats)}, opts);
+  cuda::StatsTargets stats;
+  stats.out_stats = rows.data_ptr<double>();
+  stats.correction = correction;
+  stats.acc_row = acc.data_ptr<double>() + row * core::kNumAccColumns;
+  at::Tensor dropped = with_numerics ? at::Tensor() : at::zeros({1, int64_t(core::kNumNumericsColumns)}, opts);
+  cuda::NumericsTargets targets;
+  targets.out = with_numerics ? numerics.data_ptr<double>() + numerics_row * core::kNumNumericsColumns
+                              : dropped.data_ptr<double>();
+  targets.accumulate = true;
+  targets.merge_items = true;
+  launch_with_numerics(instances, plan, items, x.device(), stats, targets, op, fused);
+  check_launch(cuda::launch_accumulate_fused_block_rows(chunk_rows.data_ptr<double>(), plan.total_chunks,
+                                                        static_cast<int>(num_formats), block_dst, stream),
+               op);
 }
 
 }  // namespace

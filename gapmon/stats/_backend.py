@@ -337,8 +337,9 @@ def accumulate_instance_stats_numerics_blocks(x: torch.Tensor, acc: torch.Tensor
     """accumulate_instance_stats (with a `numerics` table, accumulate_instance_stats_and_numerics), and x's per-block
     format rows (block_numerics; `amax`: float64 [1], x's largest finite |x|, read by the formats scaled per tensor;
     None: the op measures it) merged into row `blocks_row` of a float64 [rows, F, 12] table in place: GAPMonitor's
-    activation hooks with block formats on, one pass over x on the CPU (each chunk's block groups while it is in
-    cache; a format scaled per tensor needs a read of x for its amax first)."""
+    activation hooks with block formats on, one pass over x (CPU: each chunk's block groups while it is in cache;
+    CUDA: one launch, each chunk re-read from L2, except many short instances; a format scaled per tensor needs a
+    read of x for its amax first)."""
     numerics_on = numerics is not None
     table = numerics if numerics_on else acc.new_empty(0, len(NUMERICS_COLUMNS))
     if not _compiled_for(x.device):

@@ -192,9 +192,111 @@ void run_fused_case(DType dt, const char* what) {
   gapmon_emu_set_block_schedule(0);
 }
 
+// An activation's hook in one read (launch_stats_and_numerics with merge_items and FusedBlocks, then
+// launch_accumulate_fused_block_rows): x's instances are whole rows of its operand, so the groups of every instance's
+// chunks are cast once; the merged rows equal the CPU kernel's rows of the whole tensor merged into the rows the
+// table held (counts equal, sums within 1e-12), the instance fold and numerics row keep the bits of the pass without
+// block formats, and shuffled block schedules give the same bits. Instances of two chunks each (a group straddles
+// the chunk boundary), rows of 33 (a short last group), and single-row instances.
+void run_fused_instances_case(DType dt, const char* what) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t shapes[][3] = {{2, 1700, 40}, {3, 5, 33}, {4, 1, 64}};  // instances, rows each, cols
+  const gapmon::cuda::BlockFormatList formats = all_formats();
+  const int64_t width = formats.num * core::kNumBlockColumns;
+  for (const auto& shape : shapes) {
+    const int64_t items = shape[0], item_numel = shape[1] * shape[2];
+    std::vector<float> v(items * item_numel);
+    for (auto& x : v) x = normal(rng) * std::exp(3.0f * normal(rng));
+    v[v.size() / 3] = INFINITY;
+    const std::vector<uint8_t> data = store(v, dt);
+    core::StridedView view;
+    view.data = data.data(), view.dtype = dt, view.out_row = 0, view.item_numel = item_numel;
+    view.items = items, view.item_stride = item_numel;
+    view.ndim = 1, view.sizes[0] = item_numel, view.strides[0] = 1;
+    const gapmon::cuda::LaunchPlan plan = gapmon::cuda::plan_launch(&view, 1);
+    CHECK(plan.warp_chunks == 0, "%s: instances of %lld elements are read by blocks", what, static_cast<long long>(item_numel));
+    core::BlockOperand op;
+    op.dtype = dt, op.data = data.data(), op.rows = items * shape[1], op.cols = shape[2], op.first_chunk = 0;
+    const double amax = 2.5;
+    // What the table row held (another tensor's rows), then the whole tensor's rows by the CPU kernel merged in.
+    std::vector<double> held(width), fresh(width), want(width);
+    std::vector<float> earlier(96);
+    for (auto& x : earlier) x = normal(rng);
+    const std::vector<uint8_t> earlier_data = store(earlier, dt);
+    core::BlockOperand earlier_op;
+    earlier_op.dtype = dt, earlier_op.data = earlier_data.data(), earlier_op.rows = 3, earlier_op.cols = 32;
+    cpu_rows(earlier_op, formats, amax, held.data());
+    cpu_rows(op, formats, amax, fresh.data());
+    for (int f = 0; f < formats.num; ++f) {
+      core::BlockRow h, r;
+      std::memcpy(h.v, held.data() + f * core::kNumBlockColumns, sizeof h.v);
+      std::memcpy(r.v, fresh.data() + f * core::kNumBlockColumns, sizeof r.v);
+      h.merge(r);
+      std::memcpy(want.data() + f * core::kNumBlockColumns, h.v, sizeof h.v);
+    }
+    gapmon::cuda::ViewTable table;
+    table.num = 1;
+    table.inline_views[0] = view;
+    auto pass = [&](bool fused, std::vector<double>& acc, std::vector<double>& numerics, std::vector<double>& blocks) {
+      std::vector<double> chunk_states(plan.total_chunks * core::kNumStateColumns, -7.0);
+      std::vector<double> chunk_numerics(plan.total_chunks * core::kNumNumericsColumns, -7.0);
+      std::vector<double> chunk_rows(plan.total_chunks * width, -7.0), rows(items * core::kNumStats, -7.0);
+      std::vector<unsigned> counters(items + 1, 0u);
+      acc.assign(core::kNumAccColumns, 0.0), numerics.assign(core::kNumNumericsColumns, 0.0), blocks = held;
+      gapmon::cuda::StatsTargets stats;
+      stats.out_stats = rows.data(), stats.correction = 1, stats.acc_row = acc.data();
+      stats.chunk_states = chunk_states.data(), stats.counters = counters.data();
+      gapmon::cuda::NumericsTargets targets;
+      targets.out = numerics.data(), targets.chunk_rows = chunk_numerics.data();
+      targets.accumulate = true, targets.merge_items = true;
+      gapmon::cuda::FusedBlocks fused_blocks;
+      if (fused) {
+        fused_blocks.ops = &op, fused_blocks.formats = formats, fused_blocks.amaxes = &amax;
+        fused_blocks.chunk_rows = chunk_rows.data();
+      }
+      CHECK(gapmon::cuda::launch_stats_and_numerics(table, plan, items, stats, targets, nullptr, fused_blocks) ==
+                cudaSuccess, "%s: launch", what);
+      if (fused) {
+        CHECK(gapmon::cuda::launch_accumulate_fused_block_rows(chunk_rows.data(), plan.total_chunks, formats.num,
+                                                               blocks.data(), nullptr) == cudaSuccess,
+              "%s: merge launch", what);
+      }
+    };
+    std::vector<double> plain_acc, plain_numerics, unused;
+    pass(false, plain_acc, plain_numerics, unused);
+    std::vector<double> first;
+    for (unsigned seed : {0u, 3u}) {
+      gapmon_emu_set_numerics_schedule(seed);
+      gapmon_emu_set_block_schedule(seed);
+      std::vector<double> acc, numerics, got;
+      pass(true, acc, numerics, got);
+      CHECK(std::memcmp(acc.data(), plain_acc.data(), acc.size() * sizeof(double)) == 0 &&
+                std::memcmp(numerics.data(), plain_numerics.data(), numerics.size() * sizeof(double)) == 0,
+            "%s: the block formats changed the fold or the numerics row", what);
+      for (int64_t r = 0; r < width; ++r) {
+        const int k = static_cast<int>(r % core::kNumBlockColumns);
+        const bool sum = k == core::bErrorSq || k == core::bSignalSq;
+        CHECK(sum ? close(got[r], want[r], 1e-12) : got[r] == want[r], "%s [%lld, %lld, %lld]: format %lld column %d: %g vs %g",
+              what, static_cast<long long>(shape[0]), static_cast<long long>(shape[1]), static_cast<long long>(shape[2]),
+              static_cast<long long>(r / core::kNumBlockColumns), k, got[r], want[r]);
+      }
+      if (first.empty()) first = got;
+      CHECK(std::memcmp(first.data(), got.data(), got.size() * sizeof(double)) == 0, "%s: schedule %u changed the bits",
+            what, seed);
+    }
+  }
+  gapmon_emu_set_numerics_schedule(0);
+  gapmon_emu_set_block_schedule(0);
+}
+
 }  // namespace
 
 int main() {
+  run_fused_instances_case(DType::kFloat32, "instances float32");
+  run_fused_instances_case(DType::kFloat64, "instances float64");
+  run_fused_instances_case(DType::kBFloat16, "instances bfloat16");
+  run_fused_instances_case(DType::kFloat16, "instances float16");
   run_fused_case(DType::kFloat32, "fused float32");
   run_fused_case(DType::kFloat64, "fused float64");
   run_fused_case(DType::kBFloat16, "fused bfloat16");
