@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # Everything a GPU session measures, split into device calls that fit the device tool's limits
 # (10 minutes a command, a bare machine unless the last call ended < 30 s before, at most 8 files back
-# from $OUT per call, 30 minutes of device time in all). Logs and JSON results go to OUT_DIR.
+# from $OUT per call). Logs and JSON results go to OUT_DIR.
 #
-#   bash benchmarks/gpu_session.sh OUT_DIR call1|call2|call3|call4     (one device call each)
+#   bash benchmarks/gpu_session.sh OUT_DIR quick1|quick2                (a 15-minute device budget: see below)
+#   bash benchmarks/gpu_session.sh OUT_DIR call1|call2|call3|call4     (a 30-minute budget: one device call each)
 #   bash benchmarks/gpu_session.sh OUT_DIR PHASE ...                  (phases by name)
 #   GAPMON_GPU_DRY_RUN=1 bash benchmarks/gpu_session.sh OUT_DIR ...   (no GPU: prints what each phase
-#                                                                      runs; tests/test_gpu_session.py)
+#                                                                      runs; tests/apps/test_gpu_session.py)
 #
-# The plan. Each phase has a time limit (seconds, below); a call's limits add up to at most 570 s.
+# A session is lent 15 minutes of device time now, the machine's start (a minute or more) included: one full call
+# and perhaps a short second one. quick1 is the call to make first, everything in one command, most needed first:
+#   quick1  build tests quicknumerics quickstats ncu   limits 150 + 150 + 75 + 60 + 45 + 90 = 570 s: the extension
+#                                   (ptxas registers in the log; no separate register check), the CUDA tests (every
+#                                   kernel's first run on hardware: the fused one-read passes of #36 included), the
+#                                   numerics and per-block formats against the statistics pass at 2^24 and 2^28, the
+#                                   statistics ops at 2^20-2^28, and ncu's DRAM bytes of the fused pass (one read?).
+#                                   Returns _C*.so: copy it to .gpu-build/ and carry .gpu-build in quick2.
+#   quick2  reuse quickmonitor quickpersample          limits 150 + 150 = 300 s plus the reuse (if >= 6 minutes are
+#                                   left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128).
 # Expected times: build ~30 s and the whole suite ~6 min were measured on an H100 by an earlier session;
 # the others are not measured yet (their limits are generous), so replace these figures once they are.
+# With 30 minutes (the budget sessions had before):
 #   call1  build tests demo        limits 180 + 60 + 180 + 120 = 540 s (build, its register check, the
 #                                   CUDA tests, the demo). Returns gapmon/_C*.so in OUT_DIR: copy it to
 #                                   .gpu-build/ (git-ignored) here and name .gpu-build in every later
@@ -26,18 +37,23 @@
 #   then, if device time is left:  variants (limit 240 s)
 # Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
 # ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json provenance.json gram.json numerics.json;
-# call4 session.log.
+# call4 session.log; quick1 session.log build.log _C*.so numerics.json stats.json ncu.txt; quick2 session.log
+# monitor.json persample-gpt2.json.
 # Afterwards copy each X.json to benchmarks/results/X-<gpu>.json (stats-h100.json, monitor-h100.json, ...) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_session.sh OUT_DIR call1|call2|call3|call4|PHASE ...}
+out=${1:?usage: gpu_session.sh OUT_DIR quick1|quick2|call1|call2|call3|call4|PHASE ...}
 shift
+quick=0  # the calls of a 15-minute budget: shorter limits, fewer sizes
 case "${1:-}" in
   call1) phases="build tests demo" ;;
   call2) phases="reuse stats ncu" ;;
   call3) phases="reuse monitor persample numerics" ;;
   call4) phases="reuse suite" ;;
-  "") echo "name a call (call1..call4) or phases: build reuse tests demo stats ncu monitor persample numerics suite variants" >&2
+  quick1) phases="build tests quicknumerics quickstats ncu" ; quick=1 ;;
+  quick2) phases="reuse quickmonitor quickpersample" ; quick=1 ;;
+  "") echo "name a call (quick1, quick2, call1..call4) or phases: build reuse tests demo stats quickstats ncu monitor" \
+        "quickmonitor persample quickpersample numerics quicknumerics suite variants" >&2
       exit 2 ;;
   *) phases="$*" ;;
 esac
@@ -84,13 +100,13 @@ tests_rc=0
 if want build; then
   section "build"
   if ! GAPMON_PTXAS_VERBOSE=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch} GAPMON_CUDA=1 \
-      run 180 $py setup.py build_ext --inplace >"$out/build.log" 2>&1; then
+      run $([ "$quick" = 1 ] && echo 150 || echo 180) $py setup.py build_ext --inplace >"$out/build.log" 2>&1; then
     tail -40 "$out/build.log"
     exit 1
   fi
   grep -E "registers|spill" "$out/build.log" | tail -20 | tee -a "$log"  # ptxas -v: registers and spills per kernel
   [ "$dry" = 1 ] || cp gapmon/_C*.so "$out/"  # back to this machine: carry it in the later calls
-  run 60 $py tests/cpp/check_kernels.py "$nvcc_bin" . 2>&1 | tee -a "$log"
+  [ "$quick" = 1 ] || run 60 $py tests/cpp/check_kernels.py "$nvcc_bin" . 2>&1 | tee -a "$log"
 fi
 
 if want reuse; then
@@ -109,7 +125,7 @@ fi
 
 if want tests; then
   section "CUDA tests"
-  run 180 $py -m pytest -q -p no:cacheprovider tests/stats/test_cuda.py 2>&1 | tee -a "$log"
+  run $([ "$quick" = 1 ] && echo 150 || echo 180) $py -m pytest -q -p no:cacheprovider tests/stats/test_cuda.py 2>&1 | tee -a "$log"
   tests_rc=${PIPESTATUS[0]}
 fi
 
@@ -124,6 +140,17 @@ if want stats; then
   run 300 $py benchmarks/bench_stats.py --device cuda --cases stats,host,multi,instance --out "$out/stats.json" 2>&1 | tee -a "$log"
 fi
 
+if want quickstats; then
+  section "statistics benchmark, 2^20-2^28 (quick)"
+  run 60 $py benchmarks/bench_stats.py --device cuda --cases stats --sizes 20,24,28 --skip-llama --out "$out/stats.json" 2>&1 | tee -a "$log"
+fi
+
+if want quicknumerics; then
+  section "numerics and per-block formats against the statistics pass, 2^24 and 2^28 (quick)"
+  run 75 $py benchmarks/bench_stats.py --device cuda --cases numerics,blocks --numerics-sizes 24,28 \
+    --out "$out/numerics.json" 2>&1 | tee -a "$log"
+fi
+
 if want numerics; then
   section "numerics benchmark (exponent histogram + moments, and the per-block formats, vs the statistics pass)"
   run 120 $py benchmarks/bench_stats.py --device cuda --cases numerics,blocks --numerics-sizes 20,24,28 \
@@ -132,11 +159,16 @@ fi
 
 if want ncu; then
   section "ncu: one launch of every kernel_bench case a target names (clocks left as they are)"
-  run 90 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo -I csrc benchmarks/cuda/kernel_bench.cu \
-    csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu csrc/cuda/block_cuda.cu -o /tmp/gapmon_kernel_bench &&
-    run 180 ncu --clock-control none --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+  # quick: the fused statistics-numerics(-blocks) kernel alone, fewer sections
+  kernels="stats_kernel|stats_numerics_kernel"
+  sections="--section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis"
+  if [ "$quick" = 1 ]; then kernels="stats_numerics_kernel"; sections="--section SpeedOfLight"; fi
+  run $([ "$quick" = 1 ] && echo 45 || echo 90) "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo \
+    -I csrc benchmarks/cuda/kernel_bench.cu csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu csrc/cuda/block_cuda.cu \
+    -o /tmp/gapmon_kernel_bench &&
+    run $([ "$quick" = 1 ] && echo 90 || echo 180) ncu --clock-control none $sections \
       --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
-      --kernel-name regex:"stats_kernel|stats_numerics_kernel" /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
+      --kernel-name regex:"$kernels" /tmp/gapmon_kernel_bench --once > "$out/ncu.txt" 2>&1
   tail -80 "$out/ncu.txt" | tee -a "$log"
 fi
 
@@ -153,6 +185,16 @@ if want persample; then
   run 30 $py benchmarks/bench_provenance.py --device cuda --out "$out/provenance.json" 2>&1 | tee -a "$log"
   # per-sample Gram matrices against the norms of the same Linear layer (#38)
   run 20 $py benchmarks/bench_gram.py --device cuda --out "$out/gram.json" 2>&1 | tee -a "$log"
+fi
+
+if want quickmonitor; then
+  section "monitor benchmark, GPT-2 small (quick)"
+  run 150 $py benchmarks/bench_monitor.py --device cuda --gpt2 --steps 4 --rounds 1 --out "$out/monitor.json" 2>&1 | tee -a "$log"
+fi
+
+if want quickpersample; then
+  section "per-sample benchmark, GPT-2 small at T=128 (quick)"
+  run 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 --steps 4 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
 fi
 
 if want suite; then

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CALLS = ("call1", "call2", "call3", "call4", "variants")
+CALLS = ("quick1", "quick2", "call1", "call2", "call3", "call4", "variants")
 
 
 def _dry_run(tmp_path, call):
