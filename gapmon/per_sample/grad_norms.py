@@ -230,7 +230,7 @@ class PerSampleGradNorms(GradientProducts):
         """Forgets the samples seen so far."""
         self._state.micro = []
         self._state.read = self._state.collected = False
-        self._checker.checks = {}
+        self._checker.new_step()
 
     def local_norms(self) -> torch.Tensor:
         """[B_local] per-sample gradient norms of this rank's samples since the last reset: float64

@@ -26,20 +26,36 @@ USE_CHECK_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3,
 
 
 class UseCheck:
-    """Sketches of one parameter's gradient: accumulated by autograd, and explained by the rules."""
+    """Sketches of one parameter's gradient: accumulated by autograd, and explained by the rules. Kept from step to
+    step for the same parameter object (UseChecker.check: its sums zeroed, its tolerance reset), so that a step's
+    hooks find it made."""
 
-    def __init__(self, name: str, layer: str, rows: int, device: torch.device, dtype: torch.dtype):
-        self.name, self.layer = name, layer
+    def __init__(self, p: torch.Tensor, name: str, layer: str, probe: torch.Tensor):
+        self.ref, self.rows, self.probe = weakref.ref(p), sketch_rows(p), probe
         # Summed in the probe's dtype (float32, float64 for a float64 parameter): each sketch then adds in one op, and
         # float32's rounding of a few sums (~1e-7) stays far below the float32 tolerance (1e-4).
-        self.total, self.explained = torch.zeros(2, rows, dtype=dtype, device=device)
+        self.sums = torch.zeros(2, self.rows, dtype=probe.dtype, device=p.device)
+        self.total, self.explained = self.sums.unbind(0)
+        self.restart(name, layer)
+
+    def restart(self, name: str, layer: str) -> None:
+        """A new step: nothing sketched yet (the sums are zeroed by the caller), float64's tolerance."""
+        self.name, self.layer = name, layer
         self.rtol = USE_CHECK_RTOL[torch.float64]
         self.repeats = 1
+        self.widened: tuple = ()  # (dtype, repeats) of the last widen: the same again changes nothing
         self.unchecked: str | None = None  # why it cannot be checked (a rule without a sketch, a DTensor gradient)
+
+    def fits(self, p: torch.Tensor, probe: torch.Tensor) -> bool:
+        """Whether this check is parameter p's (the same object, still of its rows, with its probe now)."""
+        return self.ref() is p and self.rows == sketch_rows(p) and self.probe is probe
 
     def widen(self, dtype: torch.dtype, repeats: int = 1) -> None:
         """Allows the rounding of `dtype`; a 16-bit gradient that adds `repeats` terms into one
         element outside a GEMM (an embedding row) rounds each add: its error grows as sqrt(repeats)."""
+        if self.widened == (dtype, repeats):
+            return
+        self.widened = (dtype, repeats)
         rtol = USE_CHECK_RTOL.get(dtype, USE_CHECK_RTOL[torch.float32])
         if dtype in (torch.float16, torch.bfloat16):
             rtol *= max(1.0, math.sqrt(repeats))
@@ -55,14 +71,25 @@ class UseChecker:
         self.param_names: dict[int, str] = {}
         self.hooks: dict[int, Any] = {}  # id(parameter) -> handle of its gradient hook
         self.probes: dict[int, torch.Tensor] = {}  # id(parameter) -> its random probe
-        self.checks: dict[int, UseCheck] = {}  # id(parameter) -> sketches since the last reset
+        self.checks: dict[int, UseCheck] = {}  # id(parameter) -> the checks this step touched
+        self._kept: dict[int, UseCheck] = {}  # id(parameter) -> its check of an earlier step (UseCheck.fits)
         self._hooked_state: tuple | None = None
 
     def forget(self, param_names: dict[int, str]) -> None:
         """Drops what was keyed by the old parameter objects (they were replaced) and takes their names."""
         self.close()
         self.param_names = param_names
-        self.probes, self.checks, self._hooked_state = {}, {}, None
+        self.probes, self.checks, self._kept, self._hooked_state = {}, {}, {}, None
+
+    def new_step(self) -> None:
+        """Starts the sketches over: the checks of the last step are kept for their parameters (those still alive),
+        their sums zeroed in one multi-tensor op."""
+        kept = {**self._kept, **self.checks}
+        self._kept = {key: c for key, c in kept.items() if c.ref() is not None}
+        self.checks = {}
+        if self._kept:
+            with torch.no_grad():
+                _torch_compat.foreach_zero_([c.sums for c in self._kept.values()])
 
     def hook_covered(self, layers: list[tuple[str, nn.Module, NormRule]], trainable_state: tuple) -> None:
         """Hooks the gradient of every covered trainable parameter, so that a use the rules never see
@@ -81,41 +108,54 @@ class UseChecker:
             self.hooks[id(p)] = p.register_hook(functools.partial(self._accumulated, weakref.ref(p), layer))
 
     def probe(self, p: torch.Tensor) -> torch.Tensor:
-        """The fixed random probe of parameter p (one per parameter, drawn once, seeded)."""
+        """The fixed random probe of parameter p (one per parameter, drawn once, seeded; drawn again when the
+        parameter object's data changed width, device or float64-ness: `p.data = ...`, `model.to(...)`)."""
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        width = p.numel() // max(sketch_rows(p), 1) if p.numel() else 0
         r = self.probes.get(id(p))
-        if r is None:
-            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if r is None or r.shape[0] != width or r.dtype != dtype or r.device != p.device:
             gen = torch.Generator(device=p.device).manual_seed(0x9E3779B9 + len(self.probes))
-            width = p.numel() // max(sketch_rows(p), 1) if p.numel() else 0
             r = self.probes[id(p)] = torch.randn(width, generator=gen, dtype=dtype, device=p.device)
         return r
 
     def check(self, p: torch.Tensor, layer: str) -> UseCheck:
-        check = self.checks.get(id(p))
-        if check is None:
-            name = self.param_names.get(id(p), f"{layer} parameter {list(p.shape)}")  # FSDP2: unsharded parameters
-            check = self.checks[id(p)] = UseCheck(name, layer, sketch_rows(p), p.device, self.probe(p).dtype)
-            check.widen(p.dtype)
+        """Parameter p's check of this step: its check of the last step started over (sums zeroed by new_step),
+        or a new one."""
+        key = id(p)
+        check = self.checks.get(key)
+        if check is not None:
+            return check
+        name = self.param_names.get(key) or f"{layer} parameter {list(p.shape)}"  # FSDP2: unsharded parameters
+        check, probe = self._kept.pop(key, None), self.probe(p)
+        if check is not None and check.fits(p, probe):
+            check.restart(name, layer)
+        else:
+            check = UseCheck(p, name, layer, probe)
+        check.widen(p.dtype)
+        self.checks[key] = check
         return check
 
     def _accumulated(self, ref: weakref.ref, layer: str, grad: torch.Tensor) -> None:
         """Gradient hook of a covered parameter: sketches what autograd accumulates for it."""
-        p = ref()
-        if (not self.state.collecting or grad is None or p is None or p.numel() == 0
-                or _torch_compat.functorch_transforms_active()):
+        if not self.state.collecting or grad is None:
             return
-        check = self.check(p, layer)
-        if is_dtensor(grad):
+        p = ref()
+        if p is None or p.numel() == 0 or _torch_compat.functorch_transforms_active():
+            return
+        check = self.checks.get(id(p)) or self.check(p, layer)
+        if type(grad) is not torch.Tensor and is_dtensor(grad):
             check.unchecked = "its gradient is a DTensor"
             return
-        with torch.no_grad():
-            if grad.layout == torch.sparse_coo:  # Embedding(sparse=True)
+        if grad.layout == torch.sparse_coo:  # Embedding(sparse=True)
+            with torch.no_grad():
                 grad = grad.coalesce()
-                r = self.probe(p)
-                vals = grad.values().reshape(grad.values().shape[0], -1).to(r.dtype) @ r
+                vals = grad.values().reshape(grad.values().shape[0], -1).to(check.probe.dtype) @ check.probe
                 check.total.index_add_(0, grad.indices()[0], vals)
-            else:
-                add_sketch(check.total, grad, self.probe(p))
+        elif torch.is_grad_enabled():  # a backward with create_graph=True: the sketch stays out of its graph
+            with torch.no_grad():
+                add_sketch(check.total, grad, check.probe)
+        else:
+            add_sketch(check.total, grad, check.probe)
         check.widen(grad.dtype, check.repeats)
 
     def explain(self, name: str, module: nn.Module, rule: NormRule, used: list[torch.Tensor] | None, piece: tuple,
@@ -125,18 +165,18 @@ class UseChecker:
         (parameter, that sum) of every trainable parameter when the norms formed them on the way (then they are
         sketched, and the positions are not read again), else the rule's grad_sketch reads the positions."""
         now = rule.params(module)
-        used = now if used is None else used
-        as_used = {id(p): u for p, u in zip(now, used)} if len(used) == len(now) else {}
-        probe = lambda p: self.probe(as_used.get(id(p), p))  # noqa: E731
+        as_used: dict[int, torch.Tensor] = {}
+        if used is not None and len(used) == len(now) and any(u is not q for u, q in zip(used, now)):
+            as_used = {id(q): u for q, u in zip(now, used)}
         if grads is not None:  # one matrix-vector op each, into the check
             for p, grad in grads:
                 check = self.check(as_used.get(id(p), p), name)
-                add_sketch(check.explained, grad, probe(p))
+                add_sketch(check.explained, grad, check.probe)
                 check.widen(dtype)
             return
-        sketches = rule.grad_sketch(module, piece, probe)
+        sketches = rule.grad_sketch(module, piece, lambda p: self.check(as_used.get(id(p), p), name).probe)
         if sketches is None:
-            for p in used:
+            for p in (now if used is None else used):
                 self.check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"
             return
         for p, s, repeats in sketches:

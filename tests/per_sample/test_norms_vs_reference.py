@@ -287,6 +287,51 @@ def test_a_parameter_used_outside_its_layer_is_refused_by_name(make, inputs, nam
     assert not any(f"{n} (relative" in message for n in others), message
 
 
+class SometimesUsedTwice(UsedTwice):
+    """UsedTwice on the steps `twice` says, a plain two-layer net on the others."""
+
+    twice = True
+
+    def forward(self, x):
+        return super().forward(x) if self.twice else self.b(torch.tanh(self.a(x)))
+
+
+def test_the_use_check_starts_over_every_step():
+    """The checks are kept from step to step for their parameters (sums zeroed): a clean step after a refused one is
+    exact, a bad step after a clean one is refused, and a parameter resized between steps is checked at its new shape."""
+    torch.manual_seed(0)
+    model = SometimesUsedTwice().double()
+    psn = gapmon.PerSampleGradNorms(model)
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for twice in (True, False, True, False):
+        psn.reset()
+        model.zero_grad(set_to_none=True)
+        model.twice = twice
+        _loss(model(x), y).backward()
+        if twice:
+            with pytest.raises(RuntimeError, match=r"a\.weight \(relative difference"):
+                psn.local_norms()
+        else:
+            _assert_exact(psn.local_norms(), loop_per_sample_norms(model, _loss, x, y))
+    with torch.no_grad():  # the layers resized in place (the parameter objects kept): 7 hidden units
+        model.a.weight.data = torch.randn(7, 5, dtype=torch.float64)
+        model.a.bias.data = torch.randn(7, dtype=torch.float64)
+        model.b.weight.data = torch.randn(3, 7, dtype=torch.float64)
+    for twice in (False, True):
+        psn.reset()
+        model.zero_grad(set_to_none=True)
+        model.twice = twice
+        if twice:  # a.weight is no longer square: b's weight read outside b instead
+            model.twice = False
+            _loss(model(x) + 1e-2 * F.linear(torch.tanh(model.a(x)), model.b.weight), y).backward()
+            with pytest.raises(RuntimeError, match=r"b\.weight \(relative difference"):
+                psn.local_norms()
+        else:
+            _loss(model(x), y).backward()
+            _assert_exact(psn.local_norms(), loop_per_sample_norms(model, _loss, x, y))
+    psn.close()
+
+
 def test_a_parameter_unfrozen_after_construction_and_used_outside_its_layer_is_refused():
     torch.manual_seed(0)
     model = LayerBypassed().double()

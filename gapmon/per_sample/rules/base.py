@@ -213,8 +213,8 @@ class NormRule:
     def grad_sketch(self, module: nn.Module, pos: Sequence[torch.Tensor],
                     probe: Callable[[torch.Tensor], torch.Tensor]) -> list["Sketch"] | None:
         """A Sketch per trainable parameter: the sum over samples of the per-sample gradients of one
-        call's positions, as a [rows, -1] matrix times `probe(parameter)` (float64 [rows]; see
-        `sketch`). None: the rule cannot say (its parameters go unchecked)."""
+        call's positions, as a [rows, -1] matrix times `probe(parameter)` ([rows], in the probe's dtype or wider;
+        see `sketch`). None: the rule cannot say (its parameters go unchecked)."""
         return None
 
 
@@ -234,9 +234,10 @@ def sketch_rows(p: torch.Tensor) -> int:
 
 
 def sketch(grad: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """A gradient (any shape, its parameter's) as a [rows, -1] matrix times the probe r, float64."""
+    """A gradient (any shape, its parameter's) as a [rows, -1] matrix times the probe r, in r's dtype (the use check
+    sums the sketches in it)."""
     rows = grad.shape[0] if grad.dim() else 1
-    return (grad.reshape(rows, -1).to(r.dtype) @ r).double()
+    return grad.reshape(rows, -1).to(r.dtype) @ r
 
 
 def add_sketch(acc: torch.Tensor, grad: torch.Tensor, r: torch.Tensor) -> None:

@@ -14,9 +14,9 @@ from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, s
 
 
 def product_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """sketch(Σ_{b,t} g_bt a_btᵀ, r) = Gᵀ(A r) for a [..., d], g [..., p]: no [p, d] product formed."""
+    """sketch(Σ_{b,t} g_bt a_btᵀ, r) = Gᵀ(A r) for a [..., d], g [..., p]: no [p, d] product formed (r's dtype)."""
     ar = a.reshape(-1, a.shape[-1]).to(r.dtype) @ r
-    return (g.reshape(-1, g.shape[-1]).to(r.dtype).T @ ar).double()
+    return g.reshape(-1, g.shape[-1]).to(r.dtype).T @ ar
 
 
 # -------------------------------------------------------------------- Linear-like products
