@@ -109,6 +109,8 @@ def tree_map_tensors(fn: Callable, tree: Any) -> Any:
     µs per call and leaves reference cycles for the garbage collector (its recursive helper)."""
     if type(tree) is tuple and len(tree) == 2 and type(tree[0]) is tuple and type(tree[1]) is dict:
         args, kwargs = tree
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # most layer calls: one input
+            return (fn(args[0]),), {}
         if all(isinstance(v, (torch.Tensor, *_PLAIN_LEAVES)) for v in (*args, *kwargs.values())):
             return (tuple(fn(v) if isinstance(v, torch.Tensor) else v for v in args),
                     {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})

@@ -1,6 +1,7 @@
 """Small helpers shared by the monitor, per-sample norms and the dumper."""
 from __future__ import annotations
 
+import functools
 import numbers
 import weakref
 from typing import Any, Callable, Iterable, Mapping
@@ -158,13 +159,19 @@ class ParameterWatch:
 
 def layer_type_name(module: nn.Module) -> str:
     """The name of the module's own class: "Linear" also for a layer fully_shard turned into an FSDPLinear
-    (FSDP2 gives each sharded module a subclass of FSDPModule and its class)."""
+    (FSDP2 gives each sharded module a subclass of FSDPModule and its class). Per class, once (the per-sample
+    hooks ask for every layer call)."""
+    return _layer_type_name_of(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_type_name_of(kind: type) -> str:
     from torch.distributed.fsdp import FSDPModule
 
-    for cls in type(module).__mro__:
+    for cls in kind.__mro__:
         if issubclass(cls, nn.Module) and not issubclass(cls, FSDPModule):
             return cls.__name__
-    return type(module).__name__
+    return kind.__name__
 
 
 def first_of_each_id(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ output gradient in backward, and once every call of the layer has its gradient t
 per-sample squared norms, added to the micro-batch's accumulator."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 
 import torch
@@ -214,7 +216,7 @@ class LayerHooks:
         pairs = [(call, g) for call, g in zip(calls.calls, calls.grads) if g is not None]
         if not pairs:
             return
-        with torch.no_grad():
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # create_graph=True backward
             acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
             if len(pieces) == 1:  # the use check takes the gradients when the norms formed them
