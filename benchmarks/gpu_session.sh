@@ -17,8 +17,9 @@
 #                                   numerics and per-block formats against the statistics pass at 2^24 and 2^28, the
 #                                   statistics ops at 2^20-2^28, and ncu's DRAM bytes of the fused pass (one read?).
 #                                   Returns _C*.so: copy it to .gpu-build/ and carry .gpu-build in quick2.
-#   quick2  reuse quickmonitor quickpersample          limits 150 + 150 = 300 s plus the reuse (if >= 6 minutes are
-#                                   left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128).
+#   quick2  reuse quickmonitor quickpersample          limits 150 + 150 + 30 = 330 s plus the reuse (if >= 6 minutes
+#                                   are left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128),
+#                                   the batch tracking's cost per op and the norms' host time per covered layer.
 # Expected times: build ~30 s and the whole suite ~6 min were measured on an H100 by an earlier session;
 # the others are not measured yet (their limits are generous), so replace these figures once they are.
 # With 30 minutes (the budget sessions had before):
@@ -38,7 +39,7 @@
 # Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
 # ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json provenance.json gram.json numerics.json;
 # call4 session.log; quick1 session.log build.log _C*.so numerics.json stats.json ncu.txt; quick2 session.log
-# monitor.json persample-gpt2.json.
+# monitor.json persample-gpt2.json provenance.json.
 # Afterwards copy each X.json to benchmarks/results/X-<gpu>.json (stats-h100.json, monitor-h100.json, ...) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -195,6 +196,8 @@ fi
 if want quickpersample; then
   section "per-sample benchmark, GPT-2 small at T=128 (quick)"
   run 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 --steps 4 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
+  # the batch tracking's cost per op and the per-sample norms' host time per step and per covered layer (#34)
+  run 30 $py benchmarks/bench_provenance.py --device cuda --out "$out/provenance.json" 2>&1 | tee -a "$log"
 fi
 
 if want suite; then

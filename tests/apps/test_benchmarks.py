@@ -68,3 +68,7 @@ def test_bench_provenance_reports_the_cost_per_op(tmp_path):
     result = _run("bench_provenance.py", "--rounds", "3", out=tmp_path / "provenance.json")
     assert result["ops_per_forward_gpt2_small"] > 100 and result["forward_tracked_ms"] > 0
     assert isinstance(result["met"], bool) and result["target"]
+    # the per-sample norms' host time per training step of GPT-2 small's structure: 12 blocks of qkv, proj, up, down
+    # and two norms, the embeddings, the final norm and the head
+    assert result["covered_layers"] == 12 * 6 + 4, result
+    assert result["step_plain_ms"] > 0 and {"added_per_layer_us_norms", "added_per_layer_us_bookkeeping"} <= set(result)
