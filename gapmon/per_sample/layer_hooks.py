@@ -5,7 +5,6 @@ per-sample squared norms, added to the micro-batch's accumulator."""
 from __future__ import annotations
 
 import contextlib
-
 import functools
 
 import torch
