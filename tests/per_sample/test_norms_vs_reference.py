@@ -332,6 +332,43 @@ def test_the_use_check_starts_over_every_step():
     psn.close()
 
 
+class DeepUsedTwice(nn.Module):
+    """`depth` Linear layers, the weight of the middle one read once more outside it."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(5, 5) for _ in range(depth))
+
+    def forward(self, x):
+        mid = len(self.layers) // 2
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == mid:
+                x = x + 1e-3 * F.linear(x, layer.weight)
+        return x
+
+
+@pytest.mark.parametrize("depth", [3, 40], ids=["few-checks", "many-checks-one-pass"])
+def test_the_use_check_names_the_one_parameter_among_many(depth):
+    """Few checks take multi-tensor norms, many (>= 64 parameters) one statistics pass: either way the parameter
+    read outside its layer is named, and the same model without that read is exact."""
+    torch.manual_seed(0)
+    model = DeepUsedTwice(depth).double()
+    x, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.randn(4, 3, 5, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model)
+    _loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="no per-sample rule saw") as info:
+        psn.local_norms()
+    message = str(info.value)
+    assert f"layers.{depth // 2}.weight (relative difference" in message and message.count("(relative difference") == 1
+    psn.close()
+    plain = nn.Sequential(*[m for layer in model.layers for m in (layer, nn.Tanh())])
+    psn = gapmon.PerSampleGradNorms(plain)
+    _loss(plain(x), y).backward()
+    _assert_exact(psn.local_norms(), loop_per_sample_norms(plain, _loss, x, y))
+    psn.close()
+
+
 def test_a_parameter_unfrozen_after_construction_and_used_outside_its_layer_is_refused():
     torch.manual_seed(0)
     model = LayerBypassed().double()
