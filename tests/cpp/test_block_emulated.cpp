@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../../csrc/core/block_formats.h"
@@ -100,6 +101,37 @@ void run_case(DType dt, const char* what) {
   gapmon_emu_set_block_schedule(0);
 }
 
+// Runs `pass(fused, first, second, blocks)` without the block formats, then with them under two block schedules: its
+// first two outputs (statistics and numerics) keep the bits of the pass without them, the block rows equal `want`
+// (counts and extremes exactly, error and signal sums within 1e-12), and the schedules give the same bits.
+template <typename Pass>
+void check_fused_pass(const Pass& pass, const std::vector<double>& want, const char* what) {
+  std::vector<double> plain_first, plain_second, unused;
+  pass(false, plain_first, plain_second, unused);
+  std::vector<double> bits;
+  for (unsigned seed : {0u, 4u}) {
+    gapmon_emu_set_numerics_schedule(seed);
+    gapmon_emu_set_block_schedule(seed);
+    std::vector<double> first, second, got;
+    pass(true, first, second, got);
+    CHECK(std::memcmp(first.data(), plain_first.data(), first.size() * sizeof(double)) == 0 &&
+              std::memcmp(second.data(), plain_second.data(), second.size() * sizeof(double)) == 0,
+          "%s: the block formats changed the statistics or the numerics", what);
+    CHECK(got.size() == want.size(), "%s: %zu block values, want %zu", what, got.size(), want.size());
+    for (size_t r = 0; r < want.size() && r < got.size(); ++r) {
+      const int k = static_cast<int>(r % core::kNumBlockColumns);
+      const bool sum = k == core::bErrorSq || k == core::bSignalSq;
+      CHECK(sum ? close(got[r], want[r], 1e-12) : got[r] == want[r], "%s: block row %zu column %d: %g vs %g", what,
+            r / core::kNumBlockColumns, k, got[r], want[r]);
+    }
+    if (bits.empty()) bits = got;
+    CHECK(std::memcmp(bits.data(), got.data(), got.size() * sizeof(double)) == 0, "%s: schedule %u changed the bits",
+          what, seed);
+  }
+  gapmon_emu_set_numerics_schedule(0);
+  gapmon_emu_set_block_schedule(0);
+}
+
 // The fused pass (launch_stats_and_numerics with FusedBlocks, then launch_merge_fused_block_rows): the block
 // rows of the CPU kernel (counts equal, sums within 1e-12) although the groups are taken per statistics chunk
 // (a group straddling two chunks counted once, in the first), a tensor left out of the pass gets empty rows,
@@ -165,31 +197,7 @@ void run_fused_case(DType dt, const char* what) {
                                                         nullptr) == cudaSuccess, "%s: merge launch", what);
     }
   };
-  std::vector<double> plain_states, plain_numerics, unused;
-  pass(false, plain_states, plain_numerics, unused);
-  std::vector<double> first;
-  for (unsigned seed : {0u, 4u}) {
-    gapmon_emu_set_numerics_schedule(seed);
-    gapmon_emu_set_block_schedule(seed);
-    std::vector<double> states, numerics, got;
-    pass(true, states, numerics, got);
-    CHECK(std::memcmp(states.data(), plain_states.data(), states.size() * sizeof(double)) == 0 &&
-              std::memcmp(numerics.data(), plain_numerics.data(), numerics.size() * sizeof(double)) == 0,
-          "%s: the block formats changed the states or numerics", what);
-    for (int64_t r = 0; r < n * formats.num; ++r) {
-      for (int k = 0; k < core::kNumBlockColumns; ++k) {
-        const double g = got[r * core::kNumBlockColumns + k], w = want[r * core::kNumBlockColumns + k];
-        const bool sum = k == core::bErrorSq || k == core::bSignalSq;
-        CHECK(sum ? close(g, w, 1e-12) : g == w, "%s: fused row %lld column %d: %g vs %g", what, static_cast<long long>(r),
-              k, g, w);
-      }
-    }
-    if (first.empty()) first = got;
-    CHECK(std::memcmp(first.data(), got.data(), got.size() * sizeof(double)) == 0, "%s: schedule %u changed the bits",
-          what, seed);
-  }
-  gapmon_emu_set_numerics_schedule(0);
-  gapmon_emu_set_block_schedule(0);
+  check_fused_pass(pass, want, what);
 }
 
 // An activation's hook in one read (launch_stats_and_numerics with merge_items and FusedBlocks, then
@@ -263,31 +271,10 @@ void run_fused_instances_case(DType dt, const char* what) {
               "%s: merge launch", what);
       }
     };
-    std::vector<double> plain_acc, plain_numerics, unused;
-    pass(false, plain_acc, plain_numerics, unused);
-    std::vector<double> first;
-    for (unsigned seed : {0u, 3u}) {
-      gapmon_emu_set_numerics_schedule(seed);
-      gapmon_emu_set_block_schedule(seed);
-      std::vector<double> acc, numerics, got;
-      pass(true, acc, numerics, got);
-      CHECK(std::memcmp(acc.data(), plain_acc.data(), acc.size() * sizeof(double)) == 0 &&
-                std::memcmp(numerics.data(), plain_numerics.data(), numerics.size() * sizeof(double)) == 0,
-            "%s: the block formats changed the fold or the numerics row", what);
-      for (int64_t r = 0; r < width; ++r) {
-        const int k = static_cast<int>(r % core::kNumBlockColumns);
-        const bool sum = k == core::bErrorSq || k == core::bSignalSq;
-        CHECK(sum ? close(got[r], want[r], 1e-12) : got[r] == want[r], "%s [%lld, %lld, %lld]: format %lld column %d: %g vs %g",
-              what, static_cast<long long>(shape[0]), static_cast<long long>(shape[1]), static_cast<long long>(shape[2]),
-              static_cast<long long>(r / core::kNumBlockColumns), k, got[r], want[r]);
-      }
-      if (first.empty()) first = got;
-      CHECK(std::memcmp(first.data(), got.data(), got.size() * sizeof(double)) == 0, "%s: schedule %u changed the bits",
-            what, seed);
-    }
+    const std::string label = std::string(what) + " [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
+                              std::to_string(shape[2]) + "]";
+    check_fused_pass(pass, want, label.c_str());
   }
-  gapmon_emu_set_numerics_schedule(0);
-  gapmon_emu_set_block_schedule(0);
 }
 
 }  // namespace
