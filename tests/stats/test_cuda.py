@@ -477,18 +477,24 @@ def test_activation_fold_with_numerics_equals_the_separate_ops(shape):
         assert len(work) == 1 and "stats_numerics_kernel" in work[0], work
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("given_amax", [True, False], ids=["amax-given", "amax-measured"])
 @pytest.mark.parametrize("numerics_on", [True, False])
-def test_activation_fold_with_blocks_equals_the_separate_ops(numerics_on):
+def test_activation_fold_with_blocks_equals_the_separate_ops(numerics_on, given_amax, layout):
     """accumulate_instance_stats_numerics_blocks on CUDA: the accumulator and numerics row get the bits of the ops
-    without blocks; the block row, merged twice over what it held, equals the CPU op's (counts exact, sums 1e-12)."""
+    without blocks; the block row, merged twice over what it held, equals the CPU op's (counts exact, sums 1e-12),
+    with the amax given or measured by the op. A contiguous activation is read once: one fused statistics launch and
+    the merge of its chunk rows, no block kernel; a transposed one takes the instance op, then the block kernel."""
     from gapmon import numerics as nm
     from gapmon.stats import _backend
     from gapmon.stats import block_formats as bf
     from gapmon.stats.layout import BLOCK_COLUMNS
 
     x = (torch.randn(4, 100, 96, device="cuda") * 3).bfloat16()
+    if layout == "transposed":
+        x = x.transpose(1, 2)
     codes = bf.format_codes(bf.BLOCK_FORMATS)
-    amax = bf.finite_amaxes([x]).to("cuda")
+    amax = bf.finite_amaxes([x]).to("cuda") if given_amax else None
 
     def tables(device):
         blocks = torch.zeros(3, len(codes), len(BLOCK_COLUMNS), dtype=torch.float64, device=device)
@@ -501,7 +507,7 @@ def test_activation_fold_with_blocks_equals_the_separate_ops(numerics_on):
         _backend.accumulate_instance_stats_numerics_blocks(x, acc, 1, 1, table if numerics_on else None, 1, codes, amax,
                                                            blocks, 2)
         _backend.accumulate_instance_stats_numerics_blocks(x.cpu(), cpu_acc, 1, 1, cpu_table if numerics_on else None, 1,
-                                                           codes, amax.cpu(), cpu_blocks, 2)
+                                                           codes, None if amax is None else amax.cpu(), cpu_blocks, 2)
         if numerics_on:
             gapmon.ops.accumulate_instance_stats_and_numerics(x, want_acc, 1, 1, want_table, 1)
         else:
@@ -510,6 +516,14 @@ def test_activation_fold_with_blocks_equals_the_separate_ops(numerics_on):
     got, want = blocks.cpu(), cpu_blocks
     assert torch.equal(got[..., :BLOCK_COLUMNS.index("error_sq")], want[..., :BLOCK_COLUMNS.index("error_sq")])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    work = _cuda_work(lambda: _backend.accumulate_instance_stats_numerics_blocks(
+        x, acc, 1, 1, table if numerics_on else None, 1, codes, amax, blocks, 2))
+    fused = sum("stats_numerics_kernel" in w for w in work)
+    if layout == "contiguous":
+        assert fused == 1 and sum("accumulate_block_rows_kernel" in w for w in work) == 1, work
+        assert not any("block_chunk_kernel" in w for w in work), work
+    else:
+        assert any("block_chunk_kernel" in w for w in work), work
 
 
 def test_a_tensors_bits_do_not_depend_on_the_list():
