@@ -36,14 +36,26 @@ class LayerCalls:
         return all(g is not None for g in self.grads)
 
 
+def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of same-shaped tensors, in list order: one stack and sum where they share a device, else added in turn
+    (layers on several devices)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if len({t.device for t in tensors}) == 1:
+        return torch.stack(tensors).sum(0)
+    return functools.reduce(lambda a, b: a + b.to(a.device), tensors)
+
+
 @dataclass
 class MicroBatch:
     """What one forward pass of the model collected."""
 
     batch: int  # its number of samples
     inputs: set[int]  # storages of the model's own tensor inputs
-    sq: torch.Tensor | None = None  # accumulated per-sample squared norms, float64
-    sq_by_type: dict[str, torch.Tensor] = field(default_factory=dict)  # the same, per layer type ("Linear")
+    # each layer call's per-sample squared norms (float64), per layer type ("Linear"): summed when read (sq,
+    # sq_by_type), not layer by layer (two tensor adds per layer in backward)
+    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _sums: tuple | None = None  # (sq, sq_by_type) of the parts as they are; None: to be summed
     dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
     layers: dict[int, LayerCalls] = field(default_factory=dict)  # layer index -> its calls
     mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)
@@ -72,10 +84,25 @@ class MicroBatch:
 
     def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str) -> None:
         """Adds a layer's squared norms (float64, summed in `acc`), to the total and to its layer type's."""
-        self.sq = sq if self.sq is None else self.sq + sq
-        kept = self.sq_by_type.get(layer_type)
-        self.sq_by_type[layer_type] = sq if kept is None else kept + sq
-        self.dtype = acc if self.dtype is None else torch.promote_types(self.dtype, acc)
+        self.parts.setdefault(layer_type, []).append(sq)
+        self._sums = None
+        self.dtype = acc if self.dtype is None or self.dtype is acc else torch.promote_types(self.dtype, acc)
+
+    @property
+    def sq(self) -> torch.Tensor | None:
+        """The per-sample squared norms of every layer so far, float64 (None: no layer yet): the sum of sq_by_type's."""
+        return self._summed()[0]
+
+    @property
+    def sq_by_type(self) -> dict[str, torch.Tensor]:
+        """The per-sample squared norms so far per layer type ({"Linear": [batch], ...}), float64."""
+        return self._summed()[1]
+
+    def _summed(self) -> tuple:
+        if self._sums is None:
+            by_type = {t: _sum_of(parts) for t, parts in self.parts.items()}
+            self._sums = (_sum_of([by_type[t] for t in sorted(by_type)]) if by_type else None, by_type)
+        return self._sums
 
     def declare_weights(self, weights: float | torch.Tensor) -> None:
         """Keeps a copy of the weights of the samples' losses (a scalar: the same for every sample), checked."""
