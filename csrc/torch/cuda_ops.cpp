@@ -16,7 +16,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <utility>
 #include <tuple>
 #include <utility>
 #include <vector>

@@ -89,8 +89,8 @@ TORCH_LIBRARY(gapmon, m) {
   // accumulate_instance_stats (and, with `numerics_on`, accumulate_instance_stats_and_numerics), and x's per-block
   // format rows (block_numerics; `amax`: float64 [1], x's largest finite |x| for the formats scaled per tensor,
   // measured by the op when None) merged into row `blocks_row` of a float64 [rows, F, 12] table in place:
-  // GAPMonitor's activation hooks with block formats on, one pass over x on the CPU (after the amax's read when a
-  // format needs it; on CUDA for now the instance op, then the block kernel).
+  // GAPMonitor's activation hooks with block formats on, one pass over x (after the amax's read when a format needs
+  // it; CUDA: one fused launch, except 1-D, non-contiguous or many-short-instance activations: two reads).
   m.def(
       "accumulate_instance_stats_numerics_blocks(Tensor x, Tensor(a!) acc, int row, int correction, bool numerics_on, "
       "Tensor(b!) numerics, int numerics_row, int[] formats, Tensor? amax, Tensor(c!) blocks, int blocks_row) -> ()");

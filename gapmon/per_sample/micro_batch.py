@@ -55,7 +55,7 @@ class MicroBatch:
     # each layer call's per-sample squared norms (float64), per layer type ("Linear"): summed when read (sq,
     # sq_by_type), not layer by layer (two tensor adds per layer in backward)
     parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    _sums: tuple | None = None  # (sq, sq_by_type) of the parts as they are; None: to be summed
+    _sums: tuple | None = field(default=None, init=False, repr=False)  # (sq, sq_by_type) of the parts; None: to sum
     dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
     layers: dict[int, LayerCalls] = field(default_factory=dict)  # layer index -> its calls
     mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)

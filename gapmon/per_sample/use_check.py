@@ -163,7 +163,7 @@ class UseChecker:
         p = ref()
         if p is None or p.numel() == 0 or _torch_compat.functorch_transforms_active():
             return
-        check = self.checks.get(id(p)) or self.check(p, layer)
+        check = self.check(p, layer)
         if type(grad) is not torch.Tensor and is_dtensor(grad):
             check.unchecked = "its gradient is a DTensor"
             return
