@@ -257,6 +257,10 @@ def test_batch_size_comes_from_the_model_input_even_if_the_first_layer_differs()
     (lambda: nn.ConvTranspose2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 0)), (2, 3, 4, 5)),
     (lambda: nn.ConvTranspose2d(4, 8, 3, stride=2, groups=4, bias=False, output_padding=1), (3, 4, 3, 3)),
     (lambda: nn.ConvTranspose3d(2, 3, 2, stride=(1, 2, 1), dilation=(1, 1, 2)), (2, 2, 3, 2, 3)),
+    # output_padding ≥ stride (allowed below the dilation): the output gradient has patch positions no input reads
+    (lambda: nn.ConvTranspose1d(4, 6, 3, dilation=2, output_padding=1), (3, 4, 4)),
+    (lambda: nn.ConvTranspose2d(4, 6, 3, dilation=2, padding=1, output_padding=1, groups=2), (3, 4, 4, 3)),
+    (lambda: nn.ConvTranspose3d(2, 3, 3, stride=(1, 2, 1), dilation=2, output_padding=(1, 1, 1)), (2, 2, 3, 2, 3)),
 ])
 def test_convolutions_and_transposed_convolutions_are_exact(conv, shape):
     torch.manual_seed(0)
@@ -264,6 +268,22 @@ def test_convolutions_and_transposed_convolutions_are_exact(conv, shape):
     x = torch.randn(*shape)
     y = torch.randn_like(layer(x))
     _check(layer, x, y, strict=True)
+
+
+@pytest.mark.parametrize("stride, dilation, output_size", [(2, 1, (9, 7)), (2, 1, (10, 8)), (2, 1, (9, 8))])
+def test_a_transposed_convolution_called_with_output_size_is_exact(stride, dilation, output_size):
+    """forward(x, output_size) picks the output padding per call: the rows it adds pair with no input position."""
+    class Up(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.ConvTranspose2d(3, 4, 3, stride=stride, dilation=dilation, padding=1)
+
+        def forward(self, x):
+            return self.up(x, output_size=output_size)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 3, 5, 4)
+    _check(Up(), x, torch.randn(3, 4, *output_size), strict=True)
 
 
 @pytest.mark.parametrize("norm, shape", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -13,8 +14,10 @@ from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, tr
 from .linear import product_norm_sq
 
 
-def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase) -> torch.Tensor:
-    """[B, C, *spatial] -> [B, L, C·k] patches in the column order of weight.reshape(out, -1)."""
+def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase, grid: Sequence[int] | None = None) -> torch.Tensor:
+    """[B, C, *spatial] -> [B, L, C·k] patches in the column order of weight.reshape(out, -1). `grid`: keep only
+    the first grid[i] patch positions along spatial dim i (a transposed convolution's output gradient has more
+    positions than its input where output_padding ≥ stride adds rows: no input position reads them)."""
     n = len(module.kernel_size)
     if isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
         pads = []
@@ -29,6 +32,11 @@ def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase) -> torch.T
         x = x.unfold(2 + i, dil * (k - 1) + 1, s)
         if dil > 1:
             x = x[..., ::dil]
+    if grid is not None:
+        found = tuple(x.shape[2:2 + n])
+        if any(f < g for f, g in zip(found, grid)):
+            raise RuntimeError(f"unfold_patches: {found} patch positions, fewer than the {tuple(grid)} asked for")
+        x = x[(slice(None), slice(None)) + tuple(slice(0, g) for g in grid)]
     # x: [B, C, L_1..L_n, k_1..k_n] -> [B, L_1..L_n, C, k_1..k_n] -> [B, L, C·k]
     b, c = x.shape[0], x.shape[1]
     perm = [0] + list(range(2, 2 + n)) + [1] + list(range(2 + n, 2 + 2 * n))

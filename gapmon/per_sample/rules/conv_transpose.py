@@ -4,8 +4,9 @@ of input and output gradient exchanged.
 A transposed convolution y[co, p·s + k·d − pad] += x[ci, p] · W[ci, co, k] is the adjoint of a convolution,
 so its weight gradient dL/dW[ci, co, k] = Σ_p x[ci, p] · g[co, p·s + k·d − pad] pairs each input position p
 with the patch of the output gradient that the convolution of g with the same kernel, stride, dilation and
-padding reads there: exactly the L = prod(input sizes) patches `conv.unfold_patches` cuts from g (output_padding
-only adds rows no patch reaches). The per-sample gradient of group j is then Σ_p x_p ⊗ patch_p, a Linear
+padding reads there: the L = prod(input sizes) patches `conv.unfold_patches` cuts from g at the input's positions
+(rows that output_padding or `output_size` add at the end give further patch positions along a dim when they reach
+a stride: no input position pairs with those, so they are cut off). The per-sample gradient of group j is then Σ_p x_p ⊗ patch_p, a Linear
 product with A = the patches and G = the inputs.
 """
 from __future__ import annotations
@@ -25,11 +26,8 @@ class ConvTransposeRule(ConvRule):
     def positions(self, module, call, g, acc):
         """(patches of g [B·G, L, (C_out/G)·k], inputs [B·G, L, C_in/G], output gradient [B, Q, C_out])."""
         x, b, groups = call.arg(0, "input"), g.shape[0], module.groups
-        patches = unfold_patches(g.to(acc), module)  # [B, L, C_out·k], L = the input's positions
+        patches = unfold_patches(g.to(acc), module, grid=x.shape[2:])  # [B, L, C_out·k], L = the input's positions
         inputs = x.to(acc).reshape(b, x.shape[1], -1).transpose(1, 2)  # [B, L, C_in]
-        if patches.shape[1] != inputs.shape[1]:
-            raise RuntimeError(f"ConvTransposeRule: {patches.shape[1]} output-gradient patches for {inputs.shape[1]} "
-                               "input positions (an output_size this rule does not know?)")
         length = inputs.shape[1]
         patches = patches.reshape(b, length, groups, -1).transpose(1, 2).reshape(b * groups, length, -1)
         inputs = inputs.reshape(b, length, groups, -1).transpose(1, 2).reshape(b * groups, length, -1)
