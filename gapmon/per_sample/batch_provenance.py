@@ -299,6 +299,30 @@ def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int:
     raise Lost("a reshape that merges or splits the batch dim")
 
 
+def _unsqueeze(tracker, args, kwargs, inputs, out) -> int:
+    """The new dim's place is known (a view by sizes alone cannot tell which of several size-1 dims is a batch of
+    one sample: [1, 5].unsqueeze(0) has it at dim 1)."""
+    d = tracker.input_dim(args, inputs)
+    at = _arg(args, kwargs, 1, "dim")
+    at = at + out.dim() if at < 0 else at
+    return d if d < at else d + 1
+
+
+def _squeeze(tracker, args, kwargs, inputs, out) -> int:
+    """Dims of size 1 removed (those named, else all): the batch moves left past the removed dims before it, and
+    a batch of one sample whose dim is removed is lost."""
+    x, d = args[0], tracker.input_dim(args, inputs)
+    named = _arg(args, kwargs, 1, "dim")
+    if named is None:
+        named = range(x.dim())
+    elif isinstance(named, int):
+        named = (named,)
+    removed = {k % x.dim() for k in named if x.dim() and x.shape[k] == 1}
+    if d in removed:
+        raise Lost("a squeeze that removes the batch dim (a batch of one sample)")
+    return d - sum(1 for k in removed if k < d)
+
+
 def _expand(tracker, args, kwargs, inputs, out) -> int:
     x, d = args[0], tracker.input_dim(args, inputs)
     return d + out.dim() - x.dim()
@@ -616,7 +640,8 @@ def _one_hot(tracker, args, kwargs, inputs, out) -> int:
 
 
 _RULES: dict[str, Callable] = {
-    **{n: _view for n in _VIEWS}, "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
+    **{n: _view for n in _VIEWS}, "unsqueeze": _unsqueeze, "unsqueeze_": _unsqueeze, "squeeze": _squeeze,
+    "squeeze_": _squeeze, "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
     "repeat": _repeat, "tile": _repeat, "transpose": _transpose, "swapaxes": _transpose, "swapdims": _transpose,
     "transpose_": _transpose, "t": _t, "T": _t, "mT": _matrix_t, "mH": _matrix_t, "adjoint": _matrix_t,
     "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,

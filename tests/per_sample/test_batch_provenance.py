@@ -219,6 +219,48 @@ def test_tracker_follows_the_batch_through_common_ops():
         assert (isinstance(got, str) if want is str else got == want), (what, got)
 
 
+def test_tracker_follows_a_batch_of_one_sample_through_unsqueeze_and_squeeze():
+    """With one sample every size-1 dim could be the batch by sizes alone: unsqueeze and squeeze say where it goes
+    ([1, 5].unsqueeze(0) has it on dim 1, which a repeat over dim 0 must not take for copied samples)."""
+    x = torch.randn(1, 6, 4)
+    tracker = BatchTracker(1)
+    tracker.mark(x, 0)
+    with tracker:
+        first = x[:, 0]
+        cases = {
+            "unsqueeze(0)": (first.unsqueeze(0), 1), "torch.unsqueeze(-1)": (torch.unsqueeze(first, -1), 0),
+            "repeat of layers": (first.unsqueeze(0).repeat(2, 1, 1), 1), "squeeze(-1)": (x[..., :1].squeeze(-1), 0),
+            "squeeze of dims before": (x.unsqueeze(0).unsqueeze(0).squeeze((0, 1)), 0),
+            "squeeze of a later dim": (x[:, :1].squeeze(1), 0), "squeeze()": (x.squeeze(), str),
+            "squeeze(0)": (x.squeeze(0), str), "in place": (x.clone().unsqueeze_(0), 1),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_recurrent_layer_with_an_initial_state_from_the_batch_is_exact(batch):
+    """h0 [layers, B, H] made from the batch (unsqueeze, repeat over the layers): with one sample too."""
+    class WithState(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.init, self.rnn, self.head = nn.Linear(4, 5), nn.GRU(4, 5, num_layers=2, batch_first=True), nn.Linear(5, 3)
+
+        def forward(self, x):
+            h0 = torch.tanh(self.init(x[:, 0])).unsqueeze(0).repeat(2, 1, 1)
+            out, last = self.rnn(x, h0)
+            return self.head(out[:, -1] + last[-1])
+
+    torch.manual_seed(0)
+    model = WithState().double()
+    x, y = torch.randn(batch, 6, 4, dtype=torch.float64), torch.randn(batch, 3, dtype=torch.float64)
+    got, cov = _run(model, (x,), y, False, strict=True)
+    assert len(cov["covered"]) == 12
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_type_as_takes_the_status_of_its_first_input_only():
     """x.type_as(batched) holds x's values: unbatched when x is (the hot path for pointwise ops must not take
     the status of the tensor that only gives the dtype)."""
