@@ -226,6 +226,8 @@ LAYERS = {
     "linear_no_bias": lambda: _Seq(nn.Linear(6, 4, bias=False)),
     "layernorm": lambda: _Seq(nn.LayerNorm(6)),
     "rmsnorm": lambda: _Seq(nn.RMSNorm(6)),
+    "layernorm_two_dims": lambda: _Seq(nn.LayerNorm((5, 6))),  # a [5, 6] weight: the sums take its shape
+    "rmsnorm_two_dims": lambda: _Seq(nn.RMSNorm((5, 6))),
     "groupnorm": lambda: _Seq(nn.GroupNorm(2, 6), channels_first=True),
     "conv1d": lambda: _Seq(nn.Conv1d(6, 4, 3, padding=1), channels_first=True),
     "conv_transpose1d": lambda: _Seq(nn.ConvTranspose1d(6, 4, 3, groups=2), channels_first=True),

@@ -286,6 +286,17 @@ def test_a_transposed_convolution_called_with_output_size_is_exact(stride, dilat
     _check(Up(), x, torch.randn(3, 4, *output_size), strict=True)
 
 
+@pytest.mark.parametrize("norm", [lambda: nn.LayerNorm((5, 6)), lambda: nn.LayerNorm((5, 6), bias=False),
+                                  lambda: nn.RMSNorm((5, 6))], ids=["layernorm", "layernorm-no-bias", "rmsnorm"])
+def test_a_norm_over_several_trailing_dims_is_exact(norm):
+    """normalized_shape of two dims: a [5, 6] weight, whose sums the use check sketches in its shape."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), norm())
+    x = torch.randn(3, 5, 6)
+    cov = _check(model, x, torch.randn(3, 5, 6), strict=True)
+    assert "1.weight" in cov["covered"]
+
+
 @pytest.mark.parametrize("norm, shape", [
     (lambda: nn.GroupNorm(2, 4), (3, 4, 5)),
     (lambda: nn.GroupNorm(2, 6), (3, 6, 4, 3)),

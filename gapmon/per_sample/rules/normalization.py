@@ -17,8 +17,9 @@ class _AffineNormRule(NormRule):
     """Layers y = x̂ ⊙ weight + bias with per-position x̂: positions are (x̂, g) as [B, T, n]."""
 
     def per_sample_sums(self, module, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(parameter, [B, n] each sample's gradient) of the trainable weight (Σ_t G_t ⊙ x̂_t) and bias (Σ_t G_t): what
-        the norms square and the use check sums over samples, formed once."""
+        """(parameter, [B, n] each sample's gradient, flat) of the trainable weight (Σ_t G_t ⊙ x̂_t) and bias (Σ_t G_t):
+        what the norms square and the use check sums over samples, formed once. n is the parameter's numel (a
+        LayerNorm over several trailing dims has a parameter of that shape: sums are reshaped to it)."""
         xhat, g = pos
         out = []
         for name, per_sample in (("weight", lambda: (g * xhat).sum(1)), ("bias", lambda: g.sum(1))):
@@ -38,11 +39,11 @@ class _AffineNormRule(NormRule):
         grads = []
         for p, sums in self.per_sample_sums(module, pos):
             out = out + sums.square().sum(1)
-            grads.append((p, sums.sum(0)))
+            grads.append((p, sums.sum(0).reshape(p.shape)))
         return out, grads
 
     def grad_sketch(self, module, pos, probe):
-        return [Sketch(p, sketch(sums.sum(0), probe(p))) for p, sums in self.per_sample_sums(module, pos)]
+        return [Sketch(p, sketch(sums.sum(0).reshape(p.shape), probe(p))) for p, sums in self.per_sample_sums(module, pos)]
 
 
 @register_norm_rule(nn.LayerNorm, nn.RMSNorm)
