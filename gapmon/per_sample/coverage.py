@@ -15,27 +15,38 @@ from .rules import NormRule, rule_for, why_no_rule
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
 
 
-def untied_parameter_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its name (a parameter reachable under several names keeps its first, as
-    named_parameters()); ValueError for tied parameters (one parameter of several different modules), whose
-    per-sample norms would be wrong. One module registered under several names is fine (called several times)."""
-    clean_name = name_cleaner(model)
-    names: dict[int, str] = {}  # a parameter reachable under several names keeps its first, as named_parameters()
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name (a parameter reachable under several names keeps its first, as named_parameters())."""
+    names: dict[int, str] = {}
     for n, p in clean_named(model, model.named_parameters(remove_duplicate=False), "parameters"):
         names.setdefault(id(p), n)
-    # Tied weights: a parameter of several *different* modules. One module registered under
-    # several names (a block reused in a ModuleList) is a module called several times: exact.
-    owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(module): module name}
+    return names
+
+
+def tied_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """id(parameter) -> [(module name, module)] of the parameters held by several *different* modules (tied weights).
+    One module registered under several names (a block reused in a ModuleList) is a module called several times:
+    not a tie."""
+    clean_name = name_cleaner(model)
+    owners: dict[int, dict[int, tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), {}).setdefault(id(module), clean_name(name) or "<root>")
-    tied = {names[i]: list(mods.values()) for i, mods in owners.items() if len(mods) > 1}
-    if tied:
-        raise ValueError(
-            "PerSampleGradNorms: tied parameters (shared by several modules) are not supported, their per-sample "
-            f"gradient norms would be wrong: {tied}. Untie them or monitor a model without weight sharing."
-        )
-    return names
+            owners.setdefault(id(p), {}).setdefault(id(module), (clean_name(name), module))
+    return {key: list(mods.values()) for key, mods in owners.items() if len(mods) > 1}
+
+
+def _tied_pair(owners: list[tuple[str, nn.Module]]) -> tuple[str, str] | None:
+    """(embedding name, head name) when a tie is an nn.Embedding's table used as an nn.Linear's weight (a language
+    model's input and output embeddings): the per-sample norm of their summed gradient is exact (TiedEmbeddingHead).
+    None for any other tie."""
+    if len(owners) != 2:
+        return None
+    (n1, m1), (n2, m2) = owners
+    if type(m1) is nn.Linear and type(m2) is nn.Embedding:
+        (n1, m1), (n2, m2) = (n2, m2), (n1, m1)
+    if type(m1) is nn.Embedding and type(m2) is nn.Linear and m1.weight is m2.weight:
+        return n1, n2
+    return None
 
 
 def trainable_state(params: list[tuple[str, torch.Tensor]]) -> tuple[bool, ...]:
@@ -49,6 +60,15 @@ class LayerCoverage:
 
     def __init__(self, model: nn.Module, names: dict[int, str], clean_name: Callable[[str], str], strict: bool):
         self.strict = strict
+        ties = tied_parameters(model)
+        pairs = {key: _tied_pair(owners) for key, owners in ties.items()}
+        # Layers whose parameter is tied: each paired layer -> its partner (exact); the others are not covered.
+        self.partners: dict[str, str] = {}
+        for pair in pairs.values():
+            if pair is not None:
+                self.partners.update({pair[0]: pair[1], pair[1]: pair[0]})
+        untied = {id(m): (names[key], [n or "<root>" for n, _ in owners]) for key, owners in ties.items()
+                  if pairs[key] is None for _, m in owners}
         owned: set[int] = set()  # submodules whose parameters their parent's rule covers (MHA's out_proj)
         for module in model.modules():
             rule = rule_for(module)
@@ -65,6 +85,10 @@ class LayerCoverage:
             if not params:
                 continue
             why = why_no_rule(module) if rule is None else rule.why_not(module)
+            if why is None and id(module) in untied:
+                tied_name, holders = untied[id(module)]
+                why = (f"{tied_name} is tied (shared by {holders}): only an nn.Embedding tied with an nn.Linear head "
+                       "is covered")
             if why is None:
                 self.layers.append((clean_name(name), module, rule))
             else:
@@ -76,12 +100,19 @@ class LayerCoverage:
         self._types: tuple[tuple, dict[str, str]] | None = None  # (what it was computed for, layer_types())
 
     def skip(self, name: str, why: str) -> None:
+        """Leaves layer `name` out of the norms from now on (with a warning; strict: RuntimeError), and the layer
+        its weight is tied with: the norm of half a tied weight's gradient is no norm of it."""
         message = f"PerSampleGradNorms: layer '{name}' is not per-sample ({why}); excluded from the norms"
+        partner = self.partners.get(name)
+        if partner is not None:
+            message += f", with '{partner}', whose weight it shares"
         if self.strict:
             raise RuntimeError(message)
         if name not in self.skipped:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             self.skipped.add(name)
+            if partner is not None:
+                self.skipped.add(partner)
 
     def report(self, params: list[tuple[str, torch.Tensor]], param_names: dict[int, str]) -> dict[str, Any]:
         """Covered and uncovered parameters (name -> numel) as of now (requires_grad is read at each

@@ -16,8 +16,9 @@ per-sample: it is excluded, with a warning naming it and why (strict=True raises
 without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
 subclasses that do not override forward, and only for the parameters its math is about (no
 weight_norm, no parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
-out_proj, which it never calls). A parameter shared by several modules (tied weights) is refused;
-one module reused under several names is fine. Every layer a rule holds for is watched, frozen or
+out_proj, which it never calls). An nn.Embedding's table tied to an nn.Linear head (tie_word_embeddings) is exact,
+with the cross term of the two parts (tied_embedding); other parameters shared by several modules are left out,
+named; one module reused under several names is fine. Every layer a rule holds for is watched, frozen or
 not: coverage follows requires_grad at each step. A layer that mixes the samples of a batch
 (BatchNorm using batch statistics) leaves no layer with per-sample gradients: norms are refused.
 
@@ -40,7 +41,7 @@ from .. import _torch_compat
 from ..config import PerSampleConfig
 from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import BatchTracker
-from .coverage import LayerCoverage, trainable_state, untied_parameter_names
+from .coverage import LayerCoverage, parameter_names, trainable_state
 from .gram import GradientProducts
 from .layer_hooks import LayerHooks
 from .micro_batch import (
@@ -100,6 +101,11 @@ class PerSampleGradNorms(GradientProducts):
         clean_name = name_cleaner(model)
         self._coverage = LayerCoverage(model, self._param_names, clean_name, config.strict)
         self._coverage.warn_uncovered(ValueError, 3, self._params, self._param_names)
+        if config.gram and self._coverage.partners:
+            raise ValueError(
+                "PerSampleGradNorms(gram=True): the model ties an embedding's table to a Linear head "
+                f"({self._coverage.partners}); gram() and per_sample_gradients() do not form the products across the "
+                "two layers. local_norms() and global_norms() are exact with gram=False.")
         # Layers that mix the samples of a batch when they use batch statistics.
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
@@ -123,11 +129,11 @@ class PerSampleGradNorms(GradientProducts):
         return self._coverage.skipped
 
     def _derive_params(self) -> None:
-        """Names of the model's parameters (by identity), refusing tied ones. Re-derived when the
+        """Names of the model's parameters (by identity). Re-derived when the
         parameters were replaced (meta-device init then to_empty, load_state_dict(assign=True),
         assignment): what was keyed by the old objects (probes, use checks, gradient hooks) is dropped."""
         model = self.model
-        names = untied_parameter_names(model)
+        names = parameter_names(model)
         self._param_names.update(names)
         self._params = [(names[id(p)], p) for p in model.parameters()]
         self._checker.forget(self._param_names)

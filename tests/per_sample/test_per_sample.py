@@ -81,11 +81,86 @@ def test_unsupported_layers_warn_and_strict_raises():
         gapmon.PerSampleGradNorms(model, strict=True)
 
 
-def test_tied_weights_are_refused():
-    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
-    head.weight = emb.weight
+class _TiedLM(nn.Module):
+    """An embedding whose table is also the output head's weight (tie_word_embeddings)."""
+
+    def __init__(self, head_bias=False, **embedding):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(10, 4, **embedding), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=head_bias)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, second=None):
+        h = self.emb(ids)
+        if second is not None:  # the table read again (a second input): two calls of the embedding
+            h = h + self.emb(second).mean(1, keepdim=True)
+        return self.head(torch.tanh(self.mix(h)))
+
+
+def _tied_loss(model, ids, *more):
+    logits = model(ids, *more)
+    return F.cross_entropy(logits.reshape(-1, 10), ((ids + 1) % 10).reshape(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("variant", ["plain", "head-bias", "padding-idx", "scale-grad-by-freq", "two-calls",
+                                     "one-sample", "bookkeeping"])
+def test_a_tied_embedding_and_head_is_exact(variant):
+    """||E_i + H_i||: the embedding's and the head's parts of the tied table's gradient, and their cross term."""
+    torch.manual_seed(0)
+    embedding = {"padding-idx": {"padding_idx": 3}, "scale-grad-by-freq": {"scale_grad_by_freq": True}}.get(variant, {})
+    model = _TiedLM(head_bias=variant == "head-bias", **embedding).double()
+    batch = 1 if variant == "one-sample" else 4
+    ids = torch.randint(0, 10, (batch, 6))
+    ids[0, :3] = 3  # repeated ids (and the padding id)
+    more = (torch.randint(0, 10, (batch, 2)),) if variant == "two-calls" else ()
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True, bookkeeping=variant == "bookkeeping",
+                                    batch_inputs=[0, 1] if more else None)
+    _tied_loss(model, ids, *more).backward()
+    got = psn.local_norms()
+    assert "emb.weight" in psn.coverage()["covered"]
+    psn.close()
+    want = []
+    for i in range(batch):
+        model.zero_grad()
+        _tied_loss(model, ids[i:i + 1], *(m[i:i + 1] for m in more)).backward()
+        want.append(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
+
+
+def test_a_tied_head_not_per_sample_leaves_out_its_embedding_too():
+    """Half of a tied table's gradient has no norm of its own: both layers are excluded, the rest stays exact."""
+    class Pooled(_TiedLM):
+        def forward(self, ids, second=None):
+            h = torch.tanh(self.mix(self.emb(ids)))
+            return self.head(h - h.mean(0))  # centred over the batch: the head is not per-sample
+
+    torch.manual_seed(0)
+    model = Pooled().double()
+    ids = torch.randint(0, 10, (3, 5))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    with pytest.warns(RuntimeWarning, match="'head' is not per-sample .* with 'emb'"):
+        _tied_loss(model, ids).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    assert set(cov["covered"]) == {"mix.weight", "mix.bias"} and cov["skipped_layers"] == ["emb", "head"]
+    assert got.shape == (3,) and torch.isfinite(got).all()
+
+
+def test_other_ties_are_left_out_by_name():
+    """Two Linear layers sharing a weight: not covered (strict: refused at construction), the rest exact."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[2].weight = model[0].weight
+    with pytest.warns(RuntimeWarning, match="0.weight is tied"):
+        psn = gapmon.PerSampleGradNorms(model)
+    cov = psn.coverage()
+    assert set(cov["covered"]) == {"3.weight", "3.bias"}
+    assert "shared by ['0', '2']" in cov["uncovered_reasons"]["0.weight"]
     with pytest.raises(ValueError, match="tied"):
-        gapmon.PerSampleGradNorms(nn.ModuleDict({"emb": emb, "head": head}))
+        gapmon.PerSampleGradNorms(model, strict=True)
+
+
+def test_gram_with_a_tied_embedding_is_refused():
+    with pytest.raises(ValueError, match="gram=True"):
+        gapmon.PerSampleGradNorms(_TiedLM(), gram=True)
 
 
 def test_bad_arguments():

@@ -69,10 +69,15 @@ class EmbeddingRule(NormRule):
         ids, g = pos
         if not trainable(module.weight):
             return []
-        g = self._scaled(module, ids, g.double())
+        return [(module.weight, _rows_per_sample(ids, self.row_gradients(module, ids, g.double()), module.num_embeddings))]
+
+    def row_gradients(self, module, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """[B, T, dim]: what each position adds to row ids[b, t] of sample b's table gradient (g divided by the id's
+        count in its sample under scale_grad_by_freq, zero at the padding id)."""
+        g = self._scaled(module, ids, g)
         if module.padding_idx is not None:
             g = g * (ids != module.padding_idx % module.num_embeddings).unsqueeze(2)
-        return [(module.weight, _rows_per_sample(ids, g, module.num_embeddings))]
+        return g
 
     @staticmethod
     def _scaled(module, ids, g):
