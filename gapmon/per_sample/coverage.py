@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..utils import clean_named, layer_type_name, name_cleaner
-from .rules import NormRule, rule_for, why_no_rule
+from .rules import EmbeddingRule, LinearRule, NormRule, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
 
@@ -36,15 +36,16 @@ def tied_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
 
 
 def _tied_pair(owners: list[tuple[str, nn.Module]]) -> tuple[str, str] | None:
-    """(embedding name, head name) when a tie is an nn.Embedding's table used as an nn.Linear's weight (a language
-    model's input and output embeddings): the per-sample norm of their summed gradient is exact (TiedEmbeddingHead).
-    None for any other tie."""
+    """(embedding name, head name) when a tie is an embedding's table (a layer the Embedding rule or a rule derived from
+    it covers) used as an nn.Linear's weight (a language model's input and output embeddings): the per-sample norm of
+    their summed gradient is exact (tied_embedding). None for any other tie."""
     if len(owners) != 2:
         return None
     (n1, m1), (n2, m2) = owners
-    if type(m1) is nn.Linear and type(m2) is nn.Embedding:
+    if isinstance(rule_for(m1), LinearRule):
         (n1, m1), (n2, m2) = (n2, m2), (n1, m1)
-    if type(m1) is nn.Embedding and type(m2) is nn.Linear and m1.weight is m2.weight:
+    if (isinstance(rule_for(m1), EmbeddingRule) and type(rule_for(m2)) is LinearRule
+            and getattr(m1, "weight", None) is getattr(m2, "weight", 1)):
         return n1, n2
     return None
 

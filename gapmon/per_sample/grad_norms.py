@@ -16,7 +16,7 @@ per-sample: it is excluded, with a warning naming it and why (strict=True raises
 without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
 subclasses that do not override forward, and only for the parameters its math is about (no
 weight_norm, no parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
-out_proj, which it never calls). An nn.Embedding's table tied to an nn.Linear head (tie_word_embeddings) is exact,
+out_proj, which it never calls). An embedding's table tied to a Linear head (tie_word_embeddings) is exact,
 with the cross term of the two parts (tied_embedding); other parameters shared by several modules are left out,
 named; one module reused under several names is fine. Every layer a rule holds for is watched, frozen or
 not: coverage follows requires_grad at each step. A layer that mixes the samples of a batch

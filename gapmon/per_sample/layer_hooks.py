@@ -98,7 +98,21 @@ class LayerHooks:
             replaced = self._follow_call(index, module, args, kwargs, output)
         if replaced is not None and tracking is not None:
             tracking.mark(replaced, tracking.status(first_tensor(output)))
+        elif tracking is not None and self.layers[index][2].moves_batch:
+            self._rows_kept(tracking, args, kwargs, first_tensor(output))
         return replaced
+
+    @staticmethod
+    def _rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
+        """A layer whose rule holds works row by row over its input's leading dims (moves_batch): its output has the
+        batch where its input has it, whatever the layer did inside. The tracking may have lost it there (Hugging
+        Face's Conv1D merges the rows into one dim for addmm and splits them again): it is restored."""
+        if output is None or not isinstance(tracking.status(output), str):
+            return
+        x = args[0] if args else kwargs.get("input")
+        dim = tracking.status(x) if isinstance(x, torch.Tensor) else None
+        if type(dim) is int and dim < min(x.dim(), output.dim()) and output.shape[:dim + 1] == x.shape[:dim + 1]:
+            tracking.mark(output, dim)
 
     def _follow_call(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         outputs = output

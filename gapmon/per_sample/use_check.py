@@ -189,6 +189,8 @@ class UseChecker:
         as_used: dict[int, torch.Tensor] = {}
         if used is not None and len(used) == len(now) and any(u is not q for u, q in zip(used, now)):
             as_used = {id(q): u for q, u in zip(now, used)}
+        if rule.compute_dtype is not None and USE_CHECK_RTOL.get(rule.compute_dtype, 0) > USE_CHECK_RTOL.get(dtype, 0):
+            dtype = rule.compute_dtype
         if grads is not None:  # one matrix-vector op each, into the check
             for p, grad in grads:
                 check = self.check(as_used.get(id(p), p), name)

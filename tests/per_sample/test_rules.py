@@ -270,6 +270,37 @@ def test_convolutions_and_transposed_convolutions_are_exact(conv, shape):
     _check(layer, x, y, strict=True)
 
 
+class _HFConv1D(nn.Module):
+    """Hugging Face's Conv1D as transformers 5 writes it (matched by its qualified name, so it is named so here): a
+    Linear with its weight stored [nx, nf], whose forward merges the rows into one dim for addmm."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+_HFConv1D.__module__, _HFConv1D.__qualname__ = "transformers.pytorch_utils", "Conv1D"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+@pytest.mark.parametrize("positions, width", [(5, 6), (2, 16)], ids=["direct-form", "ghost-form"])
+def test_hugging_face_conv1d_is_a_transposed_linear(batch, bookkeeping, positions, width):
+    """Its rows are merged and split inside the layer: the layers after it still see the batch (a LayerNorm, a second
+    Conv1D), and each is exact (the ghost form's use check sketches the stored [nx, nf] layout)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_HFConv1D(width, 4), nn.LayerNorm(width), nn.Tanh(), _HFConv1D(3, width))
+    x = torch.randn(batch, positions, 4)
+    cov = _check(model, x, torch.randn(batch, positions, 3), strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {"0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"}
+
+
 @pytest.mark.parametrize("stride, dilation, output_size", [(2, 1, (9, 7)), (2, 1, (10, 8)), (2, 1, (9, 8))])
 def test_a_transposed_convolution_called_with_output_size_is_exact(stride, dilation, output_size):
     """forward(x, output_size) picks the output padding per call: the rows it adds pair with no input position."""

@@ -10,15 +10,17 @@ from .attention import MultiheadAttentionRule
 from .base import Call, NormRule, Sketch, add_sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
 from .conv import ConvRule
 from .conv_transpose import ConvTransposeRule
-from .embedding import EmbeddingBagRule, EmbeddingRule
-from .linear import LinearRule, product_norm_sq, use_ghost
-from .normalization import GroupNormRule, InstanceNormRule, LastDimsNormRule
+from .embedding import EmbeddingBagRule, EmbeddingRule, ScaledEmbeddingRule
+from .linear import LinearRule, TransposedLinearRule, product_norm_sq, use_ghost
+from .normalization import GroupNormRule, HFFloat32RMSNormRule, HFGemmaRMSNormRule, HFRMSNormRule, InstanceNormRule, LastDimsNormRule
 from .recurrent import RecurrentRule
 
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent)
 
 __all__ = [
-    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch", "sketch_rows",
-    "LinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "GroupNormRule",
-    "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule", "product_norm_sq", "use_ghost", "RULE_MODULES",
+    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch",
+    "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
+    "ScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
+    "HFGemmaRMSNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
+    "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

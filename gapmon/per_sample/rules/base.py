@@ -35,6 +35,7 @@ from ...stats import _backend
 from ...utils import first_tensor
 
 _RULES: dict[type, "NormRule"] = {}
+_RULES_BY_NAME: dict[str, "NormRule"] = {}  # "module.QualName" -> rule: layers of libraries gapmon does not import
 
 
 def register_norm_rule(*module_types: type) -> Callable[[type], type]:
@@ -51,20 +52,36 @@ def register_norm_rule(*module_types: type) -> Callable[[type], type]:
     return register
 
 
+def register_norm_rule_by_name(*qualified_names: str) -> Callable[[type], type]:
+    """Class decorator: the decorated NormRule handles the module types of these names ("module.QualName"), exactly
+    those types (not subclasses): layers of another library, which gapmon does not import."""
+
+    def register(cls: type) -> type:
+        rule = cls()
+        for name in qualified_names:
+            _RULES_BY_NAME[name] = rule
+        return cls
+
+    return register
+
+
 def rule_for(module: nn.Module) -> "NormRule | None":
-    """The rule registered for `module`'s type; for a subclass of a registered type, that type's rule
-    only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
+    """The rule registered for `module`'s type (or its qualified name); for a subclass of a registered type, that
+    type's rule only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
     scaled Embedding). None when no rule holds."""
     kind = type(module)
     if kind in _RULES:
         return _RULES[kind]
+    by_name = _RULES_BY_NAME.get(f"{kind.__module__}.{kind.__qualname__}")
+    if by_name is not None:  # exactly that type (Gemma's scaled Embedding subclass overrides forward: its own rule)
+        return by_name
     base = _registered_base(kind)
     return _RULES[base] if base is not None and kind.forward is base.forward else None
 
 
-def registered_rules() -> dict[type, "NormRule"]:
-    """Every registered layer type and its rule (a copy)."""
-    return dict(_RULES)
+def registered_rules() -> dict[type | str, "NormRule"]:
+    """Every registered layer type (or qualified name) and its rule (a copy)."""
+    return {**_RULES, **_RULES_BY_NAME}
 
 
 def _registered_base(kind: type) -> type | None:
@@ -102,6 +119,9 @@ class NormRule:
     # True: the layer works row by row over the leading dims of its first input (Linear, LayerNorm,
     # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
     moves_batch = False
+    # The dtype the layer forms its parameters' gradient in where that is coarser than its output gradient's (Gemma's
+    # RMSNorm multiplies by the weight in float32 in a float64 model): the use check allows its rounding.
+    compute_dtype: torch.dtype | None = None
 
     def per_sample_grads(self, module: nn.Module, pos: tuple, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, [batch, *its shape] float64 per-sample gradients) of the positions `pos` of `batch`

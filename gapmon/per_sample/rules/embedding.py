@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from ...stats import _backend
-from .base import NormRule, Sketch, register_norm_rule, trainable
+from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, trainable
 
 
 def _ids_sketch(ids: torch.Tensor, g: torch.Tensor, r: torch.Tensor, rows: int,
@@ -109,6 +109,24 @@ class EmbeddingRule(NormRule):
             scale = scale / torch.bincount(flat, minlength=module.num_embeddings)[flat].double()
         r = probe(module.weight)
         return [Sketch(module.weight, _ids_sketch(flat, g, r, module.num_embeddings, scale.to(r.dtype)), _repeats(flat, module.weight))]
+
+
+@register_norm_rule_by_name("transformers.models.gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
+                            "transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
+                            "transformers.models.gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding")
+class ScaledEmbeddingRule(EmbeddingRule):
+    """Gemma's embedding: `Embedding.forward(ids) * embed_scale.to(weight.dtype)`. A row's gradient is the output
+    gradient times the scale (in the table's dtype, as autograd forms it)."""
+
+    def unsupported(self, module):
+        scale = getattr(module, "embed_scale", None)
+        if not isinstance(scale, (torch.Tensor, float, int)) or (isinstance(scale, torch.Tensor) and scale.numel() != 1):
+            return "it has no scalar embed_scale"
+        return None
+
+    def positions(self, module, call, g, acc):
+        scale = torch.as_tensor(module.embed_scale, device=g.device).to(module.weight.dtype)
+        return super().positions(module, call, g * scale, acc)
 
 
 # -------------------------------------------------------------------- bags

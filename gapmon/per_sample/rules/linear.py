@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ...stats import _backend
 from .. import bookkeeping
-from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, sketch, trainable
+from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, register_norm_rule_by_name, sketch, trainable
 
 
 def product_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -190,3 +190,43 @@ class LinearRule(NormRule):
         if trainable(module.bias):
             out = out + (bias_norm_sq(g) if bias_sums is None else bias_sums.square().sum(1))
         return out
+
+
+@register_norm_rule_by_name("transformers.pytorch_utils.Conv1D")
+class TransposedLinearRule(LinearRule):
+    """Hugging Face's Conv1D (GPT-2, GPT-J's ancestors): `addmm(bias, x.view(-1, nx), weight)` with weight [nx, nf], a
+    Linear whose weight is stored transposed. Its per-sample gradients are the Linear's, transposed (the same norms);
+    the sketch and the gradients take the stored layout. Not book-kept (BookkeepingLinear is nn.Linear's)."""
+
+    def unsupported(self, module):
+        w, b = module.weight, getattr(module, "bias", None)
+        if w.dim() != 2 or (b is not None and b.shape != (w.shape[1],)):
+            return f"a weight {list(w.shape)} and bias {None if b is None else list(b.shape)} that are not [nx, nf], [nf]"
+        return None
+
+    def norm_sq_and_grads(self, module, pos):
+        out, grads = super().norm_sq_and_grads(module, pos)
+        if grads is not None:
+            grads = [(p, grad.T if p is module.weight else grad) for p, grad in grads]
+        return out, grads
+
+    def per_sample_grads(self, module, pos, batch):
+        return [(p, grad.transpose(1, 2) if p is module.weight else grad) for p, grad in super().per_sample_grads(module, pos, batch)]
+
+    def reference_dots(self, module, pos, batch, reference):
+        if trainable(module.weight) and id(module.weight) in reference:
+            reference = {**reference, id(module.weight): reference[id(module.weight)].T}
+        return super().reference_dots(module, pos, batch, reference)
+
+    def grad_sketch(self, module, pos, probe):
+        """Weight rows are the input features: sketch(Σ_t a_t g_tᵀ, r) = Aᵀ(G r)."""
+        a, g = pos
+        out = []
+        if trainable(module.weight):
+            out.append(Sketch(module.weight, product_sketch(g, a, probe(module.weight))))
+        if trainable(module.bias):
+            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
+        return out
+
+    def bookkeep(self, module, x, output, report):
+        return None

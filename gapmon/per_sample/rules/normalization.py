@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import NormRule, Sketch, register_norm_rule, sketch, trainable
+from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, sketch, trainable
 
 
 # -------------------------------------------------------------------- normalisation layers
@@ -58,6 +58,60 @@ class LastDimsNormRule(_AffineNormRule):
             xhat = F.rms_norm(a.to(acc), shape, eps=module.eps)
         b, n = g.shape[0], math.prod(shape)
         return xhat.reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+
+
+def _hf_names(*families: tuple[str, str]) -> list[str]:
+    return [f"transformers.models.{module}.modeling_{module}.{cls}" for module, cls in families]
+
+
+@register_norm_rule_by_name(*_hf_names(
+    ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
+    ("qwen2_moe", "Qwen2MoeRMSNorm"), ("qwen3", "Qwen3RMSNorm"), ("phi3", "Phi3RMSNorm"), ("granite", "GraniteRMSNorm"),
+    ("smollm3", "SmolLM3RMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm")))
+class HFRMSNormRule(LastDimsNormRule):
+    """Hugging Face's RMSNorm (LlamaRMSNorm and the families that copy its forward): x̂ = x·rsqrt(mean(x²) + eps)
+    formed in float32 whatever the input's dtype, cast back to it, then times the weight. x̂ is formed here as the
+    layer forms it, so the norms are those of the gradient autograd computes (a float64 model's x̂ is float32's)."""
+
+    # Whether x̂ is cast to the input's dtype before the weight multiplies it (Llama) or the product is float32's (OLMo 2).
+    cast_before_weight = True
+
+    def unsupported(self, module):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            return "its weight is not one vector over the last dim"
+        if not isinstance(self._eps(module), float):
+            return "it has no variance_epsilon / eps this rule can read"
+        return None
+
+    @staticmethod
+    def _eps(module) -> float | None:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        return float(eps) if isinstance(eps, (int, float)) else None
+
+    def positions(self, module, call, g, acc):
+        a = call.arg(0, "hidden_states", call.kwargs.get("x"))
+        h = a.to(torch.float32)
+        xhat = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._eps(module))
+        if self.cast_before_weight:
+            xhat = xhat.to(a.dtype)
+        b, n = g.shape[0], xhat.shape[-1]
+        return xhat.to(acc).reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+
+
+@register_norm_rule_by_name(*_hf_names(("olmo2", "Olmo2RMSNorm"), ("olmo3", "Olmo3RMSNorm"), ("gpt_oss", "GptOssRMSNorm")))
+class HFFloat32RMSNormRule(HFRMSNormRule):
+    """The copies that multiply x̂ by the weight before casting the product (OLMo 2 and 3, gpt-oss): x̂ stays float32."""
+
+    cast_before_weight = False
+
+
+@register_norm_rule_by_name(*_hf_names(("gemma", "GemmaRMSNorm")))
+class HFGemmaRMSNormRule(HFFloat32RMSNormRule):
+    """Gemma's x̂ · (1 + weight.float()): the same gradient as weight · x̂, formed in float32 whatever the model's dtype
+    (autograd sums it over the positions in float32: the use check allows float32's rounding)."""
+
+    compute_dtype = torch.float32
 
 
 def _channels_last_positions(x: torch.Tensor) -> torch.Tensor:
