@@ -80,3 +80,33 @@ def test_hugging_face_families_are_exact(family, left_out, batch, bookkeeping):
         want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in cov["covered"])))
     # Gemma forms its norms' weight gradient in float32 in a float64 model (the reference's gradients too): 1e-7.
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-6 if family == "gemma" else 1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "QwenRMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("full_precision", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_olmo_core_norm_layers_are_exact(kind, full_precision, bias):
+    """OLMo-core's own norm layers (x̂ in float32 by default, autocast off), in a float64 model: exact to float32's
+    rounding where they form their gradients in float32, to float64's otherwise."""
+    pytest.importorskip("olmo_core", reason="needs ai2-olmo-core (CI installs it)")
+    import olmo_core.nn.layer_norm as olmo_norms
+
+    torch.manual_seed(0)
+    norm = getattr(olmo_norms, kind)(size=6, bias=bias, full_precision=full_precision, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        if norm.bias is not None:
+            norm.bias.uniform_(-0.5, 0.5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), norm, torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    ((model(x) - y) ** 2).sum().backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert "1.weight" in cov["covered"] and not cov["uncovered"]
+    want = []
+    for i in range(3):
+        model.zero_grad()
+        ((model(x[i:i + 1]) - y[i:i + 1]) ** 2).sum().backward()
+        want.append(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-6 if full_precision else 1e-10, atol=1e-12)

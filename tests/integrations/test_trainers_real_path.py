@@ -87,7 +87,8 @@ def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(
     data = _lm_data(26)  # batch 4: the epoch's last batch holds 2 samples
     plain = _trainer_logs(transformers, tmp_path / "plain", data, None, num_train_epochs=1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # LlamaRMSNorm has no per-sample rule: warned
+        # Every layer of this Llama has a rule (LlamaRMSNorm's too): nothing may be left out, with a warning or not.
+        warnings.filterwarnings("error", message="PerSampleGradNorms", category=RuntimeWarning)
         watched = _trainer_logs(transformers, tmp_path / "gap", data, dict(interval=1), num_train_epochs=1)
 
     def own(history):  # the Trainer's own entries and keys, gapmon's left out
@@ -310,7 +311,8 @@ def test_olmo_core_per_sample_norms_with_micro_batches(tmp_path):
     callback = GAPMonitorCallback(gapmon_config=gapmon.MonitorConfig(per_sample=gapmon.PerSampleConfig()))
     callback.trainer = trainer
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # OLMo's RMSNorm has no per-sample rule: warned
+        # Every layer of this OLMo-core model has a rule (its RMSNorm's too): nothing may be left out.
+        warnings.filterwarnings("error", message="PerSampleGradNorms", category=RuntimeWarning)
         callback.pre_train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (4, seq), generator=g)

@@ -12,7 +12,15 @@ from .conv import ConvRule
 from .conv_transpose import ConvTransposeRule
 from .embedding import EmbeddingBagRule, EmbeddingRule, ScaledEmbeddingRule
 from .linear import LinearRule, TransposedLinearRule, product_norm_sq, use_ghost
-from .normalization import GroupNormRule, HFFloat32RMSNormRule, HFGemmaRMSNormRule, HFRMSNormRule, InstanceNormRule, LastDimsNormRule
+from .normalization import (
+    GroupNormRule,
+    HFFloat32RMSNormRule,
+    HFGemmaRMSNormRule,
+    HFRMSNormRule,
+    InstanceNormRule,
+    LastDimsNormRule,
+    OLMoCoreNormRule,
+)
 from .recurrent import RecurrentRule
 
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent)
@@ -21,6 +29,6 @@ __all__ = [
     "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch",
     "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
     "ScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
-    "HFGemmaRMSNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
+    "HFGemmaRMSNormRule", "OLMoCoreNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
     "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

@@ -114,6 +114,35 @@ class HFGemmaRMSNormRule(HFFloat32RMSNormRule):
     compute_dtype = torch.float32
 
 
+@register_norm_rule_by_name("olmo_core.nn.layer_norm.RMSNorm", "olmo_core.nn.layer_norm.QwenRMSNorm",
+                            "olmo_core.nn.layer_norm.LayerNorm")
+class OLMoCoreNormRule(_AffineNormRule):
+    """OLMo-core's LayerNorm, RMSNorm and QwenRMSNorm: x̂ formed in float32 (full_precision) or in the input's dtype,
+    autocast off; the weight and bias cast to x̂'s dtype (their gradients formed in it: float32 by default, which the
+    use check allows), QwenRMSNorm casting x̂ back to the input's dtype first."""
+
+    moves_batch = True
+    compute_dtype = torch.float32
+
+    def unsupported(self, module):
+        weight = getattr(module, "weight", None)
+        if weight is not None and tuple(weight.shape) != tuple(module.normalized_shape):
+            return f"a weight {list(weight.shape)} other than its normalized shape {list(module.normalized_shape)}"
+        return None
+
+    def positions(self, module, call, g, acc):
+        a = call.arg(0, "x")
+        x = a.float() if module.full_precision else a
+        if type(module).__name__ == "LayerNorm":
+            xhat = F.layer_norm(x, tuple(module.normalized_shape), eps=module.eps)
+        else:
+            xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)
+            if type(module).__name__ == "QwenRMSNorm":
+                xhat = xhat.to(a.dtype)
+        b, n = g.shape[0], xhat.shape[-1]
+        return xhat.to(acc).reshape(b, -1, n), g.to(xhat.dtype).to(acc).reshape(b, -1, n)
+
+
 def _channels_last_positions(x: torch.Tensor) -> torch.Tensor:
     """[B, C, *spatial] -> [B, spatial, C]: the per-channel affine parameters sum over positions."""
     b, c = x.shape[0], x.shape[1]
