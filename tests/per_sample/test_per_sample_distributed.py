@@ -143,3 +143,44 @@ def _granularity_worker(rank: int, world: int):
 
 def test_no_false_refusal_at_any_fsdp2_granularity():
     run_distributed(_granularity_worker, 2)
+
+
+def _tied_worker(rank: int, world: int):
+    """A GPT whose head is its token embedding's table, under FSDP2 (the pair in one unit, as FSDP2 needs): the
+    global norms are the float64 norms of each sample's own loss, with the cross term of the tie, with and without
+    book-keeping (the tied head keeps autograd's backward), over one and two micro-batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def tied():
+        model = _model()
+        model.head.weight = model.tok.weight
+        return model
+
+    x, y = synthetic_batch(CFG, GLOBAL, step=3)
+    want = vmap_per_sample_norms(tied(), lm_loss, x, y)
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.arange(GLOBAL)[rank::world]
+    for units, reshard in (("each block", True), ("root only", False)):
+        for bookkeeping in (False, True):
+            model = tied()
+            if units == "each block":
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            psn = gapmon.PerSampleGradNorms(model, strict=True, bookkeeping=bookkeeping)
+            assert "tok.weight" in psn.coverage()["covered"]
+            for micro in (1, 2):
+                for part in local.chunk(micro):
+                    loss = lm_loss(model(x[part]), y[part]) / micro
+                    psn.set_loss_weights(1.0 / (part.numel() * micro))
+                    loss.backward()
+                _, got = psn.global_norms(local)
+                case = f"{units} reshard={reshard} bookkeeping={bookkeeping} {micro} micro-batches"
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
+                model.zero_grad()
+            psn.close()
+
+
+def test_a_tied_embedding_and_head_under_fsdp2():
+    run_distributed(_tied_worker, 2)
