@@ -50,6 +50,7 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         self.dumper: GradientDumper | None = None
         self._pending: dict[str, float] = {}
         self._watch = None
+        self._shifts: bool | None = None  # whether the model's loss shifts its labels (_loss_shifts_labels)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = model if model is not None else self.trainer.model
@@ -68,10 +69,7 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         labels = model_kwargs.get("shift_labels")
         if labels is None:
             labels = model_kwargs.get("labels")
-            shifts = getattr(trainer, "_loss_shifts_labels", None)
-            if shifts is None:  # transformers before 5: a causal LM's loss shifts its labels
-                shifts = type(trainer.model).__name__.endswith("ForCausalLM")
-            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and shifts:
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and self._loss_shifts_labels():
                 labels = labels[..., 1:]  # a causal LM predicts token t + 1 at t
         token_level = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.shape[0] == samples
         num_items = model_kwargs.get("num_items_in_batch")
@@ -92,6 +90,26 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         if not scaled_for_accumulation:  # training_step divides by the micro-batches of the step
             weights = weights / getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
         return weights
+
+    def _loss_shifts_labels(self) -> bool:
+        """Whether the model's own loss shifts its labels (a causal LM's): what a sample's own mean is over. Read from
+        the loss function the model calls, not from the Trainer's `_loss_shifts_labels`, which only looks at a
+        `loss_type` attribute: GPT2LMHeadModel has none, falls back to the causal-LM loss and shifts, while the Trainer
+        counts its step's tokens unshifted (num_items_in_batch is still what it divides by)."""
+        if self._shifts is None:
+            model = self.trainer.model
+            model = getattr(model, "module", model)  # DDP / DataParallel
+            loss = getattr(type(model), "loss_function", None)
+            if isinstance(loss, property):
+                loss = getattr(model, "loss_function", None)
+            if loss is not None:
+                self._shifts = (getattr(loss, "__name__", "") == "ForCausalLMLoss"
+                                and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+            else:  # no loss_function (transformers before 4.46): a causal LM's loss shifts its labels
+                shifts = getattr(self.trainer, "_loss_shifts_labels", None)
+                self._shifts = bool(shifts) if shifts is not None else type(model).__name__.endswith(("ForCausalLM",
+                                                                                                     "LMHeadModel"))
+        return self._shifts
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.monitor.begin_step(state.global_step)  # the samples are counted as the micro-batches run

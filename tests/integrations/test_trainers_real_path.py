@@ -36,6 +36,14 @@ def _llama(transformers, seed: int = 0):
     return transformers.LlamaForCausalLM(cfg).double(), cfg
 
 
+def _gpt2(transformers, seed: int = 0):
+    """A tiny GPT2LMHeadModel (Conv1D layers, its embedding tied to its head), float64, without dropout."""
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=16, attn_pdrop=0.0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg).double(), cfg
+
+
 def _lm_data(n: int, seed: int = 1) -> list[dict]:
     """Samples whose number of label tokens differs (-100 where they do not count), so that token-count
     normalisation and a per-sample mean differ."""
@@ -109,29 +117,34 @@ def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, accumulation):
+@pytest.mark.parametrize("family", ["llama", "gpt2-tied"])
+def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, accumulation, family):
     """The Trainer sums every token's loss over the step and divides by their count: the norms still
-    are ||grad of the mean cross entropy of the sample's own tokens||, with or without accumulation."""
+    are ||grad of the mean cross entropy of the sample's own tokens||, with or without accumulation (GPT-2: its
+    Conv1D layers and its tied embedding and head covered, its position embedding left out as documented)."""
     transformers = _hf()
     from gapmon.integrations.huggingface import attach
 
     data = _lm_data(12)
-    model, _ = _llama(transformers)
+    make = {"llama": _llama, "gpt2-tied": _gpt2}[family]
+    model, _ = make(transformers)
     args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
                     max_steps=2, max_grad_norm=0.0, learning_rate=1e-2)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         callback = attach(trainer, interval=1, per_sample_grad_norms=True)
-    checks = hf_own_loss_checks(transformers, trainer, model, callback)
+    checks = hf_own_loss_checks(transformers, trainer, model, callback, make)
     trainer.train()
+    uncovered = set(callback.monitor.per_sample.coverage()["uncovered"])
+    assert uncovered == (set() if family == "llama" else {"transformer.wpe.weight"})
     assert len(checks) == 2
     for got, want in checks:
         assert len(got) == 2 * accumulation
         assert got == pytest.approx(want, rel=HF_RTOL)
 
 
-def hf_own_loss_checks(transformers, trainer, model, callback) -> list:
+def hf_own_loss_checks(transformers, trainer, model, callback, make=None) -> list:
     """Adds to `trainer` a callback that, at each optimizer step (after gapmon's), appends (gapmon's norms,
     the float64-loop norms of the samples the model saw in the step) to the list it returns."""
     seen: list[dict] = []  # each step's samples, as the model saw them
@@ -153,7 +166,8 @@ def hf_own_loss_checks(transformers, trainer, model, callback) -> list:
             def loss_of(m, s):
                 return m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss  # its own mean over tokens
 
-            checks.append((got, _reference_norms(lambda: _llama(transformers)[0], state_dict, list(seen), covered, loss_of)))
+            checks.append((got, _reference_norms(lambda: (make or _llama)(transformers)[0], state_dict, list(seen), covered,
+                                                 loss_of)))
             seen.clear()
 
     trainer.add_callback(Check())
