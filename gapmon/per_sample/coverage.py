@@ -24,15 +24,17 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 
 
 def tied_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
-    """id(parameter) -> [(module name, module)] of the parameters held by several *different* modules (tied weights).
-    One module registered under several names (a block reused in a ModuleList) is a module called several times:
-    not a tie."""
+    """id(parameter) -> [(module name, module)] of the parameters that several *different* layers with a rule hold
+    (tied weights). One module registered under several names (a block reused in a ModuleList) is a module called
+    several times: not a tie. A module without a rule that also registers the parameter (BERT's prediction head holds
+    its decoder's bias) is not counted: were it to use the parameter in its own forward, the use check would see it."""
     clean_name = name_cleaner(model)
     owners: dict[int, dict[int, tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), {}).setdefault(id(module), (clean_name(name), module))
-    return {key: list(mods.values()) for key, mods in owners.items() if len(mods) > 1}
+    ruled = {key: [(n, m) for n, m in mods.values() if rule_for(m) is not None] for key, mods in owners.items()}
+    return {key: mods for key, mods in ruled.items() if len(mods) > 1}
 
 
 def _tied_pair(owners: list[tuple[str, nn.Module]]) -> tuple[str, str] | None:

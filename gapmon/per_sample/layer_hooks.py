@@ -68,6 +68,8 @@ class LayerHooks:
             if not isinstance(t, torch.Tensor):
                 continue
             status = self.state.tracking.status(t)
+            if status is None and mb.batch == 1 and t.dim() and t.shape[0] == 1 and want in (0, None):
+                status = 0  # one sample: an input shared by every sample (position ids [1, T]) is that sample's
             if want is None and status is not None:  # from the batch, on a dim the rule finds itself
                 found = found or (0, None)
             elif isinstance(status, str):

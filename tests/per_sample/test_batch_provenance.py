@@ -261,6 +261,32 @@ def test_a_recurrent_layer_with_an_initial_state_from_the_batch_is_exact(batch):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_position_ids_shared_by_every_sample_are_the_one_samples_own(batch):
+    """Position ids [1, T] (GPT-2's, BERT's): with several samples their embedding's gradient is summed over the
+    samples before any hook sees it (left out, warned); with one sample it is that sample's (covered, exact)."""
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(6, 4), nn.Linear(4, 3)
+
+        def forward(self, ids):
+            return self.head(self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None]))
+
+    torch.manual_seed(0)
+    model = Positions().double()
+    ids, y = torch.randint(0, 11, (batch, 6)), torch.randn(batch, 6, 3, dtype=torch.float64)
+    if batch > 1:
+        with pytest.warns(RuntimeWarning, match="'pos' is not per-sample"):
+            got, cov = _run(model, (ids,), y, False)
+        assert "pos.weight" not in cov["covered"]
+    else:
+        got, cov = _run(model, (ids,), y, False, strict=True)
+        assert "pos.weight" in cov["covered"]
+    want = loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_type_as_takes_the_status_of_its_first_input_only():
     """x.type_as(batched) holds x's values: unbatched when x is (the hot path for pointwise ops must not take
     the status of the tensor that only gives the dtype)."""

@@ -96,6 +96,7 @@ def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch
 
 
 @register_norm_rule(nn.Linear)
+@register_norm_rule_by_name("transformers.models.falcon.modeling_falcon.FalconLinear")  # input @ weight.T + bias
 class LinearRule(NormRule):
     moves_batch = True
 
