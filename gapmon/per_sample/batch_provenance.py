@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -70,6 +70,23 @@ _DUNDER = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "
 
 class Lost(Exception):
     """Raised by a rule: the batch dimension of the op's output cannot be told."""
+
+
+class Merged(NamedTuple):
+    """A status: dim `dim` holds the batch merged with the `inner` elements of the dims that followed it, the batch
+    outermost (x.view(-1, d) of a [B, T, d] activation: Merged(0, T)). Index b·inner + r of that dim is sample b's.
+    Row-wise ops keep it (pointwise, Linear, mm/addmm/bmm, norms and softmax over other dims); a reshape that splits
+    the batch out again gives it back as a dim; any other op loses it."""
+
+    dim: int
+    inner: int
+
+
+# Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
+# its dim, the merge kept (their checks of the batch's size are the aligned/merged ones).
+_MERGED_ROW_WISE = {"linear", "addmm", "mm", "matmul", "__matmul__", "bmm", "baddbmm", "layer_norm", "rms_norm",
+                    "transpose", "transpose_", "swapaxes", "swapdims", "t", "T", "mT", "mH", "adjoint", "permute",
+                    "movedim", "moveaxis", "__getitem__", "pad", *_REDUCTIONS, *_ALONG_DIM}
 
 
 _POINTWISE: dict[str, bool] = {}
@@ -248,12 +265,37 @@ class BatchTracker(TorchFunctionMode):
                 return self._expanded(name, args, out) if name in _EXPANDS else None
         if lost and name != "embedding_bag":  # 1-D bags: the ids' batch dim is the offsets', not theirs
             return lost[0]
+        if any(type(st) is Merged for _, st in inputs):
+            return self._merged_rule(name, args, kwargs, inputs, out)
         rule = _RULES.get(name)
         if rule is not None:
             return rule(self, args, kwargs, inputs, out)
         if _is_pointwise(name) and isinstance(out, torch.Tensor):
             return self.aligned(name, inputs, out)
         raise Lost(f"{name} (no batch rule for this op)")
+
+    def _merged_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        """An op with an input whose batch is merged with other dims (Merged): reshapes may split it out again,
+        row-wise ops keep it, every other op loses it."""
+        if name in _VIEWS and name not in ("unsqueeze", "unsqueeze_", "squeeze", "squeeze_"):
+            return _view(self, args, kwargs, inputs, out)
+        merges = {st for _, st in inputs}
+        if len(merges) != 1 or not isinstance(out, torch.Tensor):
+            raise Lost(f"{name} of inputs whose batch is merged differently (or with a plain batch dim)")
+        merged = merges.pop()
+        if name in _MERGED_ROW_WISE or (_is_pointwise(name) and name not in _RULES):
+            plain = [(t, st.dim) for t, st in inputs]
+            if name in _MERGED_ROW_WISE:
+                d = _RULES[name](self, args, kwargs, plain, out)
+            else:
+                dims = {st.dim + out.dim() - t.dim() for t, st in inputs}
+                if len(dims) != 1:
+                    raise Lost(f"{name} of inputs whose merged batch is on different dims")
+                d = dims.pop()
+            if type(d) is not int or out.shape[d] != self.batch * merged.inner:
+                raise Lost(f"{name} of a merged batch (its rows do not stay its rows)")
+            return Merged(d, merged.inner)
+        raise Lost(f"{name} on the batch merged with other dims (no rule follows it there)")
 
     def input_dim(self, args: Sequence, inputs: list) -> int:
         """The batch dim of the op's first argument (which must be the batched one)."""
@@ -288,14 +330,36 @@ class BatchTracker(TorchFunctionMode):
         return grown[0] if len(grown) == 1 else None
 
 
-def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int:
+def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int | Merged:
     """Reshapes keep the batch iff some output dim has the batch's size and the same number of
-    elements before it: then index b of it addresses exactly the elements index b did."""
-    x, d = args[0], tracker.input_dim(args, inputs)
+    elements before it: then index b of it addresses exactly the elements index b did. A dim that holds the batch
+    times the elements of the dims after it (x.view(-1, d)) holds it merged (Merged); splitting that dim with the
+    batch outermost gives it back."""
+    x = args[0]
+    status = next((st for t, st in inputs if t is args[0]), None)
+    if status is None:
+        raise Lost("an op whose batched input is not its first argument")
+    d, inner = (status.dim, status.inner) if type(status) is Merged else (status, 1)
     before = math.prod(x.shape[:d])
+    batch = tracker.batch
     for j in range(out.dim()):
-        if math.prod(out.shape[:j]) == before and out.shape[j] == x.shape[d]:
-            return j
+        if math.prod(out.shape[:j]) != before:
+            continue
+        size = out.shape[j]
+        if size == batch * inner:  # the same dim (or the same merge), in place
+            return j if inner == 1 else Merged(j, inner)
+        if size % batch or not size:
+            continue
+        q = size // batch
+        if inner % q == 0:  # the merge split again, the batch outermost: [B·T, d] -> [B, T, d]
+            return j if q == 1 else Merged(j, q)
+        after = inner  # merged further with the dims after it: [B, T, d] -> [B·T, d]
+        for k in range(d + 1, x.dim()):
+            after *= x.shape[k]
+            if after == q:
+                return Merged(j, q)
+            if after > q:
+                break
     raise Lost("a reshape that merges or splits the batch dim")
 
 
@@ -559,6 +623,26 @@ def _linear(tracker, args, kwargs, inputs, out) -> int:
     return d
 
 
+def _addmm(tracker, args, kwargs, inputs, out) -> int:
+    """addmm(bias, x, W): rows of x are rows of the output; a batched bias or W mixes the samples."""
+    x = args[1]
+    if any(t is not x for t, _ in inputs):
+        raise Lost("addmm with a batched bias or weight")
+    d = next(st for t, st in inputs if t is x)
+    if d != 0:
+        raise Lost("addmm contracting the batch dim (it mixes the samples)")
+    return 0
+
+
+def _baddbmm(tracker, args, kwargs, inputs, out) -> int:
+    """baddbmm(input, batch1, batch2): matrix i of the output is input[i] + batch1[i] @ batch2[i] (input broadcast):
+    the batch must be dim 0 of every batched operand (a 3-D one; a broadcast input of fewer dims is not batched)."""
+    for t, st in inputs:
+        if t.dim() != 3 or st != 0:
+            raise Lost("baddbmm with an operand batched off its dim 0 (it mixes the samples)")
+    return 0
+
+
 def _embedding(tracker, args, kwargs, inputs, out) -> int:
     if any(t is not args[0] for t, _ in inputs):
         raise Lost("embedding with a batched weight")
@@ -649,7 +733,8 @@ _RULES: dict[str, Callable] = {
     "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "__getitem__": _getitem, "__setitem__": _setitem,
-    "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul,
+    "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul, "addmm": _addmm,
+    "baddbmm": _baddbmm,
     "einsum": _einsum, "linear": _linear, "embedding": _embedding, "embedding_bag": _embedding_bag,
     **{n: _sample_leading(n) for n in _SAMPLE_LEADING},
     "layer_norm": _last_dims_norm, "rms_norm": _last_dims_norm, "pad": _pad,

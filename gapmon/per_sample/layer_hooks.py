@@ -13,8 +13,9 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import first_tensor, layer_type_name
 from . import tied_embedding
+from .batch_provenance import Merged
 from .coverage import LayerCoverage
-from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first
+from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
 from .rules import Call, EmbeddingRule, NormRule
 from .use_check import UseChecker
 
@@ -70,7 +71,10 @@ class LayerHooks:
             status = self.state.tracking.status(t)
             if status is None and mb.batch == 1 and t.dim() and t.shape[0] == 1 and want in (0, None):
                 status = 0  # one sample: an input shared by every sample (position ids [1, T]) is that sample's
-            if want is None and status is not None:  # from the batch, on a dim the rule finds itself
+            if type(status) is Merged and not (rule.moves_batch and want == 0):
+                found = (0, "its input has the batch merged with other dims (x.view(-1, d)): only a layer that works "
+                            "row by row follows it there")
+            elif want is None and status is not None:  # from the batch, on a dim the rule finds itself
                 found = found or (0, None)
             elif isinstance(status, str):
                 found = (0, f"the batch dim of its input was lost at {status}")
@@ -149,8 +153,9 @@ class LayerHooks:
         if why is not None:
             self.coverage.skip(name, why)
             return
-        call = batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim)
-        why = rule.not_per_sample(module, call, output.movedim(dim, 0) if dim else output, mb.batch, mb.inputs)
+        call = batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim,
+                           mb.batch)
+        why = rule.not_per_sample(module, call, sample_first(output, dim, mb.batch), mb.batch, mb.inputs)
         if why is not None:
             self.coverage.skip(name, why)
             return
@@ -199,7 +204,7 @@ class LayerHooks:
         if isinstance(g, tuple):  # a rule of several outputs (graded_outputs) reads its layout itself
             calls.grads[call] = tuple(None if t is None else t.detach() for t in g)
         else:
-            calls.grads[call] = g.detach().movedim(calls.dims[call], 0)
+            calls.grads[call] = sample_first(g.detach(), calls.dims[call], mb.batch)
         if calls.complete():
             self.finish(index, mb)
 

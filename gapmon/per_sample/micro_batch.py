@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..utils import first_input
-from .batch_provenance import BatchTracker
+from .batch_provenance import BatchTracker, Merged
 from .rules import Call
 
 
@@ -155,13 +155,21 @@ def named_input(module: nn.Module, args: tuple, kwargs: dict, key: int | str) ->
     return args[names.index(key)] if key in names and names.index(key) < len(args) else None
 
 
-def batch_first(call: Call, dim: int) -> Call:
-    """The call with the batch of its first input moved from `dim` to dim 0."""
+def sample_first(t: torch.Tensor, dim: int | Merged, batch: int) -> torch.Tensor:
+    """t with its batch on dim 0: moved from `dim`, or split out of a dim where it is merged with the dims after it
+    (Merged: [B·T, d] -> [B, T, d])."""
+    if type(dim) is Merged:
+        return t.unflatten(dim.dim, (batch, dim.inner)).movedim(dim.dim, 0)
+    return t.movedim(dim, 0) if dim else t
+
+
+def batch_first(call: Call, dim: int | Merged, batch: int = 0) -> Call:
+    """The call with the batch of its first input on dim 0 (sample_first; `batch`: the samples, for a merged one)."""
     if not dim:
         return call
     if call.args:
-        return Call((call.args[0].movedim(dim, 0), *call.args[1:]), call.kwargs)
-    return Call(call.args, {**call.kwargs, "input": call.kwargs["input"].movedim(dim, 0)})
+        return Call((sample_first(call.args[0], dim, batch), *call.args[1:]), call.kwargs)
+    return Call(call.args, {**call.kwargs, "input": sample_first(call.kwargs["input"], dim, batch)})
 
 
 class Collection:

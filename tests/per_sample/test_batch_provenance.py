@@ -196,6 +196,8 @@ def test_a_layer_after_a_reduction_over_the_batch_is_refused():
 
 def test_tracker_follows_the_batch_through_common_ops():
     """The rules, op by op, against where the batch really is (x is batched on dim 0, T == B)."""
+    from gapmon.per_sample.batch_provenance import Merged
+
     x = torch.randn(B, T, 8)
     tracker = BatchTracker(B)
     tracker.mark(x, 0)
@@ -203,7 +205,7 @@ def test_tracker_follows_the_batch_through_common_ops():
     with tracker:
         cases = {
             "transpose": (x.transpose(0, 1), 1), "permute": (x.permute(1, 2, 0), 2), "mT": (x.mT, 0),
-            "split heads": (x.view(B, T, 2, 4).transpose(1, 2), 0), "merged": (x.reshape(B * T, 8), str),
+            "split heads": (x.view(B, T, 2, 4).transpose(1, 2), 0), "merged": (x.reshape(B * T, 8), Merged(0, T)),
             "unsqueeze": (x[None], 1), "last token": (x[:, -1], 0), "ellipsis": (x[..., :3], 0),
             "select sample": (x[0], str), "sum over T": (x.sum(1), 0), "mean over B": (x.mean(0), str),
             "softmax": (x.softmax(-1), 0), "softmax over B": (x.softmax(0), str), "linear": (lin(x), 0),
@@ -284,6 +286,67 @@ def test_position_ids_shared_by_every_sample_are_the_one_samples_own(batch):
         got, cov = _run(model, (ids,), y, False, strict=True)
         assert "pos.weight" in cov["covered"]
     want = loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_tracker_follows_a_batch_merged_with_other_dims():
+    """x.view(-1, d) merges the batch with the positions (OPT's MLP, BLOOM's heads): row-wise ops keep the merge, a
+    reshape with the batch outermost splits it out again, anything that mixes the rows loses it."""
+    from gapmon.per_sample.batch_provenance import Merged
+
+    x = torch.randn(B, T, 8)
+    tracker = BatchTracker(B)
+    tracker.mark(x, 0)
+    lin = nn.Linear(8, 6)
+    with tracker:
+        rows = x.reshape(-1, 8)
+        hidden = torch.nn.functional.gelu(lin(torch.nn.functional.layer_norm(rows, (8,))))
+        heads = x.view(B, T, 2, 4).transpose(1, 2).reshape(B * 2, T, 4)
+        scores = torch.bmm(heads, heads.transpose(-1, -2)).softmax(-1)
+        cases = {
+            "view(-1, d)": (rows, Merged(0, T)), "linear, gelu": (hidden, Merged(0, T)),
+            "residual": (rows + rows * 2, Merged(0, T)), "split back": (hidden.view(B, T, 6), 0),
+            "all merged": (x.reshape(-1), Merged(0, T * 8)), "addmm": (torch.addmm(lin.bias, rows, lin.weight.T), Merged(0, T)),
+            "heads merged": (heads, Merged(0, 2)), "bmm, softmax": (scores, Merged(0, 2)),
+            "heads split back": ((scores @ heads).view(B, 2, T, 4).transpose(1, 2).reshape(B, T, 8), 0),
+            "sum over the rows": (rows.sum(0), str), "softmax over the rows": (rows.softmax(0), str),
+            "rows regrouped": (rows.view(2, -1, 8), str), "merged with a plain batch": (rows.view(B, T, 8) + rows.view(B, T, 8).transpose(0, 1), str),
+            "merged plus plain": (rows + x.reshape(B * T, 8).view(B, T, 8).view(-1, 8), Merged(0, T)),
+            "cat": (torch.cat([rows, rows], 0), str), "unsqueeze": (rows.unsqueeze(0), str),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
+class _FlattenedMLP(nn.Module):
+    """OPT's decoder layer: the tokens flattened to rows for the norm and the MLP, the residual added, the shape
+    restored; then a BLOOM-style attention over batch x heads merged into bmm's batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 12), nn.Linear(12, 8)
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 3)
+
+    def forward(self, x):
+        shape = x.shape
+        rows = x.reshape(-1, x.size(-1))
+        h = (rows + self.fc2(torch.relu(self.fc1(self.norm(rows))))).view(shape)
+        b, t, _ = h.shape
+        q, k, v = (z.view(b, t, 2, 4).transpose(1, 2).reshape(b * 2, t, 4) for z in self.qkv(h).chunk(3, -1))
+        att = torch.baddbmm(torch.zeros(b * 2, 1, t, dtype=q.dtype), q, k.transpose(-1, -2)).softmax(-1)
+        return self.out(torch.bmm(att, v).view(b, 2, t, 4).transpose(1, 2).reshape(b, t, 8))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@BOOKKEEPING
+def test_layers_on_a_merged_batch_are_exact(batch, bookkeeping):
+    torch.manual_seed(0)
+    model = _FlattenedMLP().double()
+    x, y = torch.randn(batch, 5, 8, dtype=torch.float64), torch.randn(batch, 5, 3, dtype=torch.float64)
+    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
+    assert len(cov["covered"]) == 10 and not cov["uncovered"]
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
