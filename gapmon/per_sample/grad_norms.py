@@ -26,7 +26,9 @@ Uses of a parameter outside its layer's forward (`F.linear(h, self.tok.weight)`,
 read by another module): a hook on every covered parameter sketches the gradient autograd
 accumulates for it, and each rule sketches the sum of the per-sample gradients it saw (the same
 random probe, NormRule.grad_sketch). Norms are refused when the two differ by more than
-the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rule saw.
+the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rule saw. A layer none of whose calls
+was seen while its parameters got gradients (used only functionally) added nothing to the norms: it is left out
+with a warning instead (strict=True refuses).
 """
 from __future__ import annotations
 
@@ -274,7 +276,9 @@ class PerSampleGradNorms(GradientProducts):
         for mb in self._state.micro:
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._layer_hooks.finish(index, mb)
-        self._checker.refuse_unseen_uses(self._coverage.skipped)
+        for layer, params in self._checker.refuse_unseen_uses(self._coverage.skipped).items():
+            self._coverage.skip(layer, f"its parameters {params} got gradients while its forward never ran: they are "
+                                       "used functionally (F.linear(x, layer.weight), a fused kernel taking the weights)")
         self._state.collected = True
 
     def _per_sample(self, squared) -> torch.Tensor:

@@ -66,6 +66,7 @@ class UseCheck:
         self.repeats = 1
         self.widened: tuple = ()  # (dtype, repeats) of the last widen: the same again changes nothing
         self.unchecked: str | None = None  # why it cannot be checked (a rule without a sketch, a DTensor gradient)
+        self.seen_by_rule = False  # whether a rule explained a call of its layer this step
 
     def fits(self, p: torch.Tensor, probe: torch.Tensor) -> bool:
         """Whether this check is parameter p's (the same object, still of its rows, with its probe now)."""
@@ -196,6 +197,7 @@ class UseChecker:
                 check = self.check(as_used.get(id(p), p), name)
                 add_sketch(check.explained, grad, check.probe)
                 check.widen(dtype)
+                check.seen_by_rule = True
             return
         sketches = rule.grad_sketch(module, piece, lambda p: self.check(as_used.get(id(p), p), name).probe)
         if sketches is None:
@@ -206,22 +208,41 @@ class UseChecker:
             check = self.check(as_used.get(id(p), p), name)
             check.explained += s
             check.widen(dtype, repeats)
+            check.seen_by_rule = True
 
-    def refuse_unseen_uses(self, skipped: set[str]) -> None:
-        """Raises RuntimeError naming the covered parameters whose gradient got contributions that no
-        rule saw (the parameter was used outside its layer's forward): their norms would be wrong."""
+    def refuse_unseen_uses(self, skipped: set[str]) -> dict[str, list[str]]:
+        """Raises RuntimeError naming the covered parameters whose gradient got contributions that no rule saw besides
+        those it saw (the parameter was used outside its layer's forward as well as in it): their norms would be wrong.
+        Returns {layer: its parameters' names} of the layers whose parameters got gradients while no call of theirs
+        was seen (used only functionally: F.linear(x, layer.weight), a fused kernel taking the weights): their norms
+        added nothing, so they are to be left out (PerSampleGradNorms skips them) rather than refuse the rest.
+
+        A parameter's difference is judged against the larger of its own gradient's size and its layer's largest
+        (a key projection's bias gets a gradient that cancels to rounding noise: softmax ignores it)."""
         # Parameters of layers found not to be per-sample are out of the norms already.
         checks = [c for c in self.checks.values() if c.unchecked is None and c.layer not in skipped]
         if not checks:
-            return
+            return {}
+        layers = {name: i for i, name in enumerate(dict.fromkeys(c.layer for c in checks))}
         with torch.no_grad():  # a few multi-tensor ops, not three norms per parameter
             diff, size = _difference_and_size([c.total for c in checks], [c.explained for c in checks])
-            bad = (diff > size * torch.tensor([c.rtol for c in checks], dtype=torch.float64, device=diff.device))
+            index = torch.tensor([layers[c.layer] for c in checks], device=size.device)
+            layer_size = torch.zeros(len(layers), dtype=size.dtype, device=size.device).scatter_reduce(
+                0, index, size, "amax")
+            scale = torch.maximum(size, layer_size[index])
+            bad = (diff > scale * torch.tensor([c.rtol for c in checks], dtype=torch.float64, device=diff.device))
             bad = bad.cpu().tolist()  # one device-to-host read
         if not any(bad):
-            return
-        rel = (diff / size.clamp(min=torch.finfo(torch.float64).tiny)).cpu().tolist()
-        named = [f"{c.name} (relative difference {r:.2g})" for c, r, b in zip(checks, rel, bad) if b]
+            return {}
+        partly = [b and c.seen_by_rule for c, b in zip(checks, bad)]
+        if not any(partly):
+            unseen: dict[str, list[str]] = {}
+            for c, b in zip(checks, bad):
+                if b:
+                    unseen.setdefault(c.layer, []).append(c.name)
+            return unseen
+        rel = (diff / scale.clamp(min=torch.finfo(torch.float64).tiny)).cpu().tolist()
+        named = [f"{c.name} (relative difference {r:.2g})" for c, r, b in zip(checks, rel, partly) if b]
         raise RuntimeError(
             f"PerSampleGradNorms: the gradient of {', '.join(named)} has contributions that "
             "no per-sample rule saw: the parameter is used outside its layer's forward (e.g. F.linear(h, "
