@@ -140,3 +140,52 @@ def test_olmo_core_norm_layers_are_exact(kind, full_precision, bias):
         ((model(x[i:i + 1]) - y[i:i + 1]) ** 2).sum().backward()
         want.append(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())))
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-6 if full_precision else 1e-10, atol=1e-12)
+
+
+def _exact_norms(model, loss_of, batch: int, **kwargs):
+    """(gapmon's norms, the float64 loop's over the covered parameters, coverage, the warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", **kwargs)
+        loss_of(model, slice(0, batch)).backward()
+        got, cov = psn.local_norms(), psn.coverage()
+        psn.close()
+    want = []
+    for i in range(batch):
+        model.zero_grad()
+        loss_of(model, slice(i, i + 1)).backward()
+        want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in cov["covered"])))
+    return got, torch.stack(want), cov, [str(w.message) for w in caught]
+
+
+def test_vision_transformer_with_key_biases_is_exact():
+    """ViT's key projections have biases whose gradient cancels to rounding noise (softmax ignores them): no false
+    alarm; its class token and position embeddings (parameters of ViTEmbeddings itself) are left out by name."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).double()
+    pixels = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    got, want, cov, _ = _exact_norms(model, lambda m, s: m(pixel_values=pixels[s]).logits.square().sum(), 3)
+    assert set(cov["uncovered"]) == {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings"}
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_mamba_layers_used_by_its_fused_kernel_are_left_out_by_name():
+    """Mamba's forward (its CPU path) reads conv1d's and dt_proj's weights directly (the CUDA path hands them to one
+    fused kernel): those layers never run, so they are left out with a warning; the rest (in_proj, x_proj,
+    out_proj, the tied head and embedding) stays exact."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3)).double()
+    model.train()
+    ids = torch.randint(0, VOCAB, (3, SEQ))
+    got, want, cov, warned = _exact_norms(model, lambda m, s: _loss(m, ids[s]), 3)
+    functional = {f"backbone.layers.{i}.mixer.{n}" for i in range(2) for n in ("conv1d", "dt_proj")}
+    assert set(cov["skipped_layers"]) == functional
+    assert any("forward never ran" in w for w in warned)
+    assert {"backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.x_proj.weight",
+            "backbone.embeddings.weight"} <= set(cov["covered"])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
