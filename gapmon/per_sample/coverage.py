@@ -37,19 +37,16 @@ def tied_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
     return {key: mods for key, mods in ruled.items() if len(mods) > 1}
 
 
-def _tied_pair(owners: list[tuple[str, nn.Module]]) -> tuple[str, str] | None:
-    """(embedding name, head name) when a tie is an embedding's table (a layer the Embedding rule or a rule derived from
-    it covers) used as an nn.Linear's weight (a language model's input and output embeddings): the per-sample norm of
-    their summed gradient is exact (tied_embedding). None for any other tie."""
-    if len(owners) != 2:
+def _tie_group(owners: list[tuple[str, nn.Module]]) -> list[str] | None:
+    """The members' names when a tie is one table shared by embeddings (layers an Embedding rule covers) and at most
+    one Linear head (a language model's input and output embeddings, T5's encoder and decoder embeddings): the
+    per-sample norm of their summed gradient is exact (tied_embedding). None for any other tie."""
+    weights = {id(getattr(m, "weight", None)) for _, m in owners}
+    embeddings = [n for n, m in owners if isinstance(rule_for(m), EmbeddingRule)]
+    heads = [n for n, m in owners if type(rule_for(m)) is LinearRule]
+    if len(weights) != 1 or not embeddings or len(heads) > 1 or len(embeddings) + len(heads) != len(owners):
         return None
-    (n1, m1), (n2, m2) = owners
-    if isinstance(rule_for(m1), LinearRule):
-        (n1, m1), (n2, m2) = (n2, m2), (n1, m1)
-    if (isinstance(rule_for(m1), EmbeddingRule) and type(rule_for(m2)) is LinearRule
-            and getattr(m1, "weight", None) is getattr(m2, "weight", 1)):
-        return n1, n2
-    return None
+    return [n for n, _ in owners]
 
 
 def trainable_state(params: list[tuple[str, torch.Tensor]]) -> tuple[bool, ...]:
@@ -64,14 +61,14 @@ class LayerCoverage:
     def __init__(self, model: nn.Module, names: dict[int, str], clean_name: Callable[[str], str], strict: bool):
         self.strict = strict
         ties = tied_parameters(model)
-        pairs = {key: _tied_pair(owners) for key, owners in ties.items()}
-        # Layers whose parameter is tied: each paired layer -> its partner (exact); the others are not covered.
-        self.partners: dict[str, str] = {}
-        for pair in pairs.values():
-            if pair is not None:
-                self.partners.update({pair[0]: pair[1], pair[1]: pair[0]})
+        groups = {key: _tie_group(owners) for key, owners in ties.items()}
+        # Layers sharing a table exactly (tied_embedding): each member -> the others; other ties are not covered.
+        self.ties: dict[str, tuple[str, ...]] = {}
+        for group in groups.values():
+            for name in group or ():
+                self.ties[name] = tuple(n for n in group if n != name)
         untied = {id(m): (names[key], [n or "<root>" for n, _ in owners]) for key, owners in ties.items()
-                  if pairs[key] is None for _, m in owners}
+                  if groups[key] is None for _, m in owners}
         owned: set[int] = set()  # submodules whose parameters their parent's rule covers (MHA's out_proj)
         for module in model.modules():
             rule = rule_for(module)
@@ -90,8 +87,8 @@ class LayerCoverage:
             why = why_no_rule(module) if rule is None else rule.why_not(module)
             if why is None and id(module) in untied:
                 tied_name, holders = untied[id(module)]
-                why = (f"{tied_name} is tied (shared by {holders}): only an nn.Embedding tied with an nn.Linear head "
-                       "is covered")
+                why = (f"{tied_name} is tied (shared by {holders}): only embeddings tied with each other and with "
+                       "one Linear head are covered")
             if why is None:
                 self.layers.append((clean_name(name), module, rule))
             else:
@@ -106,16 +103,15 @@ class LayerCoverage:
         """Leaves layer `name` out of the norms from now on (with a warning; strict: RuntimeError), and the layer
         its weight is tied with: the norm of half a tied weight's gradient is no norm of it."""
         message = f"PerSampleGradNorms: layer '{name}' is not per-sample ({why}); excluded from the norms"
-        partner = self.partners.get(name)
-        if partner is not None:
-            message += f", with '{partner}', whose weight it shares"
+        others = self.ties.get(name, ())
+        if others:
+            message += f", with {list(others)}, whose weight it shares"
         if self.strict:
             raise RuntimeError(message)
         if name not in self.skipped:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             self.skipped.add(name)
-            if partner is not None:
-                self.skipped.add(partner)
+            self.skipped.update(others)
 
     def report(self, params: list[tuple[str, torch.Tensor]], param_names: dict[int, str]) -> dict[str, Any]:
         """Covered and uncovered parameters (name -> numel) as of now (requires_grad is read at each

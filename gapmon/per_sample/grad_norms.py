@@ -103,10 +103,10 @@ class PerSampleGradNorms(GradientProducts):
         clean_name = name_cleaner(model)
         self._coverage = LayerCoverage(model, self._param_names, clean_name, config.strict)
         self._coverage.warn_uncovered(ValueError, 3, self._params, self._param_names)
-        if config.gram and self._coverage.partners:
+        if config.gram and self._coverage.ties:
             raise ValueError(
                 "PerSampleGradNorms(gram=True): the model ties an embedding's table to a Linear head "
-                f"({self._coverage.partners}); gram() and per_sample_gradients() do not form the products across the "
+                f"({self._coverage.ties}); gram() and per_sample_gradients() do not form the products across the "
                 "two layers. local_norms() and global_norms() are exact with gram=False.")
         # Layers that mix the samples of a batch when they use batch statistics.
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))

@@ -16,7 +16,7 @@ from . import tied_embedding
 from .batch_provenance import Merged
 from .coverage import LayerCoverage
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
-from .rules import Call, EmbeddingRule, NormRule
+from .rules import Call, NormRule
 from .use_check import UseChecker
 
 
@@ -36,9 +36,7 @@ class LayerHooks:
                  coverage: LayerCoverage, bookkeeping: bool, keep_positions: bool | set[int] = False):
         self.layers, self.state, self.checker, self.coverage = layers, state, checker, coverage
         self.bookkeeping, self.keep_positions = bookkeeping, keep_positions
-        # A tied embedding and head: each layer's index -> its partner's (tied_embedding).
-        index_of = {name: i for i, (name, _, _) in enumerate(layers)}
-        self.partner = {index_of[a]: index_of[b] for a, b in coverage.partners.items() if a in index_of and b in index_of}
+        self.tied = tied_embedding.TiedTables(layers, coverage.ties)  # layers sharing one table, and their cross terms
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
@@ -171,7 +169,7 @@ class LayerHooks:
         elif calls.in_forward:
             return
         at = calls.add(call, dim)
-        if self.bookkeeping and not dim and index not in self.partner:  # a tied head needs its input in backward
+        if self.bookkeeping and not dim and index not in self.tied:  # a tied head needs its input in backward
             replaced = rule.bookkeep(module, args[0] if args else kwargs.get("input"), output,
                                      functools.partial(self._bookkept, index, mb, at))
             if replaced is not None:
@@ -233,34 +231,6 @@ class LayerHooks:
             self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, grads)
         mb.add(sq, acc, layer_type_name(module))
 
-    def _tied_cross(self, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule, pos: tuple,
-                    calls: LayerCalls, acc: torch.dtype) -> torch.Tensor | float:
-        """2<E_i, H_i> of a tied embedding and head (tied_embedding), added by whichever of the two finishes last; the
-        first leaves what the other needs in the micro-batch."""
-        partner = self.partner[index]
-        waiting = mb.tied.pop(index, None)
-        if not module.weight.requires_grad:  # frozen: the tie adds nothing
-            return 0.0
-        if isinstance(rule, EmbeddingRule):
-            ids, g = pos
-            rows = rule.row_gradients(module, ids, g.to(acc))
-            if waiting is not None:  # the head's rows at the ids of every call; this pass has the calls with a gradient
-                at_ids, lengths = waiting
-                kept = [seg for seg, g in zip(at_ids.split(lengths, dim=1), calls.grads) if g is not None]
-                return tied_embedding.cross_term(rows, torch.cat(kept, dim=1))
-            mb.tied[partner] = (ids, rows)
-            return 0.0
-        a, g = pos
-        if waiting is not None:  # the embedding's (ids, row gradients)
-            ids, rows = waiting
-            return tied_embedding.cross_term(rows, tied_embedding.head_rows(ids, a, g.to(acc)))
-        pending = mb.layers.get(partner)  # the embedding's calls, waiting for their gradients
-        if pending is not None:
-            b = g.shape[0]
-            ids = [call.arg(0, "input").reshape(b, -1) for call in pending.calls]
-            mb.tied[partner] = (tied_embedding.head_rows(torch.cat(ids, dim=1), a, g.to(acc)), [i.shape[1] for i in ids])
-        return 0.0
-
     def finish(self, index: int, mb: MicroBatch) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
         calls = mb.layers.pop(index)
@@ -281,8 +251,8 @@ class LayerHooks:
                     self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
                 pos = tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
                 sq = rule.norm_sq(module, pos)
-            if index in self.partner:
-                sq = sq + self._tied_cross(index, mb, module, rule, pos, calls, acc)
+            if index in self.tied:
+                sq = sq + self.tied.cross(index, mb, pos, calls, acc)
             sq = sq.double()
         if self.layers[index][0] in self.coverage.skipped:  # its tied partner was found not per-sample
             return

@@ -127,6 +127,45 @@ def test_a_tied_embedding_and_head_is_exact(variant):
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("with_head", [True, False], ids=["two-embeddings-and-head", "two-embeddings"])
+def test_one_table_in_two_embeddings_and_a_head_is_exact(with_head):
+    """T5's layout: the encoder's and the decoder's embeddings are two modules of one table, the head a third user
+    (and a fourth module holding it that is never called): every pair's cross term counts."""
+    class EncoderDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Embedding(10, 4)
+            self.enc, self.dec = nn.Embedding(10, 4), nn.Embedding(10, 4, padding_idx=0)
+            self.enc.weight = self.dec.weight = self.shared.weight
+            self.mix, self.head = nn.Linear(4, 4), nn.Linear(4, 10, bias=False)
+            if with_head:
+                self.head.weight = self.shared.weight
+
+        def forward(self, source, target):
+            memory = torch.tanh(self.mix(self.enc(source))).mean(1, keepdim=True)
+            return self.head(self.dec(target) + memory)
+
+    torch.manual_seed(0)
+    model = EncoderDecoder().double()
+    source, target = torch.randint(0, 10, (3, 5)), torch.randint(0, 10, (3, 4))
+    target[0, :2] = source[0, :2]  # ids in common between the two embeddings of a sample
+
+    def loss_of(s, t):
+        return F.cross_entropy(model(s, t).reshape(-1, 10), ((t + 1) % 10).reshape(-1), reduction="sum")
+
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True, batch_inputs=[0, 1])
+    loss_of(source, target).backward()
+    got = psn.local_norms()
+    assert "shared.weight" in psn.coverage()["covered"]
+    psn.close()
+    want = []
+    for i in range(3):
+        model.zero_grad()
+        loss_of(source[i:i + 1], target[i:i + 1]).backward()
+        want.append(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None)))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
+
+
 def test_a_tied_head_not_per_sample_leaves_out_its_embedding_too():
     """Half of a tied table's gradient has no norm of its own: both layers are excluded, the rest stays exact."""
     class Pooled(_TiedLM):
@@ -138,7 +177,7 @@ def test_a_tied_head_not_per_sample_leaves_out_its_embedding_too():
     model = Pooled().double()
     ids = torch.randint(0, 10, (3, 5))
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
-    with pytest.warns(RuntimeWarning, match="'head' is not per-sample .* with 'emb'"):
+    with pytest.warns(RuntimeWarning, match=r"'head' is not per-sample .* with \['emb'\]"):
         _tied_loss(model, ids).backward()
     got, cov = psn.local_norms(), psn.coverage()
     assert set(cov["covered"]) == {"mix.weight", "mix.bias"} and cov["skipped_layers"] == ["emb", "head"]

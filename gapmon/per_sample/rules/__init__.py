@@ -20,6 +20,7 @@ from .normalization import (
     InstanceNormRule,
     LastDimsNormRule,
     OLMoCoreNormRule,
+    T5LayerNormRule,
 )
 from .recurrent import RecurrentRule
 
@@ -29,6 +30,6 @@ __all__ = [
     "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch",
     "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
     "ScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
-    "HFGemmaRMSNormRule", "OLMoCoreNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
+    "HFGemmaRMSNormRule", "OLMoCoreNormRule", "T5LayerNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
     "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

@@ -114,6 +114,20 @@ class HFGemmaRMSNormRule(HFFloat32RMSNormRule):
     compute_dtype = torch.float32
 
 
+@register_norm_rule_by_name(*_hf_names(("t5", "T5LayerNorm"), ("mt5", "MT5LayerNorm")))
+class T5LayerNormRule(HFRMSNormRule):
+    """T5's RMSNorm: x times rsqrt(mean(x²) + eps) with the mean formed in float32 (x itself not cast: the product is
+    the wider of the two), cast to the weight's dtype when that is 16-bit, then times the weight."""
+
+    def positions(self, module, call, g, acc):
+        a = call.arg(0, "hidden_states")
+        xhat = a * torch.rsqrt(a.to(torch.float32).pow(2).mean(-1, keepdim=True) + self._eps(module))
+        if module.weight.dtype in (torch.float16, torch.bfloat16):
+            xhat = xhat.to(module.weight.dtype)
+        b, n = g.shape[0], xhat.shape[-1]
+        return xhat.to(acc).reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+
+
 @register_norm_rule_by_name("olmo_core.nn.layer_norm.RMSNorm", "olmo_core.nn.layer_norm.QwenRMSNorm",
                             "olmo_core.nn.layer_norm.LayerNorm")
 class OLMoCoreNormRule(_AffineNormRule):
