@@ -212,3 +212,47 @@ def test_t5_with_one_table_for_encoder_decoder_and_head_is_exact(batch):
     assert set(cov["uncovered"]) == biases
     assert "shared.weight" in cov["covered"] and "encoder.block.0.layer.0.layer_norm.weight" in cov["covered"]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _fsdp2_worker(rank: int, world: int):
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, VOCAB, (6, SEQ), generator=torch.Generator().manual_seed(5))
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.arange(6)[rank::world]
+    for family, make, blocks in (("llama-tied", _tied_llama, lambda m: m.model.layers),
+                                 ("gpt2", _gpt2, lambda m: m.transformer.h),
+                                 ("opt", _opt, lambda m: m.model.decoder.layers)):
+        torch.manual_seed(0)
+        reference = make(transformers).double()
+        torch.manual_seed(0)
+        model = make(transformers).double()
+        for block in blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the position embeddings documented as left out
+            psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+        _loss(model, ids[local]).backward()
+        _, got = psn.global_norms(local)
+        covered = set(psn.coverage()["covered"])
+        psn.close()
+        want = []
+        for i in range(6):
+            reference.zero_grad()
+            _loss(reference, ids[i:i + 1]).backward()
+            want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in reference.named_parameters() if n in covered)))
+        torch.testing.assert_close(got, torch.stack(want), rtol=1e-9, atol=1e-12, msg=lambda m, f=family: f"{f}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_hugging_face_families_under_fsdp2_per_block():
+    """FSDP2 over each decoder block and the root (2 gloo processes, different samples per rank): a tied Llama,
+    GPT-2 (Conv1D, tied head) and OPT (rows merged inside its blocks) give the float64 loop's norms."""
+    pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    from helpers import run_distributed
+
+    run_distributed(_fsdp2_worker, 2)
