@@ -82,6 +82,20 @@ class Merged(NamedTuple):
     inner: int
 
 
+class Shared(NamedTuple):
+    """A status: the output of a layer call whose input every sample shares (position ids [1, T]), followed for its
+    per-sample gradient (gapmon.per_sample.shared_input.SharedCall, `owner`). Where it is added to a batched
+    tensor, owner.on_add(sum, dim of its batch, sign) reads the sum's gradient; where it is copied or cast, the copy
+    stays Shared; any other use calls owner.on_escape(). Elsewhere it counts as unbatched, as before it was followed."""
+
+    owner: Any
+
+
+_COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda"}
+_ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
+         "__isub__": -1}
+
+
 # Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
 # its dim, the merge kept (their checks of the batch's size are the aligned/merged ones).
 _MERGED_ROW_WISE = {"linear", "addmm", "mm", "matmul", "__matmul__", "bmm", "baddbmm", "layer_norm", "rms_norm",
@@ -257,6 +271,8 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------ rules
     def _rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        if any(type(st) is Shared for _, st in inputs):
+            return self._shared_rule(name, args, kwargs, inputs, out)
         lost = [s for _, s in inputs if isinstance(s, str)]
         if name in _VIEWS or name in _EXPANDS or name == "type_as":  # only self's values are used
             inputs = [(t, s) for t, s in inputs if t is args[0]]
@@ -273,6 +289,28 @@ class BatchTracker(TorchFunctionMode):
         if _is_pointwise(name) and isinstance(out, torch.Tensor):
             return self.aligned(name, inputs, out)
         raise Lost(f"{name} (no batch rule for this op)")
+
+    def _shared_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        """An op on the output of a call whose input every sample shares (Shared): a copy stays Shared; an add to one
+        batched tensor hands the sum to its owner (its gradient, per sample, is the shared output's); any other use
+        is reported. The op's status is then the one it had with the shared output unbatched."""
+        shared = [(t, st) for t, st in inputs if type(st) is Shared]
+        plain = [(t, st) for t, st in inputs if type(st) is not Shared]
+        if len(shared) == 1 and isinstance(out, torch.Tensor):
+            t, st = shared[0]
+            if name in _COPIES and not plain and t is args[0]:
+                return st
+            sign = _ADDS.get(name)
+            in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
+            if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
+                    and out.shape == plain[0][0].shape and not (in_place and t is args[0])):
+                d = self._rule(name, args, kwargs, plain, out)
+                if type(d) is int:
+                    st.owner.on_add(out, t, d, -1 if sign < 0 and t is args[1] else 1)
+                    return d
+        for _, st in shared:
+            st.owner.on_escape(name)
+        return self._rule(name, args, kwargs, plain, out) if plain else None
 
     def _merged_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
         """An op with an input whose batch is merged with other dims (Merged): reshapes may split it out again,

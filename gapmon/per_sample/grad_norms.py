@@ -8,9 +8,10 @@ they are added to a per-sample accumulator, and A is released.
 
 Which samples: by provenance, not by size (gapmon.batch_provenance). The model's batched inputs
 (its first tensor input, or those named by `batch_inputs`) carry the batch on `batch_dim`; during
-the forward pass a TorchFunctionMode follows it through every op. A layer whose input does not
-come from the batch (position ids arange(T), even with T == B), whose batch was lost on the way
-(a reduction or reshape over it, an op without a rule), or sits on a dim the layer's rule cannot
+the forward pass a TorchFunctionMode follows it through every op (a batch merged with other dims by a
+reshape too). An embedding of ids every sample shares (position ids arange(T), even with T == B) is followed to
+where its output joins the batch (shared_input). A layer whose input does not come from the batch otherwise,
+whose batch was lost on the way (a reduction over it, an op without a rule), or sits on a dim the layer's rule cannot
 take (Linear, LayerNorm and Embedding take any: sequence-first activations are exact) is not
 per-sample: it is excluded, with a warning naming it and why (strict=True raises). Parameters of layers
 without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
@@ -276,6 +277,7 @@ class PerSampleGradNorms(GradientProducts):
         for mb in self._state.micro:
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._layer_hooks.finish(index, mb)
+        self._layer_hooks.flush_refused()
         for layer, params in self._checker.refuse_unseen_uses(self._coverage.skipped).items():
             self._coverage.skip(layer, f"its parameters {params} got gradients while its forward never ran: they are "
                                        "used functionally (F.linear(x, layer.weight), a fused kernel taking the weights)")

@@ -1,7 +1,8 @@
 """Per-sample norms of Hugging Face model families as their configs build them: GPT-2 (its Conv1D layers, which
 merge the tokens into one dim for addmm, and its tied input/output embeddings) and a Llama with
 tie_word_embeddings. Exact against a float64 loop over the samples, one backward each; only what gapmon documents
-as not per-sample is left out (GPT-2's learned position embeddings: their ids are shared by every sample). Their
+as not per-sample is left out (position embeddings, whose ids every sample shares, are followed to where they
+join the batch: covered). Their
 RMSNorm copies (Llama's, OLMo 2's float32 product, Gemma's 1 + weight, Qwen 3's per-head q/k norms) are covered.
 
 Needs transformers (CI installs the version pyproject's `ci` extra pins)."""
@@ -76,9 +77,9 @@ def _loss(model, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, left_out", [("gpt2", {"transformer.wpe.weight"}), ("llama-tied", set()), ("olmo2", set()),
+@pytest.mark.parametrize("family, left_out", [("gpt2", set()), ("llama-tied", set()), ("olmo2", set()),
                                               ("qwen3", set()), ("gemma", set()),
-                                              ("bert", {"bert.embeddings.position_embeddings.weight"}), ("falcon", set()),
+                                              ("bert", set()), ("falcon", set()),
                                               ("opt", {"model.decoder.embed_positions.weight"}), ("bloom", set())])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
@@ -97,12 +98,10 @@ def test_hugging_face_families_are_exact(family, left_out, batch, bookkeeping):
         _loss(model, ids).backward()
         got, cov = psn.local_norms(), psn.coverage()
         psn.close()
-    # One sample: position ids [1, T] shared by "every" sample are that sample's, its position embeddings covered too
-    # (OPT's learned positions are an Embedding subclass with its own forward: left out at any batch size).
-    expected = left_out if batch > 1 or family == "opt" else set()
-    assert set(cov["uncovered"]) == expected, cov["uncovered_reasons"]
-    assert not [w for w in caught if "not per-sample" in str(w.message) and "position" not in str(w.message)
-                and "wpe" not in str(w.message)]
+    # Position ids [1, T] every sample shares (GPT-2's, BERT's) are followed to where they join the batch: covered.
+    # OPT's learned positions are an Embedding subclass with its own forward: left out.
+    assert set(cov["uncovered"]) == left_out, cov["uncovered_reasons"]
+    assert not [w for w in caught if "not per-sample" in str(w.message)]
     want = []
     for i in range(batch):
         model.zero_grad()
@@ -232,9 +231,7 @@ def _fsdp2_worker(rank: int, world: int):
         for block in blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the position embeddings documented as left out
-            psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
         _loss(model, ids[local]).backward()
         _, got = psn.global_norms(local)
         covered = set(psn.coverage()["covered"])

@@ -41,6 +41,8 @@ def _repeats(ids: torch.Tensor, table: torch.Tensor) -> int:
 class EmbeddingRule(NormRule):
     param_names = ("weight",)
     moves_batch = True
+    # Ids every sample shares (position ids [1, T]) are followed to where the output joins the batch (shared_input).
+    reads_shared_ids = True
 
     def positions(self, module, call, g, acc):
         b = g.shape[0]

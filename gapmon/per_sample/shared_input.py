@@ -1,0 +1,79 @@
+"""Per-sample gradients of a layer whose input every sample shares: an embedding of position ids [1, T] (GPT-2's wpe,
+BERT's, CLIP's position embeddings), whose output is broadcast over the batch where it is added to the token
+embeddings. Autograd sums its output's gradient over the samples before any hook on it sees it; the gradient of the
+sum it is added to still holds every sample's. So the call's output is followed (batch_provenance.Shared): where it
+is added to a batched tensor, a hook on the sum reads that gradient per sample (summed over the dims the output was
+broadcast along); when its own gradient arrives (every use of it summed), that must equal the per-sample
+gradients summed over the samples, else it had a use the hook did not see, and the layer is left out, named.
+Copies and casts of the output are followed; any other use of it leaves the layer out. Exact: nothing is guessed.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+# Relative agreement of the output's gradient with the per-sample gradients summed (their rounding, by dtype).
+_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+class SharedCall:
+    """One call of a layer whose input every sample shares: gathers its output's per-sample gradient from the
+    sums it is added to, checks it against the output's own gradient, then hands it to `done(g)` ([B, *output
+    shape without its broadcast batch dim]) or reports why not to `refuse(why)`."""
+
+    def __init__(self, output: torch.Tensor, batch: int, done: Callable[[torch.Tensor], None],
+                 refuse: Callable[[str], None]):
+        self.batch, self.done, self.refuse = batch, done, refuse
+        self.shape = tuple(output.shape)
+        self.per_sample: torch.Tensor | None = None
+        self.escaped: str | None = None
+        output.register_hook(self._whole)
+
+    def on_add(self, total: torch.Tensor, output: torch.Tensor, dim: int, sign: int) -> None:
+        """`output` (a copy of the call's output) was added (sign 1) or subtracted (-1) to a tensor batched on `dim`
+        giving `total`: the gradient of `total`, summed over the dims `output` was broadcast along, is sample b's
+        gradient of the output at index b of `dim`."""
+        aligned = (1,) * (total.dim() - output.dim()) + tuple(output.shape)
+        if aligned[dim] != 1:
+            self.on_escape("an add that does not broadcast it over the batch")
+            return
+        broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
+        total.register_hook(lambda g: self._add(g, dim, broadcast, sign))
+
+    def on_escape(self, what: str) -> None:
+        self.escaped = self.escaped or what
+
+    def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int) -> None:
+        g = g.detach()
+        if broadcast:
+            g = g.sum(broadcast, keepdim=True)
+        g = g.movedim(dim, 0).reshape(self.batch, -1)
+        g = -g if sign < 0 else g
+        self.per_sample = g if self.per_sample is None else self.per_sample + g
+
+    def _whole(self, g: torch.Tensor) -> None:
+        """The output's own gradient (every use summed): the per-sample gradients must add up to it."""
+        if self.escaped is not None:
+            self.refuse(f"its output, shared by every sample, is used by {self.escaped}, not only added to a batched "
+                        "tensor")
+            return
+        if self.per_sample is None:
+            self.refuse("its output, shared by every sample, got a gradient without being added to a batched tensor")
+            return
+        whole = g.detach().reshape(-1).to(self.per_sample.dtype)
+        summed = self.per_sample.sum(0)
+        rtol = _RTOL.get(g.dtype, 1e-5)
+        if not torch.allclose(summed, whole, rtol=rtol, atol=rtol * float(whole.abs().max()) if whole.numel() else 0.0):
+            self.refuse("its output, shared by every sample, has a use besides its adds to batched tensors")
+            return
+        self.done(self.per_sample)
+
+
+def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
+    """Whether a call of a layer (its rule, its input x) takes the shared-input path: a rule that reads such calls,
+    an integer input nothing in the batch flows into.
+    Whatever x is (an unnamed per-sample model input too), the output counts as shared only where it is broadcast
+    over the batch of what it is added to; anything else leaves the layer out."""
+    return (getattr(rule, "reads_shared_ids", False) and batch >= 1 and tracking is not None
+            and isinstance(x, torch.Tensor) and not x.is_floating_point() and tracking.status(x) is None)
