@@ -37,7 +37,7 @@ class LayerHooks:
         self.layers, self.state, self.checker, self.coverage = layers, state, checker, coverage
         self.bookkeeping, self.keep_positions = bookkeeping, keep_positions
         self.tied = tied_embedding.TiedTables(layers, coverage.ties)  # layers sharing one table, and their cross terms
-        self.refused: list[tuple[str, str]] = []  # (layer, why) found in backward, skipped by flush_refused
+        self.refused: list[tuple[str, str, bool]] = []  # (layer, why, added before) found in backward: flush_refused
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
@@ -220,15 +220,24 @@ class LayerHooks:
 
         def refuse(why: str) -> None:
             mb.layers.pop(index, None)
-            self.refused.append((name, why))
+            # Its norms were added in an earlier micro-batch of this step: leaving it out now would keep half of them.
+            added = any(index in m.finished for m in self.state.micro)
+            self.refused.append((name, why, added))
 
         self.state.tracking.mark(output, Shared(shared_input.SharedCall(output, mb.batch, done, refuse)))
 
     def flush_refused(self) -> None:
         """Skips the layers found in backward not to be per-sample after all (coverage.skip warns, or raises under
-        strict: here, outside backward)."""
+        strict: here, outside backward); RuntimeError for one whose norms an earlier micro-batch of the step added."""
         refused, self.refused = self.refused, []
-        for name, why in refused:
+        added = [f"'{name}' ({why})" for name, why, was_added in refused if was_added]
+        if added:
+            self.coverage.skipped.update(name for name, _, was_added in refused if was_added)
+            raise RuntimeError(
+                f"PerSampleGradNorms: layer {', '.join(added)} was per-sample in an earlier micro-batch of this step and "
+                "not in a later one, so its norms cannot be completed and none are returned; the layer is left out from "
+                "the next step on.")
+        for name, why, _ in refused:
             self.coverage.skip(name, why)
 
     def _backward_hook(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
@@ -270,6 +279,7 @@ class LayerHooks:
                 grads.append((module.bias, bias_sums.sum(0)))
             self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, grads)
         mb.add(sq, acc, layer_type_name(module))
+        mb.finished.add(index)
 
     def finish(self, index: int, mb: MicroBatch) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
@@ -299,4 +309,5 @@ class LayerHooks:
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
             mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
         mb.add(sq, acc, layer_type_name(module))
+        mb.finished.add(index)
 

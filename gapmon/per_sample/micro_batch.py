@@ -64,7 +64,8 @@ class MicroBatch:
     used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
     positions: dict[int, tuple] = field(default_factory=dict)  # layer -> its calls' positions (kept for gram())
     position_versions: dict[int, tuple] = field(default_factory=dict)  # their in-place versions when kept
-    tied: dict[int, Any] = field(default_factory=dict)  # layer -> what its tied partner left it (tied_embedding)
+    tied: dict[Any, Any] = field(default_factory=dict)  # tie group -> what its members left (tied_embedding)
+    finished: set[int] = field(default_factory=set)  # layers whose squared norms were added
 
     def keep_positions(self, index: int, pos: tuple) -> None:
         """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""

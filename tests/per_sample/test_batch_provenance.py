@@ -314,6 +314,26 @@ def test_a_shared_output_used_besides_its_add_is_left_out(extra):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_shared_output_that_stops_being_added_mid_step_is_refused():
+    """Added to the batch in the first micro-batch (its norms added), used otherwise in the second: half of its norms
+    would remain, so the step's norms are refused, naming it, and the layer is left out from then on."""
+    torch.manual_seed(0)
+    model = _Positions("add").double()
+    ids, y = torch.randint(0, 11, (3, 6)), torch.randn(3, 6, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model)
+    _loss(model(ids), y).backward()
+    model.extra = "scaled"
+    _loss(model(ids), y).backward()
+    with pytest.raises(RuntimeError, match="'pos' .*earlier micro-batch"):
+        psn.local_norms()
+    model.extra = None
+    _loss(model(ids), y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert "pos.weight" not in cov["covered"]
+    _exact(got, loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"])))
+
+
 def test_type_as_takes_the_status_of_its_first_input_only():
     """x.type_as(batched) holds x's values: unbatched when x is (the hot path for pointwise ops must not take
     the status of the tensor that only gives the dtype)."""
