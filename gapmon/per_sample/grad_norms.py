@@ -277,7 +277,7 @@ class PerSampleGradNorms(GradientProducts):
         for mb in self._state.micro:
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._layer_hooks.finish(index, mb)
-        self._layer_hooks.flush_refused()
+        self._layer_hooks.shared.flush_refused()
         for layer, params in self._checker.refuse_unseen_uses(self._coverage.skipped).items():
             self._coverage.skip(layer, f"its parameters {params} got gradients while its forward never ran: they are "
                                        "used functionally (F.linear(x, layer.weight), a fused kernel taking the weights)")

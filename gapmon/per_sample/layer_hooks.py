@@ -13,7 +13,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import first_tensor, layer_type_name
 from . import shared_input, tied_embedding
-from .batch_provenance import Merged, Shared
+from .batch_provenance import Merged
 from .coverage import LayerCoverage
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
 from .rules import Call, NormRule
@@ -37,7 +37,7 @@ class LayerHooks:
         self.layers, self.state, self.checker, self.coverage = layers, state, checker, coverage
         self.bookkeeping, self.keep_positions = bookkeeping, keep_positions
         self.tied = tied_embedding.TiedTables(layers, coverage.ties)  # layers sharing one table, and their cross terms
-        self.refused: list[tuple[str, str, bool]] = []  # (layer, why, added before) found in backward: flush_refused
+        self.shared = shared_input.SharedInputs(self)  # calls of ids every sample shares, followed to the batch
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
@@ -145,7 +145,7 @@ class LayerHooks:
         # (Not for a tied table: a refusal found in backward would come after its partners added their parts.)
         if (index not in self.tied and shared_input.shares_input(rule, self.state.tracking, x, mb.batch)
                 and not _torch_compat.in_backward() and not torch.compiler.is_compiling()):
-            self._follow_shared(index, mb, module, rule, x, output)
+            self.shared.follow(index, mb, module, rule, x, output)
             return None
         dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
         params = mb.used.get(index)
@@ -198,47 +198,10 @@ class LayerHooks:
         torch.autograd.graph.register_multi_grad_hook([graded[i] for i in live], all_grads, mode="all")
         return None
 
-    def _follow_shared(self, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule, x: torch.Tensor,
-                       output: torch.Tensor) -> None:
-        """A call whose input every sample shares (position ids [1, T]): its output is followed to where it is added to
-        the batch (shared_input), and the call's positions are its ids for every sample with that gradient."""
-        name = self.layers[index][0]
-        params = mb.used.get(index)
-        if params is None:
-            params = mb.used[index] = rule.params(module)
-        if not params:
-            return
-        for p in params:
-            self.checker.watch(p, name)
-        ids = x.detach().reshape(1, -1).expand(mb.batch, -1)
-        calls = mb.layers.setdefault(index, LayerCalls())
-        calls.in_forward += 1
-        at = calls.add(Call((ids,), {}), 0)
-
-        def done(g: torch.Tensor) -> None:
-            self._backward_hook(index, mb, at, g.reshape(mb.batch, ids.shape[1], -1))
-
-        def refuse(why: str) -> None:
-            mb.layers.pop(index, None)
-            # Its norms were added in an earlier micro-batch of this step: leaving it out now would keep half of them.
-            added = any(index in m.finished for m in self.state.micro)
-            self.refused.append((name, why, added))
-
-        self.state.tracking.mark(output, Shared(shared_input.SharedCall(output, mb.batch, done, refuse)))
-
-    def flush_refused(self) -> None:
-        """Skips the layers found in backward not to be per-sample after all (coverage.skip warns, or raises under
-        strict: here, outside backward); RuntimeError for one whose norms an earlier micro-batch of the step added."""
-        refused, self.refused = self.refused, []
-        added = [f"'{name}' ({why})" for name, why, was_added in refused if was_added]
-        if added:
-            self.coverage.skipped.update(name for name, _, was_added in refused if was_added)
-            raise RuntimeError(
-                f"PerSampleGradNorms: layer {', '.join(added)} was per-sample in an earlier micro-batch of this step and "
-                "not in a later one, so its norms cannot be completed and none are returned; the layer is left out from "
-                "the next step on.")
-        for name, why, _ in refused:
-            self.coverage.skip(name, why)
+    def deliver(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
+        """Call `call` of layer `index`'s output gradient, found by another path than a hook on its output (a shared
+        input's, shared_input): taken as the hook would take it."""
+        self._backward_hook(index, mb, call, g)
 
     def _backward_hook(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
         calls = mb.layers.get(index)

@@ -13,6 +13,10 @@ from typing import Any, Callable
 
 import torch
 
+from .batch_provenance import Shared
+from .micro_batch import LayerCalls
+from .rules import Call
+
 # Relative agreement of the output's gradient with the per-sample gradients summed (their rounding, by dtype).
 _RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
@@ -77,3 +81,56 @@ def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
     over the batch of what it is added to; anything else leaves the layer out."""
     return (getattr(rule, "reads_shared_ids", False) and batch >= 1 and tracking is not None
             and isinstance(x, torch.Tensor) and not x.is_floating_point() and tracking.status(x) is None)
+
+
+class SharedInputs:
+    """The shared-input calls of LayerHooks `hooks`' layers: each followed by a SharedCall whose gradient, once
+    checked, goes to the hooks' backward path as any call's; the layers it finds not per-sample are left out by
+    flush_refused (outside backward)."""
+
+    def __init__(self, hooks: Any):
+        self.hooks = hooks
+        self.refused: list[tuple[str, str, bool]] = []  # (layer, why, its norms added earlier in the step)
+
+    def follow(self, index: int, mb: Any, module: torch.nn.Module, rule: Any, x: torch.Tensor,
+               output: torch.Tensor) -> None:
+        """Records a call whose input every sample shares: its positions are its ids for every sample, its output
+        gradient the one its SharedCall reads where the output joins the batch."""
+        hooks = self.hooks
+        name = hooks.layers[index][0]
+        params = mb.used.get(index)
+        if params is None:
+            params = mb.used[index] = rule.params(module)
+        if not params:
+            return
+        for p in params:
+            hooks.checker.watch(p, name)
+        ids = x.detach().reshape(1, -1).expand(mb.batch, -1)
+        calls = mb.layers.setdefault(index, LayerCalls())
+        calls.in_forward += 1
+        at = calls.add(Call((ids,), {}), 0)
+
+        def done(g: torch.Tensor) -> None:
+            hooks.deliver(index, mb, at, g.reshape(mb.batch, ids.shape[1], -1))
+
+        def refuse(why: str) -> None:
+            mb.layers.pop(index, None)
+            # Its norms were added in an earlier micro-batch of this step: leaving it out now would keep half of them.
+            self.refused.append((name, why, any(index in m.finished for m in hooks.state.micro)))
+
+        hooks.state.tracking.mark(output, Shared(SharedCall(output, mb.batch, done, refuse)))
+
+    def flush_refused(self) -> None:
+        """Skips the layers found in backward not to be per-sample after all (coverage.skip warns, or raises under
+        strict: here, outside backward); RuntimeError for one whose norms an earlier micro-batch of the step added."""
+        refused, self.refused = self.refused, []
+        coverage = self.hooks.coverage
+        added = [f"'{name}' ({why})" for name, why, was_added in refused if was_added]
+        if added:
+            coverage.skipped.update(name for name, _, was_added in refused if was_added)
+            raise RuntimeError(
+                f"PerSampleGradNorms: layer {', '.join(added)} was per-sample in an earlier micro-batch of this step and "
+                "not in a later one, so its norms cannot be completed and none are returned; the layer is left out from "
+                "the next step on.")
+        for name, why, _ in refused:
+            coverage.skip(name, why)

@@ -19,6 +19,16 @@ def _model():
     return seeded_gpt(CFG)
 
 
+def _accumulated_global_norms(model, psn, x, y, local_ids, micro: int):
+    """The global norms of a step of `micro` micro-batches over this rank's samples, each loss divided by `micro`
+    (declared with set_loss_weights)."""
+    for part in local_ids.chunk(micro):
+        loss = lm_loss(model(x[part]), y[part]) / micro
+        psn.set_loss_weights(1.0 / (part.numel() * micro))
+        loss.backward()
+    return psn.global_norms(local_ids)
+
+
 def _worker(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -110,11 +120,7 @@ def _granularity_worker(rank: int, world: int):
         psn = gapmon.PerSampleGradNorms(model, strict=True)
         for layout, local_ids in layouts.items():
             for micro in (1, 2):
-                for part in local_ids.chunk(micro):
-                    loss = lm_loss(model(x[part]), y[part]) / micro
-                    psn.set_loss_weights(1.0 / (part.numel() * micro))
-                    loss.backward()
-                got_ids, got = psn.global_norms(local_ids)
+                got_ids, got = _accumulated_global_norms(model, psn, x, y, local_ids, micro)
                 case = f"{where}, {layout}, {micro} micro-batches"
                 assert got_ids.tolist() == list(range(GLOBAL)), case
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
@@ -171,11 +177,7 @@ def _tied_worker(rank: int, world: int):
             psn = gapmon.PerSampleGradNorms(model, strict=True, bookkeeping=bookkeeping)
             assert "tok.weight" in psn.coverage()["covered"]
             for micro in (1, 2):
-                for part in local.chunk(micro):
-                    loss = lm_loss(model(x[part]), y[part]) / micro
-                    psn.set_loss_weights(1.0 / (part.numel() * micro))
-                    loss.backward()
-                _, got = psn.global_norms(local)
+                _, got = _accumulated_global_norms(model, psn, x, y, local, micro)
                 case = f"{units} reshard={reshard} bookkeeping={bookkeeping} {micro} micro-batches"
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
                 model.zero_grad()

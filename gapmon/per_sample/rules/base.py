@@ -38,31 +38,27 @@ _RULES: dict[type, "NormRule"] = {}
 _RULES_BY_NAME: dict[str, "NormRule"] = {}  # "module.QualName" -> rule: layers of libraries gapmon does not import
 
 
+def _registrar(table: dict, keys: tuple) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        rule = cls()
+        for key in keys:
+            table[key] = rule
+        return cls
+
+    return register
+
+
 def register_norm_rule(*module_types: type) -> Callable[[type], type]:
     """Class decorator: the decorated NormRule handles these module types, and their subclasses that
     do not override `forward`. A subclass whose forward computes what its base's does (gapmon cannot
     tell) is registered by its user: ``register_norm_rule(MyLinear)(gapmon.norm_rules.LinearRule)``."""
-
-    def register(cls: type) -> type:
-        rule = cls()
-        for t in module_types:
-            _RULES[t] = rule
-        return cls
-
-    return register
+    return _registrar(_RULES, module_types)
 
 
 def register_norm_rule_by_name(*qualified_names: str) -> Callable[[type], type]:
     """Class decorator: the decorated NormRule handles the module types of these names ("module.QualName"), exactly
     those types (not subclasses): layers of another library, which gapmon does not import."""
-
-    def register(cls: type) -> type:
-        rule = cls()
-        for name in qualified_names:
-            _RULES_BY_NAME[name] = rule
-        return cls
-
-    return register
+    return _registrar(_RULES_BY_NAME, qualified_names)
 
 
 def rule_for(module: nn.Module) -> "NormRule | None":

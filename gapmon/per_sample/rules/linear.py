@@ -163,11 +163,15 @@ class LinearRule(NormRule):
             out = out + g1.double().sum(1) @ g2.double().sum(1).T
         return out
 
+    def weight_sketch(self, a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """The weight gradient Σ_t g_t a_tᵀ [p, d] sketched against r [d] (its stored layout's rows)."""
+        return product_sketch(a, g, r)
+
     def grad_sketch(self, module, pos, probe):
         a, g = pos
         out = []
         if trainable(module.weight):
-            out.append(Sketch(module.weight, product_sketch(a, g, probe(module.weight))))
+            out.append(Sketch(module.weight, self.weight_sketch(a, g, probe(module.weight))))
         if trainable(module.bias):
             out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
         return out
@@ -219,15 +223,9 @@ class TransposedLinearRule(LinearRule):
             reference = {**reference, id(module.weight): reference[id(module.weight)].T}
         return super().reference_dots(module, pos, batch, reference)
 
-    def grad_sketch(self, module, pos, probe):
+    def weight_sketch(self, a, g, r):
         """Weight rows are the input features: sketch(Σ_t a_t g_tᵀ, r) = Aᵀ(G r)."""
-        a, g = pos
-        out = []
-        if trainable(module.weight):
-            out.append(Sketch(module.weight, product_sketch(g, a, probe(module.weight))))
-        if trainable(module.bias):
-            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
-        return out
+        return product_sketch(g, a, r)
 
     def bookkeep(self, module, x, output, report):
         return None
