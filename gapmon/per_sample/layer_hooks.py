@@ -141,6 +141,10 @@ class LayerHooks:
         mb = self.state.micro[-1]
         if mb.batch == 0:  # an empty micro-batch: no sample, nothing to follow (local_norms gives none)
             return
+        recorded = mb.layers.get(index)
+        if recorded is not None and recorded.in_forward and _torch_compat.in_backward() \
+                and not torch.compiler.is_compiling():
+            return None  # non-reentrant checkpointing recomputing a call the forward pass recorded (a shared one too)
         x = args[0] if args else kwargs.get("input")
         # (Not for a tied table: a refusal found in backward would come after its partners added their parts.)
         if (index not in self.tied and shared_input.shares_input(rule, self.state.tracking, x, mb.batch)

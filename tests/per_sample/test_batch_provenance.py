@@ -300,6 +300,27 @@ def test_position_ids_shared_by_every_sample_are_exact(batch, join):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_shared_position_ids_recomputed_by_activation_checkpointing_are_exact():
+    """Non-reentrant checkpointing recomputes the embeddings in backward (outside the forward pass): the calls the
+    forward pass recorded, shared ones too, stand; the recomputed ones are not taken for new calls."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(_Positions):
+        def embed(self, ids):
+            h = self.tok(ids) + self.pos(torch.arange(ids.shape[1])[None])
+            return h * h.tanh()  # saves h: the recomputation runs both embeddings again
+
+        def forward(self, ids):
+            return self.head(checkpoint(self.embed, ids, use_reentrant=False))
+
+    torch.manual_seed(0)
+    model = Checkpointed().double()
+    ids, y = torch.randint(0, 11, (3, 6)), torch.randn(3, 6, 3, dtype=torch.float64)
+    got, cov = _run(model, (ids,), y, False, strict=True)
+    assert {"tok.weight", "pos.weight"} <= set(cov["covered"])
+    _exact(got, loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"])))
+
+
 @pytest.mark.parametrize("extra", ["scaled", "pooled"])
 def test_a_shared_output_used_besides_its_add_is_left_out(extra):
     """Another use of the shared output than an add to the batch: its per-sample gradient cannot be read, so the
