@@ -94,6 +94,9 @@ class LayerCoverage:
             else:
                 reasons.update({names[id(p)]: why for p in params})
         self.reasons = reasons  # parameter -> why no rule holds for it
+        order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
+        self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]
+                           for name, others in self.ties.items() if name in order}
         self.warned: set[str] = set()  # uncovered parameters already warned about
         self.skipped: set[str] = set()  # layers found not to be per-sample at run time
         self.checked_state: tuple | None = None  # what warn_uncovered last looked at
@@ -140,9 +143,15 @@ class LayerCoverage:
         only when some requires_grad or the skipped layers changed (or forget() was called): it is read every step."""
         state = (trainable_state(params), len(self.skipped))
         if self._types is None or self._types[0] != state:
-            self._types = (state, {full: layer_type_name(module) for full, name, module, _
+            self._types = (state, {full: self.type_of(name, module) for full, name, module, _
                                    in self._covered_parameters(param_names) if name not in self.skipped})
         return dict(self._types[1])
+
+    def type_of(self, name: str, module: nn.Module) -> str:
+        """The layer type layer `name` counts under: its own, or for a member of a tied table the type of the group's
+        first layer (every part and cross term of the table's gradient goes there: a cross term may be negative)."""
+        first = self._tie_first.get(name)
+        return layer_type_name(first if first is not None else module)
 
     def forget(self) -> None:
         """The parameters were replaced: what was derived from them is looked at again (warnings, layer types)."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .. import _torch_compat
-from ..utils import first_tensor, layer_type_name
+from ..utils import first_tensor
 from . import shared_input, tied_embedding
 from .batch_provenance import Merged
 from .coverage import LayerCoverage
@@ -245,7 +245,7 @@ class LayerHooks:
             if bias_sums is not None:
                 grads.append((module.bias, bias_sums.sum(0)))
             self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, grads)
-        mb.add(sq, acc, layer_type_name(module))
+        mb.add(sq, acc, self.coverage.type_of(name, module))
         mb.finished.add(index)
 
     def finish(self, index: int, mb: MicroBatch) -> None:
@@ -275,6 +275,6 @@ class LayerHooks:
             return
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
             mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
-        mb.add(sq, acc, layer_type_name(module))
+        mb.add(sq, acc, self.coverage.type_of(self.layers[index][0], module))
         mb.finished.add(index)
 

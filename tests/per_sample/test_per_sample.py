@@ -166,6 +166,27 @@ def test_one_table_in_two_embeddings_and_a_head_is_exact(with_head):
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
 
 
+def test_a_tied_table_counts_under_one_layer_type():
+    """Every part of a tied table's per-sample gradient (each layer's own square and the cross terms, which may be
+    negative) counts under the type of its first layer, so each type's norm is that of its parameters' gradients."""
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    ids = torch.randint(0, 10, (4, 6))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    _tied_loss(model, ids).backward()
+    by_type = psn.local_norms_by_layer_type()
+    types = psn.covered_layer_types()
+    psn.close()
+    assert types["emb.weight"] == "Embedding" and types["mix.weight"] == "Linear"
+    for layer_type, params in (("Embedding", ["emb.weight"]), ("Linear", ["mix.weight", "mix.bias"])):
+        want = []
+        for i in range(4):
+            model.zero_grad()
+            _tied_loss(model, ids[i:i + 1]).backward()
+            want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in params)))
+        torch.testing.assert_close(by_type[layer_type], torch.stack(want), rtol=1e-10, atol=1e-12)
+
+
 def test_a_tied_head_not_per_sample_leaves_out_its_embedding_too():
     """Half of a tied table's gradient has no norm of its own: both layers are excluded, the rest stays exact."""
     class Pooled(_TiedLM):
