@@ -106,9 +106,9 @@ class PerSampleGradNorms(GradientProducts):
         self._coverage.warn_uncovered(ValueError, 3, self._params, self._param_names)
         if config.gram and self._coverage.ties:
             raise ValueError(
-                "PerSampleGradNorms(gram=True): the model ties an embedding's table to a Linear head "
-                f"({self._coverage.ties}); gram() and per_sample_gradients() do not form the products across the "
-                "two layers. local_norms() and global_norms() are exact with gram=False.")
+                "PerSampleGradNorms(gram=True): the model ties one table across layers "
+                f"({self._coverage.ties}); gram() and per_sample_gradients() do not form the products across "
+                "them. local_norms() and global_norms() are exact with gram=False.")
         # Layers that mix the samples of a batch when they use batch statistics.
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]

@@ -152,13 +152,8 @@ class LayerHooks:
             self.shared.follow(index, mb, module, rule, x, output)
             return None
         dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
-        params = mb.used.get(index)
-        if params is None:
-            params = mb.used[index] = rule.params(module)
-        if not params:  # frozen now: nothing to measure (watched in case it is unfrozen)
+        if not self.watch_params(index, mb, module, rule):  # frozen now: nothing to measure
             return
-        for p in params:  # under FSDP2, the unsharded parameters the forward uses
-            self.checker.watch(p, name)
         if why is not None:
             self.coverage.skip(name, why)
             return
@@ -177,8 +172,6 @@ class LayerHooks:
         # the compiled region is not recomputed by checkpointing.)
         if torch.compiler.is_compiling() or not _torch_compat.in_backward():
             calls.in_forward += 1
-        elif calls.in_forward:
-            return
         at = calls.add(call, dim)
         if self.bookkeeping and not dim and index not in self.tied:  # a tied head needs its input in backward
             replaced = rule.bookkeep(module, args[0] if args else kwargs.get("input"), output,
@@ -201,6 +194,16 @@ class LayerHooks:
 
         torch.autograd.graph.register_multi_grad_hook([graded[i] for i in live], all_grads, mode="all")
         return None
+
+    def watch_params(self, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule) -> list[torch.Tensor]:
+        """The trainable parameters this call of layer `index` uses (under FSDP2 the unsharded ones, read before the
+        forward), their gradients watched by the use check; empty when the layer is frozen now."""
+        params = mb.used.get(index)
+        if params is None:
+            params = mb.used[index] = rule.params(module)
+        for p in params:
+            self.checker.watch(p, self.layers[index][0])
+        return params
 
     def deliver(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
         """Call `call` of layer `index`'s output gradient, found by another path than a hook on its output (a shared
@@ -251,9 +254,9 @@ class LayerHooks:
     def finish(self, index: int, mb: MicroBatch) -> None:
         """Squared norms of layer `index` from the calls that got a gradient; releases the inputs."""
         calls = mb.layers.pop(index)
-        _, module, rule = self.layers[index]
+        name, module, rule = self.layers[index]
         pairs = [(call, g) for call, g in zip(calls.calls, calls.grads) if g is not None]
-        if not pairs:
+        if not pairs or name in self.coverage.skipped:  # (a tied partner found not per-sample since its forward)
             return
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # create_graph=True backward
             acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
@@ -261,20 +264,18 @@ class LayerHooks:
             if len(pieces) == 1:  # the use check takes the gradients when the norms formed them
                 pos = pieces[0]
                 sq, grads = rule.norm_sq_and_grads(module, pos)
-                self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), pos, _dtype_of(pairs[0][1]),
+                self.checker.explain(name, module, rule, mb.used.get(index), pos, _dtype_of(pairs[0][1]),
                                      grads)
             else:
                 for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
-                    self.checker.explain(self.layers[index][0], module, rule, mb.used.get(index), piece, _dtype_of(g))
+                    self.checker.explain(name, module, rule, mb.used.get(index), piece, _dtype_of(g))
                 pos = tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
                 sq = rule.norm_sq(module, pos)
             if index in self.tied:
                 sq = sq + self.tied.cross(index, mb, pos, calls, acc)
             sq = sq.double()
-        if self.layers[index][0] in self.coverage.skipped:  # its tied partner was found not per-sample
-            return
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
             mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
-        mb.add(sq, acc, self.coverage.type_of(self.layers[index][0], module))
+        mb.add(sq, acc, self.coverage.type_of(name, module))
         mb.finished.add(index)
 

@@ -98,13 +98,8 @@ class SharedInputs:
         gradient the one its SharedCall reads where the output joins the batch."""
         hooks = self.hooks
         name = hooks.layers[index][0]
-        params = mb.used.get(index)
-        if params is None:
-            params = mb.used[index] = rule.params(module)
-        if not params:
+        if not hooks.watch_params(index, mb, module, rule):
             return
-        for p in params:
-            hooks.checker.watch(p, name)
         ids = x.detach().reshape(1, -1).expand(mb.batch, -1)
         calls = mb.layers.setdefault(index, LayerCalls())
         calls.in_forward += 1

@@ -13,6 +13,12 @@ from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_na
 
 
 # -------------------------------------------------------------------- normalisation layers
+def _per_position(xhat: torch.Tensor, g: torch.Tensor, acc: torch.dtype, n: int | None = None) -> tuple:
+    """(x̂, g) as [B, positions, n] in `acc` (n: the normalised elements, the last dim's by default)."""
+    b, n = g.shape[0], xhat.shape[-1] if n is None else n
+    return xhat.to(acc).reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+
+
 class _AffineNormRule(NormRule):
     """Layers y = x̂ ⊙ weight + bias with per-position x̂: positions are (x̂, g) as [B, T, n]."""
 
@@ -56,8 +62,7 @@ class LastDimsNormRule(_AffineNormRule):
             xhat = F.layer_norm(a.to(acc), shape, eps=module.eps)
         else:
             xhat = F.rms_norm(a.to(acc), shape, eps=module.eps)
-        b, n = g.shape[0], math.prod(shape)
-        return xhat.reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+        return _per_position(xhat, g, acc, math.prod(shape))
 
 
 def _hf_names(*families: tuple[str, str]) -> list[str]:
@@ -95,8 +100,7 @@ class HFRMSNormRule(LastDimsNormRule):
         xhat = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._eps(module))
         if self.cast_before_weight:
             xhat = xhat.to(a.dtype)
-        b, n = g.shape[0], xhat.shape[-1]
-        return xhat.to(acc).reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+        return _per_position(xhat, g, acc)
 
 
 @register_norm_rule_by_name(*_hf_names(("olmo2", "Olmo2RMSNorm"), ("olmo3", "Olmo3RMSNorm"), ("gpt_oss", "GptOssRMSNorm")))
@@ -124,8 +128,7 @@ class T5LayerNormRule(HFRMSNormRule):
         xhat = a * torch.rsqrt(a.to(torch.float32).pow(2).mean(-1, keepdim=True) + self._eps(module))
         if module.weight.dtype in (torch.float16, torch.bfloat16):
             xhat = xhat.to(module.weight.dtype)
-        b, n = g.shape[0], xhat.shape[-1]
-        return xhat.to(acc).reshape(b, -1, n), g.to(acc).reshape(b, -1, n)
+        return _per_position(xhat, g, acc)
 
 
 @register_norm_rule_by_name("olmo_core.nn.layer_norm.RMSNorm", "olmo_core.nn.layer_norm.QwenRMSNorm",
@@ -153,8 +156,7 @@ class OLMoCoreNormRule(_AffineNormRule):
             xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)
             if type(module).__name__ == "QwenRMSNorm":
                 xhat = xhat.to(a.dtype)
-        b, n = g.shape[0], xhat.shape[-1]
-        return xhat.to(acc).reshape(b, -1, n), g.to(xhat.dtype).to(acc).reshape(b, -1, n)
+        return _per_position(xhat, g.to(xhat.dtype), acc)
 
 
 def _channels_last_positions(x: torch.Tensor) -> torch.Tensor:
