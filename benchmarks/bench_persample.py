@@ -80,7 +80,8 @@ def linear_products_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
 
     def hook(module, args, out):
         a = args[0].detach()
-        out.register_hook(lambda g, a=a: captured.append((a.reshape(a.shape[0], -1, a.shape[-1]),
+        # under autocast the layer reads its input cast to the compute dtype (its output gradient's)
+        out.register_hook(lambda g, a=a: captured.append((a.to(g.dtype).reshape(a.shape[0], -1, a.shape[-1]),
                                                            g.detach().reshape(g.shape[0], -1, g.shape[-1]))))
     handles = [m.register_forward_hook(hook) for m in model.modules() if type(m) is torch.nn.Linear]
     with autocast():

@@ -224,8 +224,11 @@ def test_block_numerics_cuda_match_the_cpu():
         again = bf.states_numerics_blocks(dev + [dev[1].t()], bf.BLOCK_FORMATS)
         assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip((states, numerics, blocks), again))
         cpu_states, cpu_numerics, cpu_blocks = bf.states_numerics_blocks(xs + [xs[1].t()], bf.BLOCK_FORMATS)
-        torch.testing.assert_close(states.cpu(), cpu_states, rtol=1e-12, atol=0, equal_nan=True, msg=str(dtype))
-        torch.testing.assert_close(numerics.cpu(), cpu_numerics, rtol=1e-12, atol=0, equal_nan=True, msg=str(dtype))
+        # the statistics states are the CUDA statistics pass's bits; against the CPU, float32 group sums differ in
+        # order (as in test_multi_chunk_merge); the numerics moments are float64 sums, in another order too
+        torch.testing.assert_close(states, gapmon.multi_tensor_states(dev + [dev[1].t()]), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(states.cpu(), cpu_states, rtol=1e-5, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(numerics.cpu(), cpu_numerics, rtol=1e-9, atol=1e-9, equal_nan=True)
         assert torch.equal(blocks.cpu()[..., exact], cpu_blocks[..., exact]), dtype
     x = torch.randn(6, 40, device="cuda")
     torch.library.opcheck(torch.ops.gapmon.block_numerics.default,
@@ -285,8 +288,10 @@ def test_one_launch_per_call():
         fn()  # warm-up: the first call on a stream allocates (and zeroes) its counters
         work = _cuda_work(fn)
         assert len(work) == 1 and "stats_kernel" in work[0], f"{name}: {work}"
-    want = gapmon.reference.instance_stats(a.float())
-    torch.testing.assert_close(acc[1, 1], 2 * want.mean.sum(), rtol=1e-6, atol=1e-9)
+    # float32 sums in the kernel (SPEC: at least float32): each of the 16 means folded (8 rows, twice) within 4
+    # float32 ulps of the data's scale (std 1) of the float64 reference
+    want = gapmon.reference.instance_stats(a.double())
+    torch.testing.assert_close(acc[1, 1], 2 * want.mean.sum(), rtol=0, atol=16 * 4 * 2**-24)
 
 
 def test_reused_counters_across_streams_and_growth():
@@ -536,4 +541,7 @@ def test_a_tensors_bits_do_not_depend_on_the_list():
     for i in (0, 1, 1000, 2100):
         alone = gapmon.multi_tensor_states([([long, *small])[i]])
         assert torch.equal(together[i], alone[0]), i
-    assert len(_cuda_work(lambda: torch.ops.gapmon.multi_tensor_states([long, *small]))) == 1
+    # one kernel; the 2101 views' table (past the kernel parameters' room) is copied from pinned memory
+    work = _cuda_work(lambda: torch.ops.gapmon.multi_tensor_states([long, *small]))
+    kernels = [w for w in work if not w.startswith("Memcpy")]
+    assert len(kernels) == 1 and "stats_kernel" in kernels[0] and len(work) <= 2, work
