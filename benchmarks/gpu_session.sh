@@ -137,8 +137,17 @@ fi
 
 if want tests; then
   section "CUDA tests"
-  run $([ "$quick" = 1 ] && echo 90 || echo 180) $py -m pytest -q -p no:cacheprovider tests/stats/test_cuda.py 2>&1 | tee -a "$log"
+  run $([ "$quick" = 1 ] && echo 90 || echo 180) $py -m pytest -q -p no:cacheprovider tests/stats/test_cuda.py \
+    tests/stats/test_native_errors.py 2>&1 | tee -a "$log"
   tests_rc=${PIPESTATUS[0]}
+  # The first H100 session saw C++ refusals kill the process (SIGSEGV) instead of raising: where one still does, the
+  # native backtrace of the first case that crashes (cuda-gdb debugs host code too; there is no gdb there), and what
+  # the extension links against.
+  if [ "$dry" != 1 ] && ! $py tests/stats/native_error_cases.py cpu >/dev/null 2>&1; then
+    section "a C++ refusal crashed: native backtrace"
+    { g++ --version | head -1; ldd gapmon/_C*.so | grep -E "stdc|gcc_s|c10|torch_cpu"; } 2>&1 | tee -a "$log"
+    run 60 cuda-gdb -batch -ex run -ex bt --args $py tests/stats/native_error_cases.py cpu 2>&1 | tail -40 | tee -a "$log"
+  fi
 fi
 
 if want demo; then
