@@ -24,7 +24,8 @@
 #   quick2  reuse quickmonitor quickpersample          limits 150 + 150 + 30 = 330 s plus the reuse (if >= 6 minutes
 #                                   are left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128),
 #                                   the batch tracking's cost per op and the norms' host time per covered layer.
-#                                   Measured on an H100 (2026-11-26): quickmonitor 22 s, quickpersample 30 s.
+#                                   Measured on an H100 (2026-11-26): quickmonitor 22 s, quickpersample 30 s; then
+#                                   a profile of one norms step against a plain one (benchmarks/profile_persample.py).
 #   quick3  reuse quicksuite                          limit 240 s: the whole suite on 8 workers (pytest-xdist)
 # Expected times: build ~30 s and the whole suite ~6 min were measured on an H100 by an earlier session;
 # the others are not measured yet (their limits are generous), so replace these figures once they are.
@@ -45,7 +46,7 @@
 # Files back per call (at most 8): call1 session.log build.log _C*.so; call2 session.log stats.json
 # ncu.txt; call3 session.log monitor.json persample-gpt2.json persample.json provenance.json gram.json numerics.json;
 # call4 session.log; quick1 session.log build.log _C*.so.gz numerics.json stats.json ncu.txt; quick2 session.log
-# monitor.json persample-gpt2.json provenance.json; quick3 session.log suite.log.
+# monitor.json persample-gpt2.json provenance.json profile.json; quick3 session.log suite.log.
 # Afterwards copy each X.json to benchmarks/results/X-<gpu>.json (stats-h100.json, monitor-h100.json, ...) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -227,6 +228,9 @@ if want quickpersample; then
   run 150 $py benchmarks/bench_persample.py --device cuda --gpt2 128 --steps 4 --out "$out/persample-gpt2.json" 2>&1 | tee -a "$log"
   # the batch tracking's cost per op and the per-sample norms' host time per step and per covered layer (#34)
   run 30 $py benchmarks/bench_provenance.py --device cuda --out "$out/provenance.json" 2>&1 | tee -a "$log"
+  # why a norms step costs 3.85x a plain one on an H100 (2026-11-26) where the products alone make 1.30x: wall
+  # against GPU busy time, launches, the host's waits for the GPU and which gapmon line makes each
+  run 60 $py benchmarks/profile_persample.py --device cuda --out "$out/profile.json" 2>&1 | tee -a "$log"
 fi
 
 if want quicksuite; then

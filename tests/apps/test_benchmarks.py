@@ -72,3 +72,12 @@ def test_bench_provenance_reports_the_cost_per_op(tmp_path):
     # and two norms, the embeddings, the final norm and the head
     assert result["covered_layers"] == 12 * 6 + 4, result
     assert result["step_plain_ms"] > 0 and {"added_per_layer_us_norms", "added_per_layer_us_bookkeeping"} <= set(result)
+
+
+def test_profile_persample_compares_a_norms_step_with_a_plain_one(tmp_path):
+    result = _run("profile_persample.py", "--small", "--device", "cpu", out=tmp_path / "profile.json")
+    plain, norms = result["plain"], result["norms"]
+    assert plain["wall_ms"] > 0 and norms["wall_ms"] > 0 and plain["gpu_busy_ms"] is None
+    # the monitor's hooks and products add ops to the step, and the top host ops are named with their calls
+    assert norms["aten_and_gapmon_ops"] > plain["aten_and_gapmon_ops"] > 0
+    assert norms["top_self_cpu"] and all(a["calls"] > 0 for a in norms["top_self_cpu"])
