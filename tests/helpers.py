@@ -94,6 +94,14 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
     os._exit(0)
 
 
+def cpu_mesh(world: int):
+    """A 1-D CPU device mesh over the gloo world: fully_shard without a mesh takes the machine's accelerator, so on a
+    GPU machine these CPU tests would put every rank's parameters on a GPU (rank 1 on a cuda:1 that may not be)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
 def run_distributed(fn, world: int, *args) -> None:
     """Runs fn(rank, world, *args) in `world` gloo processes; a failure on any rank fails the test."""
     mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_distributed
+from helpers import cpu_mesh, run_distributed
 
 import gapmon
 from gapmon.stats import block_formats as bf
@@ -122,10 +122,11 @@ def test_unknown_formats_are_refused_when_the_monitor_is_made():
 def _fsdp2_worker(rank, world):
     from torch.distributed.fsdp import fully_shard
 
+    mesh = cpu_mesh(world)  # a GPU machine's default mesh would be a CUDA one
     model = _model()
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     with gapmon.GAPMonitor(model, block_formats=FORMATS) as mon:
         got = _step(model, mon)
     whole = _model()

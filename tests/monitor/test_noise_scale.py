@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import run_distributed
+from helpers import cpu_mesh, run_distributed
 
 import gapmon
 from gapmon.monitor.noise_scale import noise_estimates
@@ -271,8 +271,8 @@ def _fsdp2_worker(rank, world):
     for factor in (1.0, 2.0):
         model = _net()
         for layer in (model.emb, model.norm, model.fc, model.head):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=cpu_mesh(world))  # a GPU machine's default mesh would be a CUDA one
+        fully_shard(model, mesh=cpu_mesh(world))
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(factor)

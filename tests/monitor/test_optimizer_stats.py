@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers import run_distributed
+from helpers import cpu_mesh, run_distributed
 
 import gapmon
 
@@ -102,8 +102,8 @@ def _parallel_worker(rank, world):
             wrapped = nn.parallel.DistributedDataParallel(model)
         else:
             for layer in (model[0], model[3]):
-                fully_shard(layer)
-            wrapped = fully_shard(model)
+                fully_shard(layer, mesh=cpu_mesh(world))  # a GPU machine's default mesh would be a CUDA one
+            wrapped = fully_shard(model, mesh=cpu_mesh(world))
             from torch.distributed.fsdp import FSDPModule
 
             for m in wrapped.modules():

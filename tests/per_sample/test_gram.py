@@ -297,10 +297,12 @@ def _fsdp2_worker(rank, world, root):
     grads = _per_sample_grads(_model(), ids, labels)
     flat = torch.cat(list(grads.values()), dim=1)
 
+    from helpers import cpu_mesh
+
     model = _model()
     for layer in (model.emb, model.norm, model.up, model.conv, model.rnn, model.head):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=cpu_mesh(world))  # a GPU machine's default mesh would be a CUDA one
+    fully_shard(model, mesh=cpu_mesh(world))
     psn = gapmon.PerSampleGradNorms(model, gram=True)
     _own_loss(model(ids[mine]), labels[mine]).backward()
     got_ids, k = psn.global_gram(mine)
