@@ -4,6 +4,9 @@ import sys
 
 import torch
 
+import gapmon
+
+assert gapmon.backend() != "torch", "needs the compiled extension"  # loads gapmon._C: registers torch.ops.gapmon
 device = sys.argv[1]
 x = torch.randn(6, 40, device=device)
 g, ids = torch.ones(1, 3, 2, device=device), torch.zeros(1, 3, dtype=torch.long, device=device)
