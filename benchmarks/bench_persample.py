@@ -129,6 +129,29 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def gpt2_training(device: str, seq_len: int, small: bool = False, d_model: int | None = None):
+    """SPEC.md section 8's GPU configuration: GPT-2 small (B=8) with TF32, fused AdamW and (returned as a context
+    factory) bf16 autocast on CUDA; `small`: a tiny model (a smoke test); `d_model`: 2 layers of that width and a
+    4096-token vocabulary, which a CPU can train at long sequence lengths. (cfg, batch, model, optimizer, autocast)."""
+    import contextlib
+
+    from gapmon.apps.examples import GPTConfig, TinyGPT
+
+    if small:
+        cfg, batch = GPTConfig(vocab_size=64, seq_len=seq_len, d_model=32, n_heads=2, n_layers=2), 4
+    elif d_model is not None:
+        cfg, batch = GPTConfig(vocab_size=4096, seq_len=seq_len, d_model=d_model, n_heads=4, n_layers=2), 8
+    else:
+        cfg, batch = GPTConfig(vocab_size=50257, seq_len=seq_len, d_model=768, n_heads=12, n_layers=12), 8
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+    return cfg, batch, model, opt, autocast
+
+
 def measure_training_step(device: str, steps: int, seq_len: int, small: bool = False, d_model: int | None = None,
                           block: int = 3) -> dict:
     """The GPU configuration of SPEC.md section 8: GPT-2 small (B=8), bf16 autocast, TF32, SDPA, fused
@@ -139,23 +162,10 @@ def measure_training_step(device: str, steps: int, seq_len: int, small: bool = F
     step after step, and a step right after another kind pays for that kind's memory (the allocator's reuse and
     page faults differ: single steps in rotation moved the book-keeping ratio between 1.07x and 1.21x with the
     order of the kinds)."""
-    import contextlib
-
     import gapmon
-    from gapmon.apps.examples import GPTConfig, TinyGPT, lm_loss, synthetic_batch
+    from gapmon.apps.examples import lm_loss, synthetic_batch
 
-    if small:  # a smoke test of the script
-        cfg, batch = GPTConfig(vocab_size=64, seq_len=seq_len, d_model=32, n_heads=2, n_layers=2), 4
-    elif d_model is not None:  # a model a CPU can train at long sequence lengths
-        cfg, batch = GPTConfig(vocab_size=4096, seq_len=seq_len, d_model=d_model, n_heads=4, n_layers=2), 8
-    else:
-        cfg, batch = GPTConfig(vocab_size=50257, seq_len=seq_len, d_model=768, n_heads=12, n_layers=12), 8
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(0)
-    model = TinyGPT(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+    cfg, batch, model, opt, autocast = gpt2_training(device, seq_len, small, d_model)
     kinds = ("plain", "norms", "bookkeeping", "skipped")
     times: dict[str, list[float]] = {kind: [] for kind in kinds}  # per rotation: the mean of a block's timed steps
     i = 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import time
 import traceback
@@ -101,20 +100,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    import gapmon
-    from gapmon.apps.examples import GPTConfig, TinyGPT
+    from bench_persample import gpt2_training
 
-    if args.small:
-        cfg, batch = GPTConfig(vocab_size=64, seq_len=args.seq_len, d_model=32, n_heads=2, n_layers=2), 4
-    else:
-        cfg, batch = GPTConfig(vocab_size=50257, seq_len=args.seq_len, d_model=768, n_heads=12, n_layers=12), 8
+    import gapmon
+
     device = args.device
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(0)
-    model = TinyGPT(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+    cfg, batch, model, opt, autocast = gpt2_training(device, args.seq_len, args.small)
     counter = iter(range(1, 1 << 30))
     results = {}
     for kind in ("plain", "norms"):  # plain first, before any monitor is attached
