@@ -26,7 +26,9 @@
 #                                   the batch tracking's cost per op and the norms' host time per covered layer.
 #                                   Measured on an H100 (2026-11-26): quickmonitor 22 s, quickpersample 30 s; then
 #                                   a profile of one norms step against a plain one (benchmarks/profile_persample.py).
-#   quick3  reuse quicksuite                          limit 240 s: the whole suite on 8 workers (pytest-xdist)
+#   quick3  reuse suspects quicksuite                 limits 120 + 420 s: the tests that failed on the first H100, alone
+#                                   with their tracebacks, then the whole suite on 8 workers (pytest-xdist; on the first
+#                                   H100 240 s reached 47% of it)
 # Expected times: build ~30 s and the whole suite ~6 min were measured on an H100 by an earlier session;
 # the others are not measured yet (their limits are generous), so replace these figures once they are.
 # With 30 minutes (the budget sessions had before):
@@ -60,9 +62,9 @@ case "${1:-}" in
   call4) phases="reuse suite" ;;
   quick1) phases="build tests quicknumerics quickstats ncu" ; quick=1 ;;
   quick2) phases="reuse quickmonitor quickpersample" ; quick=1 ;;
-  quick3) phases="reuse quicksuite" ; quick=1 ;;
+  quick3) phases="reuse suspects quicksuite" ; quick=1 ;;
   "") echo "name a call (quick1..quick3, call1..call4) or phases: build reuse tests demo stats quickstats ncu monitor" \
-        "quickmonitor persample quickpersample numerics quicknumerics suite quicksuite variants" >&2
+        "quickmonitor persample quickpersample numerics quicknumerics suite suspects quicksuite variants" >&2
       exit 2 ;;
   *) phases="$*" ;;
 esac
@@ -233,10 +235,17 @@ if want quickpersample; then
   run 60 $py benchmarks/profile_persample.py --device cuda --out "$out/profile.json" 2>&1 | tee -a "$log"
 fi
 
+if want suspects; then
+  section "the tests that failed on the first H100 (2026-11-26), one process, their tracebacks"
+  # On 8 workers their tracebacks were lost when the limit cut the run; here they come first and alone.
+  run 120 $py -m pytest -q -p no:cacheprovider --tb=short tests/stats/test_native_errors.py \
+    tests/monitor/test_noise_scale.py -k "fsdp2 or hsdp or native or refusals" 2>&1 | tail -60 | tee -a "$log"
+fi
+
 if want quicksuite; then
   section "whole test suite, 8 workers (quick)"
   # -v: each test's verdict is in suite.log as it ends, also when the limit cuts the run
-  run 240 $py -m pytest -v -n 8 -p no:cacheprovider tests >"$out/suite.log" 2>&1
+  run 420 $py -m pytest -v -n 8 -p no:cacheprovider tests >"$out/suite.log" 2>&1
   tests_rc=$?
   grep -E "FAILED|ERROR" "$out/suite.log" | head -40 | tee -a "$log"
   tail -3 "$out/suite.log" | tee -a "$log"
