@@ -24,7 +24,7 @@
 #   quick2  reuse quickmonitor quickpersample          limits 150 + 150 + 30 = 330 s plus the reuse (if >= 6 minutes
 #                                   are left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128),
 #                                   the batch tracking's cost per op and the norms' host time per covered layer.
-#                                   Measured on an H100 (2026-11-26): quickmonitor 22 s, quickpersample 30 s; then
+#                                   Measured on an H100 (2026-11-26): quickmonitor 22 s (one round; now two), quickpersample 30 s; then
 #                                   a profile of one norms step against a plain one (benchmarks/profile_persample.py).
 #   quick3  reuse suspects quicksuite                 limits 120 + 420 s: the tests that failed on the first H100, alone
 #                                   with their tracebacks, then the whole suite on 8 workers (pytest-xdist; on the first
@@ -222,7 +222,8 @@ fi
 
 if want quickmonitor; then
   section "monitor benchmark, GPT-2 small (quick)"
-  run 150 $py benchmarks/bench_monitor.py --device cuda --gpt2 --steps 4 --rounds 1 --out "$out/monitor.json" 2>&1 | tee -a "$log"
+  # two rounds: one (2026-11-26) left ~4 ms of noise (interval=10, which launches nothing, showed 3.8 ms)
+  run 150 $py benchmarks/bench_monitor.py --device cuda --gpt2 --steps 4 --rounds 2 --out "$out/monitor.json" 2>&1 | tee -a "$log"
 fi
 
 if want quickpersample; then
