@@ -9,8 +9,14 @@
 #   GAPMON_GPU_DRY_RUN=1 bash benchmarks/gpu_session.sh OUT_DIR ...   (no GPU: prints what each phase
 #                                                                      runs; tests/apps/test_gpu_session.py)
 #
-# A session is lent 15 minutes of device time now, the machine's start (a minute or more) included: one full call
-# and perhaps a short second one. quick1 is the call to make first, everything in one command, most needed first:
+# A session is lent 15 minutes of device time now, the machine's start included (~30 s on 2026-11-26): one full call
+# and perhaps a short second one. quick1 is the call to make first, everything in one command, most needed first.
+# Before it, here (no device time): build the ncu phase's kernel_bench with this machine's nvcc (13.0, ~25 s) into
+# .gpu-build/gapmon_kernel_bench and carry .gpu-build (its nvcc build there ran past 45 s):
+#   mkdir -p .gpu-build && /usr/local/cuda/bin/nvcc -O3 -std=c++20 --expt-relaxed-constexpr -arch=sm_90 -lineinfo \
+#     -I csrc benchmarks/cuda/kernel_bench.cu csrc/cuda/{stats,numerics,block}_cuda.cu -o .gpu-build/gapmon_kernel_bench
+# A machine stays warm 30 s after a call: the next call made at once skips the start, and the extension built in
+# gapmon/ is still there (run its phases without "reuse"). Give it back (give_back) when no call follows at once.
 #   quick1  build tests quicknumerics quickstats ncu   limits 120 + 90 + 75 + 45 + 120 + 120 = 570 s: the extension
 #                                   (ptxas registers in the log; no separate register check), the CUDA tests (every
 #                                   kernel's first run on hardware: the fused one-read passes of #36 included), the
