@@ -77,7 +77,8 @@ def _syncs(run) -> list[str]:
             original = warnings.showwarning
 
             def note(message, category, filename, lineno, file=None, line=None):
-                frames = [f for f in traceback.extract_stack() if "/gapmon/" in f.filename or "benchmarks" in f.filename]
+                frames = [f for f in traceback.extract_stack()[:-1]  # not this function's own frame
+                          if "/gapmon/" in f.filename or "benchmarks" in f.filename]
                 where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
                 seen[where] += 1
             warnings.showwarning = note
