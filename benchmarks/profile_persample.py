@@ -45,6 +45,8 @@ def _profiled(run, device: str) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         run()
@@ -61,6 +63,7 @@ def _profiled(run, device: str) -> dict:
         "gpu_busy_ms": sum(e.device_time_total for e in kernels) / 1e3 if kernels else None,
         "kernels": len(kernels),
         "aten_and_gapmon_ops": sum(ops.values()),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "runtime_waits_and_allocs": waits,
         "top_self_cpu": [{"name": a.key, "calls": a.count, "self_cpu_ms": a.self_cpu_time_total / 1e3} for a in top],
     }
@@ -122,7 +125,7 @@ def main() -> None:
         if mon is not None:
             mon.close()
     for kind, r in results.items():
-        busy = "" if r["gpu_busy_ms"] is None else f", GPU busy {r['gpu_busy_ms']:.1f} ms"
+        busy = "" if r["gpu_busy_ms"] is None else f", GPU busy {r['gpu_busy_ms']:.1f} ms, peak {r['peak_memory_gib']:.2f} GiB"
         print(f"{kind}: wall {r['wall_ms']:.1f} ms{busy}, {r['kernels']} kernels, {r['aten_and_gapmon_ops']} ops; "
               f"waits and allocations {r['runtime_waits_and_allocs']}")
         for line in r.get("syncs", []):
