@@ -266,6 +266,20 @@ def trainable(p: torch.Tensor | None) -> bool:
     return p is not None and p.requires_grad
 
 
+def sum_of_terms(terms: Sequence[torch.Tensor], batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The sum of a layer's [B] norm terms in `dtype` or the terms' wider one, added in order as from zeros of `dtype`
+    (the same bits), without the zeros and their add when there are terms: on a GPU each op is a launch."""
+    if not terms:
+        return torch.zeros(batch, dtype=dtype, device=device)
+    want = dtype
+    for t in terms:
+        want = torch.promote_types(want, t.dtype)
+    out = terms[0].to(want)
+    for t in terms[1:]:
+        out = out + t
+    return out
+
+
 def bias_norm_sq(g: torch.Tensor) -> torch.Tensor:
     return g.sum(1, dtype=_backend.product_dtype(g)).square().sum(1)
 

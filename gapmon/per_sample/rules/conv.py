@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ... import _torch_compat
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
 from .linear import product_norm_sq
 
 
@@ -70,12 +70,10 @@ class ConvRule(NormRule):
         cols, grads = pos
         groups = module.groups
         b = grads.shape[0] // groups
-        out = torch.zeros(b, dtype=grads.dtype, device=grads.device)
-        if trainable(module.weight):
-            out = out + product_norm_sq(cols, grads).reshape(b, groups).sum(1)
+        terms = [product_norm_sq(cols, grads).reshape(b, groups).sum(1)] if trainable(module.weight) else []
         if trainable(module.bias):
-            out = out + bias_norm_sq(grads).reshape(b, groups).sum(1)
-        return out
+            terms.append(bias_norm_sq(grads).reshape(b, groups).sum(1))
+        return sum_of_terms(terms, b, grads.dtype, grads.device)
 
     def per_sample_grads(self, module, pos, batch):
         """Group j's weight rows are Σ_l g_lᵀ cols_l of group j (the unfolded product); the bias Σ_l g_l."""

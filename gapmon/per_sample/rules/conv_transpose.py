@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .base import Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
 from .conv import ConvRule, unfold_patches
 from .linear import product_norm_sq
 
@@ -37,12 +37,10 @@ class ConvTransposeRule(ConvRule):
     def norm_sq(self, module, pos):
         patches, inputs, outputs = pos
         b = outputs.shape[0]
-        out = torch.zeros(b, dtype=outputs.dtype, device=outputs.device)
-        if trainable(module.weight):
-            out = out + product_norm_sq(patches, inputs).reshape(b, module.groups).sum(1)
+        terms = [product_norm_sq(patches, inputs).reshape(b, module.groups).sum(1)] if trainable(module.weight) else []
         if trainable(module.bias):
-            out = out + bias_norm_sq(outputs)
-        return out
+            terms.append(bias_norm_sq(outputs))
+        return sum_of_terms(terms, b, outputs.dtype, outputs.device)
 
     def per_sample_grads(self, module, pos, batch):
         """Row ci of group j: Σ_l x[ci, l] · patch_l of group j; the bias: the output gradient summed."""

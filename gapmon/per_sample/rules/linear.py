@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ...stats import _backend
 from .. import bookkeeping
-from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, register_norm_rule_by_name, sketch, trainable
+from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, register_norm_rule_by_name, sketch, sum_of_terms, trainable
 
 
 def product_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -111,12 +111,10 @@ class LinearRule(NormRule):
     def norm_sq(self, module, pos):
         a, g = pos
         dtype = torch.promote_types(_backend.product_dtype(a), _backend.product_dtype(g))
-        out = torch.zeros(g.shape[0], dtype=dtype, device=g.device)
-        if trainable(module.weight):
-            out = out + product_norm_sq(a, g)
+        terms = [product_norm_sq(a, g)] if trainable(module.weight) else []
         if trainable(module.bias):
-            out = out + bias_norm_sq(g)
-        return out
+            terms.append(bias_norm_sq(g))
+        return sum_of_terms(terms, g.shape[0], dtype, g.device)
 
     def norm_sq_and_grads(self, module, pos):
         """In the direct form the per-sample gradients are formed anyway: their sum over samples comes with the
@@ -189,12 +187,10 @@ class LinearRule(NormRule):
         """Squared norms of a book-kept call (gapmon.per_sample.bookkeeping): the weight part formed with the
         weight gradient, plus the bias part from each sample's bias gradient (`bias_sums` [B, p], else summed
         from the output gradient g [B, T, p])."""
-        out = torch.zeros(g.shape[0], dtype=_backend.product_dtype(g), device=g.device)
-        if weight_sq is not None:
-            out = out + weight_sq
+        terms = [] if weight_sq is None else [weight_sq]
         if trainable(module.bias):
-            out = out + (bias_norm_sq(g) if bias_sums is None else bias_sums.square().sum(1))
-        return out
+            terms.append(bias_norm_sq(g) if bias_sums is None else bias_sums.square().sum(1))
+        return sum_of_terms(terms, g.shape[0], _backend.product_dtype(g), g.device)
 
 
 @register_norm_rule_by_name("transformers.pytorch_utils.Conv1D")

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, sketch, trainable
+from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, sketch, sum_of_terms, trainable
 
 
 # -------------------------------------------------------------------- normalisation layers
@@ -41,12 +41,11 @@ class _AffineNormRule(NormRule):
         """The squares of each sample's gradients are the norms, their sums over samples the gradients the use check
         sketches (the positions are read once, not twice)."""
         g = pos[1]
-        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
-        grads = []
+        terms, grads = [], []
         for p, sums in self.per_sample_sums(module, pos):
-            out = out + sums.square().sum(1)
+            terms.append(sums.square().sum(1))
             grads.append((p, sums.sum(0).reshape(p.shape)))
-        return out, grads
+        return sum_of_terms(terms, g.shape[0], g.dtype, g.device), grads
 
     def grad_sketch(self, module, pos, probe):
         return [Sketch(p, sketch(sums.sum(0).reshape(p.shape), probe(p))) for p, sums in self.per_sample_sums(module, pos)]
