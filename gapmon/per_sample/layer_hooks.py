@@ -243,7 +243,7 @@ class LayerHooks:
         name, module, rule = self.layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         with torch.no_grad():
-            sq = rule.bookkept_norm_sq(module, g, weight_sq, bias_sums).double()
+            sq = rule.bookkept_norm_sq(module, g, weight_sq, bias_sums)
             grads = [] if weight_grad is None else [(module.weight, weight_grad)]
             if bias_sums is not None:
                 grads.append((module.bias, bias_sums.sum(0)))
@@ -273,7 +273,6 @@ class LayerHooks:
                 sq = rule.norm_sq(module, pos)
             if index in self.tied:
                 sq = sq + self.tied.cross(index, mb, pos, calls, acc)
-            sq = sq.double()
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
             mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
         mb.add(sq, acc, self.coverage.type_of(name, module))

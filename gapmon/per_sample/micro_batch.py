@@ -37,13 +37,17 @@ class LayerCalls:
 
 
 def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of same-shaped tensors, in list order: one stack and sum where they share a device, else added in turn
-    (layers on several devices)."""
+    """The float64 sum of same-shaped tensors, in list order: one stack, widening and sum where they share a device
+    (the stack widened once where they share a dtype too, not each layer's part: on a GPU each is a launch), else
+    widened and added in turn (layers on several devices). Widening is exact: the bits are those of widening each
+    part first."""
     if len(tensors) == 1:
-        return tensors[0]
+        return tensors[0].double()
     if len({t.device for t in tensors}) == 1:
-        return torch.stack(tensors).sum(0)
-    return functools.reduce(lambda a, b: a + b.to(a.device), tensors)
+        if len({t.dtype for t in tensors}) == 1:
+            return torch.stack(tensors).double().sum(0)
+        return torch.stack([t.double() for t in tensors]).sum(0)
+    return functools.reduce(lambda a, b: a + b.to(a.device, torch.float64), tensors[1:], tensors[0].double())
 
 
 @dataclass
@@ -52,8 +56,8 @@ class MicroBatch:
 
     batch: int  # its number of samples
     inputs: set[int]  # storages of the model's own tensor inputs
-    # each layer call's per-sample squared norms (float64), per layer type ("Linear"): summed when read (sq,
-    # sq_by_type), not layer by layer (two tensor adds per layer in backward)
+    # each layer call's per-sample squared norms (as the layer formed them), per layer type ("Linear"): widened to
+    # float64 and summed when read (sq, sq_by_type), not layer by layer (ops per layer in backward)
     parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     _sums: tuple | None = field(default=None, init=False, repr=False)  # (sq, sq_by_type) of the parts; None: to sum
     dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
@@ -85,7 +89,8 @@ class MicroBatch:
         return self.positions
 
     def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str) -> None:
-        """Adds a layer's squared norms (float64, summed in `acc`), to the total and to its layer type's."""
+        """Adds a layer's squared norms (summed in `acc`, in any float dtype: widened to float64 when the parts are
+        summed), to the total and to its layer type's."""
         self.parts.setdefault(layer_type, []).append(sq)
         self._sums = None
         self.dtype = acc if self.dtype is None or self.dtype is acc else torch.promote_types(self.dtype, acc)
