@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ... import _torch_compat
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
 from .linear import product_norm_sq, product_sketch
 
 
@@ -72,16 +72,16 @@ class MultiheadAttentionRule(NormRule):
 
     def norm_sq(self, module, pos):
         xq, xk, xv, gq, gk, gv, ctx, g = pos
-        out = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
+        terms = []
         if trainable(module.in_proj_weight):
-            out = out + sum(product_norm_sq(a, gr) for a, gr in ((xq, gq), (xk, gk), (xv, gv)))
+            terms += [product_norm_sq(a, gr) for a, gr in ((xq, gq), (xk, gk), (xv, gv))]
         if trainable(module.in_proj_bias):
-            out = out + bias_norm_sq(gq) + bias_norm_sq(gk) + bias_norm_sq(gv)
+            terms += [bias_norm_sq(gq), bias_norm_sq(gk), bias_norm_sq(gv)]
         if trainable(module.out_proj.weight):
-            out = out + product_norm_sq(ctx, g)
+            terms.append(product_norm_sq(ctx, g))
         if trainable(module.out_proj.bias):
-            out = out + bias_norm_sq(g)
-        return out
+            terms.append(bias_norm_sq(g))
+        return sum_of_terms(terms, g.shape[0], g.dtype, g.device)
 
     def grad_sketch(self, module, pos, probe):
         xq, xk, xv, gq, gk, gv, ctx, g = pos

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, trainable
+from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
 from .linear import product_norm_sq, product_sketch
 
 
@@ -138,18 +138,18 @@ class RecurrentRule(NormRule):
         return tuple(pos)
 
     def norm_sq(self, module, pos):
-        out = torch.zeros(pos[0].shape[0], dtype=pos[0].dtype, device=pos[0].device)
+        terms = []
         for k, (_, _, sfx) in enumerate(_directions(module)):
             x, di, prev, dh = pos[4 * k:4 * k + 4]
             if trainable(getattr(module, f"weight_ih{sfx}")):
-                out = out + product_norm_sq(x, di)
+                terms.append(product_norm_sq(x, di))
             if trainable(getattr(module, f"weight_hh{sfx}")):
-                out = out + product_norm_sq(prev, dh)
+                terms.append(product_norm_sq(prev, dh))
             if trainable(getattr(module, f"bias_ih{sfx}", None)):
-                out = out + bias_norm_sq(di)
+                terms.append(bias_norm_sq(di))
             if trainable(getattr(module, f"bias_hh{sfx}", None)):
-                out = out + bias_norm_sq(dh)
-        return out
+                terms.append(bias_norm_sq(dh))
+        return sum_of_terms(terms, pos[0].shape[0], pos[0].dtype, pos[0].device)
 
     def grad_sketch(self, module, pos, probe):
         out = []
