@@ -75,21 +75,17 @@ def _syncs(run) -> list[str]:
     seen: collections.Counter = collections.Counter()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():  # restores showwarning and the filters when it ends
             warnings.simplefilter("always")
-            original = warnings.showwarning
 
             def note(message, category, filename, lineno, file=None, line=None):
                 frames = [f for f in traceback.extract_stack()[:-1]  # not this function's own frame
                           if "/gapmon/" in f.filename or "benchmarks" in f.filename]
                 where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
                 seen[where] += 1
-            warnings.showwarning = note
+            warnings.showwarning = note  # called as each warning is issued: the stack is the one that caused it
             run()
             torch.cuda.synchronize()
-            for w in caught:  # warnings recorded without showwarning (catch_warnings(record=True))
-                note(w.message, w.category, w.filename, w.lineno)
-            warnings.showwarning = original
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return [f"{n} x {where}" for where, n in seen.most_common()]

@@ -44,9 +44,8 @@ def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1:
         return tensors[0].double()
     if len({t.device for t in tensors}) == 1:
-        if len({t.dtype for t in tensors}) == 1:
-            return torch.stack(tensors).double().sum(0)
-        return torch.stack([t.double() for t in tensors]).sum(0)
+        common = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        return torch.stack([t.to(common) for t in tensors]).double().sum(0)  # .to: nothing for a part in `common`
     return functools.reduce(lambda a, b: a + b.to(a.device, torch.float64), tensors[1:], tensors[0].double())
 
 

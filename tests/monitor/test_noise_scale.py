@@ -268,11 +268,12 @@ def _fsdp2_worker(rank, world):
     per-sample gradients whether the reduction sums (divide factor 1) or averages (factor 2, explicit)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    mesh = cpu_mesh(world)  # a GPU machine's default mesh would be a CUDA one
     for factor in (1.0, 2.0):
         model = _net()
         for layer in (model.emb, model.norm, model.fc, model.head):
-            fully_shard(layer, mesh=cpu_mesh(world))  # a GPU machine's default mesh would be a CUDA one
-        fully_shard(model, mesh=cpu_mesh(world))
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(factor)

@@ -96,14 +96,15 @@ def test_a_step_the_optimizer_skips_is_not_measured_later():
 def _parallel_worker(rank, world):
     from torch.distributed.fsdp import fully_shard
 
+    mesh = cpu_mesh(world)  # a GPU machine's default mesh would be a CUDA one
     for wrap in ("ddp", "fsdp2"):
         model = _model()
         if wrap == "ddp":
             wrapped = nn.parallel.DistributedDataParallel(model)
         else:
             for layer in (model[0], model[3]):
-                fully_shard(layer, mesh=cpu_mesh(world))  # a GPU machine's default mesh would be a CUDA one
-            wrapped = fully_shard(model, mesh=cpu_mesh(world))
+                fully_shard(layer, mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
             from torch.distributed.fsdp import FSDPModule
 
             for m in wrapped.modules():

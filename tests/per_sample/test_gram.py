@@ -299,10 +299,11 @@ def _fsdp2_worker(rank, world, root):
 
     from helpers import cpu_mesh
 
+    mesh = cpu_mesh(world)  # a GPU machine's default mesh would be a CUDA one
     model = _model()
     for layer in (model.emb, model.norm, model.up, model.conv, model.rnn, model.head):
-        fully_shard(layer, mesh=cpu_mesh(world))  # a GPU machine's default mesh would be a CUDA one
-    fully_shard(model, mesh=cpu_mesh(world))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     psn = gapmon.PerSampleGradNorms(model, gram=True)
     _own_loss(model(ids[mine]), labels[mine]).backward()
     got_ids, k = psn.global_gram(mine)
