@@ -1,9 +1,9 @@
 // Per-sample squared gradient norms of Linear and Embedding weights without materialising
 // per-sample gradients. Composite ops built on ATen batched matmuls (so they run on CPU and
 // CUDA alike), summed in float32 or wider whatever the input dtype (16-bit inputs: wide_bmm).
-// The ghost forms build the [T, T] Grams whole, for chunks of samples whose Grams fit 64 MiB (one
-// batched product pair per chunk), and tile over the sequence only when one sample's Gram is larger,
-// so that only [B, tile, tile] blocks exist.
+// The ghost forms build the [T, T] Grams whole (their upper triangle, in bands of rows, when the products are
+// large), for chunks of samples whose Grams fit 64 MiB, and tile over the sequence only when one sample's Gram is
+// larger, so that only [B, tile, tile] blocks exist.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,10 +20,20 @@ namespace gapmon {
 namespace {
 
 // Grams are built whole, for as many samples at a time as keep a chunk's Grams within this many
-// elements (64 MiB in float32): one batched product pair per chunk, O(B * T^2 / 2^24) launches per
-// layer. Only a sequence whose one Gram is larger is tiled, into kDefaultTile x kDefaultTile blocks.
+// elements (64 MiB in float32): one batched product pair per chunk (per band, below), O(B * T^2 / 2^24)
+// launches per layer. Only a sequence whose one Gram is larger is tiled, into kDefaultTile x kDefaultTile blocks.
 constexpr int64_t kWholeGramElems = int64_t(1) << 24;
 constexpr int64_t kDefaultTile = 256;
+
+// The Grams are symmetric, so a whole Gram is built as kBands bands of rows, each from its diagonal on: the
+// band's square on the diagonal counted once, the rest of it twice, (kBands + 1) / (2 kBands) of the products
+// (5/8), for kBands times the launches. Worth it once the products outweigh the launches: from kBandMacsCpu
+// multiply-adds of a chunk's Grams on the CPU (an op costs ~10 us there; the LM head of a d=128 model at
+// T=128, 8 x 128^2 x 4224 = 2^29: 5.9 -> 4.3 ms), from kBandMacsCuda on a GPU, where an op costs a launch
+// (~5 us) that tensor cores spend on ~10^9 multiply-adds.
+constexpr int64_t kBands = 4;
+constexpr int64_t kBandMacsCpu = int64_t(1) << 25;
+constexpr int64_t kBandMacsCuda = int64_t(1) << 33;
 
 // Samples per chunk of whole Grams, or 0 when the sequence must be tiled: no tile (the default)
 // picks whole Grams when one sample's fits kWholeGramElems; a given tile, which must be positive,
@@ -55,24 +65,36 @@ void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
                     ": expected [B, T, d] and [B, T, p] tensors, got ", a.sizes(), " and ", g.sizes());
 }
 
-// Sums block(s, n, i, ni, j, nj) -> [n], the sum over rows [i, i + ni) and columns [j, j + nj) of the
-// [T, T] Gram products of samples [s, s + n), over whole Grams: chunks of samples whose Grams are built
-// whole, or (a positive tile, or a sequence too long) tile pairs of the upper triangle, off-diagonal
-// pairs counted twice (the Grams are symmetric).
-template <typename Block>
-void sum_gram_blocks(at::Tensor& out, int64_t t, std::optional<int64_t> given_tile, const char* op, const Block& block) {
+// Sums over the [T, T] Gram products of each sample into out [B], from products(s, n, i, ni, j, nj) -> [n, ni, nj],
+// the products at rows [i, i + ni) and columns [j, j + nj) of samples [s, s + n), over the upper triangle (the
+// Grams are symmetric): chunks of samples whose Grams are built whole, in bands of rows when a chunk's Grams cost
+// more than the band threshold (`width` multiply-adds per Gram entry), or (a positive tile, or a sequence too
+// long) tile pairs, off-diagonal entries counted twice.
+template <typename Products>
+void sum_gram_blocks(at::Tensor& out, int64_t t, int64_t width, std::optional<int64_t> given_tile, const char* op,
+                     const Products& products) {
   const int64_t b = out.size(0);
   if (const int64_t step = samples_per_chunk(given_tile, t, op); step > 0) {
+    const int64_t threshold = out.is_cuda() ? kBandMacsCuda : kBandMacsCpu;
     for (int64_t s = 0; s < b; s += step) {
       const int64_t n = std::min(step, b - s);
-      out.narrow(0, s, n).copy_(block(s, n, 0, t, 0, t));
+      const bool banded = t >= kBands && n * t * t * width >= threshold;
+      const int64_t height = banded ? (t + kBands - 1) / kBands : t;
+      at::Tensor into = out.narrow(0, s, n);
+      for (int64_t i = 0; i < t; i += height) {
+        const int64_t rows = std::min(height, t - i);
+        at::Tensor p = products(s, n, i, rows, i, t - i);
+        p.narrow(2, rows, t - i - rows).mul_(2);  // right of the band's diagonal square: the mirror's share too
+        if (i == 0) into.copy_(p.sum({1, 2}));
+        else into.add_(p.sum({1, 2}));
+      }
     }
     return;
   }
   const int64_t tile = given_tile.value_or(kDefaultTile);
   for (int64_t i = 0; i < t; i += tile) {
     for (int64_t j = i; j < t; j += tile) {
-      out.add_(block(0, b, i, std::min(tile, t - i), j, std::min(tile, t - j)), i == j ? 1.0 : 2.0);
+      out.add_(products(0, b, i, std::min(tile, t - i), j, std::min(tile, t - j)).sum({1, 2}), i == j ? 1.0 : 2.0);
     }
   }
 }
@@ -81,10 +103,11 @@ void sum_gram_blocks(at::Tensor& out, int64_t t, std::optional<int64_t> given_ti
 at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, std::optional<int64_t> tile) {
   check_pair(a, g, "ghost_norm_sq");
   at::Tensor out = at::zeros({a.size(0)}, a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))));
-  sum_gram_blocks(out, a.size(1), tile, "ghost_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
+  sum_gram_blocks(out, a.size(1), a.size(2) + g.size(2), tile, "ghost_norm_sq",
+                  [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
     const at::Tensor as = a.narrow(0, s, n), gs = g.narrow(0, s, n);
     const at::Tensor a_gram = wide_bmm(as.narrow(1, i, ni), as.narrow(1, j, nj).transpose(1, 2));
-    return a_gram.mul_(wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2))).sum({1, 2});
+    return a_gram.mul_(wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)));
   });
   return out;
 }
@@ -231,13 +254,13 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
   if (g.is_cpu() && ids.is_cpu() && !tile) return embedding_norm_sq_by_rows(ids, g, padding_idx);
   const at::Tensor valid = padding_idx >= 0 ? ids.ne(padding_idx) : at::ones_like(ids, ids.options().dtype(at::kBool));
   at::Tensor out = at::zeros({g.size(0)}, g.options().dtype(sum_dtype(g)));
-  sum_gram_blocks(out, ids.size(1), tile, "embedding_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j,
+  sum_gram_blocks(out, ids.size(1), g.size(2), tile, "embedding_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j,
                                                                     int64_t nj) {
     const at::Tensor id = ids.narrow(0, s, n), ok = valid.narrow(0, s, n), gs = g.narrow(0, s, n);
     const at::Tensor same = id.narrow(1, i, ni).unsqueeze(2).eq(id.narrow(1, j, nj).unsqueeze(1))
                                 .logical_and_(ok.narrow(1, i, ni).unsqueeze(2))
                                 .logical_and_(ok.narrow(1, j, nj).unsqueeze(1));
-    return wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)).mul_(same).sum({1, 2});
+    return wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)).mul_(same);
   });
   return out;
 }

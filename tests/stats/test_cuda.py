@@ -341,6 +341,31 @@ def test_16bit_norm_products_on_tensor_cores_without_copies():
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
 
 
+def test_large_grams_are_built_in_bands_on_cuda():
+    """From 2^33 multiply-adds of a chunk's Grams (8 x 1024^2 x 1024 here) the CUDA ops build the upper triangle in 4
+    bands of rows, as on the CPU: the float64 norms of the per-sample gradients, for Linear and Embedding."""
+    if not gapmon.stats._backend.COMPILED:
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, t = 8, 1024
+    a = torch.randn(b, t, 512, device="cuda", generator=gen)
+    g = torch.randn(b, t, 512, device="cuda", generator=gen)
+    ids = torch.randint(0, 50, (b, t), device="cuda", generator=gen)
+    ids[0, :9] = 3  # the padding id
+    g_table = torch.randn(b, t, 1024, device="cuda", generator=gen)
+    a64, g64 = a.double(), g.double()
+    want = (a64 @ a64.transpose(1, 2) * (g64 @ g64.transpose(1, 2))).sum((1, 2))
+    one_hot = torch.nn.functional.one_hot(ids, 50).double() * ids.ne(3).unsqueeze(-1)
+    want_table = torch.bmm(one_hot.transpose(1, 2), g_table.double()).square().sum((1, 2))
+    for op, args, expected in ((torch.ops.gapmon.ghost_norm_sq, (a, g), want),
+                               (torch.ops.gapmon.embedding_norm_sq, (ids, g_table, 3), want_table)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = op(*args)
+        products = sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+        assert products == (8 if op is torch.ops.gapmon.ghost_norm_sq else 4), (op, products)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=0)
+
+
 def test_bookkeeping_under_bf16_autocast_on_cuda():
     """Book-keeping on CUDA under bf16 autocast: the norms of the hook path and torch.func's within
     4e-3 (see test_per_sample's autocast test), the gradients autocast's up to its bf16 rounding."""
