@@ -34,14 +34,16 @@ class _Carried:
 class BookkeepingLinear(torch.autograd.Function):
     """Identity on the output of F.linear(x, weight, bias) (carried detached); its backward is
     Linear's, with the weight gradient summed from per-sample gradients whose squared norms ([B], or
-    None for a frozen weight) go to `report(g, sq, weight_grad, bias_sums)`, g the output gradient as [B, T, p],
-    weight_grad the sum (float32 or wider; None for a frozen weight) and bias_sums each sample's bias gradient
-    [B, p], whose sum is the bias gradient (None for a frozen or absent bias)."""
+    None for a frozen weight) go to `report(g, sq, bias_sums, returned)`, g the output gradient as [B, T, p],
+    bias_sums each sample's bias gradient [B, p] (None for a frozen or absent bias) and `returned` the
+    (parameter, gradient) pairs this backward hands to autograd: the very tensor objects (the use check knows
+    them again when they reach the parameters' hooks unchanged)."""
 
     @staticmethod
     def forward(ctx, carried: _Carried, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 report: Callable[..., None]) -> torch.Tensor:
         ctx.save_for_backward(carried.operand, weight)
+        ctx.params = (weight, bias)
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.report = report
@@ -51,7 +53,7 @@ class BookkeepingLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         a, weight = ctx.saved_tensors
         compute = grad_out.dtype  # the dtype F.linear ran in (bfloat16 under bf16 autocast)
-        grad_x = grad_w = grad_b = sq = summed = bias_sums = None
+        grad_x = grad_w = grad_b = sq = bias_sums = None
         if ctx.needs_input_grad[1]:
             grad_x = (grad_out @ weight.to(compute)).to(ctx.x_dtype)
         b = grad_out.shape[0]
@@ -62,7 +64,8 @@ class BookkeepingLinear(torch.autograd.Function):
         if ctx.needs_input_grad[3]:  # each sample's bias gradient, once: for the norms and their sum
             bias_sums = g.sum(1, dtype=_backend.product_dtype(g))
             grad_b = bias_sums.sum(0).to(ctx.bias_dtype)
-        ctx.report(g, sq, summed, bias_sums)
+        returned = [(p, grad) for p, grad in zip(ctx.params, (grad_w, grad_b)) if grad is not None]
+        ctx.report(g, sq, bias_sums, returned)
         return None, grad_x, grad_w, grad_b, None
 
 

@@ -67,6 +67,15 @@ class UseCheck:
         self.widened: tuple = ()  # (dtype, repeats) of the last widen: the same again changes nothing
         self.unchecked: str | None = None  # why it cannot be checked (a rule without a sketch, a DTensor gradient)
         self.seen_by_rule = False  # whether a rule explained a call of its layer this step
+        # Gradients a rule handed to autograd itself (book-keeping), not sketched yet: the one that reaches the
+        # parameter's hook as the very same tensor was its whole gradient there, the same on both sides.
+        self.returned: list[torch.Tensor] = []
+
+    def explain_returned(self) -> None:
+        """Sketches the returned gradients that did not reach the hook unchanged into the explained side."""
+        for grad in self.returned:
+            add_sketch(self.explained, grad, self.probe)
+        self.returned = []
 
     def fits(self, p: torch.Tensor, probe: torch.Tensor) -> bool:
         """Whether this check is parameter p's (the same object, still of its rows, with its probe now)."""
@@ -165,6 +174,12 @@ class UseChecker:
         if p is None or p.numel() == 0 or _torch_compat.functorch_transforms_active():
             return
         check = self.check(p, layer)
+        if check.returned:
+            for i, mine in enumerate(check.returned):
+                if grad is mine:  # the gradient a rule returned, alone and unchanged: it explains itself exactly
+                    del check.returned[i]
+                    return
+            check.explain_returned()  # summed with other contributions by autograd: both sides sketched
         if type(grad) is not torch.Tensor and is_dtensor(grad):
             check.unchecked = "its gradient is a DTensor"
             return
@@ -181,11 +196,14 @@ class UseChecker:
         check.widen(grad.dtype, check.repeats)
 
     def explain(self, name: str, module: nn.Module, rule: NormRule, used: list[torch.Tensor] | None, piece: tuple,
-                dtype: torch.dtype, grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                dtype: torch.dtype, grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                returned: bool = False) -> None:
         """Adds the sum over samples of one call's per-sample gradients (sketched) to its parameters: to
         the parameter objects the forward used (under FSDP2 the module may hold other ones by now). `grads`:
         (parameter, that sum) of every trainable parameter when the norms formed them on the way (then they are
-        sketched, and the positions are not read again), else the rule's grad_sketch reads the positions."""
+        sketched, and the positions are not read again), else the rule's grad_sketch reads the positions.
+        `returned`: the `grads` are the tensors the rule's backward hands to autograd (book-keeping); one that
+        reaches its parameter's hook as the same object is that gradient whole, and neither side is sketched."""
         now = rule.params(module)
         as_used: dict[int, torch.Tensor] = {}
         if used is not None and len(used) == len(now) and any(u is not q for u, q in zip(used, now)):
@@ -195,7 +213,10 @@ class UseChecker:
         if grads is not None:  # one matrix-vector op each, into the check
             for p, grad in grads:
                 check = self.check(as_used.get(id(p), p), name)
-                add_sketch(check.explained, grad, check.probe)
+                if returned:
+                    check.returned.append(grad)
+                else:
+                    add_sketch(check.explained, grad, check.probe)
                 check.widen(dtype)
                 check.seen_by_rule = True
             return
@@ -219,6 +240,8 @@ class UseChecker:
 
         A parameter's difference is judged against the larger of its own gradient's size and its layer's largest
         (a key projection's bias gets a gradient that cancels to rounding noise: softmax ignores it)."""
+        for c in self.checks.values():  # returned gradients whose hook never came (the parameter's is elsewhere)
+            c.explain_returned()
         # Parameters of layers found not to be per-sample are out of the norms already.
         checks = [c for c in self.checks.values() if c.unchecked is None and c.layer not in skipped]
         if not checks:

@@ -262,3 +262,43 @@ def test_the_book_keeping_op_against_float64_per_sample_gradients(dtype, cpu_isa
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+class _LinearThenReadAgain(nn.Module):
+    """Two book-kept Linears; with `extra`, the first one's weight is read once more outside it (F.linear)."""
+
+    def __init__(self, extra: bool):
+        super().__init__()
+        self.a, self.b, self.extra = nn.Linear(6, 6), nn.Linear(6, 3), extra
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.extra:
+            h = h + 1e-3 * torch.nn.functional.linear(x, self.a.weight)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["alone", "read-again"])
+def test_a_returned_gradient_that_reaches_its_hook_unchanged_is_not_sketched(extra):
+    """The use check knows the gradients a book-kept layer hands to autograd when they reach the parameters' hooks as
+    the same tensors: no sketch on either side (4 matrix-vector ops per Linear saved, each a launch on a GPU). A weight
+    also read outside its layer gets the sum of both uses there: both sides are sketched and the use is refused."""
+    torch.manual_seed(0)
+    model = _LinearThenReadAgain(extra).double()
+    x, y = torch.randn(5, 8, 6, dtype=torch.float64), torch.randn(5, 8, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=True)
+    for _ in range(2):  # the first step makes the probes; the second is counted
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _mse(model(x), y).backward()
+        sketches = sum(e.count for e in prof.key_averages() if e.key == "aten::addmv_")
+        if extra:
+            with pytest.raises(RuntimeError, match=r"a\.weight \(relative difference"):
+                psn.local_norms()
+        else:
+            got = psn.local_norms()
+        model.zero_grad(set_to_none=True)
+    psn.close()
+    assert sketches == (2 if extra else 0), sketches  # read again: a.weight's total and its returned gradient
+    if not extra:
+        want = loop_per_sample_norms(model, _mse, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
