@@ -70,11 +70,13 @@ class UseCheck:
         # Gradients a rule handed to autograd itself (book-keeping), not sketched yet: the one that reaches the
         # parameter's hook as the very same tensor was its whole gradient there, the same on both sides.
         self.returned: list[torch.Tensor] = []
+        self.sketched = False  # whether either side got a sketch (one whose gradients all came back unchanged has none)
 
     def explain_returned(self) -> None:
         """Sketches the returned gradients that did not reach the hook unchanged into the explained side."""
         for grad in self.returned:
             add_sketch(self.explained, grad, self.probe)
+            self.sketched = True
         self.returned = []
 
     def fits(self, p: torch.Tensor, probe: torch.Tensor) -> bool:
@@ -180,6 +182,7 @@ class UseChecker:
                     del check.returned[i]
                     return
             check.explain_returned()  # summed with other contributions by autograd: both sides sketched
+        check.sketched = True
         if type(grad) is not torch.Tensor and is_dtensor(grad):
             check.unchecked = "its gradient is a DTensor"
             return
@@ -217,6 +220,7 @@ class UseChecker:
                     check.returned.append(grad)
                 else:
                     add_sketch(check.explained, grad, check.probe)
+                    check.sketched = True
                 check.widen(dtype)
                 check.seen_by_rule = True
             return
@@ -228,6 +232,7 @@ class UseChecker:
         for p, s, repeats in sketches:
             check = self.check(as_used.get(id(p), p), name)
             check.explained += s
+            check.sketched = True
             check.widen(dtype, repeats)
             check.seen_by_rule = True
 
@@ -242,8 +247,9 @@ class UseChecker:
         (a key projection's bias gets a gradient that cancels to rounding noise: softmax ignores it)."""
         for c in self.checks.values():  # returned gradients whose hook never came (the parameter's is elsewhere)
             c.explain_returned()
-        # Parameters of layers found not to be per-sample are out of the norms already.
-        checks = [c for c in self.checks.values() if c.unchecked is None and c.layer not in skipped]
+        # Parameters of layers found not to be per-sample are out of the norms already; a parameter whose gradients
+        # all came back as the rule returned them has nothing to compare.
+        checks = [c for c in self.checks.values() if c.unchecked is None and c.layer not in skipped and c.sketched]
         if not checks:
             return {}
         layers = {name: i for i, name in enumerate(dict.fromkeys(c.layer for c in checks))}
