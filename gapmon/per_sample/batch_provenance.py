@@ -177,9 +177,14 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self._status:
+        """The hot path of the mode (every op of the forward pass): its lookups are inlined."""
+        if kwargs:
+            out = func(*args, **kwargs)
+        else:
+            kwargs = {}
+            out = func(*args)
+        status = self._status
+        if not status:
             return out
         try:
             name = _NAMES[func]
@@ -194,13 +199,25 @@ class BatchTracker(TorchFunctionMode):
         one = type(out) is torch.Tensor
         if not one and name != "__setitem__" and not _has_tensor(out):  # x.shape, x.size(0), x.dim()
             return out
-        inputs = self._inputs(args, kwargs)
+        # (tensor, status) of the arguments (and the items of list/tuple arguments) that carry a status
+        inputs = []
+        for value in (args if not kwargs else (*args, *kwargs.values())):
+            kind = type(value)
+            if kind is tuple or kind is list:
+                for t in value:
+                    entry = status.get(id(t))
+                    if entry is not None and entry[0]() is t:
+                        inputs.append((t, entry[1]))
+            elif kind is not int and value is not None:
+                entry = status.get(id(value))
+                if entry is not None and entry[0]() is value:
+                    inputs.append((value, entry[1]))
         if not inputs and name not in _EXPANDS and name != "__setitem__":
             return out
         if one:
             kept = self._kept_dim(name, args, kwargs, inputs, out)
             if kept is not None:
-                self._status[id(out)] = (weakref.ref(out), kept)
+                status[id(out)] = (weakref.ref(out), kept)
                 return out
         try:
             result = self._rule(name, args, kwargs, inputs, out)
@@ -239,23 +256,6 @@ class BatchTracker(TorchFunctionMode):
             return s if s < args[0].dim() - n else None
         return None
 
-    def _inputs(self, args: Sequence, kwargs: dict) -> list[tuple[torch.Tensor, int | str]]:
-        """(tensor, status) of the op's arguments (and the items of list/tuple arguments) that carry a status.
-        The hot path of the mode (every op): the status lookup is inlined."""
-        found = []
-        status = self._status
-        for value in (args if not kwargs else (*args, *kwargs.values())):
-            if type(value) in (tuple, list):
-                for t in value:
-                    entry = status.get(id(t))
-                    if entry is not None and entry[0]() is t:
-                        found.append((t, entry[1]))
-            else:
-                entry = status.get(id(value))
-                if entry is not None and entry[0]() is value:
-                    found.append((value, entry[1]))
-        return found
-
     def _mark_outputs(self, name: str, args: Sequence, out: Any, result: Any) -> None:
         if name == "__setitem__":  # x[i] = value: x now holds what value holds
             if isinstance(result, (int, str)) or result is None:
@@ -271,6 +271,15 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------ rules
     def _rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        for _, st in inputs:
+            if type(st) is not int:
+                break
+        else:  # every input's batch on a plain dim (most ops): no shared, lost or merged input to look for
+            if name in _VIEWS or name in _EXPANDS or name == "type_as":  # only self's values are used
+                inputs = [(t, s) for t, s in inputs if t is args[0]]
+                if not inputs:
+                    return self._expanded(name, args, out) if name in _EXPANDS else None
+            return self._by_rule(name, args, kwargs, inputs, out)
         if any(type(st) is Shared for _, st in inputs):
             return self._shared_rule(name, args, kwargs, inputs, out)
         lost = [s for _, s in inputs if isinstance(s, str)]
@@ -283,6 +292,10 @@ class BatchTracker(TorchFunctionMode):
             return lost[0]
         if any(type(st) is Merged for _, st in inputs):
             return self._merged_rule(name, args, kwargs, inputs, out)
+        return self._by_rule(name, args, kwargs, inputs, out)
+
+    def _by_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        """The op's rule (or broadcasting, for a pointwise op without one) on inputs whose batch is on a plain dim."""
         rule = _RULES.get(name)
         if rule is not None:
             return rule(self, args, kwargs, inputs, out)
