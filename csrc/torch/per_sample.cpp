@@ -65,51 +65,56 @@ void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
                     ": expected [B, T, d] and [B, T, p] tensors, got ", a.sizes(), " and ", g.sizes());
 }
 
-// Sums over the [T, T] Gram products of each sample into out [B], from products(s, n, i, ni, j, nj) -> [n, ni, nj],
-// the products at rows [i, i + ni) and columns [j, j + nj) of samples [s, s + n), over the upper triangle (the
-// Grams are symmetric): chunks of samples whose Grams are built whole, in bands of rows when a chunk's Grams cost
-// more than the band threshold (`width` multiply-adds per Gram entry), or (a positive tile, or a sequence too
-// long) tile pairs, off-diagonal entries counted twice.
+// The sums over the [T, T] Gram products of each of b samples ([b], `options`), from products(s, n, i, ni, j, nj) ->
+// [n, ni, nj], the products at rows [i, i + ni) and columns [j, j + nj) of samples [s, s + n), over the upper
+// triangle (the Grams are symmetric): chunks of samples whose Grams are built whole, in bands of rows when a chunk's
+// Grams cost more than the band threshold (`width` multiply-adds per Gram entry), or (a positive tile, or a sequence
+// too long) tile pairs, off-diagonal entries counted twice. Whole Grams start from the first band's sums, not from
+// zeros, and one chunk's sums are the result: on a GPU each op is a launch.
 template <typename Products>
-void sum_gram_blocks(at::Tensor& out, int64_t t, int64_t width, std::optional<int64_t> given_tile, const char* op,
-                     const Products& products) {
-  const int64_t b = out.size(0);
-  if (const int64_t step = samples_per_chunk(given_tile, t, op); step > 0) {
-    const int64_t threshold = out.is_cuda() ? kBandMacsCuda : kBandMacsCpu;
+at::Tensor sum_gram_blocks(int64_t b, const at::TensorOptions& options, int64_t t, int64_t width,
+                           std::optional<int64_t> given_tile, const char* op, const Products& products) {
+  const int64_t step = samples_per_chunk(given_tile, t, op);
+  if (b == 0 || t == 0) return at::zeros({b}, options);
+  if (step > 0) {
+    const int64_t threshold = options.device().is_cuda() ? kBandMacsCuda : kBandMacsCpu;
+    std::vector<at::Tensor> chunks;
     for (int64_t s = 0; s < b; s += step) {
       const int64_t n = std::min(step, b - s);
       const bool banded = t >= kBands && n * t * t * width >= threshold;
       const int64_t height = banded ? (t + kBands - 1) / kBands : t;
-      at::Tensor into = out.narrow(0, s, n);
+      at::Tensor sum;
       for (int64_t i = 0; i < t; i += height) {
         const int64_t rows = std::min(height, t - i);
         at::Tensor p = products(s, n, i, rows, i, t - i);
-        p.narrow(2, rows, t - i - rows).mul_(2);  // right of the band's diagonal square: the mirror's share too
-        if (i == 0) into.copy_(p.sum({1, 2}));
-        else into.add_(p.sum({1, 2}));
+        if (rows < t - i) p.narrow(2, rows, t - i - rows).mul_(2.0);  // right of the band's square: the mirror's share
+        at::Tensor part = p.sum({1, 2});
+        sum = sum.defined() ? sum.add_(part) : part;
       }
+      chunks.push_back(sum);
     }
-    return;
+    return chunks.size() == 1 ? chunks[0] : at::cat(chunks);
   }
+  at::Tensor out = at::zeros({b}, options);
   const int64_t tile = given_tile.value_or(kDefaultTile);
   for (int64_t i = 0; i < t; i += tile) {
     for (int64_t j = i; j < t; j += tile) {
       out.add_(products(0, b, i, std::min(tile, t - i), j, std::min(tile, t - j)).sum({1, 2}), i == j ? 1.0 : 2.0);
     }
   }
+  return out;
 }
 
 // sum_{t,s} (a_t . a_s)(g_t . g_s) per sample: the squared Frobenius norm of g^T a, via Grams.
 at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, std::optional<int64_t> tile) {
   check_pair(a, g, "ghost_norm_sq");
-  at::Tensor out = at::zeros({a.size(0)}, a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))));
-  sum_gram_blocks(out, a.size(1), a.size(2) + g.size(2), tile, "ghost_norm_sq",
-                  [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
+  return sum_gram_blocks(a.size(0), a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))), a.size(1),
+                         a.size(2) + g.size(2), tile, "ghost_norm_sq",
+                         [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
     const at::Tensor as = a.narrow(0, s, n), gs = g.narrow(0, s, n);
     const at::Tensor a_gram = wide_bmm(as.narrow(1, i, ni), as.narrow(1, j, nj).transpose(1, 2));
     return a_gram.mul_(wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)));
   });
-  return out;
 }
 
 // Sum of the squares of each x[b], by gapmon's own statistics kernel: one read of x, float64 sums
@@ -252,17 +257,18 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
                     "gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(), " and ",
                     g.sizes());
   if (g.is_cpu() && ids.is_cpu() && !tile) return embedding_norm_sq_by_rows(ids, g, padding_idx);
-  const at::Tensor valid = padding_idx >= 0 ? ids.ne(padding_idx) : at::ones_like(ids, ids.options().dtype(at::kBool));
-  at::Tensor out = at::zeros({g.size(0)}, g.options().dtype(sum_dtype(g)));
-  sum_gram_blocks(out, ids.size(1), g.size(2), tile, "embedding_norm_sq", [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j,
-                                                                    int64_t nj) {
-    const at::Tensor id = ids.narrow(0, s, n), ok = valid.narrow(0, s, n), gs = g.narrow(0, s, n);
-    const at::Tensor same = id.narrow(1, i, ni).unsqueeze(2).eq(id.narrow(1, j, nj).unsqueeze(1))
-                                .logical_and_(ok.narrow(1, i, ni).unsqueeze(2))
-                                .logical_and_(ok.narrow(1, j, nj).unsqueeze(1));
+  const bool padded = padding_idx >= 0;
+  const at::Tensor valid = padded ? ids.ne(padding_idx) : at::Tensor();
+  return sum_gram_blocks(g.size(0), g.options().dtype(sum_dtype(g)), ids.size(1), g.size(2), tile, "embedding_norm_sq",
+                         [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
+    const at::Tensor id = ids.narrow(0, s, n), gs = g.narrow(0, s, n);
+    at::Tensor same = id.narrow(1, i, ni).unsqueeze(2).eq(id.narrow(1, j, nj).unsqueeze(1));
+    if (padded) {  // pairs of positions with the padding id have no gradient
+      const at::Tensor ok = valid.narrow(0, s, n);
+      same.logical_and_(ok.narrow(1, i, ni).unsqueeze(2)).logical_and_(ok.narrow(1, j, nj).unsqueeze(1));
+    }
     return wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)).mul_(same);
   });
-  return out;
 }
 
 }  // namespace

@@ -256,9 +256,14 @@ def test_second_backward_through_same_graph_is_refused():
 
 
 def _bmm_calls(fn):
+    out, counts = _op_counts(fn)
+    return out, counts.get("aten::bmm", 0)
+
+
+def _op_counts(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = fn()
-    return out, sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+    return out, {e.key: e.count for e in prof.key_averages()}
 
 
 def test_ghost_norm_is_one_product_per_layer_when_the_grams_fit():
@@ -287,12 +292,14 @@ def test_large_grams_are_built_as_bands_of_their_upper_triangle(t):
     a, g = torch.randn(b, t, width // 2, generator=gen), torch.randn(b, t, width - width // 2, generator=gen)
     a64, g64 = a.double(), g.double()  # float64 whole Grams (the per-sample gradients would be width^2 / 4)
     want = (a64 @ a64.transpose(1, 2) * (g64 @ g64.transpose(1, 2))).sum((1, 2))
-    got, calls = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a, g))
-    assert calls == 2 * 4
+    got, ops = _op_counts(lambda: torch.ops.gapmon.ghost_norm_sq(a, g))
+    assert ops["aten::bmm"] == 2 * 4 and ops["aten::add_"] == 3 and "aten::zeros" not in ops, ops
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)  # float32 products of up to 2^23 terms
     torch.testing.assert_close(torch.ops.gapmon.ghost_norm_sq(a64, g64), want, rtol=1e-12, atol=0)
-    small, calls = _bmm_calls(lambda: torch.ops.gapmon.ghost_norm_sq(a[:, :, :8], g[:, :, :8]))
-    assert calls == 2  # below the threshold: whole Grams, one product pair
+    small, ops = _op_counts(lambda: torch.ops.gapmon.ghost_norm_sq(a[:, :, :8], g[:, :, :8]))
+    assert ops["aten::bmm"] == 2  # below the threshold: whole Grams, one product pair
+    # the one chunk's sums are the result: no zeros to start from, no copy into them (on a GPU each is a launch)
+    assert not {"aten::zeros", "aten::zero_", "aten::copy_", "aten::add_"} & set(ops), ops
     torch.testing.assert_close(small.double(), torch.bmm(g[:, :, :8].double().transpose(1, 2), a[:, :, :8].double())
                                .square().sum((1, 2)), rtol=1e-5, atol=0)
 
