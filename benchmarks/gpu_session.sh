@@ -31,7 +31,8 @@
 #                                   are left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128),
 #                                   the batch tracking's cost per op and the norms' host time per covered layer.
 #                                   Measured on an H100 (2026-11-26): quickmonitor 22 s (one round; now two), quickpersample 30 s; then
-#                                   a profile of one norms step against a plain one (benchmarks/profile_persample.py).
+#                                   a profile of one norms step against a plain one (benchmarks/profile_persample.py:
+#                                   each phase's host time beside its time with the GPU drained, then the profiler).
 #   quick3  reuse suspects quicksuite                 limits 120 + 420 s: the tests that failed on the first H100, alone
 #                                   with their tracebacks, then the whole suite on 8 workers (pytest-xdist; on the first
 #                                   H100 240 s reached 47% of it)

@@ -1,6 +1,7 @@
 """Where a per-sample-norms training step spends its time: GPT-2 small (B=8, T=128; on CUDA bf16 autocast and
 TF32, as bench_persample.py) under GAPMonitor with per-sample norms, after warm-up steps, one step profiled
-(torch.profiler) next to a plain step. Prints, for each: the step's wall time, the GPU's busy time (the sum of
+(torch.profiler) next to a plain step. Prints, for each: each phase's time (begin_step, forward, backward, end_step,
+optimizer; medians of 8 steps) as the host spends it and with the device drained after it, the step's wall time, the GPU's busy time (the sum of
 its kernels' durations: far below the wall time means the host is the bottleneck), the ops and kernels
 launched, the host calls that wait for the GPU (stream/device/event synchronisations, copies between host and
 device), and the ops that cost the most host time; on CUDA also every synchronisation torch's sync debug mode
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import time
 import traceback
 import warnings
@@ -38,6 +40,43 @@ def _step(model, opt, mon, cfg, batch, i, device, autocast):
         mon.end_step()
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+PHASES = ("begin_step", "forward", "backward", "end_step", "optimizer")
+
+
+def _phase_times(model, opt, mon, cfg, batch, counter, device, autocast, steps: int = 8) -> dict:
+    """Medians over `steps` steps of each phase's time, two ways: `host` (the host's own time to return from the
+    phase's calls, the device left running: what the host spends enqueueing) and `drained` (the device synchronised
+    after each phase as well: what the phase costs end to end). A phase whose host time is close to its drained time
+    is host-bound; one whose drained time is far above it is GPU-bound (or waits on the GPU inside)."""
+    from gapmon.apps.examples import lm_loss, synthetic_batch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = {}
+    for mode in ("host", "drained"):
+        per_phase: dict[str, list[float]] = {name: [] for name in PHASES}
+        for _ in range(steps):
+            i = next(counter)
+            x, y = synthetic_batch(cfg, batch, i, device=device)
+            sync()
+            calls = [lambda: mon is not None and mon.begin_step(i, batch_size=batch)]
+            loss = []
+
+            def forward():
+                with autocast():
+                    loss.append(lm_loss(model(x), y))
+            calls += [forward, lambda: loss[0].backward(), lambda: mon is not None and mon.end_step(),
+                      lambda: (opt.step(), opt.zero_grad(set_to_none=True))]
+            for name, call in zip(PHASES, calls):
+                t0 = time.perf_counter()
+                call()
+                if mode == "drained":
+                    sync()
+                per_phase[name].append(time.perf_counter() - t0)
+            sync()
+        out[mode] = {name: statistics.median(v) * 1e3 for name, v in per_phase.items()}
+    return out
 
 
 def _profiled(run, device: str) -> dict:
@@ -116,6 +155,7 @@ def main() -> None:
         for _ in range(3):  # warm-up: the allocator's pools, the monitor's kept checks and probes
             _step(model, opt, mon, cfg, batch, next(counter), device, autocast)
         results[kind] = _profiled(lambda m=mon: _step(model, opt, m, cfg, batch, next(counter), device, autocast), device)
+        results[kind]["phases_ms"] = _phase_times(model, opt, mon, cfg, batch, counter, device, autocast)
         if device == "cuda":
             results[kind]["syncs"] = _syncs(lambda m=mon: _step(model, opt, m, cfg, batch, next(counter), device, autocast))
         if mon is not None:
@@ -124,6 +164,8 @@ def main() -> None:
         busy = "" if r["gpu_busy_ms"] is None else f", GPU busy {r['gpu_busy_ms']:.1f} ms, peak {r['peak_memory_gib']:.2f} GiB"
         print(f"{kind}: wall {r['wall_ms']:.1f} ms{busy}, {r['kernels']} kernels, {r['aten_and_gapmon_ops']} ops; "
               f"waits and allocations {r['runtime_waits_and_allocs']}")
+        for mode, phases in r["phases_ms"].items():
+            print(f"  phases ({mode}): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in phases.items()))
         for line in r.get("syncs", []):
             print(f"  sync: {line}")
         for a in r["top_self_cpu"][:12]:

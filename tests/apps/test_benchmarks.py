@@ -81,3 +81,9 @@ def test_profile_persample_compares_a_norms_step_with_a_plain_one(tmp_path):
     # the monitor's hooks and products add ops to the step, and the top host ops are named with their calls
     assert norms["aten_and_gapmon_ops"] > plain["aten_and_gapmon_ops"] > 0
     assert norms["top_self_cpu"] and all(a["calls"] > 0 for a in norms["top_self_cpu"])
+    # each phase timed as the host spends it and with the device drained; only a monitored step has an end_step
+    for kind in (plain, norms):
+        assert set(kind["phases_ms"]) == {"host", "drained"}
+        assert all(set(p) == {"begin_step", "forward", "backward", "end_step", "optimizer"} for p in kind["phases_ms"].values())
+    assert norms["phases_ms"]["host"]["end_step"] > plain["phases_ms"]["host"]["end_step"]
+    assert norms["phases_ms"]["host"]["backward"] > 0 and plain["phases_ms"]["drained"]["forward"] > 0
