@@ -144,6 +144,39 @@ def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, acc
         assert got == pytest.approx(want, rel=HF_RTOL)
 
 
+@pytest.mark.slow
+def test_huggingface_per_sample_norms_with_bookkeeping_under_accumulation(tmp_path):
+    """Book-keeping under the real Trainer with gradient accumulation: the weight gradients gapmon forms reach the
+    parameters' hooks as the tensors it returned, micro-batch after micro-batch (no false refusal), and the norms are
+    still each sample's own loss's."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    def narrow_llama(transformers, seed: int = 0):  # width 4 < SEQ: its Linear layers take the direct form, book-kept
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=4, intermediate_size=6, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                       tie_word_embeddings=False)
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(cfg).double(), cfg
+
+    data = _lm_data(12)
+    model, _ = narrow_llama(transformers)
+    args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    max_steps=2, max_grad_norm=0.0, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        callback = attach(trainer, interval=1, per_sample_grad_norms=True, bookkeeping=True)
+    checks = hf_own_loss_checks(transformers, trainer, model, callback, narrow_llama)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.train()
+    assert any(e.key == "BookkeepingLinear" for e in prof.key_averages())
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 4
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
 def hf_own_loss_checks(transformers, trainer, model, callback, make=None) -> list:
     """Adds to `trainer` a callback that, at each optimizer step (after gapmon's), appends (gapmon's norms,
     the float64-loop norms of the samples the model saw in the step) to the list it returns."""
