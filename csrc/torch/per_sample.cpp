@@ -105,14 +105,18 @@ at::Tensor sum_gram_blocks(int64_t b, const at::TensorOptions& options, int64_t 
   return out;
 }
 
-// sum_{t,s} (a_t . a_s)(g_t . g_s) per sample: the squared Frobenius norm of g^T a, via Grams.
-at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, std::optional<int64_t> tile) {
+// sum_{t,s} (a_t . a_s)(g_t . g_s) per sample: the squared Frobenius norm of g^T a, via Grams. With `bias`,
+// sum_{t,s} (a_t . a_s + 1)(g_t . g_s): the weight's and the bias's together (the bias is the weight of an input
+// that is 1 at every position, and ||sum_t g_t||^2 is the sum of g's Gram), one op added to the Grams instead of a
+// reduction of g of its own.
+at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g, std::optional<int64_t> tile, bool bias) {
   check_pair(a, g, "ghost_norm_sq");
   return sum_gram_blocks(a.size(0), a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g))), a.size(1),
                          a.size(2) + g.size(2), tile, "ghost_norm_sq",
                          [&](int64_t s, int64_t n, int64_t i, int64_t ni, int64_t j, int64_t nj) {
     const at::Tensor as = a.narrow(0, s, n), gs = g.narrow(0, s, n);
-    const at::Tensor a_gram = wide_bmm(as.narrow(1, i, ni), as.narrow(1, j, nj).transpose(1, 2));
+    at::Tensor a_gram = wide_bmm(as.narrow(1, i, ni), as.narrow(1, j, nj).transpose(1, 2));
+    if (bias) a_gram.add_(1.0);
     return a_gram.mul_(wide_bmm(gs.narrow(1, i, ni), gs.narrow(1, j, nj).transpose(1, 2)));
   });
 }
@@ -274,7 +278,7 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gapmon, m) {
-  m.def("ghost_norm_sq(Tensor a, Tensor g, int? tile=None) -> Tensor");
+  m.def("ghost_norm_sq(Tensor a, Tensor g, int? tile=None, bool bias=False) -> Tensor");
   m.def("direct_norm_sq(Tensor a, Tensor g, int max_elements=67108864) -> Tensor");
   m.def("direct_norm_sq_and_grad(Tensor a, Tensor g, int max_elements=67108864) -> (Tensor, Tensor)");
   m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int? tile=None) -> Tensor");

@@ -362,12 +362,14 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(product_dtype(x))
 
 
-def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Σ_{t,s} (a_t·a_s)(g_t·g_s) per sample of a [B, T, d], g [B, T, p]: ||gᵀa||²_F via Grams."""
+def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """Σ_{t,s} (a_t·a_s)(g_t·g_s) per sample of a [B, T, d], g [B, T, p]: ||gᵀa||²_F via Grams. `bias`:
+    Σ_{t,s} (a_t·a_s + 1)(g_t·g_s), the squared norm of a Linear's weight and bias gradients together."""
     if COMPILED:
-        return torch.ops.gapmon.ghost_norm_sq(a, g)
+        return torch.ops.gapmon.ghost_norm_sq(a, g, None, bias)
     a, g = _wide(a), _wide(g)
-    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+    a_gram = torch.bmm(a, a.transpose(1, 2))
+    return ((a_gram + 1 if bias else a_gram) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
 
 def direct_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ def test_transformer_matches_vmap(monkeypatch, reduction, norm, seq_len, regime)
     calls = {"ghost": 0, "direct": 0}
     for fn, name in (("_ghost", "ghost"), ("_direct", "direct"), ("_direct_and_grad", "direct")):
         real = getattr(linear_rule, fn)
-        monkeypatch.setattr(linear_rule, fn, lambda a, g, real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real(a, g))[1])
+        monkeypatch.setattr(linear_rule, fn, lambda a, g, *more, real=real, name=name: (
+            calls.__setitem__(name, calls[name] + 1), real(a, g, *more))[1])
     model = _gpt(seq_len, norm)
     x, y = synthetic_batch(model.cfg, 5, 1)
     psn = gapmon.PerSampleGradNorms(model, loss_reduction=reduction, strict=True)
@@ -302,6 +303,44 @@ def test_large_grams_are_built_as_bands_of_their_upper_triangle(t):
     assert not {"aten::zeros", "aten::zero_", "aten::copy_", "aten::add_"} & set(ops), ops
     torch.testing.assert_close(small.double(), torch.bmm(g[:, :, :8].double().transpose(1, 2), a[:, :, :8].double())
                                .square().sum((1, 2)), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("tile", [None, 3])
+@pytest.mark.parametrize("t, width", [(9, 8), (64, 3000)], ids=["whole", "bands"])
+def test_ghost_norm_with_the_bias_adds_its_norm_in_the_grams(t, width, tile):
+    """bias=True: Σ (AAᵀ + 1) ⊙ (GGᵀ), the squared norm of a Linear's weight and bias gradients together (the bias
+    is the weight of an input that is 1 everywhere), against the float64 per-sample gradients of both; whole Grams,
+    bands and tiles alike, and the pure-PyTorch form."""
+    gen = torch.Generator().manual_seed(t)
+    a = torch.randn(3, t, width // 2, generator=gen, dtype=torch.float64)
+    g = torch.randn(3, t, width - width // 2, generator=gen, dtype=torch.float64)
+    want = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2)) + g.sum(1).square().sum(1)
+    if gapmon.backend() != "torch":
+        torch.testing.assert_close(torch.ops.gapmon.ghost_norm_sq(a, g, tile, True), want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(torch.ops.gapmon.ghost_norm_sq(a.float(), g.float(), tile, True).double(), want,
+                                   rtol=1e-4, atol=0)
+    if tile is None:
+        from gapmon.stats import _backend
+        compiled, _backend.COMPILED = _backend.COMPILED, False
+        try:
+            torch.testing.assert_close(_backend.ghost_norm_sq(a, g, bias=True), want, rtol=1e-12, atol=0)
+        finally:
+            _backend.COMPILED = compiled
+
+
+def test_a_ghost_form_linear_takes_its_bias_norm_from_the_grams():
+    """LinearRule in the ghost form (T (d + p) < d p): the bias's norm comes with the weight's from one ghost op (one sum,
+    over the Gram products), not from a reduction of the output gradient of its own: on a GPU three launches fewer per
+    Linear. The norms stay those of the float64 per-sample gradients."""
+    if gapmon.backend() == "torch":
+        pytest.skip("counts the compiled op's reductions")
+    from gapmon.per_sample.rules import LinearRule
+    layer = nn.Linear(64, 48).double()
+    a, g = torch.randn(4, 6, 64, dtype=torch.float64), torch.randn(4, 6, 48, dtype=torch.float64)
+    got, ops = _op_counts(lambda: LinearRule().norm_sq(layer, (a, g)))
+    assert ops.get("gapmon::ghost_norm_sq") == 1 and ops.get("aten::sum") == 1, ops
+    want = torch.bmm(g.transpose(1, 2), a).square().sum((1, 2)) + g.sum(1).square().sum(1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
 @pytest.mark.slow

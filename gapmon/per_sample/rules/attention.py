@@ -73,14 +73,12 @@ class MultiheadAttentionRule(NormRule):
     def norm_sq(self, module, pos):
         xq, xk, xv, gq, gk, gv, ctx, g = pos
         terms = []
-        if trainable(module.in_proj_weight):
-            terms += [product_norm_sq(a, gr) for a, gr in ((xq, gq), (xk, gk), (xv, gv))]
-        if trainable(module.in_proj_bias):
-            terms += [bias_norm_sq(gq), bias_norm_sq(gk), bias_norm_sq(gv)]
-        if trainable(module.out_proj.weight):
-            terms.append(product_norm_sq(ctx, g))
-        if trainable(module.out_proj.bias):
-            terms.append(bias_norm_sq(g))
+        for weight, bias, pairs in ((module.in_proj_weight, module.in_proj_bias, ((xq, gq), (xk, gk), (xv, gv))),
+                                    (module.out_proj.weight, module.out_proj.bias, ((ctx, g),))):
+            if trainable(weight):  # each bias's norm with its weight's (one Gram op in the ghost form)
+                terms += [product_norm_sq(a, gr, bias=trainable(bias)) for a, gr in pairs]
+            elif trainable(bias):
+                terms += [bias_norm_sq(gr) for _, gr in pairs]
         return sum_of_terms(terms, g.shape[0], g.dtype, g.device)
 
     def grad_sketch(self, module, pos, probe):

@@ -41,8 +41,8 @@ def ghost_in_flops(t: int, d: int, p: int) -> bool:
     return t * (d + p) < d * p
 
 
-def _ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return _backend.ghost_norm_sq(a, g)
+def _ghost(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    return _backend.ghost_norm_sq(a, g, bias)
 
 
 def _direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -58,13 +58,17 @@ def direct_form(t: int, d: int, p: int) -> bool:
     return t > 1 and not use_ghost(t, d, p)
 
 
-def product_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """||Σ_t g_t a_tᵀ||²_F per sample for a [B, T, d] and g [B, T, p]."""
+def product_norm_sq(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """||Σ_t g_t a_tᵀ||²_F per sample for a [B, T, d] and g [B, T, p]; `bias`: plus ||Σ_t g_t||², the bias's (in the
+    ghost form one Gram op, not a reduction of g of its own)."""
     t, d, p = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         a, g = a.to(_backend.product_dtype(a)), g.to(_backend.product_dtype(g))
-        return a.square().sum((1, 2)) * g.square().sum((1, 2))
-    return _direct(a, g) if direct_form(t, d, p) else _ghost(a, g)
+        a_sq = a.square().sum((1, 2))
+        return (a_sq + 1 if bias else a_sq) * g.square().sum((1, 2))
+    if not direct_form(t, d, p):
+        return _ghost(a, g, bias)
+    return _direct(a, g) + bias_norm_sq(g) if bias else _direct(a, g)
 
 
 def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch.Tensor,
@@ -111,9 +115,10 @@ class LinearRule(NormRule):
     def norm_sq(self, module, pos):
         a, g = pos
         dtype = torch.promote_types(_backend.product_dtype(a), _backend.product_dtype(g))
-        terms = [product_norm_sq(a, g)] if trainable(module.weight) else []
-        if trainable(module.bias):
-            terms.append(bias_norm_sq(g))
+        if trainable(module.weight):  # the bias's norm with the weight's
+            terms = [product_norm_sq(a, g, bias=trainable(module.bias))]
+        else:
+            terms = [bias_norm_sq(g)] if trainable(module.bias) else []
         return sum_of_terms(terms, g.shape[0], dtype, g.device)
 
     def norm_sq_and_grads(self, module, pos):
