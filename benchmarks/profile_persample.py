@@ -27,22 +27,27 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaHostAlloc", "cudaMalloc", "cudaFree")
 
 
-def _step(model, opt, mon, cfg, batch, i, device, autocast):
+PHASES = ("begin_step", "forward", "backward", "end_step", "optimizer")
+
+
+def _phases(model, opt, mon, cfg, batch, i, device, autocast) -> list:
+    """The calls of training step `i`, one per phase of PHASES, to run in order."""
     from gapmon.apps.examples import lm_loss, synthetic_batch
 
     x, y = synthetic_batch(cfg, batch, i, device=device)
-    if mon is not None:
-        mon.begin_step(i, batch_size=batch)
-    with autocast():
-        loss = lm_loss(model(x), y)
-    loss.backward()
-    if mon is not None:
-        mon.end_step()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    loss = []
+
+    def forward():
+        with autocast():
+            loss.append(lm_loss(model(x), y))
+
+    return [lambda: mon is not None and mon.begin_step(i, batch_size=batch), forward, lambda: loss[0].backward(),
+            lambda: mon is not None and mon.end_step(), lambda: (opt.step(), opt.zero_grad(set_to_none=True))]
 
 
-PHASES = ("begin_step", "forward", "backward", "end_step", "optimizer")
+def _step(model, opt, mon, cfg, batch, i, device, autocast):
+    for call in _phases(model, opt, mon, cfg, batch, i, device, autocast):
+        call()
 
 
 def _phase_times(model, opt, mon, cfg, batch, counter, device, autocast, steps: int = 8) -> dict:
@@ -50,24 +55,13 @@ def _phase_times(model, opt, mon, cfg, batch, counter, device, autocast, steps: 
     phase's calls, the device left running: what the host spends enqueueing) and `drained` (the device synchronised
     after each phase as well: what the phase costs end to end). A phase whose host time is close to its drained time
     is host-bound; one whose drained time is far above it is GPU-bound (or waits on the GPU inside)."""
-    from gapmon.apps.examples import lm_loss, synthetic_batch
-
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {}
     for mode in ("host", "drained"):
         per_phase: dict[str, list[float]] = {name: [] for name in PHASES}
         for _ in range(steps):
-            i = next(counter)
-            x, y = synthetic_batch(cfg, batch, i, device=device)
+            calls = _phases(model, opt, mon, cfg, batch, next(counter), device, autocast)
             sync()
-            calls = [lambda: mon is not None and mon.begin_step(i, batch_size=batch)]
-            loss = []
-
-            def forward():
-                with autocast():
-                    loss.append(lm_loss(model(x), y))
-            calls += [forward, lambda: loss[0].backward(), lambda: mon is not None and mon.end_step(),
-                      lambda: (opt.step(), opt.zero_grad(set_to_none=True))]
             for name, call in zip(PHASES, calls):
                 t0 = time.perf_counter()
                 call()

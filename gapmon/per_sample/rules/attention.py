@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ... import _torch_compat
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
-from .linear import product_norm_sq, product_sketch
+from .base import NormRule, Sketch, register_norm_rule, sketch, sum_of_terms, trainable
+from .linear import product_sketch, weight_and_bias_terms
 
 
 # -------------------------------------------------------------------- attention
@@ -72,13 +72,9 @@ class MultiheadAttentionRule(NormRule):
 
     def norm_sq(self, module, pos):
         xq, xk, xv, gq, gk, gv, ctx, g = pos
-        terms = []
-        for weight, bias, pairs in ((module.in_proj_weight, module.in_proj_bias, ((xq, gq), (xk, gk), (xv, gv))),
-                                    (module.out_proj.weight, module.out_proj.bias, ((ctx, g),))):
-            if trainable(weight):  # each bias's norm with its weight's (one Gram op in the ghost form)
-                terms += [product_norm_sq(a, gr, bias=trainable(bias)) for a, gr in pairs]
-            elif trainable(bias):
-                terms += [bias_norm_sq(gr) for _, gr in pairs]
+        w, bias, w_out, b_out = module.in_proj_weight, module.in_proj_bias, module.out_proj.weight, module.out_proj.bias
+        terms = [t for a, gr in ((xq, gq), (xk, gk), (xv, gv)) for t in weight_and_bias_terms(a, gr, w, bias)]
+        terms += weight_and_bias_terms(ctx, g, w_out, b_out)
         return sum_of_terms(terms, g.shape[0], g.dtype, g.device)
 
     def grad_sketch(self, module, pos, probe):

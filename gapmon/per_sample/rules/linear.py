@@ -71,6 +71,15 @@ def product_norm_sq(a: torch.Tensor, g: torch.Tensor, bias: bool = False) -> tor
     return _direct(a, g) + bias_norm_sq(g) if bias else _direct(a, g)
 
 
+def weight_and_bias_terms(a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """The [B] norm terms of a Linear-like pair (weight gradient Σ_t g_t a_tᵀ, bias gradient Σ_t g_t) for whichever
+    of the two trains: the bias's with the weight's in one product_norm_sq when both do."""
+    if trainable(weight):
+        return [product_norm_sq(a, g, bias=trainable(bias))]
+    return [bias_norm_sq(g)] if trainable(bias) else []
+
+
 def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch.Tensor,
                  budget: int = 1 << 24) -> torch.Tensor:
     """[B1, B2] float64 <Σ_t g1_it a1_itᵀ, Σ_s g2_js a2_jsᵀ> for a [B, T, d] and g [B, T, p]: the ghost form
@@ -115,11 +124,7 @@ class LinearRule(NormRule):
     def norm_sq(self, module, pos):
         a, g = pos
         dtype = torch.promote_types(_backend.product_dtype(a), _backend.product_dtype(g))
-        if trainable(module.weight):  # the bias's norm with the weight's
-            terms = [product_norm_sq(a, g, bias=trainable(module.bias))]
-        else:
-            terms = [bias_norm_sq(g)] if trainable(module.bias) else []
-        return sum_of_terms(terms, g.shape[0], dtype, g.device)
+        return sum_of_terms(weight_and_bias_terms(a, g, module.weight, module.bias), g.shape[0], dtype, g.device)
 
     def norm_sq_and_grads(self, module, pos):
         """In the direct form the per-sample gradients are formed anyway: their sum over samples comes with the

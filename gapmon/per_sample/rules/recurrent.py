@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
-from .linear import product_norm_sq, product_sketch
+from .base import NormRule, Sketch, register_norm_rule, sketch, sum_of_terms, trainable
+from .linear import product_sketch, weight_and_bias_terms
 
 
 def _directions(module: nn.RNNBase) -> list[tuple[int, int, str]]:
@@ -141,14 +141,8 @@ class RecurrentRule(NormRule):
         terms = []
         for k, (_, _, sfx) in enumerate(_directions(module)):
             x, di, prev, dh = pos[4 * k:4 * k + 4]
-            if trainable(getattr(module, f"weight_ih{sfx}")):
-                terms.append(product_norm_sq(x, di))
-            if trainable(getattr(module, f"weight_hh{sfx}")):
-                terms.append(product_norm_sq(prev, dh))
-            if trainable(getattr(module, f"bias_ih{sfx}", None)):
-                terms.append(bias_norm_sq(di))
-            if trainable(getattr(module, f"bias_hh{sfx}", None)):
-                terms.append(bias_norm_sq(dh))
+            terms += weight_and_bias_terms(x, di, getattr(module, f"weight_ih{sfx}"), getattr(module, f"bias_ih{sfx}", None))
+            terms += weight_and_bias_terms(prev, dh, getattr(module, f"weight_hh{sfx}"), getattr(module, f"bias_hh{sfx}", None))
         return sum_of_terms(terms, pos[0].shape[0], pos[0].dtype, pos[0].device)
 
     def grad_sketch(self, module, pos, probe):
