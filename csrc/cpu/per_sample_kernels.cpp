@@ -4,7 +4,11 @@
 // select_isa chose (AVX-512, AVX2 or the baseline).
 #include "per_sample_kernels.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <numeric>
+#include <vector>
 
 #include "stats_kernels.h"
 
@@ -90,7 +94,177 @@ Kernel<T> kernel() {
   return generic<T, V>;
 }
 
+template <typename T>
+__attribute__((always_inline)) inline bool row_norms(const int64_t* ids, const T* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0, int64_t b1,
+               double* out) {
+  std::vector<int32_t> order(static_cast<size_t>(t));
+  std::vector<double> row(static_cast<size_t>(d));
+  bool ok = true;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t* id = ids + b * t;
+    const T* gb = g + b * t * d;
+    bool in_range = true;
+    for (int64_t s = 0; s < t; ++s) in_range &= id[s] >= 0 && id[s] < (int64_t(1) << 32);
+    if (!in_range) {
+      ok = false;
+      continue;
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [id](int32_t x, int32_t y) { return id[x] < id[y]; });
+    double total = 0;
+    for (int64_t start = 0; start < t;) {
+      const int64_t v = id[order[start]];
+      int64_t end = start + 1;
+      while (end < t && id[order[end]] == v) ++end;
+      if (v != padding_idx) {
+        const T* first = gb + order[start] * d;
+        for (int64_t e = 0; e < d; ++e) row[e] = static_cast<double>(first[e]);
+        for (int64_t k = start + 1; k < end; ++k) {
+          const T* next = gb + order[k] * d;
+          for (int64_t e = 0; e < d; ++e) row[e] += static_cast<double>(next[e]);
+        }
+        double s = 0;
+        for (int64_t e = 0; e < d; ++e) s += row[e] * row[e];
+        total += s;
+      }
+      start = end;
+    }
+    out[b] = total;
+  }
+  return ok;
+}
+
+// 8 elements of x as float64 lanes.
+template <typename T>
+__attribute__((always_inline)) inline D8v load8(const T* x) {
+  D8v v;
+  for (int k = 0; k < 8; ++k) v[k] = static_cast<double>(x[k]);
+  return v;
+}
+
+// The sum of x[0..n) and of (x - shift)^2 in 8 float64 lanes, then the tail: a fixed order (the same bits on every
+// run), and no serial chain of n adds.
+template <typename T>
+__attribute__((always_inline)) inline double lane_sum(const T* x, int64_t n, double shift, bool squares) {
+  D8v acc = {};
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    const D8v c = load8(x + e) - shift;
+    acc += squares ? c * c : c;
+  }
+  double s = lanes_sum(acc);
+  for (; e < n; ++e) {
+    const double c = static_cast<double>(x[e]) - shift;
+    s += squares ? c * c : c;
+  }
+  return s;
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void norm_sums(const T* x, const T* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0, int64_t b1,
+               double* weight, double* bias) {
+  for (int64_t b = b0; b < b1; ++b) {
+    double* w = weight + b * n;
+    double* s = bias + b * n;
+    std::fill(w, w + n, 0.0);
+    std::fill(s, s + n, 0.0);
+    for (int64_t p = 0; p < t; ++p) {
+      const T* xr = x + (b * t + p) * n;
+      const T* gr = g + (b * t + p) * n;
+      const double mean = rms ? 0.0 : lane_sum(xr, n, 0.0, false) / static_cast<double>(n);
+      const double rstd = 1.0 / std::sqrt(lane_sum(xr, n, mean, true) / static_cast<double>(n) + eps);
+      for (int64_t e = 0; e < n; ++e) {
+        const double ge = static_cast<double>(gr[e]);
+        w[e] += ge * ((static_cast<double>(xr[e]) - mean) * rstd);
+        s[e] += ge;
+      }
+    }
+  }
+}
+
+// The kernels above for the instruction set select_isa chose (one definition, compiled three times).
+struct NormKernels {
+  template <typename T>
+  static void sums(const T* x, const T* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0, int64_t b1,
+                   double* weight, double* bias) {
+    norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+  }
+  template <typename T>
+  static bool rows(const int64_t* ids, const T* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0, int64_t b1,
+                   double* out) {
+    return row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+  }
+};
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+struct NormKernelsAvx2 {
+  template <typename T>
+  __attribute__((target("avx2,fma"))) static void sums(const T* x, const T* g, int64_t t, int64_t n, double eps,
+                                                       bool rms, int64_t b0, int64_t b1, double* weight, double* bias) {
+    norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+  }
+  template <typename T>
+  __attribute__((target("avx2,fma"))) static bool rows(const int64_t* ids, const T* g, int64_t t, int64_t d,
+                                                       int64_t padding_idx, int64_t b0, int64_t b1, double* out) {
+    return row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+  }
+};
+struct NormKernelsAvx512 {
+  template <typename T>
+  __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void sums(const T* x, const T* g, int64_t t, int64_t n,
+                                                                        double eps, bool rms, int64_t b0, int64_t b1,
+                                                                        double* weight, double* bias) {
+    norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+  }
+  template <typename T>
+  __attribute__((target("avx512f,avx512dq,avx2,fma"))) static bool rows(const int64_t* ids, const T* g, int64_t t,
+                                                                        int64_t d, int64_t padding_idx, int64_t b0,
+                                                                        int64_t b1, double* out) {
+    return row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+  }
+};
+#endif
+
+template <typename T>
+void dispatch_norm_sums(const T* x, const T* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0, int64_t b1,
+                        double* weight, double* bias) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  if (selected_isa_has_avx512()) return NormKernelsAvx512::sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+  if (selected_isa_has_avx2()) return NormKernelsAvx2::sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+#endif
+  NormKernels::sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+}
+
+template <typename T>
+bool dispatch_row_norms(const int64_t* ids, const T* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0,
+                        int64_t b1, double* out) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  if (selected_isa_has_avx512()) return NormKernelsAvx512::rows(ids, g, t, d, padding_idx, b0, b1, out);
+  if (selected_isa_has_avx2()) return NormKernelsAvx2::rows(ids, g, t, d, padding_idx, b0, b1, out);
+#endif
+  return NormKernels::rows(ids, g, t, d, padding_idx, b0, b1, out);
+}
+
 }  // namespace
+
+void affine_norm_sums(const float* x, const float* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0,
+                      int64_t b1, double* weight, double* bias) {
+  dispatch_norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+}
+
+void affine_norm_sums(const double* x, const double* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0,
+                      int64_t b1, double* weight, double* bias) {
+  dispatch_norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+}
+
+bool embedding_row_norms(const int64_t* ids, const float* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0,
+                         int64_t b1, double* out) {
+  return dispatch_row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+}
+
+bool embedding_row_norms(const int64_t* ids, const double* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0,
+                         int64_t b1, double* out) {
+  return dispatch_row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+}
 
 void sum_rows_and_squares(const float* x, int64_t n, int64_t stride, int64_t lo, int64_t hi, float* out, double* sq) {
   kernel<float, F16v>()(x, n, stride, lo, hi, out, sq);

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -226,30 +227,33 @@ std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, 
   return direct_products(a, g, max_elements, true, "direct_norm_sq_and_grad");
 }
 
-// The squared norms of the per-sample table gradients formed row by row on the CPU: the positions sorted by
-// (sample, id), each run of one (sample, id) summed into its row (index_add_, in order: deterministic), the rows'
-// squares added to their samples, padding rows left out. B·T·d additions and a sort, where the Gram pairs cost
-// B·T²·d multiply-adds and B·T² masks (at T=512, d=128, B=8: ~0.1 ms against ~5 ms here).
+// The squared norms of the per-sample table gradients formed row by row on the CPU (cpu::embedding_row_norms): each
+// sample's positions sorted by id and each run of one id summed into its row, in float64, padding rows left out.
+// B·T·d additions and B sorts of T, where the Gram pairs cost B·T²·d multiply-adds and B·T² masks; one pass over g,
+// no temporaries of its size (a composite of ~25 ATen ops before: 0.2-0.3 ms for [8, 128, 128] on the 2-core VM).
 at::Tensor embedding_norm_sq_by_rows(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx) {
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   const auto wide = g.options().dtype(sum_dtype(g));
-  at::Tensor out = at::zeros({b}, wide);
-  if (b * t == 0) return out;
-  const at::Tensor id = ids.to(at::kLong).reshape({b * t});
-  const at::Tensor sample = at::arange(b, id.options()).repeat_interleave(t);
-  const auto [lowest, highest] = at::aminmax(id);
-  TORCH_CHECK_VALUE(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < (int64_t(1) << 32),
-                    "gapmon.embedding_norm_sq: ids must lie in [0, 2^32), got ", lowest.item<int64_t>(), " .. ",
-                    highest.item<int64_t>());
-  auto [keys, order] = (sample.mul(int64_t(1) << 32) + id).sort();  // one key per (sample, id)
-  const at::Tensor starts = at::ones({b * t}, id.options().dtype(at::kBool));
-  if (b * t > 1) starts.narrow(0, 1, b * t - 1).copy_(keys.narrow(0, 1, b * t - 1).ne(keys.narrow(0, 0, b * t - 1)));
-  const at::Tensor row = starts.to(at::kLong).cumsum(0).sub_(1);  // the row of each sorted position
-  at::Tensor rows = at::zeros({b * t, d}, wide).index_add_(0, row, g.reshape({b * t, d}).index_select(0, order).to(wide));
-  at::Tensor row_sq = rows.square().sum(1);  // [B·T]: the first `rows` entries are rows, the rest zero
-  at::Tensor keep = starts;
-  if (padding_idx >= 0) keep = starts.logical_and(id.index_select(0, order).ne(padding_idx));
-  return out.index_add_(0, keys.div(int64_t(1) << 32, "floor"), row_sq.index_select(0, row).mul_(keep));
+  if (b * t == 0) return at::zeros({b}, wide);
+  TORCH_CHECK_VALUE(t < (int64_t(1) << 31), "gapmon.embedding_norm_sq: at most 2^31 - 1 positions per sample, got ", t);
+  const at::Tensor id = ids.to(at::kLong).contiguous();
+  const at::Tensor rows = g.to(sum_dtype(g)).contiguous();
+  at::Tensor out = at::empty({b}, g.options().dtype(at::kDouble));
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, b, 1, [&](int64_t b0, int64_t b1) {
+    const bool fine = rows.scalar_type() == at::kDouble
+        ? cpu::embedding_row_norms(id.data_ptr<int64_t>(), rows.data_ptr<double>(), t, d, padding_idx, b0, b1,
+                                   out.data_ptr<double>())
+        : cpu::embedding_row_norms(id.data_ptr<int64_t>(), rows.data_ptr<float>(), t, d, padding_idx, b0, b1,
+                                   out.data_ptr<double>());
+    if (!fine) ok = false;
+  });
+  if (!ok) {
+    const auto [lowest, highest] = at::aminmax(id);
+    TORCH_CHECK_VALUE(false, "gapmon.embedding_norm_sq: ids must lie in [0, 2^32), got ", lowest.item<int64_t>(), " .. ",
+                      highest.item<int64_t>());
+  }
+  return out.to(wide);
 }
 
 // Embedding: per-sample gradient rows are sums of g_t over positions with the same id (rows of
@@ -275,6 +279,34 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
   });
 }
 
+// An affine normalisation's per-sample gradients over the last dim of x, g [B, T, n] (LayerNorm, or RMSNorm with
+// `rms`): (sum_t g_t ⊙ x̂_t, sum_t g_t) [B, n] each, in float32 or wider. On the CPU one read of x and g in float64
+// (cpu::affine_norm_sums; x̂, its product and the sums are ~7 ATen ops apart, each a pass over [B, T, n]); elsewhere
+// (CUDA, meta) from ATen's own normalisation.
+std::tuple<at::Tensor, at::Tensor> affine_norm_sums(const at::Tensor& x, const at::Tensor& g, double eps, bool rms) {
+  TORCH_CHECK_VALUE(x.dim() == 3 && g.sizes() == x.sizes(), "gapmon.affine_norm_sums: expected x and g of one shape "
+                    "[B, T, n], got ", x.sizes(), " and ", g.sizes());
+  const at::ScalarType wide = at::promote_types(sum_dtype(x), sum_dtype(g));
+  const int64_t b = x.size(0), t = x.size(1), n = x.size(2);
+  if (!(x.is_cpu() && g.is_cpu())) {
+    const at::Tensor xw = x.to(wide), gw = g.to(wide);
+    const at::Tensor xhat = rms ? at::rms_norm(xw, {n}, std::nullopt, eps) : at::layer_norm(xw, {n}, {}, {}, eps);
+    return {gw.mul(xhat).sum(1), gw.sum(1)};
+  }
+  const at::Tensor xw = x.to(wide).contiguous(), gw = g.to(wide).contiguous();
+  at::Tensor weight = at::empty({b, n}, x.options().dtype(at::kDouble)), bias = at::empty_like(weight);
+  at::parallel_for(0, b, 1, [&](int64_t b0, int64_t b1) {
+    if (wide == at::kDouble) {
+      cpu::affine_norm_sums(xw.data_ptr<double>(), gw.data_ptr<double>(), t, n, eps, rms, b0, b1,
+                            weight.data_ptr<double>(), bias.data_ptr<double>());
+    } else {
+      cpu::affine_norm_sums(xw.data_ptr<float>(), gw.data_ptr<float>(), t, n, eps, rms, b0, b1,
+                            weight.data_ptr<double>(), bias.data_ptr<double>());
+    }
+  });
+  return {weight.to(wide), bias.to(wide)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gapmon, m) {
@@ -282,6 +314,7 @@ TORCH_LIBRARY_FRAGMENT(gapmon, m) {
   m.def("direct_norm_sq(Tensor a, Tensor g, int max_elements=67108864) -> Tensor");
   m.def("direct_norm_sq_and_grad(Tensor a, Tensor g, int max_elements=67108864) -> (Tensor, Tensor)");
   m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int? tile=None) -> Tensor");
+  m.def("affine_norm_sums(Tensor x, Tensor g, float eps, bool rms) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(gapmon, CompositeExplicitAutograd, m) {
@@ -289,6 +322,7 @@ TORCH_LIBRARY_IMPL(gapmon, CompositeExplicitAutograd, m) {
   m.impl("direct_norm_sq", &direct_norm_sq);
   m.impl("direct_norm_sq_and_grad", &direct_norm_sq_and_grad);
   m.impl("embedding_norm_sq", &embedding_norm_sq);
+  m.impl("affine_norm_sums", &affine_norm_sums);
 }
 
 }  // namespace gapmon

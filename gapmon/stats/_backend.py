@@ -11,6 +11,7 @@ import warnings
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .. import _torch_compat
 from . import reference
@@ -402,3 +403,15 @@ def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1)
         valid = ids != padding_idx
         same &= valid.unsqueeze(2) & valid.unsqueeze(1)
     return (torch.bmm(g, g.transpose(1, 2)) * same).sum((1, 2))
+
+
+def affine_norm_sums(x: torch.Tensor, g: torch.Tensor, eps: float, rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_t g_t ⊙ x̂_t, Σ_t g_t) [B, n] per sample of x, g [B, T, n]: an affine LayerNorm's (RMSNorm's with `rms`) per-sample
+    weight and bias gradients over the last dim, x̂ normalised with `eps`, in float32 or wider."""
+    if COMPILED:
+        return torch.ops.gapmon.affine_norm_sums(x, g, eps, rms)
+    dtype = torch.promote_types(product_dtype(x), product_dtype(g))
+    x, g = x.to(dtype), g.to(dtype)
+    n = x.shape[-1]
+    xhat = F.rms_norm(x, (n,), eps=eps) if rms else F.layer_norm(x, (n,), eps=eps)
+    return (g * xhat).sum(1), g.sum(1)

@@ -398,6 +398,36 @@ def test_embedding_norms_by_rows_equal_the_gram_pairs_and_float64(dtype):
             torch.ops.gapmon.embedding_norm_sq(torch.tensor([[0, bad]]), torch.ones(1, 2, 3), -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_affine_norm_sums_equal_float64_per_sample_gradients(dtype, rms):
+    """gapmon.affine_norm_sums (on the CPU one read of x and g in float64) gives each sample's LayerNorm / RMSNorm
+    weight and bias gradients: those of float64 x̂ from the same input values, for rows far from zero mean, one
+    position, no position, no sample and a strided input; in float32 (float64 for float64 inputs)."""
+    if gapmon.backend() == "torch":
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator().manual_seed(7)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    eps = 1e-5
+    for b, t, n in ((3, 7, 10), (2, 1, 33), (2, 0, 4), (0, 3, 4), (4, 40, 128)):
+        x = (torch.randn(b, t, n, generator=gen, dtype=torch.float64) * 3 + 5).to(dtype)
+        g = torch.randn(b, t, n, generator=gen, dtype=torch.float64).to(dtype)
+        x64, g64 = x.double(), g.double()
+        xhat = torch.nn.functional.rms_norm(x64, (n,), eps=eps) if rms else torch.nn.functional.layer_norm(x64, (n,), eps=eps)
+        want_w, want_b = (g64 * xhat).sum(1), g64.sum(1)
+        for xs, gs in ((x, g), (x.transpose(0, 1).contiguous().transpose(0, 1), g)):  # strided x: the same sums
+            got_w, got_b = torch.ops.gapmon.affine_norm_sums(xs, gs, eps, rms)
+            assert got_w.dtype == got_b.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            assert got_w.shape == got_b.shape == (b, n)
+            torch.testing.assert_close(got_w.double(), want_w, rtol=tol, atol=tol)
+            torch.testing.assert_close(got_b.double(), want_b, rtol=tol, atol=tol)
+    meta_w, meta_b = torch.ops.gapmon.affine_norm_sums(torch.empty(2, 5, 3, device="meta"),
+                                                      torch.empty(2, 5, 3, device="meta"), eps, rms)
+    assert meta_w.shape == meta_b.shape == (2, 3)
+    with pytest.raises(ValueError, match="expected x and g of one shape"):
+        torch.ops.gapmon.affine_norm_sums(torch.ones(2, 3, 4), torch.ones(2, 3, 5), eps, rms)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_products_sum_in_float32(dtype):
     """16-bit operands give float32 norms equal to the float64 products of the same 16-bit values:

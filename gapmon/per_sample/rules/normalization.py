@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...stats import _backend
 from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, sketch, sum_of_terms, trainable
 
 
@@ -53,15 +54,25 @@ class _AffineNormRule(NormRule):
 
 @register_norm_rule(nn.LayerNorm, nn.RMSNorm)
 class LastDimsNormRule(_AffineNormRule):
+    """torch's LayerNorm and RMSNorm over trailing dims. Positions are the raw input (not x̂: x̂ is per position, so
+    positions still concatenate along T) and g, as [B, T, n]; each sample's sums come from one op that forms x̂ on the
+    way (gapmon.affine_norm_sums: on the CPU one read of both in float64, instead of x̂, its product and the sums apart)."""
+
     moves_batch = True
 
     def positions(self, module, call, g, acc):
-        a, shape = call.arg(0, "input"), tuple(module.normalized_shape)
-        if isinstance(module, nn.LayerNorm):
-            xhat = F.layer_norm(a.to(acc), shape, eps=module.eps)
-        else:
-            xhat = F.rms_norm(a.to(acc), shape, eps=module.eps)
-        return _per_position(xhat, g, acc, math.prod(shape))
+        a = call.arg(0, "input")
+        return _per_position(a, g, acc, math.prod(module.normalized_shape))
+
+    def per_sample_sums(self, module, pos):
+        x, g = pos
+        rms = isinstance(module, nn.RMSNorm)
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps  # F.rms_norm's default, x's dtype
+        weight, bias = (getattr(module, name, None) for name in ("weight", "bias"))
+        if not (trainable(weight) or trainable(bias)):
+            return []
+        w_sums, b_sums = _backend.affine_norm_sums(x, g, float(eps), rms)
+        return [(p, sums) for p, sums in ((weight, w_sums), (bias, b_sums)) if trainable(p)]
 
 
 def _hf_names(*families: tuple[str, str]) -> list[str]:
@@ -72,10 +83,12 @@ def _hf_names(*families: tuple[str, str]) -> list[str]:
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
     ("qwen2_moe", "Qwen2MoeRMSNorm"), ("qwen3", "Qwen3RMSNorm"), ("phi3", "Phi3RMSNorm"), ("granite", "GraniteRMSNorm"),
     ("smollm3", "SmolLM3RMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm")))
-class HFRMSNormRule(LastDimsNormRule):
+class HFRMSNormRule(_AffineNormRule):
     """Hugging Face's RMSNorm (LlamaRMSNorm and the families that copy its forward): x̂ = x·rsqrt(mean(x²) + eps)
     formed in float32 whatever the input's dtype, cast back to it, then times the weight. x̂ is formed here as the
     layer forms it, so the norms are those of the gradient autograd computes (a float64 model's x̂ is float32's)."""
+
+    moves_batch = True
 
     # Whether x̂ is cast to the input's dtype before the weight multiplies it (Llama) or the product is float32's (OLMo 2).
     cast_before_weight = True
