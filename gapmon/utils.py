@@ -145,16 +145,37 @@ class ParameterWatch:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self._refs = [(n, weakref.ref(p)) for n, p in model.named_parameters()]
+        self._tree = self._snapshot()
+
+    def _snapshot(self) -> list[tuple]:
+        """Per module reachable from the model: (its weak reference, its own parameters' and its children's names and
+        weak references). named_parameters() is made of these registries, so while none changes it is unchanged."""
+        def refs(registry: dict) -> tuple:
+            return tuple(registry), tuple(None if v is None else weakref.ref(v) for v in registry.values())
+
+        return [(weakref.ref(m), *refs(m._parameters), *refs(m._modules)) for m in self.model.modules()]
 
     def changed(self) -> bool:
-        """Whether a parameter was replaced, added or removed since the last call (or construction)."""
-        current = list(self.model.named_parameters())
-        if len(current) == len(self._refs) and all(
-                ref() is p and name == n for (n, p), (name, ref) in zip(current, self._refs)):
+        """Whether a parameter was replaced, added or removed since the last call (or construction): any module's
+        parameter or child registry changed (names or objects). A walk of plain dicts, not named_parameters()'s
+        generators (~4x faster: it runs every step)."""
+        for module_ref, names, params, child_names, children in self._tree:
+            module = module_ref()
+            if module is None or not (_same(module._parameters, names, params)
+                                      and _same(module._modules, child_names, children)):
+                self._tree = self._snapshot()
+                return True
+        return False
+
+
+def _same(registry: dict, names: tuple, refs: tuple) -> bool:
+    """Whether `registry` holds the objects of `refs` under `names`, in that order."""
+    if len(registry) != len(names):
+        return False
+    for (name, value), was_name, ref in zip(registry.items(), names, refs):
+        if name != was_name or value is not (None if ref is None else ref()):
             return False
-        self._refs = [(n, weakref.ref(p)) for n, p in current]
-        return True
+    return True
 
 
 def layer_type_name(module: nn.Module) -> str:

@@ -73,7 +73,9 @@ class PerSampleMetrics:
         """The divisor of the data-parallel reduction: the ranks of the monitor's group (DDP, FSDP2 by default),
         or the factor FSDP2's set_gradient_divide_factor set (the same on every FSDP unit, else NaN: the noise
         scale is then left out rather than wrong)."""
-        world = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        if not (dist.is_available() and dist.is_initialized()):  # one process: no data-parallel reduction, no FSDP2
+            return 1.0
+        world = dist.get_world_size(self.group)
         factors = _torch_compat.fsdp_gradient_divide_factors(self.per_sample.model)
         if not factors or factors == {None}:
             return float(world)

@@ -44,8 +44,11 @@ def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1:
         return tensors[0].double()
     if len({t.device for t in tensors}) == 1:
-        common = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-        return torch.stack([t.to(common) for t in tensors]).double().sum(0)  # .to: nothing for a part in `common`
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:  # (each part cast alone: a layer's norms in another dtype than the rest)
+            common = functools.reduce(torch.promote_types, dtypes)
+            tensors = [t if t.dtype == common else t.to(common) for t in tensors]
+        return torch.stack(tensors).double().sum(0)
     return functools.reduce(lambda a, b: a + b.to(a.device, torch.float64), tensors[1:], tensors[0].double())
 
 

@@ -382,6 +382,48 @@ def test_the_use_check_starts_over_every_step():
     psn.close()
 
 
+class MixedPrecisionUsedTwice(nn.Module):
+    """A float64 layer and a float32 one, the float32 layer's weight read once more outside it on the steps `twice`
+    says."""
+
+    twice = False
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6).double(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).to(self.b.weight.dtype)  # (the float64 reference copy: float64 throughout)
+        out = self.b(h)
+        return out + 1e-2 * F.linear(h, self.b.weight) if self.twice else out
+
+
+def test_the_use_check_arena_holds_the_kept_checks_by_dtype():
+    """From the second step on the kept checks' sums are slices of one buffer per dtype (zeroed in one op, compared in
+    one pass): the same norms as the float64 loop step after step, and a use outside the layer is still refused by name
+    after clean steps, and a clean step after it is exact again."""
+    torch.manual_seed(0)
+    model = MixedPrecisionUsedTwice()
+    psn = gapmon.PerSampleGradNorms(model)
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3)
+    for step, twice in enumerate((False, False, True, False)):
+        psn.reset()
+        model.zero_grad(set_to_none=True)
+        model.twice = twice
+        _loss(model(x), y).backward()
+        if twice:
+            with pytest.raises(RuntimeError, match=r"b\.weight \(relative difference"):
+                psn.local_norms()
+            continue
+        want = loop_per_sample_norms(model, lambda out, t: _loss(out.double(), t.double()), x, y)
+        torch.testing.assert_close(psn.local_norms().double(), want, rtol=1e-5, atol=0)
+        arena = psn._checker._arena
+        if step:
+            assert arena is not None and sorted(str(b.dtype) for b, _, _ in arena.buffers) == ["torch.float32",
+                                                                                                 "torch.float64"]
+    psn.close()
+
+
 class DeepUsedTwice(nn.Module):
     """`depth` Linear layers, the weight of the middle one read once more outside it."""
 
