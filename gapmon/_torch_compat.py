@@ -49,6 +49,12 @@ def own_parameters(module: nn.Module) -> list[nn.Parameter]:
     return own
 
 
+def module_registries(module: nn.Module) -> tuple[dict, dict]:
+    """The module's own parameter and child registries (`_parameters`, `_modules`: what named_parameters() walks),
+    read without named_parameters()'s generators."""
+    return module._parameters, module._modules
+
+
 def has_kernel_for(op: str, dispatch_key: str) -> bool:
     """Whether the dispatcher has a kernel of `op` ("gapmon::tensor_stats") for `dispatch_key`."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)

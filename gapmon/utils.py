@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _torch_compat
+
 # Attributes that FSDP1, activation checkpointing and torch.compile wrappers insert into names:
 # private names, stripped wherever they appear.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -153,16 +155,20 @@ class ParameterWatch:
         def refs(registry: dict) -> tuple:
             return tuple(registry), tuple(None if v is None else weakref.ref(v) for v in registry.values())
 
-        return [(weakref.ref(m), *refs(m._parameters), *refs(m._modules)) for m in self.model.modules()]
+        return [(weakref.ref(m), *(part for registry in _torch_compat.module_registries(m) for part in refs(registry)))
+                for m in self.model.modules()]
 
     def changed(self) -> bool:
         """Whether a parameter was replaced, added or removed since the last call (or construction): any module's
         parameter or child registry changed (names or objects). A walk of plain dicts, not named_parameters()'s
-        generators (~4x faster: it runs every step)."""
+        generators (~1.5x faster: it runs every step)."""
         for module_ref, names, params, child_names, children in self._tree:
             module = module_ref()
-            if module is None or not (_same(module._parameters, names, params)
-                                      and _same(module._modules, child_names, children)):
+            if module is None:
+                self._tree = self._snapshot()
+                return True
+            own, kids = _torch_compat.module_registries(module)
+            if not (_same(own, names, params) and _same(kids, child_names, children)):
                 self._tree = self._snapshot()
                 return True
         return False

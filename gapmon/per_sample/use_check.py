@@ -123,9 +123,7 @@ class SketchArena:
                 c.total, c.explained = c.sums.unbind(0)
                 c.arena = self
                 start += c.rows
-            segment = torch.repeat_interleave(torch.arange(len(members), device=device),
-                                              torch.tensor([c.rows for c in members], device=device))
-            self.buffers.append((buffer, members, segment))
+            self.buffers.append((buffer, members, torch.tensor([c.rows for c in members], device=device)))
         self.size = len(checks)
 
     def zero_(self) -> None:
@@ -136,12 +134,11 @@ class SketchArena:
         """id(check) -> (||total - explained||, max(||total||, ||explained||)) of every member, float64 norms of the
         sums (one pass and one host read per buffer)."""
         out: dict[int, tuple[float, float]] = {}
-        for buffer, members, segment in self.buffers:
+        for buffer, members, rows in self.buffers:
             wide = buffer.to(torch.float64)
-            parts = torch.stack((wide[0] - wide[1], wide[0], wide[1])).square_()
-            norms = torch.zeros(3, len(members), dtype=torch.float64, device=buffer.device).index_add_(1, segment, parts)
-            diff, total, explained = norms.sqrt_().cpu().tolist()
-            for c, d, t, e in zip(members, diff, total, explained):
+            squares = torch.stack((wide[0] - wide[1], wide[0], wide[1]), dim=1).square_()  # [rows, 3]
+            norms = torch.segment_reduce(squares, "sum", lengths=rows, axis=0).sqrt_().cpu().tolist()
+            for c, (d, t, e) in zip(members, norms):
                 out[id(c)] = (d, _max_keeping_nan(t, e))
         return out
 

@@ -578,3 +578,23 @@ def test_a_tensors_bits_do_not_depend_on_the_list():
     work = _cuda_work(lambda: torch.ops.gapmon.multi_tensor_states([long, *small]))
     kernels = [w for w in work if not w.startswith("Memcpy")]
     assert len(kernels) == 1 and "stats_kernel" in kernels[0] and len(work) <= 2, work
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_affine_norm_sums_on_cuda_match_float64_and_the_cpu_kernel(rms):
+    """gapmon.affine_norm_sums on CUDA (from ATen's own normalisation) gives each sample's LayerNorm / RMSNorm weight
+    and bias gradients: float64's, and the CPU kernel's within float32 rounding, for float32 and bf16 inputs."""
+    if not gapmon.stats._backend.COMPILED:
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4, 33, 96, generator=gen, dtype=torch.float64) * 2 + 1).to(dtype)
+        g = torch.randn(4, 33, 96, generator=gen, dtype=torch.float64).to(dtype)
+        x64, g64 = x.double(), g.double()
+        xhat = torch.nn.functional.rms_norm(x64, (96,), eps=1e-5) if rms else torch.nn.functional.layer_norm(x64, (96,), eps=1e-5)
+        got = torch.ops.gapmon.affine_norm_sums(x.cuda(), g.cuda(), 1e-5, rms)
+        cpu = torch.ops.gapmon.affine_norm_sums(x, g, 1e-5, rms)
+        for part, want, on_cpu in zip(got, ((g64 * xhat).sum(1), g64.sum(1)), cpu):
+            assert part.device.type == "cuda" and part.dtype == torch.float32
+            torch.testing.assert_close(part.cpu().double(), want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(part.cpu(), on_cpu, rtol=1e-4, atol=1e-4)
