@@ -227,6 +227,17 @@ std::tuple<at::Tensor, at::Tensor> direct_norm_sq_and_grad(const at::Tensor& a, 
   return direct_products(a, g, max_elements, true, "direct_norm_sq_and_grad");
 }
 
+// Book-keeping of a Linear whose weight and bias both train: direct_norm_sq_and_grad's squared norms plus each
+// sample's bias part ||sum_t g_bt||^2 ([B]), the weight gradient ([p, d]) and the bias gradient sum_b sum_t g_bt ([p],
+// summed in float32 or wider): the layer's backward work in one op (on a GPU its launches queued from C++).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_norm_sq_and_grads(const at::Tensor& a, const at::Tensor& g,
+                                                                        int64_t max_elements) {
+  auto [sq, grad] = direct_products(a, g, max_elements, true, "linear_norm_sq_and_grads");
+  const at::Tensor per_sample = g.sum({1}, false, sum_dtype(g));  // [B, p]: each sample's bias gradient
+  sq.add_(per_sample.square().sum(1));
+  return {sq, grad, per_sample.sum(0)};
+}
+
 // The squared norms of the per-sample table gradients formed row by row on the CPU (cpu::embedding_row_norms): each
 // sample's positions sorted by id and each run of one id summed into its row, in float64, padding rows left out.
 // B·T·d additions and B sorts of T, where the Gram pairs cost B·T²·d multiply-adds and B·T² masks; one pass over g,
@@ -313,6 +324,7 @@ TORCH_LIBRARY_FRAGMENT(gapmon, m) {
   m.def("ghost_norm_sq(Tensor a, Tensor g, int? tile=None, bool bias=False) -> Tensor");
   m.def("direct_norm_sq(Tensor a, Tensor g, int max_elements=67108864) -> Tensor");
   m.def("direct_norm_sq_and_grad(Tensor a, Tensor g, int max_elements=67108864) -> (Tensor, Tensor)");
+  m.def("linear_norm_sq_and_grads(Tensor a, Tensor g, int max_elements=67108864) -> (Tensor, Tensor, Tensor)");
   m.def("embedding_norm_sq(Tensor ids, Tensor g, int padding_idx=-1, int? tile=None) -> Tensor");
   m.def("affine_norm_sums(Tensor x, Tensor g, float eps, bool rms) -> (Tensor, Tensor)");
 }
@@ -321,6 +333,7 @@ TORCH_LIBRARY_IMPL(gapmon, CompositeExplicitAutograd, m) {
   m.impl("ghost_norm_sq", &ghost_norm_sq);
   m.impl("direct_norm_sq", &direct_norm_sq);
   m.impl("direct_norm_sq_and_grad", &direct_norm_sq_and_grad);
+  m.impl("linear_norm_sq_and_grads", &linear_norm_sq_and_grads);
   m.impl("embedding_norm_sq", &embedding_norm_sq);
   m.impl("affine_norm_sums", &affine_norm_sums);
 }

@@ -31,13 +31,17 @@ class _Carried:
         self.output, self.operand = output, operand
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype` (no op called when it is already: each is a dispatch, on a GPU queued from the host)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class BookkeepingLinear(torch.autograd.Function):
     """Identity on the output of F.linear(x, weight, bias) (carried detached); its backward is
-    Linear's, with the weight gradient summed from per-sample gradients whose squared norms ([B], or
-    None for a frozen weight) go to `report(g, sq, bias_sums, returned)`, g the output gradient as [B, T, p],
-    bias_sums each sample's bias gradient [B, p] (None for a frozen or absent bias) and `returned` the
-    (parameter, gradient) pairs this backward hands to autograd: the very tensor objects (the use check knows
-    them again when they reach the parameters' hooks unchanged)."""
+    Linear's, with the weight gradient summed from per-sample gradients whose squared norms, the bias's added
+    ([B]: the call's whole per-sample squared norms), go to `report(g, sq, returned)`, g the output gradient as
+    [B, T, p] and `returned` the (parameter, gradient) pairs this backward hands to autograd: the very tensor
+    objects (the use check knows them again when they reach the parameters' hooks unchanged)."""
 
     @staticmethod
     def forward(ctx, carried: _Carried, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -53,19 +57,26 @@ class BookkeepingLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         a, weight = ctx.saved_tensors
         compute = grad_out.dtype  # the dtype F.linear ran in (bfloat16 under bf16 autocast)
-        grad_x = grad_w = grad_b = sq = bias_sums = None
+        grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_x = (grad_out @ weight.to(compute)).to(ctx.x_dtype)
+            grad_x = _as(grad_out @ _as(weight, compute), ctx.x_dtype)
         b = grad_out.shape[0]
         g = grad_out.reshape(b, -1, grad_out.shape[-1])
-        if ctx.needs_input_grad[2]:
-            sq, summed = _backend.direct_norm_sq_and_grad(a.reshape(b, -1, a.shape[-1]), g)
-            grad_w = summed.to(weight.dtype)
-        if ctx.needs_input_grad[3]:  # each sample's bias gradient, once: for the norms and their sum
-            bias_sums = g.sum(1, dtype=_backend.product_dtype(g))
-            grad_b = bias_sums.sum(0).to(ctx.bias_dtype)
+        a = a.reshape(b, -1, a.shape[-1])
+        wide = _backend.product_dtype(g)
+        if ctx.needs_input_grad[2] and ctx.needs_input_grad[3]:  # both in one op, each sample's bias gradient once
+            sq, summed, bias_summed = _backend.linear_norm_sq_and_grads(a, g)
+            grad_w, grad_b = _as(summed, weight.dtype), _as(bias_summed, ctx.bias_dtype)
+        elif ctx.needs_input_grad[2]:
+            sq, summed = _backend.direct_norm_sq_and_grad(a, g)
+            grad_w = _as(summed, weight.dtype)
+        elif ctx.needs_input_grad[3]:
+            bias_sums = g.sum(1, dtype=wide)
+            sq, grad_b = bias_sums.square().sum(1), _as(bias_sums.sum(0), ctx.bias_dtype)
+        else:
+            sq = torch.zeros(b, dtype=wide, device=g.device)
         returned = [(p, grad) for p, grad in zip(ctx.params, (grad_w, grad_b)) if grad is not None]
-        ctx.report(g, sq, bias_sums, returned)
+        ctx.report(g, sq, returned)
         return None, grad_x, grad_w, grad_b, None
 
 
@@ -74,7 +85,7 @@ def bookkeep(output: torch.Tensor, x: torch.Tensor, module: torch.nn.Linear,
     """The output of `module`(x) to return from its forward hook: the same values, whose backward
     runs through BookkeepingLinear (the original output's graph is dropped with it). It saves the
     input as F.linear used it: under autocast its 16-bit cast, as autocast itself saves."""
-    operand = x.detach().to(output.dtype)
+    operand = _as(x.detach(), output.dtype)
     return BookkeepingLinear.apply(_Carried(output.detach(), operand), x, module.weight, module.bias, report)
 
 

@@ -225,12 +225,12 @@ class LayerHooks:
         if calls.complete():
             self.finish(index, mb)
 
-    def _bookkept(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor, weight_sq: torch.Tensor | None,
-                  bias_sums: torch.Tensor | None, returned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _bookkept(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor, sq: torch.Tensor,
+                  returned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """BookkeepingLinear's backward of call `call` of layer `index`: g is the output gradient
-        [B, T, p], weight_sq the weight part of the squared norms, bias_sums each sample's bias gradient [B, p]
-        (None without a trainable bias) and `returned` the (parameter, gradient) pairs it hands to autograd, each
-        the sum of the per-sample gradients it formed (the use check takes them as they are)."""
+        [B, T, p], sq the call's per-sample squared norms (weight and bias) and `returned` the (parameter, gradient)
+        pairs it hands to autograd, each the sum of the per-sample gradients it formed (the use check takes them as
+        they are)."""
         calls = mb.layers.get(index)
         if calls is not None and len(calls.calls) > 1:
             # The layer ran several times: its per-sample gradient is the sum over the calls, whose
@@ -242,9 +242,7 @@ class LayerHooks:
         del mb.layers[index]
         name, module, rule = self.layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-        with torch.no_grad():
-            sq = rule.bookkept_norm_sq(module, g, weight_sq, bias_sums)
-            self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, returned, returned=True)
+        self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, returned, returned=True)
         mb.add(sq, acc, self.coverage.type_of(name, module))
         mb.finished.add(index)
 

@@ -393,6 +393,16 @@ def direct_norm_sq_and_grad(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     return grads.square().sum((1, 2)), grads.sum(0)
 
 
+def linear_norm_sq_and_grads(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(||g_bᵀ a_b||²_F + ||Σ_t g_bt||² per sample [B], Σ_b g_bᵀ a_b [p, d], Σ_b Σ_t g_bt [p]): book-keeping of a Linear
+    whose weight and bias both train, in one op."""
+    if COMPILED:
+        return torch.ops.gapmon.linear_norm_sq_and_grads(a, g)
+    sq, grad = direct_norm_sq_and_grad(a, g)
+    per_sample = g.sum(1, dtype=product_dtype(g))
+    return sq + per_sample.square().sum(1), grad, per_sample.sum(0)
+
+
 def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
     """Σ over positions t, s with equal ids (not padding_idx) of g_t·g_s, per sample."""
     if COMPILED:

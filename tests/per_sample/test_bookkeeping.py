@@ -233,7 +233,8 @@ def test_a_bookkept_weight_used_outside_its_layer_is_still_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_the_book_keeping_op_against_float64_per_sample_gradients(dtype, cpu_isa):
-    """gapmon::direct_norm_sq_and_grad and direct_norm_sq: on the CPU the per-sample gradients formed a tile of
+    """gapmon::direct_norm_sq_and_grad, direct_norm_sq and linear_norm_sq_and_grads (with the bias): on the CPU the
+    per-sample gradients formed a tile of
     rows at a time and read once for their sum and their squared norms (a kernel per instruction set):
     per-sample gradients of 4,100 and 37 elements (chunks of 4,096 with a tail, rows shorter than a vector),
     of 200,000 (tiles of 43 rows of 100), batches formed whole or one and two samples at a time
@@ -253,6 +254,14 @@ def test_the_book_keeping_op_against_float64_per_sample_gradients(dtype, cpu_isa
                 assert summed.shape == (p, d) and sq.shape == (b,)
                 torch.testing.assert_close(torch.ops.gapmon.direct_norm_sq(*operands, max_elements).double(),
                                            per_sample.square().sum((1, 2)), rtol=tol, atol=0)
+                # with the bias: its per-sample gradients sum_t g_bt added to the norms, and their sum
+                sq_b, summed_b, bias_grad = torch.ops.gapmon.linear_norm_sq_and_grads(*operands, max_elements)
+                per_sample_bias = gr.double().sum(1)
+                torch.testing.assert_close(sq_b.double(), per_sample.square().sum((1, 2)) + per_sample_bias.square().sum(1),
+                                           rtol=tol, atol=0)
+                assert torch.equal(summed_b, summed) and bias_grad.shape == (p,)
+                assert bias_grad.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+                torch.testing.assert_close(bias_grad.double(), per_sample_bias.sum(0), rtol=tol, atol=tol * max(1.0, b * t))
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)

@@ -208,10 +208,10 @@ class NormRule:
         raise NotImplementedError
 
     def bookkeep(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor,
-                 report: Callable[[torch.Tensor, torch.Tensor | None], None]) -> torch.Tensor | None:
+                 report: Callable[..., None]) -> torch.Tensor | None:
         """With book-keeping on, the output that replaces `output` so that this call's backward forms
-        its weight gradient from its per-sample gradients and reports (g, weight part of the squared
-        norms) to `report`; None when this call keeps autograd's backward (default: every rule but
+        its weight gradient from its per-sample gradients and reports (g, the call's squared norms, the gradients
+        it returns) to `report`; None when this call keeps autograd's backward (default: every rule but
         Linear's)."""
         return None
 

@@ -133,13 +133,11 @@ class LinearRule(NormRule):
         a, g = pos
         if not trainable(module.weight) or not direct_form(a.shape[1], a.shape[2], g.shape[2]):
             return self.norm_sq(module, pos), None
-        out, weight_grad = _direct_and_grad(a, g)
-        grads = [(module.weight, weight_grad)]
         if trainable(module.bias):
-            bias_sums = g.sum(1, dtype=_backend.product_dtype(g))
-            out = out + bias_sums.square().sum(1)
-            grads.append((module.bias, bias_sums.sum(0)))
-        return out, grads
+            out, weight_grad, bias_grad = _backend.linear_norm_sq_and_grads(a, g)
+            return out, [(module.weight, weight_grad), (module.bias, bias_grad)]
+        out, weight_grad = _direct_and_grad(a, g)
+        return out, [(module.weight, weight_grad)]
 
     def per_sample_grads(self, module, pos, batch):
         a, g = (t.double() for t in pos)
@@ -191,16 +189,6 @@ class LinearRule(NormRule):
                 x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1], output.shape[-1]):
             return bookkeeping.bookkeep(output, x, module, report)
         return None
-
-    def bookkept_norm_sq(self, module, g: torch.Tensor, weight_sq: torch.Tensor | None,
-                         bias_sums: torch.Tensor | None = None) -> torch.Tensor:
-        """Squared norms of a book-kept call (gapmon.per_sample.bookkeeping): the weight part formed with the
-        weight gradient, plus the bias part from each sample's bias gradient (`bias_sums` [B, p], else summed
-        from the output gradient g [B, T, p])."""
-        terms = [] if weight_sq is None else [weight_sq]
-        if trainable(module.bias):
-            terms.append(bias_norm_sq(g) if bias_sums is None else bias_sums.square().sum(1))
-        return sum_of_terms(terms, g.shape[0], _backend.product_dtype(g), g.device)
 
 
 @register_norm_rule_by_name("transformers.pytorch_utils.Conv1D")
