@@ -598,3 +598,21 @@ def test_affine_norm_sums_on_cuda_match_float64_and_the_cpu_kernel(rms):
             assert part.device.type == "cuda" and part.dtype == torch.float32
             torch.testing.assert_close(part.cpu().double(), want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(part.cpu(), on_cpu, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_norm_sq_and_grads_on_cuda_match_float64():
+    """Book-keeping of a Linear with a bias on CUDA (gapmon.linear_norm_sq_and_grads): per-sample squared norms of the
+    weight and bias gradients, the weight gradient and the bias gradient, against float64, float32 and bf16 inputs."""
+    if not gapmon.stats._backend.COMPILED:
+        pytest.skip("needs the compiled ops")
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(4, 9, 24, generator=gen, dtype=torch.float64).to(dtype)
+        g = torch.randn(4, 9, 40, generator=gen, dtype=torch.float64).to(dtype)
+        per_sample = torch.einsum("btp,btd->bpd", g.double(), a.double())
+        bias = g.double().sum(1)
+        sq, grad_w, grad_b = torch.ops.gapmon.linear_norm_sq_and_grads(a.cuda(), g.cuda())
+        assert sq.device.type == grad_w.device.type == grad_b.device.type == "cuda"
+        torch.testing.assert_close(sq.cpu().double(), per_sample.square().sum((1, 2)) + bias.square().sum(1), rtol=1e-4, atol=0)
+        torch.testing.assert_close(grad_w.cpu().double(), per_sample.sum(0), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grad_b.cpu().double(), bias.sum(0), rtol=1e-4, atol=1e-4)
