@@ -403,6 +403,18 @@ def linear_norm_sq_and_grads(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Te
     return sq + per_sample.square().sum(1), grad, per_sample.sum(0)
 
 
+def linear_grad_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor,
+                       r_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The use check's sketches of a Linear's gradients from positions a [..., d], g [..., p]: (Σ g aᵀ) r = Gᵀ(A r) [p]
+    and, given the bias probe r_bias [1], (Σ g) r_bias [p] (else an empty tensor), in r's dtype; a probe of k columns
+    ([d, k], [1, k]) gives [p, k] each."""
+    if COMPILED:
+        return torch.ops.gapmon.linear_grad_sketch(a, g, r, r_bias)
+    gr = g.reshape(-1, g.shape[-1]).to(r.dtype)
+    weight = gr.T @ (a.reshape(-1, a.shape[-1]).to(r.dtype) @ r)
+    return weight, (gr.sum(0).reshape(-1, 1) @ r_bias.to(r.dtype) if r_bias is not None else r.new_empty(0))
+
+
 def embedding_norm_sq(ids: torch.Tensor, g: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
     """Σ over positions t, s with equal ids (not padding_idx) of g_t·g_s, per sample."""
     if COMPILED:

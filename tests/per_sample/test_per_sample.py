@@ -428,6 +428,34 @@ def test_affine_norm_sums_equal_float64_per_sample_gradients(dtype, rms):
         torch.ops.gapmon.affine_norm_sums(torch.ones(2, 3, 4), torch.ones(2, 3, 5), eps, rms)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_linear_grad_sketch_equals_the_float64_gradients_times_the_probe(dtype):
+    """gapmon.linear_grad_sketch (the use check's sketch of a Linear): the weight gradient Σ g aᵀ times the probe, and the
+    bias gradient Σ g times the bias probe, for [B, T, *] and [N, *] positions and probes of one column or several
+    (an identity probe gives the gradients themselves), in the probe's dtype."""
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for shape_a, shape_g in (((3, 5, 7), (3, 5, 4)), ((6, 7), (6, 4)), ((0, 5, 7), (0, 5, 4))):
+        a = torch.randn(*shape_a, generator=gen, dtype=torch.float64).to(dtype)
+        g = torch.randn(*shape_g, generator=gen, dtype=torch.float64).to(dtype)
+        grad_w = g.double().reshape(-1, 4).T @ a.double().reshape(-1, 7)  # [4, 7]
+        grad_b = g.double().reshape(-1, 4).sum(0)
+        for r, rb in ((torch.randn(7, generator=gen, dtype=wide), torch.randn(1, generator=gen, dtype=wide)),
+                      (torch.eye(7, dtype=wide), torch.eye(1, dtype=wide))):
+            w, b = gapmon.stats._backend.linear_grad_sketch(a, g, r, rb)
+            assert w.dtype == b.dtype == wide
+            torch.testing.assert_close(w.double(), grad_w @ r.double(), rtol=tol, atol=tol)
+            torch.testing.assert_close(b.double(), grad_b.reshape(-1, 1) @ rb.double(), rtol=tol, atol=tol)
+            only_w, none = gapmon.stats._backend.linear_grad_sketch(a, g, r)
+            assert torch.equal(only_w, w) and none.numel() == 0
+    if gapmon.backend() != "torch":
+        with pytest.raises(ValueError, match="expected a probe of 7 rows"):
+            torch.ops.gapmon.linear_grad_sketch(torch.ones(2, 7), torch.ones(2, 4), torch.ones(6), None)
+        with pytest.raises(ValueError, match="same leading dims"):
+            torch.ops.gapmon.linear_grad_sketch(torch.ones(2, 7), torch.ones(3, 4), torch.ones(7), None)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_products_sum_in_float32(dtype):
     """16-bit operands give float32 norms equal to the float64 products of the same 16-bit values:

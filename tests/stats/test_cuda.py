@@ -616,3 +616,7 @@ def test_linear_norm_sq_and_grads_on_cuda_match_float64():
         torch.testing.assert_close(sq.cpu().double(), per_sample.square().sum((1, 2)) + bias.square().sum(1), rtol=1e-4, atol=0)
         torch.testing.assert_close(grad_w.cpu().double(), per_sample.sum(0), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(grad_b.cpu().double(), bias.sum(0), rtol=1e-4, atol=1e-4)
+        r, rb = torch.randn(24, generator=gen).cuda(), torch.randn(1, generator=gen).cuda()
+        sketch_w, sketch_b = torch.ops.gapmon.linear_grad_sketch(a.cuda(), g.cuda(), r, rb)  # the use check's sketches
+        torch.testing.assert_close(sketch_w.cpu().double(), per_sample.sum(0) @ r.cpu().double(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(sketch_b.cpu().double(), bias.sum(0) * rb.cpu().double(), rtol=1e-4, atol=1e-4)

@@ -29,6 +29,8 @@ def _samples():
         (torch.ops.gapmon.embedding_norm_sq.default, (torch.randint(0, 4, (2, 5)), torch.randn(2, 5, 3), 0, 2)),
         (torch.ops.gapmon.direct_norm_sq_and_grad.default, (torch.randn(3, 5, 4), torch.randn(3, 5, 2), 16)),
         (torch.ops.gapmon.linear_norm_sq_and_grads.default, (torch.randn(3, 5, 4), torch.randn(3, 5, 2), 16)),
+        (torch.ops.gapmon.linear_grad_sketch.default, (torch.randn(3, 5, 4), torch.randn(3, 5, 2), torch.randn(4), torch.randn(1))),
+        (torch.ops.gapmon.linear_grad_sketch.default, (torch.randn(6, 4), torch.randn(6, 2), torch.randn(4, 3), None)),
         (torch.ops.gapmon.affine_norm_sums.default, (torch.randn(3, 5, 4), torch.randn(3, 5, 4), 1e-5, True)),
         (torch.ops.gapmon.affine_norm_sums.default, (torch.randn(3, 5, 4).double(), torch.randn(3, 5, 4).double(), 1e-6, False)),
         (torch.ops.gapmon.numerics_states.default, ([x, torch.randn(4).bfloat16()],)),

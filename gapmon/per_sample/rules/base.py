@@ -259,7 +259,8 @@ def sketch(grad: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 def add_sketch(acc: torch.Tensor, grad: torch.Tensor, r: torch.Tensor) -> None:
     """acc += sketch(grad, r), summed in acc's dtype (the probe's): one matrix-vector op into the accumulator."""
     rows = grad.shape[0] if grad.dim() else 1
-    acc.addmv_(grad.reshape(rows, -1).to(acc.dtype), r)
+    matrix = grad.reshape(rows, -1)
+    acc.addmv_(matrix if matrix.dtype == acc.dtype else matrix.to(acc.dtype), r)
 
 
 def trainable(p: torch.Tensor | None) -> bool:

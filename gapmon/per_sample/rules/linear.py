@@ -15,8 +15,7 @@ from .base import NormRule, Sketch, bias_norm_sq, operand, register_norm_rule, r
 
 def product_sketch(a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """sketch(Σ_{b,t} g_bt a_btᵀ, r) = Gᵀ(A r) for a [..., d], g [..., p]: no [p, d] product formed (r's dtype)."""
-    ar = a.reshape(-1, a.shape[-1]).to(r.dtype) @ r
-    return g.reshape(-1, g.shape[-1]).to(r.dtype).T @ ar
+    return _backend.linear_grad_sketch(a, g, r)[0]
 
 
 # -------------------------------------------------------------------- Linear-like products
@@ -176,6 +175,9 @@ class LinearRule(NormRule):
     def grad_sketch(self, module, pos, probe):
         a, g = pos
         out = []
+        if trainable(module.weight) and trainable(module.bias) and type(self).weight_sketch is LinearRule.weight_sketch:
+            weight, bias = _backend.linear_grad_sketch(a, g, probe(module.weight), probe(module.bias))  # one op for both
+            return [Sketch(module.weight, weight), Sketch(module.bias, bias)]
         if trainable(module.weight):
             out.append(Sketch(module.weight, self.weight_sketch(a, g, probe(module.weight))))
         if trainable(module.bias):
