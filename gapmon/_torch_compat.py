@@ -96,11 +96,6 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) 
     return list(torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
-def foreach_zero_(tensors: list[torch.Tensor]) -> None:
-    """Zeroes every tensor in place, in one multi-tensor op (torch._foreach_zero_)."""
-    torch._foreach_zero_(tensors)
-
-
 def foreach_sub(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
     """a[i] - b[i] for each i, in one multi-tensor op (torch._foreach_sub)."""
     return list(torch._foreach_sub(a, b))

@@ -107,8 +107,9 @@ class UseCheck:
 class SketchArena:
     """The sums of the checks kept from step to step, as slices of one buffer per (device, dtype): zeroed in one op a
     step, and compared in one pass with one host read (`differences`), not in multi-tensor ops over every check (on
-    the CPU a loop of per-tensor ops: ~0.2-0.4 ms a step for a small model). Built at the start of a step from the
-    checks of the last one (a step's new checks join at the next)."""
+    the CPU a loop of per-tensor ops: ~0.2-0.4 ms a step for a small model). Built once a step's comparison is done
+    (or at the next step's start) from the checks alive then: a check made later is compared alone in its first step
+    and joins the arena built after it."""
 
     def __init__(self, checks: list[UseCheck]):
         groups: dict[tuple, list[UseCheck]] = {}
