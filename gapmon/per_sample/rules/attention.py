@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ... import _torch_compat
 from .base import NormRule, Sketch, register_norm_rule, sketch, sum_of_terms, trainable
-from .linear import product_sketch, weight_and_bias_terms
+from .linear import product_sketch, weight_and_bias_sketches, weight_and_bias_terms
 
 
 # -------------------------------------------------------------------- attention
@@ -86,11 +86,7 @@ class MultiheadAttentionRule(NormRule):
             out.append(Sketch(w, torch.cat([product_sketch(x, gx, r) for x, gx in ((xq, gq), (xk, gk), (xv, gv))])))
         if trainable(bias):
             out.append(Sketch(bias, sketch(torch.cat([gx.sum((0, 1)) for gx in (gq, gk, gv)]), probe(bias))))
-        if trainable(w_out):
-            out.append(Sketch(w_out, product_sketch(ctx, g, probe(w_out))))
-        if trainable(b_out):
-            out.append(Sketch(b_out, sketch(g.sum((0, 1)), probe(b_out))))
-        return out
+        return out + weight_and_bias_sketches(ctx, g, w_out, b_out, probe)
 
 
 def _attention_mask(key_padding_mask, attn_mask, is_causal, b, h, t, s, dtype, device):

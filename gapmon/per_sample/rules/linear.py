@@ -79,6 +79,22 @@ def weight_and_bias_terms(a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor
     return [bias_norm_sq(g)] if trainable(bias) else []
 
 
+def bias_sketch(g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """sketch(Σ g, r) for a bias whose gradient sums g [..., p] over its leading dims."""
+    return sketch(g.reshape(-1, g.shape[-1]).sum(0, dtype=_backend.product_dtype(g)), r)
+
+
+def weight_and_bias_sketches(a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                             probe) -> list[Sketch]:
+    """The use check's sketches of a Linear-like pair (weight gradient Σ g aᵀ, bias gradient Σ g) for whichever of the two
+    trains, from positions a [..., d], g [..., p]: both from one op when the weight trains."""
+    if not trainable(weight):
+        return [Sketch(bias, bias_sketch(g, probe(bias)))] if trainable(bias) else []
+    with_bias = trainable(bias)
+    w_sketch, b_sketch = _backend.linear_grad_sketch(a, g, probe(weight), probe(bias) if with_bias else None)
+    return [Sketch(weight, w_sketch)] + ([Sketch(bias, b_sketch)] if with_bias else [])
+
+
 def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch.Tensor,
                  budget: int = 1 << 24) -> torch.Tensor:
     """[B1, B2] float64 <Σ_t g1_it a1_itᵀ, Σ_s g2_js a2_jsᵀ> for a [B, T, d] and g [B, T, p]: the ghost form
@@ -168,21 +184,9 @@ class LinearRule(NormRule):
             out = out + g1.double().sum(1) @ g2.double().sum(1).T
         return out
 
-    def weight_sketch(self, a: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """The weight gradient Σ_t g_t a_tᵀ [p, d] sketched against r [d] (its stored layout's rows)."""
-        return product_sketch(a, g, r)
-
     def grad_sketch(self, module, pos, probe):
         a, g = pos
-        out = []
-        if trainable(module.weight) and trainable(module.bias) and type(self).weight_sketch is LinearRule.weight_sketch:
-            weight, bias = _backend.linear_grad_sketch(a, g, probe(module.weight), probe(module.bias))  # one op for both
-            return [Sketch(module.weight, weight), Sketch(module.bias, bias)]
-        if trainable(module.weight):
-            out.append(Sketch(module.weight, self.weight_sketch(a, g, probe(module.weight))))
-        if trainable(module.bias):
-            out.append(Sketch(module.bias, sketch(g.sum((0, 1), dtype=_backend.product_dtype(g)), probe(module.bias))))
-        return out
+        return weight_and_bias_sketches(a, g, module.weight, module.bias, probe)
 
     def bookkeep(self, module, x, output, report):
         """Book-keeps calls whose norms take the direct form (which forms every per-sample gradient
@@ -219,9 +223,11 @@ class TransposedLinearRule(LinearRule):
             reference = {**reference, id(module.weight): reference[id(module.weight)].T}
         return super().reference_dots(module, pos, batch, reference)
 
-    def weight_sketch(self, a, g, r):
+    def grad_sketch(self, module, pos, probe):
         """Weight rows are the input features: sketch(Σ_t a_t g_tᵀ, r) = Aᵀ(G r)."""
-        return product_sketch(g, a, r)
+        a, g = pos
+        out = [Sketch(module.weight, product_sketch(g, a, probe(module.weight)))] if trainable(module.weight) else []
+        return out + ([Sketch(module.bias, bias_sketch(g, probe(module.bias)))] if trainable(module.bias) else [])
 
     def bookkeep(self, module, x, output, report):
         return None

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import NormRule, Sketch, register_norm_rule, sketch, sum_of_terms, trainable
-from .linear import product_sketch, weight_and_bias_terms
+from .base import NormRule, register_norm_rule, sum_of_terms
+from .linear import weight_and_bias_sketches, weight_and_bias_terms
 
 
 def _directions(module: nn.RNNBase) -> list[tuple[int, int, str]]:
@@ -149,12 +149,7 @@ class RecurrentRule(NormRule):
         out = []
         for k, (_, _, sfx) in enumerate(_directions(module)):
             x, di, prev, dh = pos[4 * k:4 * k + 4]
-            for name, a, d in ((f"weight_ih{sfx}", x, di), (f"weight_hh{sfx}", prev, dh)):
-                p = getattr(module, name)
-                if trainable(p):
-                    out.append(Sketch(p, product_sketch(a, d, probe(p))))
-            for name, d in ((f"bias_ih{sfx}", di), (f"bias_hh{sfx}", dh)):
-                p = getattr(module, name, None)
-                if trainable(p):
-                    out.append(Sketch(p, sketch(d.sum((0, 1)), probe(p))))
+            for a, d, kind in ((x, di, "ih"), (prev, dh, "hh")):
+                out += weight_and_bias_sketches(a, d, getattr(module, f"weight_{kind}{sfx}"),
+                                                getattr(module, f"bias_{kind}{sfx}", None), probe)
         return out
