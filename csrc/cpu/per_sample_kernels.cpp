@@ -65,33 +65,30 @@ __attribute__((always_inline)) inline void body(const T* x, int64_t n, int64_t s
   }
 }
 
-template <typename T>
-using Kernel = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, T*, double*);
-
-template <typename T, typename V>
-void generic(const T* x, int64_t n, int64_t stride, int64_t lo, int64_t hi, T* out, double* sq) {
-  body<T, V>(x, n, stride, lo, hi, out, sq);
+// Runs `kernel` (a lambda over the always_inline bodies above and below) compiled for the instruction set select_isa
+// chose: each kernel defined once, compiled three times.
+template <typename K>
+auto on_generic(const K& kernel) {
+  return kernel();
 }
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-template <typename T, typename V>
-__attribute__((target("avx2,fma"))) void avx2(const T* x, int64_t n, int64_t stride, int64_t lo, int64_t hi, T* out,
-                                              double* sq) {
-  body<T, V>(x, n, stride, lo, hi, out, sq);
+template <typename K>
+__attribute__((target("avx2,fma"))) auto on_avx2(const K& kernel) {
+  return kernel();
 }
-template <typename T, typename V>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void avx512(const T* x, int64_t n, int64_t stride, int64_t lo,
-                                                                 int64_t hi, T* out, double* sq) {
-  body<T, V>(x, n, stride, lo, hi, out, sq);
+template <typename K>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) auto on_avx512(const K& kernel) {
+  return kernel();
 }
 #endif
 
-template <typename T, typename V>
-Kernel<T> kernel() {
+template <typename K>
+auto on_selected_isa(const K& kernel) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  if (selected_isa_has_avx512()) return avx512<T, V>;
-  if (selected_isa_has_avx2()) return avx2<T, V>;
+  if (selected_isa_has_avx512()) return on_avx512(kernel);
+  if (selected_isa_has_avx2()) return on_avx2(kernel);
 #endif
-  return generic<T, V>;
+  return on_generic(kernel);
 }
 
 template <typename T>
@@ -182,96 +179,34 @@ __attribute__((always_inline)) inline void norm_sums(const T* x, const T* g, int
   }
 }
 
-// The kernels above for the instruction set select_isa chose (one definition, compiled three times).
-struct NormKernels {
-  template <typename T>
-  static void sums(const T* x, const T* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0, int64_t b1,
-                   double* weight, double* bias) {
-    norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
-  }
-  template <typename T>
-  static bool rows(const int64_t* ids, const T* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0, int64_t b1,
-                   double* out) {
-    return row_norms(ids, g, t, d, padding_idx, b0, b1, out);
-  }
-};
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-struct NormKernelsAvx2 {
-  template <typename T>
-  __attribute__((target("avx2,fma"))) static void sums(const T* x, const T* g, int64_t t, int64_t n, double eps,
-                                                       bool rms, int64_t b0, int64_t b1, double* weight, double* bias) {
-    norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
-  }
-  template <typename T>
-  __attribute__((target("avx2,fma"))) static bool rows(const int64_t* ids, const T* g, int64_t t, int64_t d,
-                                                       int64_t padding_idx, int64_t b0, int64_t b1, double* out) {
-    return row_norms(ids, g, t, d, padding_idx, b0, b1, out);
-  }
-};
-struct NormKernelsAvx512 {
-  template <typename T>
-  __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void sums(const T* x, const T* g, int64_t t, int64_t n,
-                                                                        double eps, bool rms, int64_t b0, int64_t b1,
-                                                                        double* weight, double* bias) {
-    norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
-  }
-  template <typename T>
-  __attribute__((target("avx512f,avx512dq,avx2,fma"))) static bool rows(const int64_t* ids, const T* g, int64_t t,
-                                                                        int64_t d, int64_t padding_idx, int64_t b0,
-                                                                        int64_t b1, double* out) {
-    return row_norms(ids, g, t, d, padding_idx, b0, b1, out);
-  }
-};
-#endif
-
-template <typename T>
-void dispatch_norm_sums(const T* x, const T* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0, int64_t b1,
-                        double* weight, double* bias) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  if (selected_isa_has_avx512()) return NormKernelsAvx512::sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
-  if (selected_isa_has_avx2()) return NormKernelsAvx2::sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
-#endif
-  NormKernels::sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
-}
-
-template <typename T>
-bool dispatch_row_norms(const int64_t* ids, const T* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0,
-                        int64_t b1, double* out) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  if (selected_isa_has_avx512()) return NormKernelsAvx512::rows(ids, g, t, d, padding_idx, b0, b1, out);
-  if (selected_isa_has_avx2()) return NormKernelsAvx2::rows(ids, g, t, d, padding_idx, b0, b1, out);
-#endif
-  return NormKernels::rows(ids, g, t, d, padding_idx, b0, b1, out);
-}
-
 }  // namespace
 
 void affine_norm_sums(const float* x, const float* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0,
                       int64_t b1, double* weight, double* bias) {
-  dispatch_norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+  on_selected_isa([&]() __attribute__((always_inline)) { norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias); });
 }
 
 void affine_norm_sums(const double* x, const double* g, int64_t t, int64_t n, double eps, bool rms, int64_t b0,
                       int64_t b1, double* weight, double* bias) {
-  dispatch_norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias);
+  on_selected_isa([&]() __attribute__((always_inline)) { norm_sums(x, g, t, n, eps, rms, b0, b1, weight, bias); });
 }
 
 bool embedding_row_norms(const int64_t* ids, const float* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0,
                          int64_t b1, double* out) {
-  return dispatch_row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+  return on_selected_isa([&]() __attribute__((always_inline)) { return row_norms(ids, g, t, d, padding_idx, b0, b1, out); });
 }
 
 bool embedding_row_norms(const int64_t* ids, const double* g, int64_t t, int64_t d, int64_t padding_idx, int64_t b0,
                          int64_t b1, double* out) {
-  return dispatch_row_norms(ids, g, t, d, padding_idx, b0, b1, out);
+  return on_selected_isa([&]() __attribute__((always_inline)) { return row_norms(ids, g, t, d, padding_idx, b0, b1, out); });
 }
 
 void sum_rows_and_squares(const float* x, int64_t n, int64_t stride, int64_t lo, int64_t hi, float* out, double* sq) {
-  kernel<float, F16v>()(x, n, stride, lo, hi, out, sq);
+  on_selected_isa([&]() __attribute__((always_inline)) { body<float, F16v>(x, n, stride, lo, hi, out, sq); });
 }
 
 void sum_rows_and_squares(const double* x, int64_t n, int64_t stride, int64_t lo, int64_t hi, double* out, double* sq) {
-  kernel<double, D8v>()(x, n, stride, lo, hi, out, sq);
+  on_selected_isa([&]() __attribute__((always_inline)) { body<double, D8v>(x, n, stride, lo, hi, out, sq); });
 }
 
 }  // namespace cpu

@@ -368,7 +368,7 @@ def test_grams_too_large_for_one_product_are_built_whole_in_chunks_of_samples():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
-def test_embedding_norms_by_rows_equal_the_gram_pairs_and_float64(dtype):
+def test_embedding_norms_by_rows_equal_the_gram_pairs_and_float64(dtype, cpu_isa):
     """On the CPU embedding_norm_sq sums each sample's positions of one id into its table row (sorted by sample
     and id) instead of pairing positions through Grams: the same norms as the Gram form (a tile given) and as
     float64 one-hot per-sample gradients, with a padding id, ids repeated within and across samples, one
@@ -400,7 +400,7 @@ def test_embedding_norms_by_rows_equal_the_gram_pairs_and_float64(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
-def test_affine_norm_sums_equal_float64_per_sample_gradients(dtype, rms):
+def test_affine_norm_sums_equal_float64_per_sample_gradients(dtype, rms, cpu_isa):
     """gapmon.affine_norm_sums (on the CPU one read of x and g in float64) gives each sample's LayerNorm / RMSNorm
     weight and bias gradients: those of float64 x̂ from the same input values, for rows far from zero mean, one
     position, no position, no sample and a strided input; in float32 (float64 for float64 inputs)."""
