@@ -250,6 +250,11 @@ def test_batch_size_comes_from_the_model_input_even_if_the_first_layer_differs()
     (lambda: nn.Conv2d(3, 4, (3, 2), stride=(1, 2), padding=(1, 0)), (2, 3, 6, 7)),
     (lambda: nn.Conv2d(4, 4, 3, groups=4, bias=False), (3, 4, 5, 5)),
     (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1)), (2, 2, 4, 5, 3)),
+    # padding modes other than zeros: the patches are cut from the input padded as the layer's forward pads it
+    (lambda: nn.Conv1d(4, 6, 3, padding=2, dilation=2, padding_mode="circular"), (3, 4, 9)),
+    (lambda: nn.Conv2d(3, 4, 3, padding=(1, 2), stride=2, padding_mode="reflect"), (2, 3, 6, 7)),
+    (lambda: nn.Conv2d(4, 4, 3, padding="same", groups=2, padding_mode="replicate"), (3, 4, 5, 5)),
+    (lambda: nn.Conv3d(2, 3, 3, padding=1, padding_mode="circular"), (2, 2, 4, 5, 3)),
     (lambda: nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1), (3, 4, 7)),
     (lambda: nn.ConvTranspose1d(4, 6, 3, dilation=2, groups=2), (3, 4, 5)),
     (lambda: nn.ConvTranspose2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 0)), (2, 3, 4, 5)),

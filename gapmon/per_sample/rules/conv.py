@@ -17,9 +17,13 @@ from .linear import product_norm_sq
 def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase, grid: Sequence[int] | None = None) -> torch.Tensor:
     """[B, C, *spatial] -> [B, L, C·k] patches in the column order of weight.reshape(out, -1). `grid`: keep only
     the first grid[i] patch positions along spatial dim i (a transposed convolution's output gradient has more
-    positions than its input where output_padding ≥ stride adds rows: no input position reads them)."""
+    positions than its input where output_padding ≥ stride adds rows: no input position reads them).
+    A padding_mode other than "zeros" pads as the convolution's own forward does (reflected, replicated or circular
+    rows, then no padding)."""
     n = len(module.kernel_size)
-    if isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
+    if module.padding_mode != "zeros":
+        x, pads = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), [0] * (2 * n)
+    elif isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
         pads = []
         for k, dil in zip(reversed(module.kernel_size), reversed(module.dilation)):
             total = 0 if module.padding == "valid" else dil * (k - 1)
@@ -46,11 +50,6 @@ def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase, grid: Sequ
 
 @register_norm_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(NormRule):
-    def unsupported(self, module):
-        if module.padding_mode != "zeros":
-            return f"padding_mode={module.padding_mode!r} (only 'zeros' is unfolded)"
-        return None
-
     def not_per_sample(self, module, call, output, batch, model_inputs):
         a = call.arg(0, "input")
         if isinstance(a, torch.Tensor) and a.dim() == len(module.kernel_size) + 1:

@@ -21,7 +21,7 @@ from .linear import product_norm_sq
 
 @register_norm_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 class ConvTransposeRule(ConvRule):
-    """A convolution's checks (padding mode, unbatched input); its own products."""
+    """A convolution's check of an unbatched input; its own products."""
 
     def positions(self, module, call, g, acc):
         """(patches of g [B·G, L, (C_out/G)·k], inputs [B·G, L, C_in/G], output gradient [B, Q, C_out])."""
