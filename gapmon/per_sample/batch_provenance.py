@@ -532,6 +532,16 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
     return [status] + [1] * (len(out) - 1)
 
 
+def _recurrent_cell(tracker, args, kwargs, inputs, out) -> int | list:
+    """torch's RNN cells (`_VF.rnn_tanh_cell/rnn_relu_cell/gru_cell(input, hx, w_ih, w_hh, b_ih, b_hh)` and
+    `_VF.lstm_cell(input, (h, c), ...)`): one step of each sample's own recurrence, with the batch on dim 0 of the
+    input, the state and the outputs (h', and c' for an LSTM cell)."""
+    dims = sorted({s for _, s in inputs})
+    if dims != [0]:
+        raise Lost(f"a recurrent cell with inputs batched on dim {dims[-1]} (a cell takes the batch on dim 0)")
+    return [0] * len(out) if isinstance(out, (tuple, list)) else 0
+
+
 def _select(tracker, args, kwargs, inputs, out) -> int:
     x, d = args[0], tracker.input_dim(args, inputs)
     dim = _dims(_arg(args, kwargs, 1, "dim"), x.dim())[0]
@@ -792,4 +802,6 @@ _RULES: dict[str, Callable] = {
     "scaled_dot_product_attention": _attention, "multi_head_attention_forward": _mha, "one_hot": _one_hot,
     "view_as_real": _one_hot, "view_as_complex": _one_hot,
     "lstm": _recurrent, "gru": _recurrent, "rnn_tanh": _recurrent, "rnn_relu": _recurrent,
+    "lstm_cell": _recurrent_cell, "gru_cell": _recurrent_cell, "rnn_tanh_cell": _recurrent_cell,
+    "rnn_relu_cell": _recurrent_cell,
 }

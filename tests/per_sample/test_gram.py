@@ -222,6 +222,21 @@ class _Seq(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+class _CellSteps(nn.Module):
+    """A recurrent cell looped over the steps of [B, T, d]: one layer called T times."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+
+    def forward(self, x):
+        state, hs = None, []
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+            hs.append(state[0] if isinstance(state, tuple) else state)
+        return torch.stack(hs, 1)
+
+
 LAYERS = {
     "linear_no_bias": lambda: _Seq(nn.Linear(6, 4, bias=False)),
     "layernorm": lambda: _Seq(nn.LayerNorm(6)),
@@ -233,6 +248,8 @@ LAYERS = {
     "conv_transpose1d": lambda: _Seq(nn.ConvTranspose1d(6, 4, 3, groups=2), channels_first=True),
     "mha": lambda: _Seq(nn.MultiheadAttention(6, 2, batch_first=True)),
     "lstm": lambda: _Seq(nn.LSTM(6, 3, batch_first=True, bidirectional=True)),
+    "lstm_cell": lambda: _CellSteps(nn.LSTMCell(6, 3)),
+    "gru_cell": lambda: _CellSteps(nn.GRUCell(6, 3)),
 }
 
 

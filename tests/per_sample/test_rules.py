@@ -441,6 +441,54 @@ def test_recurrent_layers_refuse_what_they_cannot_replay():
         gapmon.PerSampleGradNorms(nn.LSTM(4, 5, proj_size=2))
 
 
+class _CellLoop(nn.Module):
+    """A recurrent cell run over the steps of [B, T, 4] by a Python loop, from zeros or from an initial state computed
+    from the batch; the loss reads every step's h and, for an LSTM cell, the last c as well."""
+
+    def __init__(self, kind, bias, initial):
+        super().__init__()
+        extra = {"nonlinearity": "relu"} if kind == "RNNCell" and not bias else {}
+        self.cell = getattr(nn, kind)(4, 5, bias=bias, **extra)
+        self.init = nn.Linear(4, 5) if initial else None
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        state = None
+        if self.init is not None:
+            h0 = self.init(x[:, 0])
+            state = (h0, h0.tanh()) if isinstance(self.cell, nn.LSTMCell) else h0
+        hs = []
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+            hs.append(state[0] if isinstance(state, tuple) else state)
+        last_c = state[1].sum(-1, keepdim=True) if isinstance(state, tuple) else 0.0
+        return self.head(torch.stack(hs, 1)).mean(1) + last_c
+
+
+@pytest.mark.parametrize("kind", ["RNNCell", "LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("bias, initial, steps", [(True, False, 4), (False, True, 3), (True, True, 1)])
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+def test_recurrent_cells_looped_over_time_are_exact(kind, bias, initial, steps, bookkeeping):
+    torch.manual_seed(0)
+    model = _CellLoop(kind, bias, initial)
+    cov = _check(model, torch.randn(3, steps, 4), torch.randn(3, 3), strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+
+
+def test_an_lstm_cell_whose_graph_is_not_the_expected_one_is_refused(monkeypatch):
+    """The LSTM cell's rule reads c''s gradient as the graph torch builds on the device gives it (with h''s part on
+    the CPU, without it where the cell is one fused op); a graph of the other kind is refused, not counted twice."""
+    from gapmon.per_sample.rules import recurrent
+
+    monkeypatch.setattr(recurrent, "_fused_lstm_cell", lambda x: True)
+    model = _CellLoop("LSTMCell", True, False)
+    psn = gapmon.PerSampleGradNorms(model)
+    with pytest.warns(RuntimeWarning, match="'cell' is not per-sample.*autograd graph"):
+        model(torch.randn(3, 2, 4)).sum().backward()
+    assert "cell.weight_ih" in psn.coverage()["uncovered"]
+    psn.close()
+
+
 def test_a_rule_reads_the_parameters_a_module_holds_now():
     """NormRule.params reads the module's registry at every call: what parameters(recurse=False) yields (each
     object once, also when registered under two names; None entries and frozen ones left out), and a swapped

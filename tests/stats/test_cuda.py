@@ -620,3 +620,35 @@ def test_linear_norm_sq_and_grads_on_cuda_match_float64():
         sketch_w, sketch_b = torch.ops.gapmon.linear_grad_sketch(a.cuda(), g.cuda(), r, rb)  # the use check's sketches
         torch.testing.assert_close(sketch_w.cpu().double(), per_sample.sum(0) @ r.cpu().double(), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(sketch_b.cpu().double(), bias.sum(0) * rb.cpu().double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+def test_recurrent_cells_looped_on_cuda_are_exact(kind):
+    """On CUDA torch runs the cells as fused ops: an LSTM cell's c' then gets the loss's own gradient only, which the
+    cell rule replays differently from the CPU's composed cell (its c' gradient includes h''s part)."""
+
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = getattr(torch.nn, kind)(4, 5)
+
+        def forward(self, x):
+            state, out = None, 0.0
+            for t in range(x.shape[1]):
+                state = self.cell(x[:, t], state)
+                h = state[0] if isinstance(state, tuple) else state
+                out = out + h.square().sum(-1)
+            return out + (state[1].sum(-1) if isinstance(state, tuple) else 0.0)
+
+    torch.manual_seed(0)
+    model = Loop().double().cuda()
+    x = torch.randn(3, 4, 4, dtype=torch.float64, device="cuda")
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    model(x).sum().backward()
+    got = psn.local_norms()
+    psn.close()
+    want = []
+    for i in range(3):
+        grads = torch.autograd.grad(model(x[i:i + 1]).sum(), list(model.parameters()))
+        want.append(torch.stack([g.square().sum() for g in grads]).sum().sqrt())
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)

@@ -11,6 +11,9 @@ replays the layer unrolled, with the module's weights, and backpropagates them t
 backward of this layer alone; no per-sample gradient is formed). Packed sequences are refused (their
 time steps interleave the samples); so are dropout between layers in training mode (it cannot be
 replayed) and LSTM projections (proj_size).
+
+nn.RNNCell, nn.LSTMCell and nn.GRUCell are one time step of the same: a loop that calls the cell once per step
+is a layer called several times, whose calls' positions concatenate along T (each call replays its step alone).
 """
 from __future__ import annotations
 
@@ -153,3 +156,86 @@ class RecurrentRule(NormRule):
                 out += weight_and_bias_sketches(a, d, getattr(module, f"weight_{kind}{sfx}"),
                                                 getattr(module, f"bias_{kind}{sfx}", None), probe)
         return out
+
+
+def _cell_mode(module: nn.RNNCellBase) -> str:
+    if isinstance(module, nn.LSTMCell):
+        return "LSTM"
+    if isinstance(module, nn.GRUCell):
+        return "GRU"
+    return "RNN_TANH" if module.nonlinearity == "tanh" else "RNN_RELU"
+
+
+def _fused_lstm_cell(x: torch.Tensor) -> bool:
+    """Whether torch computes an LSTM cell on x's device as one fused op (h' and c' outputs of one node), as ATen's
+    lstm_cell does on CUDA, XPU and PrivateUse1 devices; elsewhere it composes ops (h' computed from c')."""
+    return x.device.type in ("cuda", "xpu", torch._C._get_privateuse1_backend_name())
+
+
+@register_norm_rule(nn.RNNCell, nn.LSTMCell, nn.GRUCell)
+class RecurrentCellRule(NormRule):
+    """One step of a cell: W_ih: δi xᵀ, W_hh: δh h_prevᵀ, b_ih: δi, b_hh: δh, with the δ's of its two
+    pre-activations found by replaying the step with the module's weights and backpropagating the gradients of
+    its outputs (h', and c' for an LSTM cell) through it.
+
+    An LSTM cell's c' gradient is what autograd accumulated for it, and that depends on the graph torch built: where
+    the cell is composed of ops (the CPU), h' = o·tanh(c') is computed from c', so c' arrives with h''s part already
+    added and the replay must not add it again; where it is one fused op (CUDA), c' gets the loss's own part only."""
+
+    param_names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+
+    def graded_outputs(self, module, output):
+        return list(output) if isinstance(output, tuple) else [output]
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        x = call.arg(0, "input")
+        if isinstance(x, torch.Tensor) and x.dim() == 1:
+            return "its input is unbatched"
+        if isinstance(module, nn.LSTMCell) and isinstance(x, torch.Tensor) and output.grad_fn is not None:
+            fused = "FusedLstmCell" in output.grad_fn.name()
+            if fused != _fused_lstm_cell(x):
+                return (f"its autograd graph ({output.grad_fn.name()}) is not the one torch builds for an LSTM cell on "
+                        f"{x.device.type}: the gradient c' receives cannot be told apart from h''s part")
+        return super().not_per_sample(module, call, output, batch, model_inputs)
+
+    def positions(self, module, call, g, acc):
+        """(x, δi, h_prev, δh), each [B, 1, ·]."""
+        x, hx = call.arg(0, "input").to(acc), call.arg(1, "hx")
+        mode = _cell_mode(module)
+        lstm = mode == "LSTM"
+        if hx is None:
+            h = x.new_zeros(x.shape[0], module.hidden_size)
+            c = h if lstm else None
+        else:
+            h, c = (hx[0].to(acc), hx[1].to(acc)) if lstm else (hx.to(acc), None)
+        grads = g if isinstance(g, tuple) else (g,)
+        with torch.enable_grad():
+            pre = []
+            for a, kind in ((x, "ih"), (h, "hh")):
+                z = a @ getattr(module, f"weight_{kind}").detach().to(acc).T
+                bias = getattr(module, f"bias_{kind}")
+                if bias is not None:
+                    z = z + bias.detach().to(acc)
+                pre.append(z.requires_grad_())
+            if lstm:  # see the class docstring: h''s path into c' replayed only where autograd keeps it apart
+                i, f, cand, o = (pre[0] + pre[1]).chunk(4, -1)
+                c1 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(cand)
+                produced = (torch.sigmoid(o) * torch.tanh(c1 if _fused_lstm_cell(x) else c1.detach()), c1)
+            else:
+                produced = _cell(mode, pre[0], pre[1], h, c)
+            targets = [(t, gr.to(acc)) for t, gr in zip(produced, grads) if t is not None and gr is not None]
+            di, dh = torch.autograd.grad([t for t, _ in targets], pre, [gr for _, gr in targets], allow_unused=True)
+        di = torch.zeros_like(pre[0]) if di is None else di
+        dh = torch.zeros_like(pre[1]) if dh is None else dh
+        return x[:, None], di.detach()[:, None], h[:, None], dh.detach()[:, None]
+
+    def norm_sq(self, module, pos):
+        x, di, prev, dh = pos
+        terms = weight_and_bias_terms(x, di, module.weight_ih, module.bias_ih)
+        terms += weight_and_bias_terms(prev, dh, module.weight_hh, module.bias_hh)
+        return sum_of_terms(terms, x.shape[0], x.dtype, x.device)
+
+    def grad_sketch(self, module, pos, probe):
+        x, di, prev, dh = pos
+        return (weight_and_bias_sketches(x, di, module.weight_ih, module.bias_ih, probe)
+                + weight_and_bias_sketches(prev, dh, module.weight_hh, module.bias_hh, probe))
