@@ -70,6 +70,12 @@ def mha_same_embed_dim(module: nn.MultiheadAttention) -> bool:
     return module._qkv_same_embed_dim
 
 
+def fuses_lstm_cell(device: torch.device) -> bool:
+    """Whether ATen's lstm_cell runs as one fused op on `device` (h' and c' outputs of one autograd node): on CUDA,
+    XPU and PrivateUse1 devices; elsewhere it composes ops, h' computed from c'."""
+    return device.type in ("cuda", "xpu", torch._C._get_privateuse1_backend_name())
+
+
 def check(cond: Any, message: Callable[[], str]) -> None:
     """torch._check: a shape condition fake kernels state for the compiler."""
     torch._check(cond, message)

@@ -21,16 +21,14 @@ def unfold_patches(x: torch.Tensor, module: _torch_compat.ConvNdBase, grid: Sequ
     A padding_mode other than "zeros" pads as the convolution's own forward does (reflected, replicated or circular
     rows, then no padding)."""
     n = len(module.kernel_size)
-    if module.padding_mode != "zeros":
-        x, pads = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), [0] * (2 * n)
-    elif isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
+    if isinstance(module.padding, str):  # "same" / "valid": the padding F.conv applies
         pads = []
         for k, dil in zip(reversed(module.kernel_size), reversed(module.dilation)):
             total = 0 if module.padding == "valid" else dil * (k - 1)
             pads += [total // 2, total - total // 2]
     else:
         pads = [p for p in reversed(module.padding) for _ in range(2)]
-    x = F.pad(x, pads)
+    x = F.pad(x, pads) if module.padding_mode == "zeros" else F.pad(x, pads, mode=module.padding_mode)
     for i in range(n):
         k, s, dil = module.kernel_size[i], module.stride[i], module.dilation[i]
         x = x.unfold(2 + i, dil * (k - 1) + 1, s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ... import _torch_compat
 from .base import NormRule, register_norm_rule, sum_of_terms
 from .linear import weight_and_bias_sketches, weight_and_bias_terms
 
@@ -167,9 +168,8 @@ def _cell_mode(module: nn.RNNCellBase) -> str:
 
 
 def _fused_lstm_cell(x: torch.Tensor) -> bool:
-    """Whether torch computes an LSTM cell on x's device as one fused op (h' and c' outputs of one node), as ATen's
-    lstm_cell does on CUDA, XPU and PrivateUse1 devices; elsewhere it composes ops (h' computed from c')."""
-    return x.device.type in ("cuda", "xpu", torch._C._get_privateuse1_backend_name())
+    """Whether torch computes an LSTM cell on x's device as one fused op (see _torch_compat.fuses_lstm_cell)."""
+    return _torch_compat.fuses_lstm_cell(x.device)
 
 
 @register_norm_rule(nn.RNNCell, nn.LSTMCell, nn.GRUCell)
