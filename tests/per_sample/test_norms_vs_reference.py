@@ -228,6 +228,69 @@ def test_multihead_attention_model(bookkeeping):
     assert "attn.in_proj_weight" in cov["covered"]
 
 
+class _AttentionVariant(nn.Module):
+    """nn.MultiheadAttention as its users configure it: separate key/value widths (kdim/vdim: q/k/v_proj_weight),
+    add_bias_kv (bias_k/bias_v appended to every sample's keys and values), add_zero_attn, masks, sequence-first."""
+
+    def __init__(self, batch_first=True, masks=(), need_weights=False, **kwargs):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, **kwargs)
+        self.kv = nn.Linear(4, kwargs.get("kdim") or 8), nn.Linear(4, kwargs.get("vdim") or 8)
+        self.key_in, self.value_in = self.kv
+        self.masks, self.need_weights, self.batch_first = masks, need_weights, batch_first
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h, k, v = self.inp(x), self.key_in(x), self.value_in(x)
+        t = x.shape[1]
+        extra = {}
+        if "causal" in self.masks:  # the hint with its mask; torch takes SDPA's causal path without weights
+            extra = {"attn_mask": nn.Transformer.generate_square_subsequent_mask(t, dtype=x.dtype), "is_causal": True}
+        if "bool" in self.masks:
+            extra["attn_mask"] = torch.ones(t, t, dtype=torch.bool).triu(2)
+        if "padding" in self.masks:  # from each sample's own data (its first key never masked)
+            extra["key_padding_mask"] = (x[..., 0] > 0.5) & (torch.arange(t) > 0)
+        if not self.batch_first:
+            h, k, v = (y.transpose(0, 1) for y in (h, k, v))
+        out = self.attn(h, k, v, need_weights=self.need_weights, **extra)[0]
+        return self.out(out if self.batch_first else out.transpose(0, 1))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("kwargs", [
+    {"kdim": 3, "vdim": 5},
+    {"kdim": 3, "vdim": 5, "bias": False, "batch_first": False},
+    {"add_bias_kv": True},
+    {"add_zero_attn": True, "masks": ("padding",)},
+    {"add_bias_kv": True, "add_zero_attn": True, "masks": ("bool", "padding"), "need_weights": True},
+    {"add_bias_kv": True, "masks": ("causal",)},  # the appended key masked causally, as SDPA's hint path does
+    {"add_bias_kv": True, "masks": ("causal",), "need_weights": True},  # the mask padded: the appended key seen
+    {"kdim": 6, "add_bias_kv": True, "add_zero_attn": True, "batch_first": False, "masks": ("padding",)},
+    {"dropout": 0.3, "eval": True},  # dropout is off in eval mode
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_multihead_attention_variants_are_exact(kwargs, bookkeeping):
+    kwargs = dict(kwargs)
+    evaluate = kwargs.pop("eval", False)
+    torch.manual_seed(0)
+    model = _AttentionVariant(**kwargs).double()
+    if evaluate:
+        model.eval()
+    x, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    got, want, cov = _norms(model, x, y, bookkeeping, strict=True)
+    _assert_exact(got, want)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+
+
+def test_multihead_attention_dropout_in_training_is_refused_by_name():
+    model = _AttentionVariant(dropout=0.3).double()
+    psn = gapmon.PerSampleGradNorms(model)
+    with pytest.warns(RuntimeWarning, match="'attn' is not per-sample.*dropout 0.3 in training mode"):
+        _loss(model(torch.randn(4, 5, 4, dtype=torch.float64)), torch.zeros(4, 5, 3, dtype=torch.float64)).backward()
+    assert "attn.in_proj_weight" in psn.coverage()["uncovered"]
+    psn.close()
+
+
 # ---------------------------------------------------------------- uses of a parameter outside its layer
 class OutputHeadTiedByFunction(nn.Module):
     """OLMo-style output head: the embedding table read by F.linear, not by a shared module."""
