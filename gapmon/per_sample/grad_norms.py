@@ -145,9 +145,17 @@ class PerSampleGradNorms(GradientProducts):
         self._watch = ParameterWatch(model)
 
     # ------------------------------------------------------------------ hooks
+    # The hooks test `collecting` first and call the rest through dynamo_disable: on a skipped step a torch.compile'd
+    # model traces them as nothing (its graph stays whole); on a collected one they run eagerly at a graph break
+    # (traced, they graph-break inside anyway and recompile for every layer, up to Dynamo's limit, with warnings).
     def _new_micro_batch(self, module, args, kwargs) -> None:
-        # A skipped step, activation-checkpoint recomputation, or the model run under torch.func.
-        if not self._state.collecting or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
+        if self._state.collecting:
+            self._micro_batch_starts(module, args, kwargs)
+
+    @_torch_compat.dynamo_disable
+    def _micro_batch_starts(self, module, args, kwargs) -> None:
+        # Activation-checkpoint recomputation, or the model run under torch.func.
+        if _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
             return
         if self._explicit:  # begin_forward named this micro-batch's inputs already (the model runs inside it)
             return

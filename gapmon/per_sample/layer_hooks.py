@@ -91,11 +91,22 @@ class LayerHooks:
         return found
 
     def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
-        if self.state.collecting and self.state.micro and not _torch_compat.functorch_transforms_active():
+        if self.state.collecting:  # (see PerSampleGradNorms._new_micro_batch: traced as nothing on a skipped step)
+            self._note_params(index, module)
+
+    @_torch_compat.dynamo_disable
+    def _note_params(self, index: int, module: nn.Module) -> None:
+        if self.state.micro and not _torch_compat.functorch_transforms_active():
             with _torch_compat.ModeSuspended(self.state.tracking):
                 self.state.micro[-1].used[index] = self.layers[index][2].params(module)
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
+        if not self.state.collecting:  # (as _pre_forward_hook)
+            return None
+        return self._collecting_forward_hook(index, module, args, kwargs, output)
+
+    @_torch_compat.dynamo_disable
+    def _collecting_forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         """Outside the batch tracking's mode (the hook's own tensor calls are not the model's); an output it
         replaces (book-keeping) takes the batch dim of the one it replaces."""
         tracking = self.state.tracking

@@ -533,6 +533,66 @@ def test_norms_under_torch_compile_match_eager():
     psn.close()
 
 
+def test_torch_compile_keeps_a_skipped_step_whole_and_a_collected_one_quiet():
+    """The hooks on 12 covered layers under torch.compile: while paused (a step the monitor skips) Dynamo traces them
+    as nothing, so the model compiles into the one graph it has without gapmon; while collecting they run eagerly at
+    graph breaks, without recompiling per layer (Dynamo's recompile limit, 8, and its warnings), and the norms are
+    the eager ones."""
+    import logging
+
+    import torch._dynamo
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(12))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    def graphs_of(model, x):
+        sizes = []
+
+        def counting(gm, example_inputs):
+            sizes.append(sum(n.op == "call_function" or n.op == "call_method" for n in gm.graph.nodes))
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=counting)
+        compiled(x).square().sum().backward()
+        return sizes, compiled
+
+    torch.manual_seed(0)
+    model, x = Deep(), torch.randn(3, 6)
+    plain, _ = graphs_of(model, x)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    model(x).square().sum().backward()
+    want = psn.local_norms()
+    psn.pause()
+    paused, _ = graphs_of(model, x)
+    assert paused == plain and len(plain) == 1, (paused, plain)
+    psn.start()
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    dynamo_log = logging.getLogger("torch._dynamo")  # torch's loggers do not propagate to the root (caplog)
+    dynamo_log.addHandler(handler)
+    try:
+        _, compiled = graphs_of(model, x)
+        got = psn.local_norms()
+        for _ in range(2):
+            compiled(x).square().sum().backward()
+            torch.testing.assert_close(psn.local_norms(), want, rtol=1e-6, atol=0)
+    finally:
+        dynamo_log.removeHandler(handler)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert not [m for m in seen if "recompile" in m], seen
+    psn.close()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("bookkeeping", [False, True])
 def test_bf16_autocast_norms_match_torch_func(bookkeeping):
     """Under bf16 autocast the norms equal torch.func's per-sample gradients of the same autocast
