@@ -7,6 +7,7 @@ torch (or of another object that is not its own).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -159,8 +160,13 @@ def tensor_leaves(tree: Any) -> list:
 
 
 def dynamo_disable(fn: Callable) -> Callable:
-    """fn, run untraced by Dynamo when called from a compiled region."""
+    """fn, run untraced by Dynamo when called from a compiled region (imports Dynamo: see dynamo_loaded)."""
     return torch._dynamo.disable(fn)
+
+
+def dynamo_loaded() -> bool:
+    """Whether Dynamo is imported (torch.compile imports it). gapmon does not import it itself: ~1 s."""
+    return "torch._dynamo" in sys.modules
 
 
 def fsdp_param_groups(model: nn.Module) -> list:

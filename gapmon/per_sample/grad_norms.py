@@ -114,6 +114,9 @@ class PerSampleGradNorms(GradientProducts):
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
         self._layer_hooks = LayerHooks(self._coverage.layers, self._state, self._checker, self._coverage,
                                        config.bookkeeping, keep_positions=config.gram)
+        # A function of self (see keep_out_of_compiled_graphs), not a bound method: a deep copy calls it on its own copy.
+        self._starts, self._untraced = PerSampleGradNorms._micro_batch_starts, False
+        self.keep_out_of_compiled_graphs()
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
@@ -145,14 +148,21 @@ class PerSampleGradNorms(GradientProducts):
         self._watch = ParameterWatch(model)
 
     # ------------------------------------------------------------------ hooks
-    # The hooks test `collecting` first and call the rest through dynamo_disable: on a skipped step a torch.compile'd
-    # model traces them as nothing (its graph stays whole); on a collected one they run eagerly at a graph break
-    # (traced, they graph-break inside anyway and recompile for every layer, up to Dynamo's limit, with warnings).
+    def keep_out_of_compiled_graphs(self) -> None:
+        """The hooks test `collecting` first and, once Dynamo is loaded, call the rest through torch.compiler.disable:
+        on a skipped step a torch.compile'd model traces them as nothing (its graph stays whole); on a collected one
+        they run eagerly at a graph break (traced, they graph-break inside anyway and recompile for every layer, up
+        to Dynamo's limit, with warnings). Looked at when made, at start() and after each read, outside compiled
+        regions; gapmon does not import Dynamo itself (~1 s)."""
+        if not self._untraced and _torch_compat.dynamo_loaded():
+            self._untraced = True
+            self._starts = _torch_compat.dynamo_disable(PerSampleGradNorms._micro_batch_starts)
+        self._layer_hooks.keep_out_of_compiled_graphs()
+
     def _new_micro_batch(self, module, args, kwargs) -> None:
         if self._state.collecting:
-            self._micro_batch_starts(module, args, kwargs)
+            self._starts(self, module, args, kwargs)
 
-    @_torch_compat.dynamo_disable
     def _micro_batch_starts(self, module, args, kwargs) -> None:
         # Activation-checkpoint recomputation, or the model run under torch.func.
         if _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
@@ -232,6 +242,7 @@ class PerSampleGradNorms(GradientProducts):
         calls it at the begin_step of a monitored step)."""
         self.reset()
         self._state.collecting = True
+        self.keep_out_of_compiled_graphs()
 
     def pause(self) -> None:
         """Stops collecting: the hooks return at once until start() (GAPMonitor pauses it on the steps
@@ -274,6 +285,7 @@ class PerSampleGradNorms(GradientProducts):
         wrong norms (batch-mixing layers, uncovered parameters under strict, uses no rule saw). Once per read."""
         if self._state.collected:
             return
+        self.keep_out_of_compiled_graphs()
         self._state.read = True
         refuse_batch_mixing(self._state.micro)
         self._coverage.warn_uncovered(RuntimeError, 4, self._params, self._param_names)

@@ -38,6 +38,10 @@ class LayerHooks:
         self.bookkeeping, self.keep_positions = bookkeeping, keep_positions
         self.tied = tied_embedding.TiedTables(layers, coverage.ties)  # layers sharing one table, and their cross terms
         self.shared = shared_input.SharedInputs(self)  # calls of ids every sample shares, followed to the batch
+        # The hooks' collecting parts, called through torch.compiler.disable once Dynamo is loaded: functions of self
+        # (not bound methods), so that a deep copy of the model calls them on its own copy.
+        self._note, self._follow, self._untraced = LayerHooks._note_params, LayerHooks._collecting_forward_hook, False
+        self.keep_out_of_compiled_graphs()
         # Book-keeping replaces a Linear layer's output: its hook runs before every other forward hook,
         # so that they (a GAPMonitor's among them) see the output that gets the gradient.
         # The parameters each call uses, read before the forward: FSDP2 unshards them in its pre-forward
@@ -90,11 +94,18 @@ class LayerHooks:
         mb.provenance.setdefault(index, set()).add(found)
         return found
 
-    def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
-        if self.state.collecting:  # (see PerSampleGradNorms._new_micro_batch: traced as nothing on a skipped step)
-            self._note_params(index, module)
+    def keep_out_of_compiled_graphs(self) -> None:
+        """Once Dynamo is loaded, the hooks' collecting parts run through torch.compiler.disable (see
+        PerSampleGradNorms.keep_out_of_compiled_graphs)."""
+        if not self._untraced and _torch_compat.dynamo_loaded():
+            self._untraced = True
+            self._note = _torch_compat.dynamo_disable(LayerHooks._note_params)
+            self._follow = _torch_compat.dynamo_disable(LayerHooks._collecting_forward_hook)
 
-    @_torch_compat.dynamo_disable
+    def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
+        if self.state.collecting:  # (a skipped step: traced by Dynamo as nothing)
+            self._note(self, index, module)
+
     def _note_params(self, index: int, module: nn.Module) -> None:
         if self.state.micro and not _torch_compat.functorch_transforms_active():
             with _torch_compat.ModeSuspended(self.state.tracking):
@@ -103,9 +114,8 @@ class LayerHooks:
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         if not self.state.collecting:  # (as _pre_forward_hook)
             return None
-        return self._collecting_forward_hook(index, module, args, kwargs, output)
+        return self._follow(self, index, module, args, kwargs, output)
 
-    @_torch_compat.dynamo_disable
     def _collecting_forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         """Outside the batch tracking's mode (the hook's own tensor calls are not the model's); an output it
         replaces (book-keeping) takes the batch dim of the one it replaces."""

@@ -533,6 +533,30 @@ def test_norms_under_torch_compile_match_eager():
     psn.close()
 
 
+@pytest.mark.parametrize("dynamo_loaded", [False, True])
+def test_a_deep_copy_of_the_model_adds_nothing_to_the_norms(dynamo_loaded, monkeypatch):
+    """A deep copy of a watched model (an EMA copy, a reference loop's float64 copy) carries copies of the hooks; run,
+    it must not add samples to the original's norms, also once the hooks' collecting parts are called through
+    torch.compiler.disable (Dynamo loaded)."""
+    import copy
+
+    import gapmon._torch_compat as compat
+
+    monkeypatch.setattr(compat, "dynamo_loaded", lambda: dynamo_loaded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    twin = copy.deepcopy(model)
+    twin(torch.randn(7, 4)).square().sum().backward()
+    got = psn.local_norms()
+    want = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[i:i + 1]).square().sum(),
+                                                                  list(model.parameters()))]).norm() for i in range(3)]
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=0)
+    psn.close()
+
+
 def test_torch_compile_keeps_a_skipped_step_whole_and_a_collected_one_quiet():
     """The hooks on 12 covered layers under torch.compile: while paused (a step the monitor skips) Dynamo traces them
     as nothing, so the model compiles into the one graph it has without gapmon; while collecting they run eagerly at
