@@ -248,6 +248,7 @@ LAYERS = {
     "conv_transpose1d": lambda: _Seq(nn.ConvTranspose1d(6, 4, 3, groups=2), channels_first=True),
     "mha": lambda: _Seq(nn.MultiheadAttention(6, 2, batch_first=True)),
     "lstm": lambda: _Seq(nn.LSTM(6, 3, batch_first=True, bidirectional=True)),
+    "lstm_projected": lambda: _Seq(nn.LSTM(6, 4, batch_first=True, proj_size=2, num_layers=2)),
     "lstm_cell": lambda: _CellSteps(nn.LSTMCell(6, 3)),
     "gru_cell": lambda: _CellSteps(nn.GRUCell(6, 3)),
 }

@@ -8,9 +8,10 @@ pre-activations, a sample's gradients are
 differ), Linear products whose norms take the ghost or the direct form. The δ's come from the loss's
 gradients of the layer's outputs (the sequence and the final states, whichever the loss uses): the rule
 replays the layer unrolled, with the module's weights, and backpropagates them through it (one more
-backward of this layer alone; no per-sample gradient is formed). Packed sequences are refused (their
-time steps interleave the samples); so are dropout between layers in training mode (it cannot be
-replayed) and LSTM projections (proj_size).
+backward of this layer alone; no per-sample gradient is formed). An LSTM with proj_size projects each step's
+m_t = o_t ⊙ tanh(c_t) by W_hr to the state h_t it carries: W_hr: Σ_t δr_t m_tᵀ, δr_t = dL/dh_t, one more Linear
+product. Packed sequences are refused (their time steps interleave the samples); so is dropout between layers in
+training mode (it cannot be replayed).
 
 nn.RNNCell, nn.LSTMCell and nn.GRUCell are one time step of the same: a loop that calls the cell once per step
 is a layer called several times, whose calls' positions concatenate along T (each call replays its step alone).
@@ -47,15 +48,18 @@ def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: tor
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
 
 
+def _projected(module: nn.RNNBase) -> bool:
+    """Whether an LSTM projects its hidden state (proj_size > 0: weight_hr)."""
+    return getattr(module, "proj_size", 0) > 0
+
+
 @register_norm_rule(nn.RNN, nn.LSTM, nn.GRU)
 class RecurrentRule(NormRule):
     param_names = None  # weight_ih_l0, ..._reverse: checked in unsupported
 
     def unsupported(self, module):
-        if getattr(module, "proj_size", 0):
-            return "an LSTM with proj_size (its projection weight_hr has no rule)"
-        known = {f"{kind}{sfx}" for _, _, sfx in _directions(module) for kind in ("weight_ih", "weight_hh", "bias_ih",
-                                                                                  "bias_hh")}
+        kinds = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") + (("weight_hr",) if _projected(module) else ())
+        known = {f"{kind}{sfx}" for _, _, sfx in _directions(module) for kind in kinds}
         extra = sorted(set(dict(module.named_parameters(recurse=False))) - known)
         if extra:
             return f"it has parameters {extra} that the recurrent rule does not know"
@@ -81,7 +85,7 @@ class RecurrentRule(NormRule):
         return None
 
     def positions(self, module, call, g, acc):
-        """(x, δi, h_prev, δh) of every cell, batch first: [B, T, ·] each."""
+        """(x, δi, h_prev, δh) of every cell, and (m, δr) after them with proj_size; batch first: [B, T, ·] each."""
         x, hx = call.arg(0, "input"), call.arg(1, "hx")
         grads = list(g) + [None] * (3 - len(g))
         x = x.to(acc)
@@ -90,10 +94,10 @@ class RecurrentRule(NormRule):
             grads[0] = None if grads[0] is None else grads[0].transpose(0, 1)
         b, steps = x.shape[0], x.shape[1]
         dirs, hidden = (2 if module.bidirectional else 1), module.hidden_size
-        lstm = module.mode == "LSTM"
+        lstm, projected = module.mode == "LSTM", _projected(module)
         if hx is None:
-            zeros = x.new_zeros(module.num_layers * dirs, b, hidden)
-            h0, c0 = zeros, (zeros if lstm else None)
+            h0 = x.new_zeros(module.num_layers * dirs, b, module.proj_size if projected else hidden)
+            c0 = x.new_zeros(module.num_layers * dirs, b, hidden) if lstm else None
         else:
             h0, c0 = (hx[0].to(acc), hx[1].to(acc)) if lstm else (hx.to(acc), None)
         params = {n: p.detach().to(acc) for n, p in module.named_parameters(recurse=False)}
@@ -112,7 +116,7 @@ class RecurrentRule(NormRule):
                     if not gi.requires_grad:
                         gi.requires_grad_()
                     h, c = h0[layer * dirs + d], (c0[layer * dirs + d] if lstm else None)
-                    prev, ghs, hs = [], [], []
+                    prev, ghs, hs, ms = [], [], [], []
                     for t in range(steps):
                         gh = h @ params[f"weight_hh{sfx}"].T
                         if f"bias_hh{sfx}" in params:
@@ -122,41 +126,49 @@ class RecurrentRule(NormRule):
                         prev.append(h.detach())
                         ghs.append(gh)
                         h, c = _cell(module.mode, gi[:, t], gh, h, c)
+                        if projected:  # h_t = W_hr m_t: its gradient is δr_t
+                            ms.append(h.detach())
+                            h = h @ params[f"weight_hr{sfx}"].T
                         hs.append(h)
                     out = torch.stack(hs, 1)
                     outs.append(out.flip(1) if d else out)
                     h_n.append(h)
                     c_n.append(c)
-                    wrt += [gi, *ghs]
+                    wrt += [gi, *ghs, *(hs if projected else ())]
                     pos += [seq.detach(), None, torch.stack(prev, 1), None]  # δ's filled in below
+                    if projected:
+                        pos += [torch.stack(ms, 1), None]
                 layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
             produced = [layer_in, torch.stack(h_n)] + ([torch.stack(c_n)] if lstm else [])
             targets = [(t, gr.to(acc)) for t, gr in zip(produced, grads) if gr is not None]
             found = torch.autograd.grad([t for t, _ in targets], wrt, [gr for _, gr in targets], allow_unused=True)
         found = [torch.zeros_like(w) if d is None else d for w, d in zip(wrt, found)]
-        per_cell = 1 + steps
-        for k in range(len(pos) // 4):
+        per_cell, width = (1 + 2 * steps, 6) if projected else (1 + steps, 4)
+        for k in range(len(pos) // width):
             cell = found[k * per_cell:(k + 1) * per_cell]
-            pos[4 * k + 1] = cell[0].detach()
-            pos[4 * k + 3] = torch.stack(cell[1:], 1).detach()
+            pos[width * k + 1] = cell[0].detach()
+            pos[width * k + 3] = torch.stack(cell[1:1 + steps], 1).detach()
+            if projected:
+                pos[width * k + 5] = torch.stack(cell[1 + steps:], 1).detach()
         return tuple(pos)
 
-    def norm_sq(self, module, pos):
-        terms = []
+    @staticmethod
+    def _pairs(module, pos):
+        """(a, δ, weight, bias) of every Linear product of the cells' positions."""
+        width = 6 if _projected(module) else 4
         for k, (_, _, sfx) in enumerate(_directions(module)):
-            x, di, prev, dh = pos[4 * k:4 * k + 4]
-            terms += weight_and_bias_terms(x, di, getattr(module, f"weight_ih{sfx}"), getattr(module, f"bias_ih{sfx}", None))
-            terms += weight_and_bias_terms(prev, dh, getattr(module, f"weight_hh{sfx}"), getattr(module, f"bias_hh{sfx}", None))
+            cell = pos[width * k:width * (k + 1)]
+            for a, d, kind in ((cell[0], cell[1], "ih"), (cell[2], cell[3], "hh")):
+                yield a, d, getattr(module, f"weight_{kind}{sfx}"), getattr(module, f"bias_{kind}{sfx}", None)
+            if width == 6:
+                yield cell[4], cell[5], getattr(module, f"weight_hr{sfx}"), None
+
+    def norm_sq(self, module, pos):
+        terms = [t for a, d, w, bias in self._pairs(module, pos) for t in weight_and_bias_terms(a, d, w, bias)]
         return sum_of_terms(terms, pos[0].shape[0], pos[0].dtype, pos[0].device)
 
     def grad_sketch(self, module, pos, probe):
-        out = []
-        for k, (_, _, sfx) in enumerate(_directions(module)):
-            x, di, prev, dh = pos[4 * k:4 * k + 4]
-            for a, d, kind in ((x, di, "ih"), (prev, dh, "hh")):
-                out += weight_and_bias_sketches(a, d, getattr(module, f"weight_{kind}{sfx}"),
-                                                getattr(module, f"bias_{kind}{sfx}", None), probe)
-        return out
+        return [sk for a, d, w, bias in self._pairs(module, pos) for sk in weight_and_bias_sketches(a, d, w, bias, probe)]
 
 
 def _cell_mode(module: nn.RNNCellBase) -> str:
