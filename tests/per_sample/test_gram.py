@@ -222,6 +222,17 @@ class _Seq(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+class _SelfBilinear(nn.Module):
+    """nn.Bilinear of x with itself."""
+
+    def __init__(self, bil):
+        super().__init__()
+        self.bil = bil
+
+    def forward(self, x):
+        return self.bil(x, x)
+
+
 class _CellSteps(nn.Module):
     """A recurrent cell looped over the steps of [B, T, d]: one layer called T times."""
 
@@ -250,6 +261,8 @@ LAYERS = {
     "lstm": lambda: _Seq(nn.LSTM(6, 3, batch_first=True, bidirectional=True)),
     "lstm_projected": lambda: _Seq(nn.LSTM(6, 4, batch_first=True, proj_size=2, num_layers=2)),
     "lstm_cell": lambda: _CellSteps(nn.LSTMCell(6, 3)),
+    "prelu": lambda: _Seq(nn.PReLU(6, init=0.3), channels_first=True),
+    "bilinear": lambda: _Seq(_SelfBilinear(nn.Bilinear(6, 6, 3))),
     "gru_cell": lambda: _CellSteps(nn.GRUCell(6, 3)),
 }
 

@@ -495,6 +495,53 @@ def test_an_lstm_cell_whose_graph_is_not_the_expected_one_is_refused(monkeypatch
     psn.close()
 
 
+class _TwoInputs(nn.Module):
+    """nn.Bilinear on two inputs of one batch: a projection of x, and x."""
+
+    def __init__(self, seq, bias):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.bil = nn.Bilinear(3, 4, 2, bias=bias)
+        self.seq = seq
+
+    def forward(self, x):
+        return self.bil(torch.tanh(self.proj(x)), x)
+
+
+@pytest.mark.parametrize("seq, bias", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+def test_bilinear_is_exact(seq, bias, bookkeeping):
+    torch.manual_seed(0)
+    model = _TwoInputs(seq, bias)
+    x = torch.randn(3, 5, 4) if seq else torch.randn(3, 4)
+    cov = _check(model, x, torch.randn(*x.shape[:-1], 2), strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("channels, shape", [(1, (3, 5)), (4, (3, 4)), (4, (3, 4, 6, 5)), (1, (3, 4, 6))])
+def test_prelu_is_exact_and_a_reused_one_too(channels, shape):
+    """One weight or one per channel (dim 1), on [B, C] and on feature maps; the second model calls it twice (its
+    per-sample gradient is the sum over both calls)."""
+    torch.manual_seed(0)
+    width = shape[1]
+    act = nn.PReLU(channels, init=0.3)
+    model = nn.Sequential(nn.Linear(width, width) if len(shape) == 2 else nn.Conv1d(width, width, 1) if len(shape) == 3
+                          else nn.Conv2d(width, width, 1), act)
+    x = torch.randn(*shape)
+    cov = _check(model, x, torch.randn(*shape), strict=True)
+    assert "1.weight" in cov["covered"]
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(4, 4), nn.PReLU(4, init=0.2)
+
+        def forward(self, x):
+            return self.act(self.lin(self.act(x)))
+
+    _check(Twice(), torch.randn(3, 4), torch.randn(3, 4), strict=True)
+
+
 def test_a_rule_reads_the_parameters_a_module_holds_now():
     """NormRule.params reads the module's registry at every call: what parameters(recurse=False) yields (each
     object once, also when registered under two names; None entries and frozen ones left out), and a swapped

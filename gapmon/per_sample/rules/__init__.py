@@ -4,14 +4,15 @@ A rule turns one call of a layer into per-sample squared norms of its trainable 
 (gapmon.per_sample.rules.base says how). Register a rule for your own layer type with
 ``register_norm_rule(MyLayer)(MyRule)``.
 """
-from . import attention, conv, conv_transpose, embedding, linear, recurrent
+from . import activation, attention, conv, conv_transpose, embedding, linear, recurrent
 from . import normalization as norms
+from .activation import PReLURule
 from .attention import MultiheadAttentionRule
 from .base import Call, NormRule, Sketch, add_sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
 from .conv import ConvRule
 from .conv_transpose import ConvTransposeRule
 from .embedding import EmbeddingBagRule, EmbeddingRule, ScaledEmbeddingRule
-from .linear import LinearRule, TransposedLinearRule, product_norm_sq, use_ghost
+from .linear import BilinearRule, LinearRule, TransposedLinearRule, product_norm_sq, use_ghost
 from .normalization import (
     GroupNormRule,
     HFFloat32RMSNormRule,
@@ -22,14 +23,15 @@ from .normalization import (
     OLMoCoreNormRule,
     T5LayerNormRule,
 )
-from .recurrent import RecurrentRule
+from .recurrent import RecurrentCellRule, RecurrentRule
 
-RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent)
+RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent, activation)
 
 __all__ = [
     "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch",
     "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
     "ScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
     "HFGemmaRMSNormRule", "OLMoCoreNormRule", "T5LayerNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
+    "RecurrentCellRule", "BilinearRule", "PReLURule",
     "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

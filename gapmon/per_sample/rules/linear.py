@@ -231,3 +231,33 @@ class TransposedLinearRule(LinearRule):
 
     def bookkeep(self, module, x, output, report):
         return None
+
+
+@register_norm_rule(nn.Bilinear)
+class BilinearRule(NormRule):
+    """nn.Bilinear: y_o = x1ᵀ W_o x2 + b_o is a Linear over the outer products z = x1 ⊗ x2 (W as [O, I1·I2]), so a
+    sample's gradient is Σ_t g_t z_tᵀ and its norms take the Linear forms. Inputs [B, I] or [B, ..., I], the batch on
+    dim 0 of both."""
+
+    def batch_operands(self, module, call):
+        return [(call.arg(0, "input1"), 0), (call.arg(1, "input2"), 0)]
+
+    def not_per_sample(self, module, call, output, batch, model_inputs):
+        x1, x2 = call.arg(0, "input1"), call.arg(1, "input2")
+        if not (isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor)) or x1.dim() < 2:
+            return "its inputs are unbatched"
+        return super().not_per_sample(module, call, output, batch, model_inputs)
+
+    def positions(self, module, call, g, acc):
+        """(z [B, T, I1·I2], g [B, T, O]), T the positions between the batch and the features (1 for [B, I])."""
+        x1, x2 = call.arg(0, "input1").to(acc), call.arg(1, "input2").to(acc)
+        b = x1.shape[0]
+        z = (x1.unsqueeze(-1) * x2.unsqueeze(-2)).reshape(b, -1, x1.shape[-1] * x2.shape[-1])
+        return z, g.to(acc).reshape(b, -1, g.shape[-1])
+
+    def norm_sq(self, module, pos):
+        z, g = pos
+        return sum_of_terms(weight_and_bias_terms(z, g, module.weight, module.bias), g.shape[0], g.dtype, g.device)
+
+    def grad_sketch(self, module, pos, probe):
+        return weight_and_bias_sketches(*pos, module.weight, module.bias, probe)
