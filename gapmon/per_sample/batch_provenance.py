@@ -84,14 +84,19 @@ class Merged(NamedTuple):
 
 class Shared(NamedTuple):
     """A status: the output of a layer call whose input every sample shares (position ids [1, T]), followed for its
-    per-sample gradient (gapmon.per_sample.shared_input.SharedCall, `owner`). Where it is added to a batched
-    tensor, owner.on_add(sum, dim of its batch, sign) reads the sum's gradient; where it is copied or cast, the copy
-    stays Shared; any other use calls owner.on_escape(). Elsewhere it counts as unbatched, as before it was followed."""
+    per-sample gradient (gapmon.per_sample.shared_input.SharedCall, `owner`), or a free parameter of the model
+    (free_parameters.Piece: its reshapes and expansions stay Shared too, and a concatenation to a batched tensor calls
+    owner.on_cat). Where it is added to a batched tensor, owner.on_add(sum, dim of its batch, sign) reads the sum's
+    gradient; where it is copied or cast, the copy stays Shared; any other use calls owner.on_escape(). Elsewhere it
+    counts as unbatched, as before it was followed."""
 
     owner: Any
 
 
 _COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda"}
+# Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
+_ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
+                        "ravel"}
 _ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
          "__isub__": -1}
 
@@ -304,15 +309,23 @@ class BatchTracker(TorchFunctionMode):
         raise Lost(f"{name} (no batch rule for this op)")
 
     def _shared_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
-        """An op on the output of a call whose input every sample shares (Shared): a copy stays Shared; an add to one
-        batched tensor hands the sum to its owner (its gradient, per sample, is the shared output's); any other use
-        is reported. The op's status is then the one it had with the shared output unbatched."""
+        """An op on the output of a call whose input every sample shares, or on a free parameter (Shared): a copy stays
+        Shared (a free parameter's order-keeping reshapes and expansions too); an add to one batched tensor hands the
+        sum to its owner (its gradient, per sample, is the shared output's), as a free parameter's concatenation to
+        batched tensors hands it the result; any other use is reported. The op's status is then the one it had with
+        the shared output unbatched."""
         shared = [(t, st) for t, st in inputs if type(st) is Shared]
         plain = [(t, st) for t, st in inputs if type(st) is not Shared]
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
             if name in _COPIES and not plain and t is args[0]:
                 return st
+            if name in _ORDER_KEEPING_VIEWS and not plain and t is args[0] and hasattr(st.owner, "reshaped"):
+                piece = st.owner.reshaped(out)  # a free parameter's (free_parameters): the same elements in order
+                if piece is not None:
+                    return Shared(piece)
+            if name in _EXPANDS and not plain and t is args[0] and hasattr(st.owner, "expanded"):
+                return Shared(st.owner.expanded(out))
             sign = _ADDS.get(name)
             in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
             if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
@@ -321,9 +334,35 @@ class BatchTracker(TorchFunctionMode):
                 if type(d) is int:
                     st.owner.on_add(out, t, d, -1 if sign < 0 and t is args[1] else 1)
                     return d
+        if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
+                hasattr(st.owner, "on_cat") for _, st in shared):
+            try:
+                d = self._rule(name, args, kwargs, plain, out)
+            except Lost:
+                d = None  # (the escape below, then the same Lost again)
+            if type(d) is int and self._shared_cat(args, kwargs, out, d):
+                return d
         for _, st in shared:
             st.owner.on_escape(name)
         return self._rule(name, args, kwargs, plain, out) if plain else None
+
+    def _shared_cat(self, args: Sequence, kwargs: dict, out: torch.Tensor, d: int) -> bool:
+        """A concatenation, along another dim than its batch `d`, of batched tensors and expansions of free parameters
+        over the batch: each expansion told where its rows are (on_cat). False when it is along the batch."""
+        tensors = args[0] if args else kwargs.get("tensors")
+        cat_dim = _arg(args, kwargs, 1, "dim", 0)
+        cat_dim = cat_dim + out.dim() if cat_dim < 0 else cat_dim
+        if cat_dim == d:
+            return False
+        start = 0
+        for t in tensors:
+            if t.dim() == 1 and t.numel() == 0:  # torch.cat skips these
+                continue
+            st = self.status(t)
+            if type(st) is Shared:
+                st.owner.on_cat(out, t, cat_dim, start, d)
+            start += t.shape[cat_dim]
+        return True
 
     def _merged_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
         """An op with an input whose batch is merged with other dims (Merged): reshapes may split it out again,

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..utils import clean_named, layer_type_name, name_cleaner
+from ..utils import clean_named, is_dtensor, layer_type_name, name_cleaner
+from .free_parameters import free_parameters
 from .rules import EmbeddingRule, LinearRule, NormRule, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
@@ -58,7 +59,8 @@ class LayerCoverage:
     """The covered layers of `model` ((name, module, rule) each) and the reasons of the uncovered parameters
     (named by `names`, id(parameter) -> name)."""
 
-    def __init__(self, model: nn.Module, names: dict[int, str], clean_name: Callable[[str], str], strict: bool):
+    def __init__(self, model: nn.Module, names: dict[int, str], clean_name: Callable[[str], str], strict: bool,
+                 follow_free: bool = True):
         self.strict = strict
         ties = tied_parameters(model)
         groups = {key: _tie_group(owners) for key, owners in ties.items()}
@@ -94,6 +96,10 @@ class LayerCoverage:
             else:
                 reasons.update({names[id(p)]: why for p in params})
         self.reasons = reasons  # parameter -> why no rule holds for it
+        # Parameters a module with submodules uses itself (free_parameters): covered where each use is one the batch
+        # tracking follows (found at run time, as a layer's provenance is); their "layer" is the parameter's name.
+        ruled = {id(p) for module in model.modules() if rule_for(module) is not None for p in module.parameters()}
+        self.free = free_parameters(model, ruled, clean_name) if follow_free else {}
         order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
         self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]
                            for name, others in self.ties.items() if name in order}
@@ -168,6 +174,16 @@ class LayerCoverage:
                         attrs = {id(q): attr for attr, q in module.named_parameters(recurse=rule.owns_submodules)}
                     full = f"{name}.{attrs[id(p)]}" if name else attrs[id(p)]
                 yield full, name, module, p
+        for full, p, owner in self.free_now():
+            yield full, full, owner, p
+
+    def free_now(self):
+        """(name, parameter, the module that registers it) of the free parameters that train now, plain tensors (one
+        sharded since, by FSDP2, is replaced by unsharded objects in the forward pass: not followed, so uncovered)."""
+        for full, (owner, attr) in self.free.items():
+            p = getattr(owner, attr, None)
+            if isinstance(p, torch.Tensor) and p.requires_grad and not is_dtensor(p):
+                yield full, p, owner
 
     def warn_uncovered(self, error: type, stacklevel: int, params: list[tuple[str, torch.Tensor]],
                        param_names: dict[int, str]) -> None:

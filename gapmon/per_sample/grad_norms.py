@@ -45,6 +45,7 @@ from ..config import PerSampleConfig
 from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import BatchTracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
+from .free_parameters import FREE_UNSEEN, FreeParameterNorms
 from .gram import GradientProducts
 from .layer_hooks import LayerHooks
 from .micro_batch import (
@@ -102,7 +103,8 @@ class PerSampleGradNorms(GradientProducts):
         self._coverage: LayerCoverage | None = None  # needs the parameters' names: made just below
         self._derive_params()
         clean_name = name_cleaner(model)
-        self._coverage = LayerCoverage(model, self._param_names, clean_name, config.strict)
+        # (gram() and per_sample_gradients() are formed from the layers' positions: free parameters are left out there)
+        self._coverage = LayerCoverage(model, self._param_names, clean_name, config.strict, follow_free=not config.gram)
         self._coverage.warn_uncovered(ValueError, 3, self._params, self._param_names)
         if config.gram and self._coverage.ties:
             raise ValueError(
@@ -112,6 +114,7 @@ class PerSampleGradNorms(GradientProducts):
         # Layers that mix the samples of a batch when they use batch statistics.
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
+        self._free = FreeParameterNorms(self._coverage, self._checker)  # a model's own parameters
         self._layer_hooks = LayerHooks(self._coverage.layers, self._state, self._checker, self._coverage,
                                        config.bookkeeping, keep_positions=config.gram)
         # A function of self (see keep_out_of_compiled_graphs), not a bound method: a deep copy calls it on its own copy.
@@ -186,9 +189,11 @@ class PerSampleGradNorms(GradientProducts):
                 raise ValueError(f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim "
                                  f"{self.batch_dim} of size {batch} (the first one's)")
             tracker.mark(t, self.batch_dim)
+        mb = MicroBatch(batch, storages)
+        self._free.follow(mb, tracker)
         self._state.stop_tracking()  # a forward pass that raised before its end hook could run
         self._state.tracking = tracker.__enter__()
-        self._state.micro.append(MicroBatch(batch, storages))
+        self._state.micro.append(mb)
         self._state.collected = False
 
     def begin_forward(self, *batched: torch.Tensor) -> None:
@@ -298,9 +303,11 @@ class PerSampleGradNorms(GradientProducts):
             for index in list(mb.layers):  # calls whose output got no gradient add nothing
                 self._layer_hooks.finish(index, mb)
         self._layer_hooks.shared.flush_refused()
+        self._free.finish(self._state.micro)
         for layer, params in self._checker.refuse_unseen_uses(self._coverage.skipped).items():
-            self._coverage.skip(layer, f"its parameters {params} got gradients while its forward never ran: they are "
-                                       "used functionally (F.linear(x, layer.weight), a fused kernel taking the weights)")
+            self._coverage.skip(layer, FREE_UNSEEN if layer in self._coverage.free else
+                                f"its parameters {params} got gradients while its forward never ran: they are used "
+                                "functionally (F.linear(x, layer.weight), a fused kernel taking the weights)")
         self._state.collected = True
 
     def _per_sample(self, squared) -> torch.Tensor:

@@ -72,6 +72,7 @@ class MicroBatch:
     position_versions: dict[int, tuple] = field(default_factory=dict)  # their in-place versions when kept
     tied: dict[Any, Any] = field(default_factory=dict)  # tie group -> what its members left (tied_embedding)
     finished: set[int] = field(default_factory=set)  # layers whose squared norms were added
+    free: dict[str, Any] = field(default_factory=dict)  # free parameter -> its uses (free_parameters.ParameterUses)
 
     def keep_positions(self, index: int, pos: tuple) -> None:
         """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""

@@ -288,6 +288,14 @@ class UseChecker:
             check.widen(dtype, repeats)
             check.seen_by_rule = True
 
+    def explain_gradient(self, p: torch.Tensor, layer: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        """Adds `grad`, the sum over samples of parameter p's per-sample gradients found outside any layer's rule (a
+        free parameter's), to p's explained side."""
+        check = self.check(p, layer)
+        add_sketch(check.explained, grad, check.probe)
+        check.sketched = check.seen_by_rule = True
+        check.widen(dtype)
+
     def refuse_unseen_uses(self, skipped: set[str]) -> dict[str, list[str]]:
         """Raises RuntimeError naming the covered parameters whose gradient got contributions that no rule saw besides
         those it saw (the parameter was used outside its layer's forward as well as in it): their norms would be wrong.

@@ -1,0 +1,158 @@
+"""Per-sample gradients of a parameter the model uses directly, outside any layer: a learned position embedding
+added to the batch (`x + self.pos_embed`), a class token expanded over the batch and concatenated to it
+(`torch.cat([self.cls_token.expand(B, -1, -1), x], 1)`).
+
+Such a parameter, registered on a module that has submodules (the model, an embeddings block) and covered by no
+rule, is followed in every collected forward pass (batch_provenance.Shared, as a shared input's output is): its
+copies and casts, reshapes (the same elements in the same order) and expansions stay followed; where one of them is
+added to a tensor batched on a dim it is broadcast along, or concatenated to one along another dim, a hook on the
+result reads each sample's gradient there (summed over the dims it was broadcast along). Any other use leaves the
+parameter out, named. Its norms are those of its per-sample gradient summed over every such use; the use check
+compares the sum over the samples with what autograd accumulated for it, so a use no hook saw is refused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..utils import is_dtensor
+from .batch_provenance import Shared
+
+# Why a free parameter is left out when the use check finds a gradient no followed use explains.
+FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the forward pass, or in one run without "
+               "grad (reentrant activation checkpointing)")
+
+
+def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, tuple[nn.Module, str]]:
+    """{parameter name: (the module that registers it, its attribute)} of the parameters a module with submodules
+    registers itself and no rule covers (`ruled`: ids of the parameters a layer with a rule holds), plain tensors (not
+    DTensors). A leaf module without a rule is a layer gapmon has no rule for: its parameters stay uncovered, as that."""
+    found: dict[str, tuple[nn.Module, str]] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        if next(module.children(), None) is None:
+            continue
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) in ruled or id(p) in seen or is_dtensor(p):
+                continue
+            seen.add(id(p))
+            found[clean_name(f"{prefix}.{attr}" if prefix else attr)] = (module, attr)
+    return found
+
+
+class FreeParameterNorms:
+    """The free parameters of a PerSampleGradNorms (its LayerCoverage's `free`, its UseChecker): followed in each
+    micro-batch's forward pass, their per-sample norms added to it when the norms are read."""
+
+    def __init__(self, coverage: Any, checker: Any):
+        self.coverage, self.checker = coverage, checker
+
+    def follow(self, mb: Any, tracker: Any) -> None:
+        """Marks each free parameter that trains (and was not left out) for micro-batch `mb`'s batch tracking."""
+        for name, p, _ in self.coverage.free_now():
+            if name not in self.coverage.skipped:
+                mb.free[name] = uses = ParameterUses(mb.batch)
+                tracker.mark(p, Shared(uses.piece(p)))
+                self.checker.watch(p, name)
+
+    def finish(self, micro: list) -> None:
+        """Each micro-batch's free parameters' squared norms from their per-sample gradients (and their sum over the
+        samples to the use check); a parameter one of whose uses was not followed is left out, named."""
+        escaped = {name: uses.escaped for mb in micro for name, uses in mb.free.items() if uses.escaped}
+        for name, what in escaped.items():
+            self.coverage.skip(name, f"the model uses this parameter in {what}, not only by adding it to the batch or "
+                                     "concatenating it (expanded over the batch) to a batched tensor")
+        owners = {name: (p, owner) for name, p, owner in self.coverage.free_now()}
+        with torch.no_grad():
+            for mb in micro:
+                for name, uses in mb.free.items():
+                    if uses.per_sample is None or name in self.coverage.skipped or name not in owners:
+                        continue
+                    p, owner = owners[name]
+                    acc = torch.float64 if uses.per_sample.dtype == torch.float64 else torch.float32
+                    g = uses.per_sample.to(acc)
+                    mb.add(g.square().sum(1), acc, self.coverage.type_of(name, owner))
+                    self.checker.explain_gradient(p, name, g.sum(0).reshape(p.shape), uses.per_sample.dtype)
+                mb.free = {}
+
+
+class ParameterUses:
+    """One micro-batch's uses of a free parameter: the per-sample gradient [B, numel] they add up to, or why a use
+    is not one gapmon can follow."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.per_sample: torch.Tensor | None = None
+        self.escaped: str | None = None
+
+    def piece(self, t: torch.Tensor) -> "Piece":
+        """The owner of the parameter's own Shared status."""
+        return Piece(self, tuple(t.shape))
+
+    def on_escape(self, what: str) -> None:
+        self.escaped = self.escaped or what
+
+    def add(self, g: torch.Tensor) -> None:
+        self.per_sample = g if self.per_sample is None else self.per_sample + g
+
+
+class Piece:
+    """A tensor holding the parameter's elements, in the parameter's order, as `base` shape; where it is broadcast
+    (an expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
+
+    def __init__(self, uses: ParameterUses, base: tuple[int, ...]):
+        self.uses, self.base = uses, base
+
+    def on_escape(self, what: str) -> None:
+        self.uses.on_escape(what)
+
+    def reshaped(self, out: torch.Tensor) -> "Piece | None":
+        """A view or reshape of a tensor that is not broadcast: the same elements in the same order (None: broadcast,
+        its elements repeat)."""
+        return Piece(self.uses, tuple(out.shape)) if out.numel() == _numel(self.base) else None
+
+    def expanded(self, out: torch.Tensor) -> "Piece":
+        return Piece(self.uses, (1,) * (out.dim() - len(self.base)) + self.base)
+
+    def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int) -> None:
+        """t (this piece) was added (sign 1) or subtracted (-1) to a tensor batched on `dim`, giving `total`."""
+        aligned = (1,) * (total.dim() - len(self.base)) + self.base
+        if aligned[dim] != 1:
+            self.on_escape("an add that does not broadcast it over the batch")
+            return
+        if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
+            return
+        broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
+        total.register_hook(lambda g: self.uses.add(_per_sample(g, dim, broadcast, self.uses.batch, sign)))
+
+    def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
+        """t (this piece, expanded over the batch on `dim`) is rows [start, start + t.shape[cat_dim]) of `out` along
+        `cat_dim`."""
+        aligned = (1,) * (t.dim() - len(self.base)) + self.base
+        if aligned[dim] != 1 or t.shape[dim] != self.uses.batch:
+            self.on_escape("a concatenation that does not expand it over the batch")
+            return
+        if not out.requires_grad:  # (as on_add)
+            return
+        broadcast = [k for k in range(t.dim()) if k != dim and aligned[k] == 1 and t.shape[k] != 1]
+        length = t.shape[cat_dim]
+        out.register_hook(lambda g: self.uses.add(
+            _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1)))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _per_sample(g: torch.Tensor, dim: int, broadcast: list[int], batch: int, sign: int) -> torch.Tensor:
+    """[batch, numel]: g summed over the dims the parameter was broadcast along, the batch first."""
+    g = g.detach()
+    if broadcast:
+        g = g.sum(broadcast, keepdim=True)
+    g = g.movedim(dim, 0).reshape(batch, -1)
+    return -g if sign < 0 else g

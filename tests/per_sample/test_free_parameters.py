@@ -1,0 +1,179 @@
+"""Parameters a model uses itself, outside any layer (gapmon.per_sample.free_parameters): a learned position embedding
+added to the batch, a class token expanded over the batch and concatenated to it, as vision transformers use them.
+Exact against a float64 loop (one backward per sample) where every use is one the batch tracking follows; left out,
+named, where one is not; refused where a use happens where no hook sees it."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import loop_per_sample_norms
+
+import gapmon
+
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+
+
+def _loss(out, t):
+    return ((out - t) ** 2).flatten(1).sum(1).sum()
+
+
+class TinyViT(nn.Module):
+    """Patches, a class token, position embeddings, one encoder layer and a head on the class token. `use`: how the
+    position embedding joins the batch."""
+
+    def __init__(self, cls_token=True, use="add"):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8) * 0.1) if cls_token else None
+        n = 4 + (1 if cls_token else 0)
+        shape = {"add": (1, n, 8), "add_2d": (n, 8), "flat": (n * 8,), "sub": (1, n, 8), "in_place": (1, n, 8),
+                 "scaled": (1, n, 8)}[use]
+        self.pos_embed = nn.Parameter(torch.randn(*shape) * 0.1)
+        self.use = use
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        if self.use in ("add", "add_2d"):
+            x = x + self.pos_embed
+        elif self.use == "flat":  # a flat parameter viewed as the embedding: the same elements in order
+            x = x + self.pos_embed.view(1, x.shape[1], 8)
+        elif self.use == "sub":
+            x = x - self.pos_embed.to(x.dtype)
+        elif self.use == "in_place":
+            x = x.clone()
+            x += self.pos_embed
+        else:  # scaled: a use that is not an add or a concatenation
+            x = x + 0.5 * self.pos_embed
+        return self.head(self.encoder(x)[:, 0])
+
+
+def _norms(model, x, y, **kwargs):
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", **kwargs)
+    try:
+        _loss(model(x), y).backward()
+        return psn.local_norms(), psn.coverage()
+    finally:
+        psn.close()
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use, cls_token", [("add", True), ("add_2d", True), ("flat", True), ("sub", True),
+                                            ("in_place", True), ("add", False)])
+def test_position_embedding_and_class_token_are_exact(use, cls_token, bookkeeping):
+    torch.manual_seed(0)
+    model = TinyViT(cls_token, use).double()
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    want = loop_per_sample_norms(model, _loss, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batches_accumulate_each_their_own_samples():
+    torch.manual_seed(1)
+    model = TinyViT().double()
+    xs = [torch.randn(3, 3, 8, 8, dtype=torch.float64), torch.randn(2, 3, 8, 8, dtype=torch.float64)]
+    ys = [torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)]
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    for x, y in zip(xs, ys):
+        _loss(model(x), y).backward()
+    got = psn.local_norms()
+    psn.close()
+    want = torch.cat([loop_per_sample_norms(model, _loss, x, y) for x, y in zip(xs, ys)])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_use_the_tracking_cannot_follow_leaves_the_parameter_out_by_name():
+    """0.5 * pos_embed: not an add or a concatenation of the parameter itself. It is left out (warned, and refused
+    under strict=True), and the rest, the class token among it, is exact."""
+    torch.manual_seed(2)
+    model = TinyViT(use="scaled").double()
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in mul"):
+        got, cov = _norms(model, x, y)
+    assert "pos_embed" in cov["uncovered"] and "cls_token" in cov["covered"]
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="'pos_embed' is not per-sample"):
+        _norms(TinyViT(use="scaled").double(), x, y, strict=True)
+
+
+def test_a_use_outside_the_forward_pass_is_refused():
+    """The position embedding also read by the loss (a regulariser): its gradient gets a part no hook saw, which the
+    use check finds: no norms rather than wrong ones."""
+    torch.manual_seed(3)
+    model = TinyViT().double()
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    (_loss(model(x), y) + model.pos_embed.square().sum()).backward()
+    with pytest.raises(RuntimeError, match="pos_embed"):
+        psn.local_norms()
+    psn.close()
+
+
+def test_a_class_token_concatenated_along_the_batch_is_left_out():
+    class AlongBatch(nn.Module):  # the token as one more "sample": not per-sample
+        def __init__(self):
+            super().__init__()
+            self.token = nn.Parameter(torch.randn(1, 4))
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(torch.cat([x, self.token], dim=0))[: x.shape[0]]
+
+    model = AlongBatch().double()
+    psn = gapmon.PerSampleGradNorms(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+        psn.local_norms()
+    assert "token" in psn.coverage()["uncovered"]
+    assert any("'token' is not per-sample" in str(w.message) for w in caught)
+    psn.close()
+
+
+def test_with_gram_the_free_parameters_stay_uncovered():
+    """gram() and per_sample_gradients() are formed from the layers' positions: a free parameter is left out there,
+    as a parameter of a module without a rule."""
+    with pytest.warns(RuntimeWarning, match="pos_embed"):
+        psn = gapmon.PerSampleGradNorms(TinyViT(), gram=True)
+    assert {"pos_embed", "cls_token"} <= set(psn.coverage()["uncovered"])
+    psn.close()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_under_activation_checkpointing(reentrant):
+    """The embedding step checkpointed: non-reentrant checkpointing keeps the forward's graph (exact); the reentrant
+    kind runs the forward without grad, so no hook can be placed there: the parameters are then left out by the use
+    check (named), and the rest is exact. The batch is followed on either way."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(TinyViT):
+        def forward(self, x):
+            def embed(x):
+                x = self.patch(x).flatten(2).transpose(1, 2)
+                return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+
+            return self.head(self.encoder(checkpoint(embed, x, use_reentrant=reentrant))[:, 0])
+
+    torch.manual_seed(4)
+    model = Checkpointed().double()
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64, requires_grad=reentrant), torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cov = _norms(model, x, y)
+    assert ("pos_embed" in cov["covered"]) is not reentrant
+    assert any("'pos_embed' is not per-sample (it got a gradient where no use of it was followed" in str(w.message)
+               for w in caught) is reentrant
+    assert "head.weight" in cov["covered"]
+    want = []  # by backward() one sample at a time (reentrant checkpointing does not work with autograd.grad)
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        _loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in cov["covered"])))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
