@@ -95,6 +95,7 @@ class ParameterUses:
         self.escaped = self.escaped or what
 
     def add(self, g: torch.Tensor) -> None:
+        """Adds one use's per-sample gradient."""
         self.per_sample = g if self.per_sample is None else self.per_sample + g
 
 
@@ -150,8 +151,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _per_sample(g: torch.Tensor, dim: int, broadcast: list[int], batch: int, sign: int) -> torch.Tensor:
-    """[batch, numel]: g summed over the dims the parameter was broadcast along, the batch first."""
-    g = g.detach()
+    """[batch, numel]: g summed over the dims the parameter was broadcast along, the batch first (a 16-bit g in float32,
+    as the layers' products are summed)."""
+    g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
     if broadcast:
         g = g.sum(broadcast, keepdim=True)
     g = g.movedim(dim, 0).reshape(batch, -1)
