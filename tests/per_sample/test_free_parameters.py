@@ -177,3 +177,19 @@ def test_under_activation_checkpointing(reentrant):
         _loss(model(x[i:i + 1]), y[i:i + 1]).backward()
         want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in cov["covered"])))
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
+
+
+def test_under_bf16_autocast_within_its_rounding():
+    """The output gradients are bfloat16: the per-sample gradients of the free parameters are summed in float32, and
+    the norms agree with the float64 loop within bf16's rounding (2^-8), as the layers' do."""
+    torch.manual_seed(5)
+    model = TinyViT()
+    x, y = torch.randn(4, 3, 8, 8), torch.randn(4, 3)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    _loss(out.float(), y).backward()
+    got = psn.local_norms()
+    psn.close()
+    want = loop_per_sample_norms(model, _loss, x, y)
+    torch.testing.assert_close(got.double(), want, rtol=4e-3, atol=0)
