@@ -99,6 +99,7 @@ _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "u
                         "ravel"}
 _ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
          "__isub__": -1}
+_MULS = {"mul", "__mul__", "__rmul__", "multiply"}  # a free parameter scaling a batched tensor (free_parameters)
 
 
 # Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
@@ -312,7 +313,7 @@ class BatchTracker(TorchFunctionMode):
         """An op on the output of a call whose input every sample shares, or on a free parameter (Shared): a copy stays
         Shared (a free parameter's order-keeping reshapes and expansions too); an add to one batched tensor hands the
         sum to its owner (its gradient, per sample, is the shared output's), as a free parameter's concatenation to
-        batched tensors hands it the result; any other use is reported. The op's status is then the one it had with
+        batched tensors or product with one hands it the result; any other use is reported. The op's status is then the one it had with
         the shared output unbatched."""
         shared = [(t, st) for t, st in inputs if type(st) is Shared]
         plain = [(t, st) for t, st in inputs if type(st) is not Shared]
@@ -333,6 +334,12 @@ class BatchTracker(TorchFunctionMode):
                 d = self._rule(name, args, kwargs, plain, out)
                 if type(d) is int:
                     st.owner.on_add(out, t, d, -1 if sign < 0 and t is args[1] else 1)
+                    return d
+            if (name in _MULS and hasattr(st.owner, "on_mul") and len(plain) == 1 and type(plain[0][1]) is int
+                    and len(args) == 2 and not kwargs and out.shape == plain[0][0].shape):
+                d = self._rule(name, args, kwargs, plain, out)
+                if type(d) is int:
+                    st.owner.on_mul(out, plain[0][0], d)
                     return d
         if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
                 hasattr(st.owner, "on_cat") for _, st in shared):

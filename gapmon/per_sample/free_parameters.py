@@ -5,8 +5,9 @@ added to the batch (`x + self.pos_embed`), a class token expanded over the batch
 Such a parameter, registered on a module that has submodules (the model, an embeddings block) and covered by no
 rule, is followed in every collected forward pass (batch_provenance.Shared, as a shared input's output is): its
 copies and casts, reshapes (the same elements in the same order) and expansions stay followed; where one of them is
-added to a tensor batched on a dim it is broadcast along, or concatenated to one along another dim, a hook on the
-result reads each sample's gradient there (summed over the dims it was broadcast along). Any other use leaves the
+added to a tensor batched on a dim it is broadcast along, multiplies one (a layer scale, `x * self.gamma`), or is
+concatenated to one along another dim, a hook on the result reads each sample's gradient there (summed over the dims
+it was broadcast along). Any other use leaves the
 parameter out, named. Its norms are those of its per-sample gradient summed over every such use; the use check
 compares the sum over the samples with what autograd accumulated for it, so a use no hook saw is refused.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import _torch_compat
 from ..utils import is_dtensor
 from .batch_provenance import Shared
 
@@ -127,6 +129,28 @@ class Piece:
             return
         broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
         total.register_hook(lambda g: self.uses.add(_per_sample(g, dim, broadcast, self.uses.batch, sign)))
+
+    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
+        """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
+        gradient is g ⊙ other, summed over the dims the piece was broadcast along. `other` is read in backward (autograd
+        keeps it for the product's own gradient): changed in place before then, the parameter is left out."""
+        aligned = (1,) * (out.dim() - len(self.base)) + self.base
+        if aligned[dim] != 1:
+            self.on_escape("a product that does not broadcast it over the batch")
+            return
+        if not out.requires_grad:  # (as on_add)
+            return
+        broadcast = [k for k in range(out.dim()) if k != dim and aligned[k] == 1 and out.shape[k] != 1]
+        other, version = other.detach(), _torch_compat.version_counter(other)
+
+        def hook(g: torch.Tensor) -> None:
+            if _torch_compat.version_counter(other) != version:
+                self.on_escape("a product with a tensor changed in place afterwards")
+                return
+            self.uses.add(_per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * other, dim, broadcast,
+                                      self.uses.batch, 1))
+
+        out.register_hook(hook)
 
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         """t (this piece, expanded over the batch on `dim`) is rows [start, start + t.shape[cat_dim]) of `out` along

@@ -200,3 +200,34 @@ def test_under_bf16_autocast_within_its_rounding():
                                                                               list(model.parameters()))]).norm()
                         for i in range(4)])
     torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+
+
+class ScaledBlock(nn.Module):
+    """A ConvNeXt-style block with its own layer scale: the residual branch times gamma (per channel), as
+    `x * gamma.reshape(1, -1, 1, 1)` on [B, C, H, W] or `gamma * x` on channels-last activations."""
+
+    def __init__(self, channels_last):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.channels_last = channels_last
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        branch = self.conv(x)
+        if self.channels_last:
+            branch = (self.gamma * branch.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        else:
+            branch = branch * self.gamma.reshape(1, -1, 1, 1)
+        return self.head((x + branch).mean((2, 3)))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_layer_scale_is_exact(channels_last, bookkeeping):
+    torch.manual_seed(6)
+    model = ScaledBlock(channels_last).double()
+    x, y = torch.randn(3, 4, 5, 5, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert "gamma" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
