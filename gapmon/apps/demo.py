@@ -356,6 +356,13 @@ def _worker_main() -> None:
     cfg = DemoConfig(**json.loads(os.environ[_CONFIG_ENV]))
     try:
         _worker(rank, int(os.environ["WORLD_SIZE"]), cfg, None)
+        # Done, its files closed and its process group destroyed: it ends here, before the interpreter's own
+        # finalisation, where gloo's worker threads, still freeing tensors of finished async work, can abort the
+        # process (SIGABRT, "terminate called without an active exception"; seen once in ~10 demos on the 2-core VM;
+        # pytorch/pytorch#179291 describes the race).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         with os.fdopen(int(os.environ[_ERROR_FD_ENV]), "w") as report:
