@@ -152,19 +152,24 @@ class PerSampleGradNorms(GradientProducts):
 
     # ------------------------------------------------------------------ hooks
     def keep_out_of_compiled_graphs(self) -> None:
-        """The hooks test `collecting` first and, once Dynamo is loaded, call the rest through torch.compiler.disable:
-        on a skipped step a torch.compile'd model traces them as nothing (its graph stays whole); on a collected one
-        they run eagerly at a graph break (traced, they graph-break inside anyway and recompile for every layer, up
-        to Dynamo's limit, with warnings). Looked at when made, at start() and after each read, outside compiled
-        regions; gapmon does not import Dynamo itself (~1 s)."""
+        """The hooks test `collecting` first and, traced by Dynamo, call the rest through torch.compiler.disable: on a
+        skipped step a torch.compile'd model traces them as nothing (its graph stays whole); on a collected one they
+        run eagerly at a graph break (traced, they graph-break inside anyway and recompile for every layer, up to
+        Dynamo's limit, with warnings). The untraced forms are made once Dynamo is loaded (gapmon does not import it
+        itself: ~1 s), looked at when made, at start() and after each read, outside compiled regions; run eagerly, the
+        hooks call the plain forms (the wrapper, in every hook call, cost ~1 ms a step in place)."""
         if not self._untraced and _torch_compat.dynamo_loaded():
             self._untraced = True
             self._starts = _torch_compat.dynamo_disable(PerSampleGradNorms._micro_batch_starts)
         self._layer_hooks.keep_out_of_compiled_graphs()
 
     def _new_micro_batch(self, module, args, kwargs) -> None:
-        if self._state.collecting:
+        if not self._state.collecting:
+            return
+        if torch.compiler.is_compiling():  # traced: the untraced form (see keep_out_of_compiled_graphs)
             self._starts(self, module, args, kwargs)
+        else:  # eager: called directly, without the untraced form's wrapper
+            self._micro_batch_starts(module, args, kwargs)
 
     def _micro_batch_starts(self, module, args, kwargs) -> None:
         # Activation-checkpoint recomputation, or the model run under torch.func.

@@ -103,8 +103,12 @@ class LayerHooks:
             self._follow = _torch_compat.dynamo_disable(LayerHooks._collecting_forward_hook)
 
     def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
-        if self.state.collecting:  # (a skipped step: traced by Dynamo as nothing)
+        if not self.state.collecting:  # (a skipped step: traced by Dynamo as nothing)
+            return
+        if torch.compiler.is_compiling():  # traced: the untraced form, run eagerly at a graph break
             self._note(self, index, module)
+        else:  # eager: called directly (the untraced form's wrapper costs ~1 ms a step in place)
+            self._note_params(index, module)
 
     def _note_params(self, index: int, module: nn.Module) -> None:
         if self.state.micro and not _torch_compat.functorch_transforms_active():
@@ -114,7 +118,9 @@ class LayerHooks:
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         if not self.state.collecting:  # (as _pre_forward_hook)
             return None
-        return self._follow(self, index, module, args, kwargs, output)
+        if torch.compiler.is_compiling():
+            return self._follow(self, index, module, args, kwargs, output)
+        return self._collecting_forward_hook(index, module, args, kwargs, output)
 
     def _collecting_forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         """Outside the batch tracking's mode (the hook's own tensor calls are not the model's); an output it
