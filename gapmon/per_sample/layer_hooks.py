@@ -103,12 +103,8 @@ class LayerHooks:
             self._follow = _torch_compat.dynamo_disable(LayerHooks._collecting_forward_hook)
 
     def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
-        if not self.state.collecting:  # (a skipped step: traced by Dynamo as nothing)
-            return
-        if torch.compiler.is_compiling():  # traced: the untraced form, run eagerly at a graph break
-            self._note(self, index, module)
-        else:  # eager: called directly (the untraced form's wrapper costs ~1 ms a step in place)
-            self._note_params(index, module)
+        if self.state.collecting:  # (a skipped step: traced by Dynamo as nothing; traced, the rest runs untraced)
+            (self._note if torch.compiler.is_compiling() else LayerHooks._note_params)(self, index, module)
 
     def _note_params(self, index: int, module: nn.Module) -> None:
         if self.state.micro and not _torch_compat.functorch_transforms_active():
@@ -118,9 +114,8 @@ class LayerHooks:
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         if not self.state.collecting:  # (as _pre_forward_hook)
             return None
-        if torch.compiler.is_compiling():
-            return self._follow(self, index, module, args, kwargs, output)
-        return self._collecting_forward_hook(index, module, args, kwargs, output)
+        follow = self._follow if torch.compiler.is_compiling() else LayerHooks._collecting_forward_hook
+        return follow(self, index, module, args, kwargs, output)
 
     def _collecting_forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         """Outside the batch tracking's mode (the hook's own tensor calls are not the model's); an output it
