@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..utils import clean_named, is_dtensor, layer_type_name, name_cleaner
-from .free_parameters import free_parameters
+from .free_parameters import FREE_SHARDED, free_parameters
 from .rules import EmbeddingRule, LinearRule, NormRule, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
@@ -99,7 +99,8 @@ class LayerCoverage:
         # Parameters a module with submodules uses itself (free_parameters): covered where each use is one the batch
         # tracking follows (found at run time, as a layer's provenance is); their "layer" is the parameter's name.
         ruled = {id(p) for module in model.modules() if rule_for(module) is not None for p in module.parameters()}
-        self.free = free_parameters(model, ruled, clean_name) if follow_free else {}
+        self.free, sharded = free_parameters(model, ruled, clean_name) if follow_free else ({}, set())
+        self.reasons.update({name: FREE_SHARDED for name in sharded})
         order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
         self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]
                            for name, others in self.ties.items() if name in order}

@@ -27,21 +27,32 @@ FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the f
                "grad (reentrant activation checkpointing)")
 
 
-def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, tuple[nn.Module, str]]:
-    """{parameter name: (the module that registers it, its attribute)} of the parameters a module with submodules
-    registers itself and no rule covers (`ruled`: ids of the parameters a layer with a rule holds), plain tensors (not
-    DTensors). A leaf module without a rule is a layer gapmon has no rule for: its parameters stay uncovered, as that."""
+# Why a sharded one is not followed.
+FREE_SHARDED = ("a parameter the model uses itself, sharded (a DTensor: FSDP2 swaps in unsharded objects for the "
+                "forward pass); such parameters are followed as plain tensors only (DDP, one device)")
+
+
+def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> tuple[dict[str, tuple[nn.Module, str]], set[str]]:
+    """({parameter name: (the module that registers it, its attribute)}, names of the sharded ones) of the parameters a
+    module with submodules registers itself and no rule covers (`ruled`: ids of the parameters a layer with a rule
+    holds). Only plain tensors are followed: the sharded ones (DTensors) are named apart. A leaf module without a rule
+    is a layer gapmon has no rule for: its parameters stay uncovered, as that."""
     found: dict[str, tuple[nn.Module, str]] = {}
+    sharded: set[str] = set()
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         if next(module.children(), None) is None:
             continue
         for attr, p in module.named_parameters(recurse=False):
-            if id(p) in ruled or id(p) in seen or is_dtensor(p):
+            if id(p) in ruled or id(p) in seen:
                 continue
             seen.add(id(p))
-            found[clean_name(f"{prefix}.{attr}" if prefix else attr)] = (module, attr)
-    return found
+            name = clean_name(f"{prefix}.{attr}" if prefix else attr)
+            if is_dtensor(p):
+                sharded.add(name)
+            else:
+                found[name] = (module, attr)
+    return found, sharded
 
 
 class FreeParameterNorms:

@@ -183,6 +183,23 @@ def _tied_worker(rank: int, world: int):
                 model.zero_grad()
             psn.close()
 
+    # A parameter the model uses itself (free_parameters), sharded by FSDP2: not followed, and named as such (a plain
+    # one is covered: test_free_parameters).
+    class WithOwnScale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model = fully_shard(WithOwnScale(), mesh=mesh)
+    with pytest.warns(RuntimeWarning, match="scale"):
+        psn = gapmon.PerSampleGradNorms(model)
+    assert "sharded" in psn.coverage()["uncovered_reasons"]["scale"]
+    psn.close()
+
 
 def test_a_tied_embedding_and_head_under_fsdp2():
     run_distributed(_tied_worker, 2)
