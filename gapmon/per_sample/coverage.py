@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..utils import clean_named, is_dtensor, layer_type_name, name_cleaner
-from .free_parameters import FREE_SHARDED, free_parameters
+from ..utils import clean_named, layer_type_name, name_cleaner
+from .free_parameters import free_parameters
 from .rules import EmbeddingRule, LinearRule, NormRule, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
@@ -99,8 +99,7 @@ class LayerCoverage:
         # Parameters a module with submodules uses itself (free_parameters): covered where each use is one the batch
         # tracking follows (found at run time, as a layer's provenance is); their "layer" is the parameter's name.
         ruled = {id(p) for module in model.modules() if rule_for(module) is not None for p in module.parameters()}
-        self.free, sharded = free_parameters(model, ruled, clean_name) if follow_free else ({}, set())
-        self.reasons.update({name: FREE_SHARDED for name in sharded})
+        self.free = free_parameters(model, ruled, clean_name) if follow_free else {}
         order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
         self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]
                            for name, others in self.ties.items() if name in order}
@@ -179,11 +178,10 @@ class LayerCoverage:
             yield full, full, owner, p
 
     def free_now(self):
-        """(name, parameter, the module that registers it) of the free parameters that train now, plain tensors (one
-        sharded since, by FSDP2, is replaced by unsharded objects in the forward pass: not followed, so uncovered)."""
+        """(name, parameter as its module holds it now, the module) of the free parameters that train now."""
         for full, (owner, attr) in self.free.items():
             p = getattr(owner, attr, None)
-            if isinstance(p, torch.Tensor) and p.requires_grad and not is_dtensor(p):
+            if isinstance(p, torch.Tensor) and p.requires_grad:
                 yield full, p, owner
 
     def warn_uncovered(self, error: type, stacklevel: int, params: list[tuple[str, torch.Tensor]],

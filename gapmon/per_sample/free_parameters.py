@@ -27,67 +27,85 @@ FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the f
                "grad (reentrant activation checkpointing)")
 
 
-# Why a sharded one is not followed.
-FREE_SHARDED = ("a parameter the model uses itself, sharded (a DTensor: FSDP2 swaps in unsharded objects for the "
-                "forward pass); such parameters are followed as plain tensors only (DDP, one device)")
-
-
-def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> tuple[dict[str, tuple[nn.Module, str]], set[str]]:
-    """({parameter name: (the module that registers it, its attribute)}, names of the sharded ones) of the parameters a
-    module with submodules registers itself and no rule covers (`ruled`: ids of the parameters a layer with a rule
-    holds). Only plain tensors are followed: the sharded ones (DTensors) are named apart. A leaf module without a rule
-    is a layer gapmon has no rule for: its parameters stay uncovered, as that."""
+def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, tuple[nn.Module, str]]:
+    """{parameter name: (the module that registers it, its attribute)} of the parameters a module with submodules
+    registers itself and no rule covers (`ruled`: ids of the parameters a layer with a rule holds). A leaf module
+    without a rule is a layer gapmon has no rule for: its parameters stay uncovered, as that."""
     found: dict[str, tuple[nn.Module, str]] = {}
-    sharded: set[str] = set()
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         if next(module.children(), None) is None:
             continue
         for attr, p in module.named_parameters(recurse=False):
-            if id(p) in ruled or id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = clean_name(f"{prefix}.{attr}" if prefix else attr)
-            if is_dtensor(p):
-                sharded.add(name)
-            else:
-                found[name] = (module, attr)
-    return found, sharded
+            if id(p) not in ruled and id(p) not in seen:
+                seen.add(id(p))
+                found[clean_name(f"{prefix}.{attr}" if prefix else attr)] = (module, attr)
+    return found
 
 
 class FreeParameterNorms:
     """The free parameters of a PerSampleGradNorms (its LayerCoverage's `free`, its UseChecker): followed in each
-    micro-batch's forward pass, their per-sample norms added to it when the norms are read."""
+    micro-batch's forward pass, their per-sample norms added to it when the norms are read.
 
-    def __init__(self, coverage: Any, checker: Any):
-        self.coverage, self.checker = coverage, checker
+    Under FSDP2 a module holds its sharded parameters (DTensors) outside its forward and unsharded ones (plain
+    tensors, always the same objects) inside it, swapped in by FSDP2's pre-forward hook: a hook after it, on each
+    module that registers free parameters, follows the objects its forward uses (those the gradients reach). Where a
+    parameter is still sharded there (our hook ran first: PerSampleGradNorms made before fully_shard), it is left
+    out, named."""
+
+    def __init__(self, coverage: Any, checker: Any, state: Any):
+        self.coverage, self.checker, self.state = coverage, checker, state
+        owners = {id(owner): owner for owner, _ in coverage.free.values()}
+        self._handles = [owner.register_forward_pre_hook(self._owner_forward) for owner in owners.values()]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def follow(self, mb: Any, tracker: Any) -> None:
-        """Marks each free parameter that trains (and was not left out) for micro-batch `mb`'s batch tracking."""
+        """Starts micro-batch `mb`'s uses of each free parameter that trains (and was not left out), following the
+        plain tensors the modules hold now (the others when their module's forward begins)."""
         for name, p, _ in self.coverage.free_now():
             if name not in self.coverage.skipped:
                 mb.free[name] = uses = ParameterUses(mb.batch)
-                tracker.mark(p, Shared(uses.piece(p)))
-                self.checker.watch(p, name)
+                if not is_dtensor(p):
+                    uses.follow(p, tracker, self.checker, name)
+
+    def _owner_forward(self, owner: nn.Module, args) -> None:
+        tracking = self.state.tracking
+        if not self.state.collecting or tracking is None or not self.state.micro:
+            return
+        free = self.state.micro[-1].free
+        for name, (module, attr) in self.coverage.free.items():
+            uses = free.get(name)
+            if module is owner and uses is not None:
+                p = getattr(owner, attr, None)
+                if is_dtensor(p):
+                    uses.on_escape(f"{type(owner).__name__}'s forward while it is sharded (make PerSampleGradNorms after "
+                                   "fully_shard, so that its hook runs after FSDP2's)")
+                elif isinstance(p, torch.Tensor):
+                    uses.follow(p, tracking, self.checker, name)
 
     def finish(self, micro: list) -> None:
         """Each micro-batch's free parameters' squared norms from their per-sample gradients (and their sum over the
-        samples to the use check); a parameter one of whose uses was not followed is left out, named."""
+        samples to the use check, on the objects the forward used); a parameter one of whose uses was not followed is
+        left out, named."""
         escaped = {name: uses.escaped for mb in micro for name, uses in mb.free.items() if uses.escaped}
         for name, what in escaped.items():
-            self.coverage.skip(name, f"the model uses this parameter in {what}, not only by adding it to the batch or "
-                                     "concatenating it (expanded over the batch) to a batched tensor")
-        owners = {name: (p, owner) for name, p, owner in self.coverage.free_now()}
+            self.coverage.skip(name, f"the model uses this parameter in {what}, not only by adding it to the batch, "
+                                     "multiplying it or concatenating it (expanded over the batch) to a batched tensor")
         with torch.no_grad():
             for mb in micro:
                 for name, uses in mb.free.items():
-                    if uses.per_sample is None or name in self.coverage.skipped or name not in owners:
+                    if uses.per_sample is None or name in self.coverage.skipped or name not in self.coverage.free:
                         continue
-                    p, owner = owners[name]
+                    owner = self.coverage.free[name][0]
                     acc = torch.float64 if uses.per_sample.dtype == torch.float64 else torch.float32
                     g = uses.per_sample.to(acc)
                     mb.add(g.square().sum(1), acc, self.coverage.type_of(name, owner))
-                    self.checker.explain_gradient(p, name, g.sum(0).reshape(p.shape), uses.per_sample.dtype)
+                    self.checker.explain_gradient(uses.param, name, g.sum(0).reshape(uses.param.shape),
+                                                  uses.per_sample.dtype)
                 mb.free = {}
 
 
@@ -99,6 +117,15 @@ class ParameterUses:
         self.batch = batch
         self.per_sample: torch.Tensor | None = None
         self.escaped: str | None = None
+        self.param: torch.Tensor | None = None  # the object the forward uses (under FSDP2 the unsharded one)
+
+    def follow(self, p: torch.Tensor, tracker: Any, checker: Any, name: str) -> None:
+        """Follows `p`, the object the forward pass uses now, in the batch tracking, its gradient watched by the
+        use check."""
+        if self.param is not p:
+            self.param = p
+            tracker.mark(p, Shared(self.piece(p)))
+            checker.watch(p, name)
 
     def piece(self, t: torch.Tensor) -> "Piece":
         """The owner of the parameter's own Shared status."""

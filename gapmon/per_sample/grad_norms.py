@@ -114,13 +114,13 @@ class PerSampleGradNorms(GradientProducts):
         # Layers that mix the samples of a batch when they use batch statistics.
         self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
                         for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
-        self._free = FreeParameterNorms(self._coverage, self._checker)  # a model's own parameters
         self._layer_hooks = LayerHooks(self._coverage.layers, self._state, self._checker, self._coverage,
                                        config.bookkeeping, keep_positions=config.gram)
         # A function of self (see keep_out_of_compiled_graphs), not a bound method: a deep copy calls it on its own copy.
         self._starts, self._untraced = PerSampleGradNorms._micro_batch_starts, False
         self.keep_out_of_compiled_graphs()
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
+        self._free = FreeParameterNorms(self._coverage, self._checker, self._state)  # after the root's hook
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
         self._checker.hook_covered(self._coverage.layers, trainable_state(self._params))
@@ -358,6 +358,7 @@ class PerSampleGradNorms(GradientProducts):
             h.remove()
         self._mixing.clear()
         self._layer_hooks.close()
+        self._free.close()
         self._checker.close()
         self._state.stop_tracking()
         self.reset()

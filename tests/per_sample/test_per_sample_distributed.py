@@ -1,6 +1,8 @@
 """Per-sample norms under FSDP2 and DDP with 2 gloo processes: ranks that see different samples and
 ranks that see the same samples both give the single-process norms (no sqrt(world) inflation), with
 and without book-keeping (which then also gives the same gradients)."""
+import copy
+
 import pytest
 import torch
 from helpers import run_distributed, seeded_gpt, vmap_per_sample_norms
@@ -183,22 +185,28 @@ def _tied_worker(rank: int, world: int):
                 model.zero_grad()
             psn.close()
 
-    # A parameter the model uses itself (free_parameters), sharded by FSDP2: not followed, and named as such (a plain
-    # one is covered: test_free_parameters).
-    class WithOwnScale(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-            self.scale = torch.nn.Parameter(torch.ones(4))
+    # A vision transformer's own class token and position embedding (free_parameters) under FSDP2: FSDP2 swaps in
+    # their unsharded objects for the forward of the module that holds them, a unit of its own or the root.
+    from test_free_parameters import TinyViT, _loss
 
-        def forward(self, x):
-            return self.lin(x) * self.scale
-
-    model = fully_shard(WithOwnScale(), mesh=mesh)
-    with pytest.warns(RuntimeWarning, match="scale"):
-        psn = gapmon.PerSampleGradNorms(model)
-    assert "sharded" in psn.coverage()["uncovered_reasons"]["scale"]
-    psn.close()
+    torch.manual_seed(0)
+    vit = TinyViT()
+    xs, ys = torch.randn(GLOBAL, 3, 8, 8), torch.randn(GLOBAL, 3)
+    want = []
+    for i in range(GLOBAL):
+        grads = torch.autograd.grad(_loss(vit(xs[i:i + 1]), ys[i:i + 1]), list(vit.parameters()))
+        want.append(torch.cat([g.reshape(-1) for g in grads]).norm())
+    for units in ("root only", "encoder and root"):
+        model = copy.deepcopy(vit)
+        if units == "encoder and root":
+            fully_shard(model.encoder, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+        psn = gapmon.PerSampleGradNorms(model, strict=True, loss_reduction="sum")
+        assert {"pos_embed", "cls_token"} <= set(psn.coverage()["covered"])
+        _loss(model(xs[local]), ys[local]).backward()
+        got_ids, got = psn.global_norms(local)
+        torch.testing.assert_close(got, torch.stack(want), rtol=1e-4, atol=1e-6, msg=lambda m, u=units: f"{u}: {m}")
+        psn.close()
 
 
 def test_a_tied_embedding_and_head_under_fsdp2():
