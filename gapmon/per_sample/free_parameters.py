@@ -48,10 +48,10 @@ class FreeParameterNorms:
     micro-batch's forward pass, their per-sample norms added to it when the norms are read.
 
     Under FSDP2 a module holds its sharded parameters (DTensors) outside its forward and unsharded ones (plain
-    tensors, always the same objects) inside it, swapped in by FSDP2's pre-forward hook: a hook after it, on each
-    module that registers free parameters, follows the objects its forward uses (those the gradients reach). Where a
-    parameter is still sharded there (our hook ran first: PerSampleGradNorms made before fully_shard), it is left
-    out, named."""
+    tensors, always the same objects) inside it, swapped in by FSDP2's pre-forward hook, which FSDP2 puts before every
+    other: a hook on each module that registers free parameters follows the objects its forward uses (those the
+    gradients reach), whenever PerSampleGradNorms was made. Where a parameter is still a DTensor there (a wrapper whose
+    hook runs after gapmon's), it is left out, named."""
 
     def __init__(self, coverage: Any, checker: Any, state: Any):
         self.coverage, self.checker, self.state = coverage, checker, state
@@ -82,8 +82,8 @@ class FreeParameterNorms:
             if module is owner and uses is not None:
                 p = getattr(owner, attr, None)
                 if is_dtensor(p):
-                    uses.on_escape(f"{type(owner).__name__}'s forward while it is sharded (make PerSampleGradNorms after "
-                                   "fully_shard, so that its hook runs after FSDP2's)")
+                    uses.on_escape(f"{type(owner).__name__}'s forward while it is still sharded (a DTensor: unsharded "
+                                   "by no hook that ran before gapmon's)")
                 elif isinstance(p, torch.Tensor):
                     uses.follow(p, tracking, self.checker, name)
 

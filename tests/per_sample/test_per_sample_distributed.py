@@ -207,6 +207,13 @@ def _tied_worker(rank: int, world: int):
         got_ids, got = psn.global_norms(local)
         torch.testing.assert_close(got, torch.stack(want), rtol=1e-4, atol=1e-6, msg=lambda m, u=units: f"{u}: {m}")
         psn.close()
+    # Made before fully_shard: FSDP2 puts its pre-forward hook first, so the unsharded objects are followed as well.
+    model = copy.deepcopy(vit)
+    psn = gapmon.PerSampleGradNorms(model, strict=True, loss_reduction="sum")
+    model = fully_shard(model, mesh=mesh)
+    _loss(model(xs[local]), ys[local]).backward()
+    torch.testing.assert_close(psn.global_norms(local)[1], torch.stack(want), rtol=1e-4, atol=1e-6)
+    psn.close()
 
 
 def test_a_tied_embedding_and_head_under_fsdp2():
