@@ -231,3 +231,19 @@ def test_a_layer_scale_is_exact(channels_last, bookkeeping):
     got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
     assert "gamma" in cov["covered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_parameter_still_sharded_in_its_modules_forward_is_left_out_by_name(monkeypatch):
+    """Under a sharding wrapper whose pre-forward hook ran after gapmon's, the module would still hold a DTensor when
+    its forward begins: that parameter is left out, named (here a plain one is taken for a DTensor)."""
+    from gapmon.per_sample import free_parameters
+
+    torch.manual_seed(7)
+    model = TinyViT().double()
+    monkeypatch.setattr(free_parameters, "is_dtensor", lambda p: p is model.pos_embed)
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="'pos_embed' is not per-sample .*while it is still sharded"):
+        got, cov = _norms(model, x, y)
+    assert "pos_embed" in cov["uncovered"] and "cls_token" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
