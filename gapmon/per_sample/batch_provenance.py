@@ -327,6 +327,9 @@ class BatchTracker(TorchFunctionMode):
                     return Shared(piece)
             if name in _EXPANDS and not plain and t is args[0] and hasattr(st.owner, "expanded"):
                 return Shared(st.owner.expanded(out))
+            if name in ("repeat", "tile") and not plain and t is args[0] and hasattr(st.owner, "expanded") \
+                    and _repeats_only_ones(t, out):  # copies of size-1 dims: an expansion, for the gradient
+                return Shared(st.owner.expanded(out))
             sign = _ADDS.get(name)
             in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
             if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
@@ -576,6 +579,13 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
     if status != (0 if args[8] else 1):
         raise Lost(f"an RNN with batch_first={args[8]} on input batched on dim {status}")
     return [status] + [1] * (len(out) - 1)
+
+
+def _repeats_only_ones(t: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether x.repeat(...) / x.tile(...) giving `out` only copied dims of size 1 (or added leading ones): the same
+    elements broadcast, as an expansion would give them."""
+    aligned = (1,) * (out.dim() - t.dim()) + tuple(t.shape)
+    return all(a == o or a == 1 for a, o in zip(aligned, out.shape))
 
 
 def _recurrent_cell(tracker, args, kwargs, inputs, out) -> int | list:

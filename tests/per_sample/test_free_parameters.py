@@ -247,3 +247,34 @@ def test_a_parameter_still_sharded_in_its_modules_forward_is_left_out_by_name(mo
     assert "pos_embed" in cov["uncovered"] and "cls_token" in cov["covered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
+
+
+class Tokens(nn.Module):
+    """A class token copied over the batch by `repeat` (the same as an expansion), or a token table tiled along its own
+    rows (not an expansion: each row then has two uses at once, which is not followed)."""
+
+    def __init__(self, tile):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.tokens = nn.Parameter(torch.randn(1, 2 if tile else 1, 4))
+        self.tile = tile
+
+    def forward(self, x):
+        h = self.lin(x)
+        extra = self.tokens.repeat(x.shape[0], 2, 1) if self.tile else self.tokens.repeat(x.shape[0], 1, 1)
+        return torch.cat([extra, h], dim=1).tanh().sum(1)
+
+
+def test_a_token_repeated_over_the_batch_is_exact_and_a_tiled_one_left_out():
+    torch.manual_seed(8)
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    model = Tokens(tile=False).double()
+    got, cov = _norms(model, x, y, strict=True)
+    assert "tokens" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+    model = Tokens(tile=True).double()
+    with pytest.warns(RuntimeWarning, match="'tokens' is not per-sample .*in repeat"):
+        got, cov = _norms(model, x, y)
+    assert "tokens" in cov["uncovered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
