@@ -325,10 +325,9 @@ class BatchTracker(TorchFunctionMode):
                 piece = st.owner.reshaped(out)  # a free parameter's (free_parameters): the same elements in order
                 if piece is not None:
                     return Shared(piece)
-            if name in _EXPANDS and not plain and t is args[0] and hasattr(st.owner, "expanded"):
-                return Shared(st.owner.expanded(out))
-            if name in ("repeat", "tile") and not plain and t is args[0] and hasattr(st.owner, "expanded") \
-                    and _repeats_only_ones(t, out):  # copies of size-1 dims: an expansion, for the gradient
+            # (a repeat that copies size-1 dims only is an expansion, for the gradient)
+            if (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and not plain \
+                    and t is args[0] and hasattr(st.owner, "expanded"):
                 return Shared(st.owner.expanded(out))
             sign = _ADDS.get(name)
             in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i")

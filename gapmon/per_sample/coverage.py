@@ -78,10 +78,13 @@ class LayerCoverage:
                 owned.update(id(sub) for sub in module.modules() if sub is not module)
         self.layers: list[tuple[str, nn.Module, NormRule]] = []  # (name, module, rule)
         reasons: dict[str, str] = {}  # uncovered parameter -> why
+        ruled: set[int] = set()  # parameters a module with a rule holds (its submodules' too)
         for name, module in model.named_modules():
             if id(module) in owned:
                 continue
             rule = rule_for(module)
+            if rule is not None:
+                ruled.update(id(p) for p in module.parameters())
             # Every parameter, trainable or not: a layer frozen now may be unfrozen later.
             params = list(module.parameters(recurse=rule is not None and rule.owns_submodules))
             if not params:
@@ -98,7 +101,6 @@ class LayerCoverage:
         self.reasons = reasons  # parameter -> why no rule holds for it
         # Parameters a module with submodules uses itself (free_parameters): covered where each use is one the batch
         # tracking follows (found at run time, as a layer's provenance is); their "layer" is the parameter's name.
-        ruled = {id(p) for module in model.modules() if rule_for(module) is not None for p in module.parameters()}
         self.free = free_parameters(model, ruled, clean_name) if follow_free else {}
         order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
         self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]

@@ -55,7 +55,11 @@ class FreeParameterNorms:
 
     def __init__(self, coverage: Any, checker: Any, state: Any):
         self.coverage, self.checker, self.state = coverage, checker, state
-        owners = {id(owner): owner for owner, _ in coverage.free.values()}
+        self._held: dict[int, list[tuple[str, str]]] = {}  # id(module) -> (name, attribute) of the free parameters it holds
+        owners = {}
+        for name, (owner, attr) in coverage.free.items():
+            self._held.setdefault(id(owner), []).append((name, attr))
+            owners[id(owner)] = owner
         self._handles = [owner.register_forward_pre_hook(self._owner_forward) for owner in owners.values()]
 
     def close(self) -> None:
@@ -77,9 +81,9 @@ class FreeParameterNorms:
         if not self.state.collecting or tracking is None or not self.state.micro:
             return
         free = self.state.micro[-1].free
-        for name, (module, attr) in self.coverage.free.items():
+        for name, attr in self._held.get(id(owner), ()):
             uses = free.get(name)
-            if module is owner and uses is not None:
+            if uses is not None:
                 p = getattr(owner, attr, None)
                 if is_dtensor(p):
                     uses.on_escape(f"{type(owner).__name__}'s forward while it is still sharded (a DTensor: unsharded "
@@ -101,9 +105,8 @@ class FreeParameterNorms:
                     if uses.per_sample is None or name in self.coverage.skipped or name not in self.coverage.free:
                         continue
                     owner = self.coverage.free[name][0]
-                    acc = torch.float64 if uses.per_sample.dtype == torch.float64 else torch.float32
-                    g = uses.per_sample.to(acc)
-                    mb.add(g.square().sum(1), acc, self.coverage.type_of(name, owner))
+                    g = uses.per_sample  # (float32 or float64: _per_sample widens 16-bit gradients)
+                    mb.add(g.square().sum(1), g.dtype, self.coverage.type_of(name, owner))
                     self.checker.explain_gradient(uses.param, name, g.sum(0).reshape(uses.param.shape),
                                                   uses.per_sample.dtype)
                 mb.free = {}
@@ -157,28 +160,34 @@ class Piece:
     def expanded(self, out: torch.Tensor) -> "Piece":
         return Piece(self.uses, (1,) * (out.dim() - len(self.base)) + self.base)
 
+    def _broadcast(self, shape: torch.Size, dim: int) -> list[int] | None:
+        """The dims (but the batch's, `dim`) of a result of `shape` along which this piece is broadcast; None when it is
+        not broadcast along the batch (it is no per-sample use then)."""
+        aligned = (1,) * (len(shape) - len(self.base)) + self.base
+        if aligned[dim] != 1:
+            return None
+        return [k for k in range(len(shape)) if k != dim and aligned[k] == 1 and shape[k] != 1]
+
     def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int) -> None:
         """t (this piece) was added (sign 1) or subtracted (-1) to a tensor batched on `dim`, giving `total`."""
-        aligned = (1,) * (total.dim() - len(self.base)) + self.base
-        if aligned[dim] != 1:
+        broadcast = self._broadcast(total.shape, dim)
+        if broadcast is None:
             self.on_escape("an add that does not broadcast it over the batch")
             return
         if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
             return
-        broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
         total.register_hook(lambda g: self.uses.add(_per_sample(g, dim, broadcast, self.uses.batch, sign)))
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
         gradient is g ⊙ other, summed over the dims the piece was broadcast along. `other` is read in backward (autograd
         keeps it for the product's own gradient): changed in place before then, the parameter is left out."""
-        aligned = (1,) * (out.dim() - len(self.base)) + self.base
-        if aligned[dim] != 1:
+        broadcast = self._broadcast(out.shape, dim)
+        if broadcast is None:
             self.on_escape("a product that does not broadcast it over the batch")
             return
         if not out.requires_grad:  # (as on_add)
             return
-        broadcast = [k for k in range(out.dim()) if k != dim and aligned[k] == 1 and out.shape[k] != 1]
         other, version = other.detach(), _torch_compat.version_counter(other)
 
         def hook(g: torch.Tensor) -> None:
@@ -193,13 +202,12 @@ class Piece:
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         """t (this piece, expanded over the batch on `dim`) is rows [start, start + t.shape[cat_dim]) of `out` along
         `cat_dim`."""
-        aligned = (1,) * (t.dim() - len(self.base)) + self.base
-        if aligned[dim] != 1 or t.shape[dim] != self.uses.batch:
+        broadcast = self._broadcast(t.shape, dim)
+        if broadcast is None or t.shape[dim] != self.uses.batch:
             self.on_escape("a concatenation that does not expand it over the batch")
             return
         if not out.requires_grad:  # (as on_add)
             return
-        broadcast = [k for k in range(t.dim()) if k != dim and aligned[k] == 1 and t.shape[k] != 1]
         length = t.shape[cat_dim]
         out.register_hook(lambda g: self.uses.add(
             _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1)))

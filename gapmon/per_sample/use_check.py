@@ -267,14 +267,7 @@ class UseChecker:
             dtype = rule.compute_dtype
         if grads is not None:  # one matrix-vector op each, into the check
             for p, grad in grads:
-                check = self.check(as_used.get(id(p), p), name)
-                if returned:
-                    check.returned.append(grad)
-                else:
-                    add_sketch(check.explained, grad, check.probe)
-                    check.sketched = True
-                check.widen(dtype)
-                check.seen_by_rule = True
+                self.explain_gradient(as_used.get(id(p), p), name, grad, dtype, returned)
             return
         sketches = rule.grad_sketch(module, piece, lambda p: self.check(as_used.get(id(p), p), name).probe)
         if sketches is None:
@@ -288,13 +281,18 @@ class UseChecker:
             check.widen(dtype, repeats)
             check.seen_by_rule = True
 
-    def explain_gradient(self, p: torch.Tensor, layer: str, grad: torch.Tensor, dtype: torch.dtype) -> None:
-        """Adds `grad`, the sum over samples of parameter p's per-sample gradients found outside any layer's rule (a
-        free parameter's), to p's explained side."""
+    def explain_gradient(self, p: torch.Tensor, layer: str, grad: torch.Tensor, dtype: torch.dtype,
+                         returned: bool = False) -> None:
+        """Adds `grad`, the sum over samples of parameter p's per-sample gradients (a rule's, or a free parameter's),
+        to p's explained side: sketched now, or, `returned` (handed to autograd as it is), kept for its hook."""
         check = self.check(p, layer)
-        add_sketch(check.explained, grad, check.probe)
-        check.sketched = check.seen_by_rule = True
+        if returned:
+            check.returned.append(grad)
+        else:
+            add_sketch(check.explained, grad, check.probe)
+            check.sketched = True
         check.widen(dtype)
+        check.seen_by_rule = True
 
     def refuse_unseen_uses(self, skipped: set[str]) -> dict[str, list[str]]:
         """Raises RuntimeError naming the covered parameters whose gradient got contributions that no rule saw besides

@@ -32,12 +32,14 @@ def _directions(module: nn.RNNBase) -> list[tuple[int, int, str]]:
     return [(layer, d, f"_l{layer}" + ("_reverse" if d else "")) for layer in range(module.num_layers) for d in range(dirs)]
 
 
-def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None):
-    """One time step of torch's cells from the two pre-activations: (h, c)."""
+def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
+          h_from_c: bool = True):
+    """One time step of torch's cells from the two pre-activations: (h, c). `h_from_c` False: an LSTM's h without a
+    path back into c (see RecurrentCellRule)."""
     if mode == "LSTM":
         i, f, g, o = (gi + gh).chunk(4, -1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c
+        return torch.sigmoid(o) * torch.tanh(c if h_from_c else c.detach()), c
     if mode == "GRU":
         ri, zi, ni = gi.chunk(3, -1)
         rh, zh, nh = gh.chunk(3, -1)
@@ -46,6 +48,14 @@ def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: tor
         return (1 - z) * n + z * h, None
     pre = gi + gh
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
+
+
+def _pre_activation(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """a Wᵀ (+ b) of detached operands, as a tensor whose gradient autograd.grad can be asked for (δi or δh)."""
+    z = a @ weight.T
+    if bias is not None:
+        z = z + bias
+    return z if z.requires_grad else z.requires_grad_()
 
 
 def _projected(module: nn.RNNBase) -> bool:
@@ -110,19 +120,11 @@ class RecurrentRule(NormRule):
                 for d in range(dirs):
                     sfx = f"_l{layer}" + ("_reverse" if d else "")
                     seq = layer_in.flip(1) if d else layer_in
-                    gi = seq @ params[f"weight_ih{sfx}"].T
-                    if f"bias_ih{sfx}" in params:
-                        gi = gi + params[f"bias_ih{sfx}"]
-                    if not gi.requires_grad:
-                        gi.requires_grad_()
+                    gi = _pre_activation(seq, params[f"weight_ih{sfx}"], params.get(f"bias_ih{sfx}"))
                     h, c = h0[layer * dirs + d], (c0[layer * dirs + d] if lstm else None)
                     prev, ghs, hs, ms = [], [], [], []
                     for t in range(steps):
-                        gh = h @ params[f"weight_hh{sfx}"].T
-                        if f"bias_hh{sfx}" in params:
-                            gh = gh + params[f"bias_hh{sfx}"]
-                        if not gh.requires_grad:
-                            gh.requires_grad_()
+                        gh = _pre_activation(h, params[f"weight_hh{sfx}"], params.get(f"bias_hh{sfx}"))
                         prev.append(h.detach())
                         ghs.append(gh)
                         h, c = _cell(module.mode, gi[:, t], gh, h, c)
@@ -222,19 +224,12 @@ class RecurrentCellRule(NormRule):
             h, c = (hx[0].to(acc), hx[1].to(acc)) if lstm else (hx.to(acc), None)
         grads = g if isinstance(g, tuple) else (g,)
         with torch.enable_grad():
-            pre = []
-            for a, kind in ((x, "ih"), (h, "hh")):
-                z = a @ getattr(module, f"weight_{kind}").detach().to(acc).T
-                bias = getattr(module, f"bias_{kind}")
-                if bias is not None:
-                    z = z + bias.detach().to(acc)
-                pre.append(z.requires_grad_())
-            if lstm:  # see the class docstring: h''s path into c' replayed only where autograd keeps it apart
-                i, f, cand, o = (pre[0] + pre[1]).chunk(4, -1)
-                c1 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(cand)
-                produced = (torch.sigmoid(o) * torch.tanh(c1 if _fused_lstm_cell(x) else c1.detach()), c1)
-            else:
-                produced = _cell(mode, pre[0], pre[1], h, c)
+            pre = [_pre_activation(a, getattr(module, f"weight_{kind}").detach().to(acc),
+                                   None if getattr(module, f"bias_{kind}") is None
+                                   else getattr(module, f"bias_{kind}").detach().to(acc))
+                   for a, kind in ((x, "ih"), (h, "hh"))]
+            # (see the class docstring: h''s path into c' replayed only where autograd keeps it apart)
+            produced = _cell(mode, pre[0], pre[1], h, c, h_from_c=not lstm or _fused_lstm_cell(x))
             targets = [(t, gr.to(acc)) for t, gr in zip(produced, grads) if t is not None and gr is not None]
             di, dh = torch.autograd.grad([t for t, _ in targets], pre, [gr for _, gr in targets], allow_unused=True)
         di = torch.zeros_like(pre[0]) if di is None else di
