@@ -21,7 +21,9 @@
 #                                   (ptxas registers in the log; no separate register check), the CUDA tests (every
 #                                   kernel's first run on hardware: the fused one-read passes of #36 included), the
 #                                   numerics and per-block formats against the statistics pass at 2^24 and 2^28, the
-#                                   statistics ops at 2^20-2^28, and ncu's DRAM bytes of the fused pass (one read?).
+#                                   statistics ops at 2^20-2^28, and ncu's DRAM bytes and durations of the fused pass
+#                                   (one read? the block formats cast from the reader's registers against the
+#                                   kernel_bench "reread" cases, which read each chunk again: built unmeasured, 2026-11-27).
 #                                   Returns _C*.so.gz: copy it to .gpu-build/ and carry .gpu-build in quick2.
 #                                   Measured on an H100 (2026-11-26): machine facts 14 s, build 42 s, CUDA tests
 #                                   30 s, quickstats 16 s; quicknumerics at 2^28 and nvcc's kernel_bench build ran

@@ -1,5 +1,6 @@
-// Times the statistics kernels, and the statistics-and-numerics kernel (alone and fused with an MX block
-// format, which re-reads each chunk from L2: ncu's DRAM bytes of the two should be the same), through their
+// Times the statistics kernels, and the statistics-and-numerics kernel (alone and fused with MX/NVFP4 block
+// formats, cast from the reader's registers or, in the "reread" cases, from each chunk read again: ncu's DRAM
+// bytes of the pass alone and fused show whether the re-read came from L2), through their
 // launchers, without torch: for comparing compile-time variants (GAPMON_CUDA_GROUP, GAPMON_CUDA_VEC_UNROLL;
 // see tune.sh) and for profiling with ncu. Checks every case against a float64 host computation before
 // timing it (and a numerics case's histogram against the element count, a fused case's block rows against
@@ -49,6 +50,8 @@ struct Case {
   int64_t rows, row_numel;
   bool numerics = false;  // launch_stats_and_numerics (statistics and numerics rows in one pass)
   bool mx = false;        // ... with MXFP8 e4m3 blocks of rows of 4096 in the same launch (a single item)
+  bool nvfp4 = false;     // ... and NVFP4 (with the tensor's amax)
+  bool reread = false;    // ... cast from each chunk read again (FusedBlocks::in_reader false)
 };
 
 double median(std::vector<double> xs) {
@@ -147,21 +150,30 @@ void run(const Case& c, double copy_gbps, bool once) {
   gapmon::core::BlockOperand op;
   op.data = data, op.dtype = c.dtype, op.cols = 4096, op.rows = numel / 4096, op.first_chunk = v.first_chunk;
   gapmon::core::BlockOperand* op_device = nullptr;
-  double *block_scratch = nullptr, *block_out = nullptr;
+  double *block_scratch = nullptr, *block_out = nullptr, *amax_device = nullptr;
   cuda::FusedBlocks fused;
+  const int num_formats = c.nvfp4 ? 2 : 1;
   if (c.mx) {
     check(cudaMalloc(&op_device, sizeof op), "cudaMalloc operand");
     check(cudaMemcpy(op_device, &op, sizeof op, cudaMemcpyHostToDevice), "copy operand");
-    check(cudaMalloc(&block_scratch, chunks * core::kNumBlockColumns * sizeof(double)), "cudaMalloc block scratch");
-    check(cudaMalloc(&block_out, core::kNumBlockColumns * sizeof(double)), "cudaMalloc block out");
-    fused.ops = op_device, fused.chunk_rows = block_scratch;
-    fused.formats.num = 1, fused.formats.codes[0] = core::BlockFormat::kMxfp8E4m3;
+    check(cudaMalloc(&block_scratch, chunks * num_formats * core::kNumBlockColumns * sizeof(double)),
+          "cudaMalloc block scratch");
+    check(cudaMalloc(&block_out, num_formats * core::kNumBlockColumns * sizeof(double)), "cudaMalloc block out");
+    double amax = 0;
+    for (float x : host) amax = std::max(amax, double(std::fabs(x)));
+    check(cudaMalloc(&amax_device, sizeof amax), "cudaMalloc amax");
+    check(cudaMemcpy(amax_device, &amax, sizeof amax, cudaMemcpyHostToDevice), "copy amax");
+    fused.ops = op_device, fused.chunk_rows = block_scratch, fused.amaxes = amax_device;
+    fused.formats.num = num_formats, fused.formats.codes[0] = core::BlockFormat::kMxfp8E4m3;
+    fused.formats.codes[1] = core::BlockFormat::kNvfp4;
+    fused.in_reader = !c.reread;
   }
   auto call = [&] {
     if (c.mx) {
       check(cuda::launch_stats_and_numerics(table, plan, c.rows, targets, numerics, nullptr, fused),
             "launch_stats_and_numerics with blocks");
-      check(cuda::launch_merge_fused_block_rows(op_device, 1, 1, block_scratch, block_out, nullptr), "merge block rows");
+      check(cuda::launch_merge_fused_block_rows(op_device, 1, num_formats, block_scratch, block_out, nullptr),
+            "merge block rows");
     } else if (c.numerics) {
       check(cuda::launch_stats_and_numerics(table, plan, c.rows, targets, numerics, nullptr), "launch_stats_and_numerics");
     } else {
@@ -183,13 +195,16 @@ void run(const Case& c, double copy_gbps, bool once) {
     }
   }
   if (c.mx) {  // every element seen once (normal(3, 2) data: finite, non-zero), every block once
-    double row[core::kNumBlockColumns];
-    check(cudaMemcpy(row, block_out, sizeof row, cudaMemcpyDeviceToHost), "copy block row");
-    if (row[core::bNonzero] + row[core::bNonfinite] > double(numel) || row[core::bBlocks] != double(numel / 32) ||
-        row[core::bNonzero] < 0.99 * double(numel)) {
-      std::fprintf(stderr, "%s: block row counts %g elements and %g blocks, want %lld and %lld\n", c.name,
-                   row[core::bNonzero], row[core::bBlocks], (long long)numel, (long long)(numel / 32));
-      std::exit(1);
+    for (int f = 0; f < num_formats; ++f) {
+      double row[core::kNumBlockColumns];
+      check(cudaMemcpy(row, block_out + f * core::kNumBlockColumns, sizeof row, cudaMemcpyDeviceToHost), "copy block row");
+      const int64_t blocks = numel / (f == 0 ? 32 : 16);
+      if (row[core::bNonzero] + row[core::bNonfinite] > double(numel) || row[core::bBlocks] != double(blocks) ||
+          row[core::bNonzero] < 0.99 * double(numel)) {
+        std::fprintf(stderr, "%s: block row %d counts %g elements and %g blocks, want %lld and %lld\n", c.name, f,
+                     row[core::bNonzero], row[core::bBlocks], (long long)numel, (long long)blocks);
+        std::exit(1);
+      }
     }
   }
   std::vector<double> got(c.rows * core::kNumStats);
@@ -225,6 +240,7 @@ void run(const Case& c, double copy_gbps, bool once) {
   cudaFree(op_device);
   cudaFree(block_scratch);
   cudaFree(block_out);
+  cudaFree(amax_device);
 }
 
 
@@ -260,6 +276,10 @@ int main(int argc, char** argv) {
       {"stats+numerics bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26, true},
       {"stats+numerics+mxfp8 fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true, true},
       {"stats+numerics+mxfp8 bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26, true, true},
+      {"...+mxfp8 reread fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true, true, false, true},
+      {"...+mxfp8 reread bf16 2^26", DType::kBFloat16, 1, int64_t(1) << 26, true, true, false, true},
+      {"...+mxfp8+nvfp4 fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true, true, true},
+      {"...+mxfp8+nvfp4 reread fp32 2^26", DType::kFloat32, 1, int64_t(1) << 26, true, true, true, true},
   };
   for (const Case& c : cases) run(c, copy_gbps, once);
   return 0;

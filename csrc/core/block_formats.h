@@ -423,18 +423,26 @@ GAPMON_HD void block_scale_f32(float amax, float amin, const FormatConsts& c, La
   mul = s.mul, dq_mul = s.dq_mul, dq_div = s.dq_div;
 }
 
-// One element's cast on the float32 path, kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div) or 2 (current:
-// q / dq_div): returns its flags (non-zero | cast to zero << 8 | to a subnormal << 16 | saturated << 24: four
-// counts of at most 32 add up a byte each) and sets err = a - dequantised(q) in float64. Branch-free (selects on
-// the bits), so that loops over elements vectorise. v <= 2^128 * 2^127 is finite or +inf, and +inf rounds on the
-// bits to itself (its mantissa is zero), above top: saturated.
-template <int kKind>
-GAPMON_HD int cast_element_f32(float a, float mul, double dq_mul, double dq_div, const FormatConsts& c, double& err) {
+// One element's rounding on the float32 path: v = a * mul rounded to nearest, ties to even, onto the format's grid,
+// saturated (q); returns its flags (non-zero | cast to zero << 8 | to a subnormal << 16 | saturated << 24: four
+// counts of at most 32 add up a byte each). Branch-free (selects on the bits), so that loops over elements
+// vectorise. v <= 2^128 * 2^127 is finite or +inf, and +inf rounds on the bits to itself (its mantissa is zero),
+// above top: saturated.
+GAPMON_HD int quantise_f32(float a, float mul, const FormatConsts& c, float& q) {
   const float v = a * mul;
   const float r = round_to_grid(v, c.mantissa_bits, c.min_normal);
   const int sat = r > c.top;
-  const float q = select_f32(sat, c.top, r);
+  q = select_f32(sat, c.top, r);
   const int nz = a > 0;
+  return nz | ((nz & (q == 0)) << 8) | ((nz & (q > 0) & (q < c.min_normal)) << 16) | ((nz & sat) << 24);
+}
+
+// One element's cast on the float32 path, kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div) or 2 (current:
+// q / dq_div): its flags (quantise_f32), and err = a - dequantised(q) in float64.
+template <int kKind>
+GAPMON_HD int cast_element_f32(float a, float mul, double dq_mul, double dq_div, const FormatConsts& c, double& err) {
+  float q;
+  const int flags = quantise_f32(a, mul, c, q);
   if (kKind == 0) {
     // MX: q * 2^X is a float32 (|X| <= 127 and q has at most 4 significant bits; for float32 inputs it stays
     // below 2^128) within a factor 2 of a, so a - q * 2^X is exact in float32 (Sterbenz).
@@ -444,7 +452,7 @@ GAPMON_HD int cast_element_f32(float a, float mul, double dq_mul, double dq_div,
   } else {
     err = static_cast<double>(a) - static_cast<double>(q) / dq_div;
   }
-  return nz | ((nz & (q == 0)) << 8) | ((nz & (q > 0) & (q < c.min_normal)) << 16) | ((nz & sat) << 24);
+  return flags;
 }
 
 // The element loop of a group: kind 0 (MX: q * dq_mul), 1 (NVFP4: q * dq_mul / dq_div), 2 (current: q / s).

@@ -30,9 +30,11 @@ cudaError_t launch_block_numerics(const core::BlockOperand* ops, int64_t n, int6
                                   const BlockFormatList& formats, const double* amaxes, double* chunk_rows, double* out,
                                   cudaStream_t stream);
 
-// The block formats of the fused statistics pass (launch_stats_and_numerics): the chunk the statistics reader
-// has just read (in L2, or L1) is read again by the same block right away, and the groups that start in it
-// (core::group_at) are cast, so the tensor comes from DRAM once. ops: a device array, one operand per view
+// The block formats of the fused statistics pass (launch_stats_and_numerics). Where a chunk's groups lie whole in
+// the vectors the statistics reader loads (a float32/16-bit view read as one aligned unit-stride run of rows of a
+// multiple of 32 elements; at most kMaxReaderFormats = 2 formats), they are cast from those registers: the tensor
+// is read once. Otherwise the chunk the reader has just read is read again by the same block right away (from L2,
+// if it is still there), and the groups that start in it (core::group_at) are cast. ops: a device array, one operand per view
 // (view i's tensor as contiguous [rows, cols]; a null `data`, rows = cols = 0: not cast in the pass, its
 // rows left empty); amaxes: device float64 [views] when a format needs the tensor's amax, else nullptr;
 // chunk_rows: [total_chunks, formats.num, kNumBlockColumns] scratch, every chunk's rows written.
@@ -41,6 +43,8 @@ struct FusedBlocks {
   BlockFormatList formats;
   const double* amaxes = nullptr;
   double* chunk_rows = nullptr;
+  bool in_reader = true;  // false: every chunk read again, as where the groups do not lie whole in the vectors
+                          // (benchmarks/cuda/kernel_bench.cu compares the two)
 };
 
 // Rows [n, num_formats, kNumBlockColumns] of `out` from the fused pass's chunk rows: tensor i's merged in order

@@ -121,11 +121,14 @@ struct ChunkGroup {
   }
 };
 
-// The observer of the statistics kernel: sees nothing, and compiles away.
+// The observer of the statistics kernel: sees nothing, and compiles away. An observer sees a scalar
+// element with see(x) and a loaded 16-byte vector's elements with see_vector(xs), in order.
 struct NoObserver {
   static constexpr bool kSeesElements = false;
   template <typename block_t>
   __device__ __forceinline__ void see(block_t) {}
+  template <typename block_t, int K>
+  __device__ __forceinline__ void see_vector(const block_t (&)[K]) {}
   __device__ __forceinline__ void finish() {}
 };
 
@@ -163,8 +166,7 @@ __device__ __forceinline__ void accumulate_run(const T* p, int64_t len, int64_t 
         block_t xs[kPerVec];
 #pragma unroll
         for (int k = 0; k < kPerVec; ++k) xs[k] = static_cast<block_t>(Elem<T>::load(vals[k]));
-#pragma unroll
-        for (int k = 0; k < kPerVec; ++k) observer.see(xs[k]);
+        observer.see_vector(xs);
         acc.push(xs, largest, first_of_batch);
       },
       [&] { acc.end_batch(); });

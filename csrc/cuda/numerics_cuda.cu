@@ -9,6 +9,7 @@
 // in a fixed order, so the rows are bit-identical run to run. Launched through GAPMON_LAUNCH so that
 // tests/cpp/cuda_emulator.h can run this file on the host.
 #include <cstring>
+#include <type_traits>
 
 #include "../core/numerics.h"
 #include "block_rows.cuh"
@@ -56,6 +57,12 @@ struct NumericsObserver {
     add(x);
   }
 
+  template <typename block_t, int K>
+  __device__ __forceinline__ void see_vector(const block_t (&xs)[K]) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) see(xs[k]);
+  }
+
   __device__ __forceinline__ void add(double x) {
     if (n == 0) shift = core::is_finite(x) ? x : 0.0;
     const double d = x - shift, d2 = d * d;
@@ -68,6 +75,60 @@ struct NumericsObserver {
 
   __device__ __forceinline__ void finish() { *out = core::from_power_sums(n, shift, s1, s2, s3, s4); }
 };
+
+// The observer of the fused pass: the numerics of every element, and, when the chunk's groups lie whole in the
+// reader's vectors (`sums` set: casts_in_reader), their block formats cast from the same registers.
+struct FusedObserver : NumericsObserver {
+  ReaderSums<kThreads>* sums;
+
+  __device__ __forceinline__ FusedObserver(unsigned* shared_bins, Moments* slot, ReaderSums<kThreads>* reader_sums)
+      : NumericsObserver(shared_bins, slot), sums(reader_sums) {}
+
+  template <int K>
+  __device__ __forceinline__ void see_vector(const float (&xs)[K]) {
+    NumericsObserver::see_vector(xs);
+    if (sums != nullptr) reader_cast_vector<kThreads>(xs, *sums);
+  }
+
+  template <int K>
+  __device__ __forceinline__ void see_vector(const double (&xs)[K]) {  // float64: cast after the read
+    NumericsObserver::see_vector(xs);
+  }
+};
+
+// Whether chunk `at` of view `v` has its groups whole in the reader's vectors (see block_rows.cuh): the view
+// reads its operand's elements in order as one aligned unit-stride run per item, of float32 or 16-bit
+// elements, rows of a multiple of 32, the chunk a whole number of groups from a group's start.
+__device__ __forceinline__ bool casts_in_reader(const StridedView& v, const ChunkPlace& at, const core::BlockOperand& op,
+                                                int num_formats) {
+  if (num_formats > kMaxReaderFormats || op.data == nullptr || op.data != v.data || op.dtype != v.dtype ||
+      v.dtype == DType::kFloat64 || op.cols <= 0 || op.cols % core::kGroupElems != 0 || v.repeat != 1 ||
+      !is_contiguous(v) || (v.items > 1 && v.item_stride != v.item_numel)) {
+    return false;
+  }
+  const int64_t first = at.item * v.item_numel + at.lo;  // the chunk's first element in the operand
+  const uintptr_t address = reinterpret_cast<uintptr_t>(v.data) + static_cast<uintptr_t>(first) * 2u *
+                                                                        (v.dtype == DType::kFloat32 ? 2u : 1u);
+  return at.lo < at.hi && first % core::kGroupElems == 0 && (at.hi - at.lo) % core::kGroupElems == 0 &&
+         address % 16 == 0;
+}
+
+// Prepares chunk c's block formats: true (and the block's reader sums emptied, the formats' constants set) when
+// they are cast from the reader's vectors. Out of line, as the other per-chunk steps.
+__device__ __noinline__ bool start_reader_cast(const FusedBlocks& blocks, const StridedView* views, int64_t num_views,
+                                               int64_t c, ReaderSums<kThreads>& sums) {
+  const ChunkPlace at = place_of(views, num_views, c);
+  const int64_t view_index = at.view - views;
+  if (!blocks.in_reader || !casts_in_reader(*at.view, at, blocks.ops[view_index], blocks.formats.num)) return false;
+  reader_sums_start(sums, blocks.formats, blocks.amaxes != nullptr ? blocks.amaxes[view_index] : 0.0);
+  return true;
+}
+
+// Chunk c's block rows from the reader's sums (combine_reader_sums), out of line as fused_block_chunk.
+__device__ __noinline__ void finish_reader_cast(const FusedBlocks& blocks, const ReaderSums<kThreads>& sums, int64_t c,
+                                                double* partial) {
+  combine_reader_sums(sums, partial, blocks.chunk_rows + c * blocks.formats.num * core::kNumBlockColumns);
+}
 
 // Merges the block's per-thread moments in `slots` over a fixed tree; slots[0] holds the result.
 __device__ void block_merge_moments(Moments* slots) {
@@ -130,8 +191,9 @@ __device__ void write_published_chunks(const NumericsTargets& numerics, int64_t 
       thread_moments[0], v, row, numerics);
 }
 
-// The fused pass's block formats of chunk c (at `at`, of view `view_index`): the groups of its tensor that start in
-// the chunk's elements, read again right after the statistics reader read them (from L2), cast by the block's
+// The fused pass's block formats of chunk c (at `at`, of view `view_index`) when they are not cast in the reader: the
+// groups of its tensor that start in the chunk's elements, read again right after the statistics reader read them
+// (from L2, if they are still there), cast by the block's
 // threads and combined into the chunk's rows. The view's operand is its tensor as contiguous [rows, cols], its
 // items (an activation's instances, whole rows each) in order: item `at.item`'s element lo is the operand's
 // element at.item * item_numel + lo. Out of line: the rows live in this call's frame, not in the registers of
@@ -153,7 +215,8 @@ __device__ __noinline__ void fused_block_chunk(const FusedBlocks& blocks, int64_
 // last row, as launch_stats does); its numerics to its row of numerics.out, or, with merge_items,
 // every chunk's numerics are published and the block that finishes the last row merges them all
 // into one row.
-// kFused: with the block formats of `blocks` (a kernel of its own, so that the plain pass keeps its registers).
+// kFused: with the block formats of `blocks` (a kernel of its own, so that the plain pass keeps its registers): cast
+// by the reader's observer where the chunk allows it (start_reader_cast), else after the read (fused_block_chunk).
 template <bool kFused>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     stats_numerics_kernel(const __grid_constant__ ViewTable table, int64_t total_chunks, int64_t rows,
@@ -163,13 +226,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   __shared__ State<double> thread_states[kThreads];
   __shared__ Moments thread_moments[kThreads];
   __shared__ unsigned bins[core::kNumBins];
+  __shared__ std::conditional_t<kFused, ReaderSums<kThreads>, char> reader_sums;
   const StridedView* views = views_of(table);
   const bool count_rows = stats.acc_row != nullptr || numerics.merge_items;
   for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     for (int b = threadIdx.x; b < core::kNumBins; b += kThreads) bins[b] = 0u;
+    bool in_reader = false;
+    if constexpr (kFused) in_reader = start_reader_cast(blocks, views, table.num, c, reader_sums);
     __syncthreads();
-    read_chunk<kThreads, NumericsObserver>(views, table.num, c, thread_states[threadIdx.x], bins,
-                                           thread_moments + threadIdx.x);
+    if constexpr (kFused) {
+      read_chunk<kThreads, FusedObserver>(views, table.num, c, thread_states[threadIdx.x], bins,
+                                          thread_moments + threadIdx.x, in_reader ? &reader_sums : nullptr);
+    } else {
+      read_chunk<kThreads, NumericsObserver>(views, table.num, c, thread_states[threadIdx.x], bins,
+                                             thread_moments + threadIdx.x);
+    }
     const ChunkPlace at = place_of(views, table.num, c);
     const StridedView& v = *at.view;
     State<double> s = Group::merge(thread_states[threadIdx.x]);
@@ -214,7 +285,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
       if (stats.acc_row != nullptr) fold_rows<kThreads>(stats.out_stats, rows, stats.acc_row);
       if (numerics.merge_items) write_published_chunks(numerics, 0, total_chunks, v, 0, thread_moments);
     }
-    if constexpr (kFused) fused_block_chunk(blocks, at.view - views, at, c, block_partial);
+    if constexpr (kFused) {
+      if (in_reader) {
+        finish_reader_cast(blocks, reader_sums, c, block_partial);
+      } else {
+        fused_block_chunk(blocks, at.view - views, at, c, block_partial);
+      }
+    }
     __syncthreads();  // bins, moments and states are reused by the next chunk
   }
 }

@@ -33,9 +33,9 @@ struct NumericsTargets {
 // (plan.warp_chunks == 0: tensors, or instances that are not many short rows), and merge_items needs a
 // single view; anything else, or missing scratch, is cudaErrorInvalidValue.
 //
-// With `blocks` (FusedBlocks::ops not null), each chunk's block-format rows too: right after the block has read
-// the chunk for the statistics and numerics, it reads it again (from L2) and casts the groups that start in
-// it, so each tensor comes from DRAM once; launch_merge_fused_block_rows then merges each tensor's chunks (with
+// With `blocks` (FusedBlocks::ops not null), each chunk's block-format rows too: cast from the reader's vectors as
+// they are loaded where the chunk's groups lie whole in them (one read; see FusedBlocks), else from the chunk read
+// again right after the statistics reader read it; launch_merge_fused_block_rows then merges each tensor's chunks (with
 // merge_items, the single view's instances, whole rows of its operand each: launch_accumulate_fused_block_rows
 // merges all chunks into one row).
 cudaError_t launch_stats_and_numerics(const ViewTable& views, const LaunchPlan& plan, int64_t rows,

@@ -8,9 +8,11 @@ Compiles csrc/cuda/stats_cuda.cu, csrc/cuda/numerics_cuda.cu and csrc/cuda/block
   and the block-format kernel fits its launch bounds;
 - spill traffic stays within a small budget per function: the kernel keeps its loop state across
   the out-of-line per-chunk call (read_chunk), and that call saves the registers it uses, once per
-  chunk (at least 256 elements per thread), which ptxas reports as spills;
+  chunk (at least 256 elements per thread), which ptxas reports as spills (the fused pass, which casts
+  the block formats in the reader's loop, has a larger budget: see FUSED);
 - where a SASS disassembler is found (cuobjdump from the CUDA toolkit or Triton's copy), no loop
-  that issues 128-bit global loads touches local memory: the element loops themselves never spill.
+  that issues 128-bit global loads touches local memory: the element loops themselves never spill
+  (the fused pass's: at most one local access per 200 instructions).
 
 Usage: check_kernels.py NVCC SOURCE_ROOT
 """
@@ -34,6 +36,13 @@ KERNELS = (
 # Per function, stores or loads: the per-chunk call saves (a few hundred bytes per thread per chunk of
 # at least 256 elements per thread, from L1), not element-loop spills (checked on the SASS).
 MAX_SPILL_BYTES = 512
+# The fused pass (statistics, numerics and the block formats cast from the reader's vectors, 128 registers)
+# keeps far more in its element loops: ptxas reloads a few loop-invariant values per batch of vectors there
+# (2-14 local loads in loops of 900-7,600 instructions on sm_80/sm_90) and saves more per chunk. Its budget:
+# per function, and local memory accesses per element-loop instruction.
+FUSED = r"stats_numerics_kernelILb1|FusedObserver"
+MAX_FUSED_SPILL_BYTES = 1024
+MAX_FUSED_LOCAL_PER_INSTRUCTION = 1 / 200
 
 
 def compile_verbose(nvcc: str, source: str, arch: str, out: str) -> str:
@@ -111,7 +120,8 @@ def element_loops_with_local_memory(cuobjdump: str, cubin: str) -> list[str]:
             local = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body)
             # An element loop: all its global loads are the kVecUnroll vectors of one batch (outer
             # loops over runs contain several element loops and may keep cursors in local memory).
-            if 0 < vector_loads <= 4 and local:
+            allowed = len(body) * MAX_FUSED_LOCAL_PER_INSTRUCTION if re.search(FUSED, name) else 0
+            if 0 < vector_loads <= 4 and local > allowed:
                 bad.append(f"{readable(name)}: element loop of {len(body)} instructions, {local} local memory accesses")
     return bad
 
@@ -129,7 +139,7 @@ def check_source(nvcc: str, source: str, kernel: str, instantiations: int, max_r
             short = readable(name)
             if name in kernels and p["registers"] > max_registers:
                 failures.append(f"{arch} {short}: {p['registers']} registers > {max_registers}")
-            if max(p["spill_stores"], p["spill_loads"]) > MAX_SPILL_BYTES:
+            if max(p["spill_stores"], p["spill_loads"]) > (MAX_FUSED_SPILL_BYTES if re.search(FUSED, name) else MAX_SPILL_BYTES):
                 failures.append(f"{arch} {short}: spills {p['spill_stores']} B stored, {p['spill_loads']} B loaded")
             if name in kernels:
                 print(f"{arch} {short}: {p['registers']} registers, spills {p['spill_stores']}/{p['spill_loads']} B")

@@ -8,10 +8,12 @@
 // order at every barrier round: a result that depends on which block or thread runs first shows
 // up as a difference between schedules. Shared memory is per OS thread, hence per running block.
 // It emulates what the kernels use: threadIdx/blockIdx/blockDim/gridDim, __syncthreads,
-// __syncthreads_or, per-warp __shfl_down_sync, __shfl_xor_sync, __any_sync and __syncwarp, __ldg/__ldcg, __threadfence, atomicAdd
+// __syncthreads_or, per-warp __shfl_down_sync, __shfl_xor_sync (over the whole warp, or over the lanes a mask
+// names while the others are elsewhere), __any_sync and __syncwarp, __ldg/__ldcg, __threadfence, atomicAdd
 // on counters, static __shared__ arrays and kernel launches. Device memory is host memory. It
 // checks the kernels' logic (indexing, chunking, barriers, merge order, independence of the
-// schedule), not their speed.
+// schedule), not their speed; it counts the bytes read through __ldg (global_bytes_read), so that a
+// test can check how often a kernel reads its input.
 //
 // Force-included (-include) before the kernel source, so that its definitions of __shared__ and
 // friends win over CUDA's host_defines.h.
@@ -35,6 +37,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -46,6 +49,7 @@ namespace gapmon_emu {
 
 inline dim3 grid_dim, block_dim;                   // set before a launch's blocks start
 inline thread_local dim3 block_idx, thread_idx;    // of the block and fiber running on this OS thread
+inline std::atomic<long long> global_bytes_read{0};  // bytes read through __ldg, by every launch
 
 // 0: blocks in order on the calling thread, fibers in order. Otherwise the seed of a shuffled,
 // interleaved schedule (see the header comment); each launch draws a new permutation from it.
@@ -71,6 +75,8 @@ struct Block {
   int64_t block_generation = 0;
   std::vector<int> warp_arrived;
   std::vector<int64_t> warp_generation;
+  // Barriers of some lanes of a warp (a shuffle's mask): arrivals and generation per (warp, mask).
+  std::map<std::pair<int, unsigned>, std::pair<int, int64_t>> lanes_barriers;
   std::vector<double> exchange;  // one slot per thread, for shuffles and votes
   int64_t progress = 0;          // barrier arrivals and finished threads: no change in a round = deadlock
   std::function<void()> body;
@@ -104,6 +110,21 @@ inline void warp_barrier() {
     ++b.warp_generation[warp];
   }
   while (b.warp_generation[warp] == generation) yield();
+}
+
+// A barrier of the lanes of the calling thread's warp that `mask` names (the calling lane among them).
+inline void lanes_barrier(unsigned mask) {
+  Block& b = *running;
+  const int warp = thread_id() / 32;
+  if ((mask >> (thread_id() % 32) & 1u) == 0) throw std::logic_error("a lane calls a shuffle whose mask leaves it out");
+  auto& [arrived, generation] = b.lanes_barriers[{warp, mask}];
+  const int64_t mine = generation;
+  ++b.progress;
+  if (++arrived == __builtin_popcount(mask)) {
+    arrived = 0;
+    ++generation;
+  }
+  while (b.lanes_barriers[{warp, mask}].second == mine) yield();
 }
 
 // Resumes thread t until it waits at a barrier or returns. Not inlined: swapcontext returns like
@@ -263,19 +284,23 @@ inline double __shfl_down_sync(unsigned, double value, unsigned delta) {
 }
 
 // A butterfly exchange within the warp (lane ^ lane_mask), for 32-bit unsigned values (exact in the exchange's
-// doubles).
-inline unsigned __shfl_xor_sync(unsigned, unsigned value, int lane_mask) {
+// doubles). With a mask other than the whole warp, only the lanes it names take part (the others may be
+// elsewhere); the partner must be one of them.
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned value, int lane_mask) {
   auto& b = *gapmon_emu::running;
   const int tid = gapmon_emu::thread_id(), partner = tid ^ lane_mask;
+  const bool whole = mask == 0xffffffffu;
+  if (!whole && (mask >> (partner % 32) & 1u) == 0) throw std::logic_error("a shuffle's partner is not in its mask");
   b.exchange[tid] = value;
-  gapmon_emu::warp_barrier();
+  whole ? gapmon_emu::warp_barrier() : gapmon_emu::lanes_barrier(mask);
   const unsigned got = partner < b.threads ? static_cast<unsigned>(b.exchange[partner]) : value;
-  gapmon_emu::warp_barrier();
+  whole ? gapmon_emu::warp_barrier() : gapmon_emu::lanes_barrier(mask);
   return got;
 }
 
 template <typename T>
 inline T __ldg(const T* p) {
+  gapmon_emu::global_bytes_read.fetch_add(sizeof(T), std::memory_order_relaxed);
   return *p;
 }
 

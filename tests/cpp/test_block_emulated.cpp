@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 extern "C" cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 void gapmon_emu_set_block_schedule(unsigned seed);  // tests/cpp/block_cuda_emulated.cpp
 void gapmon_emu_set_numerics_schedule(unsigned seed);  // tests/cpp/numerics_cuda_emulated.cpp
+long long gapmon_emu_global_bytes_read();               // tests/cpp/numerics_cuda_emulated.cpp
 
 namespace {
 
@@ -35,6 +37,20 @@ gapmon::cuda::BlockFormatList all_formats() {
   for (int f = 0; f < formats.num; ++f) formats.codes[f] = static_cast<BlockFormat>(f);
   return formats;
 }
+
+gapmon::cuda::BlockFormatList formats_of(std::initializer_list<BlockFormat> codes) {
+  gapmon::cuda::BlockFormatList formats;
+  for (BlockFormat f : codes) formats.codes[formats.num++] = f;
+  return formats;
+}
+
+// Few enough formats for the fused pass to cast from the reader's vectors (block_rows.cuh): each pair of kinds.
+const gapmon::cuda::BlockFormatList kReaderFormatSets[] = {
+    formats_of({BlockFormat::kMxfp8E4m3}),
+    formats_of({BlockFormat::kNvfp4, BlockFormat::kCurrentE5m2}),
+    formats_of({BlockFormat::kMxfp4, BlockFormat::kMxfp8E5m2}),
+    formats_of({BlockFormat::kCurrentE4m3, BlockFormat::kNvfp4}),
+};
 
 // The CPU kernel's rows of one tensor, chunk by chunk in order (as csrc/torch/numerics_cpu.cpp merges them),
 // into dst ([formats.num, kNumBlockColumns]).
@@ -137,10 +153,13 @@ void check_fused_pass(const Pass& pass, const std::vector<double>& want, const c
 // (a group straddling two chunks counted once, in the first), a tensor left out of the pass gets empty rows,
 // and the statistics states and numerics rows have the bits of the pass without block formats; the same bits
 // under shuffled block schedules.
-void run_fused_case(DType dt, const char* what) {
+// Rows of a multiple of 32 (several chunks, a short last chunk) are cast from the reader's vectors when the launch
+// has at most two formats, the others after the read.
+void run_fused_case(DType dt, const gapmon::cuda::BlockFormatList& formats, const char* what) {
   std::mt19937 rng(13);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  const int64_t shapes[][2] = {{1, 70}, {3, 33}, {0, 32}, {2100, 40}, {1, 65536 + 7}, {2, 16}, {5, 64}};
+  const int64_t shapes[][2] = {{1, 70},   {3, 33},           {0, 32}, {2100, 40},
+                               {2, 16},   {1100, 64},        {1, 2 * 65536 + 96}, {5, 64}};
   const int64_t n = sizeof shapes / sizeof shapes[0];
   const int64_t left_out = n - 1;  // as a non-contiguous tensor: cast by the block kernel, not in the pass
   std::vector<std::vector<uint8_t>> data;
@@ -163,7 +182,6 @@ void run_fused_case(DType dt, const char* what) {
     if (i != left_out) ops[i].data = views[i].data, ops[i].rows = shapes[i][0], ops[i].cols = shapes[i][1];
     ops[i].first_chunk = views[i].first_chunk;
   }
-  const gapmon::cuda::BlockFormatList formats = all_formats();
   const int64_t width = formats.num * core::kNumBlockColumns;
   std::vector<double> want(n * width);
   for (int64_t i = 0; i < n; ++i) {
@@ -206,11 +224,11 @@ void run_fused_case(DType dt, const char* what) {
 // table held (counts equal, sums within 1e-12), the instance fold and numerics row keep the bits of the pass without
 // block formats, and shuffled block schedules give the same bits. Instances of two chunks each (a group straddles
 // the chunk boundary), rows of 33 (a short last group), and single-row instances.
-void run_fused_instances_case(DType dt, const char* what) {
+void run_fused_instances_case(DType dt, const gapmon::cuda::BlockFormatList& formats, const char* what) {
   std::mt19937 rng(17);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  const int64_t shapes[][3] = {{2, 1700, 40}, {3, 5, 33}, {4, 1, 64}};  // instances, rows each, cols
-  const gapmon::cuda::BlockFormatList formats = all_formats();
+  // instances, rows each, cols: rows of a multiple of 32 are cast from the reader's vectors (at most two formats)
+  const int64_t shapes[][3] = {{2, 1700, 40}, {3, 5, 33}, {4, 1, 64}, {2, 1100, 64}};
   const int64_t width = formats.num * core::kNumBlockColumns;
   for (const auto& shape : shapes) {
     const int64_t items = shape[0], item_numel = shape[1] * shape[2];
@@ -277,17 +295,82 @@ void run_fused_instances_case(DType dt, const char* what) {
   }
 }
 
+// The fused pass reads each element of a tensor whose groups lie whole in the reader's vectors once: as many bytes
+// through __ldg as the pass without block formats (the emulator counts them), while with more formats than the
+// reader casts, or FusedBlocks::in_reader off, the groups are read again. A finite tensor, so that no chunk is read again in double.
+void check_one_read(DType dt, const char* what) {
+  std::mt19937 rng(19);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(1100 * 64);
+  for (auto& x : v) x = normal(rng);
+  const std::vector<uint8_t> data = store(v, dt);
+  core::StridedView view;
+  view.data = data.data(), view.dtype = dt, view.item_numel = static_cast<int64_t>(v.size());
+  view.ndim = 1, view.sizes[0] = view.item_numel, view.strides[0] = 1;
+  const gapmon::cuda::LaunchPlan plan = gapmon::cuda::plan_launch(&view, 1);
+  core::BlockOperand op;
+  op.dtype = dt, op.data = data.data(), op.rows = 1100, op.cols = 64, op.first_chunk = 0;
+  gapmon::cuda::ViewTable table;
+  table.num = 1;
+  table.inline_views[0] = view;
+  const double amax = 4.0;
+  auto bytes_read = [&](const gapmon::cuda::BlockFormatList* formats, bool in_reader = true) {
+    std::vector<double> states(core::kNumStateColumns), numerics(core::kNumNumericsColumns);
+    std::vector<double> chunk_states(plan.total_chunks * core::kNumStateColumns);
+    std::vector<double> chunk_numerics(plan.total_chunks * core::kNumNumericsColumns);
+    std::vector<double> chunk_rows(plan.total_chunks * core::kNumBlockFormats * core::kNumBlockColumns);
+    std::vector<unsigned> counters(2, 0u);
+    gapmon::cuda::StatsTargets stats;
+    stats.out_states = states.data(), stats.chunk_states = chunk_states.data(), stats.counters = counters.data();
+    gapmon::cuda::NumericsTargets targets;
+    targets.out = numerics.data(), targets.chunk_rows = chunk_numerics.data();
+    gapmon::cuda::FusedBlocks fused;
+    if (formats != nullptr) fused.ops = &op, fused.formats = *formats, fused.amaxes = &amax, fused.chunk_rows = chunk_rows.data();
+    fused.in_reader = in_reader;
+    const long long before = gapmon_emu_global_bytes_read();
+    CHECK(gapmon::cuda::launch_stats_and_numerics(table, plan, 1, stats, targets, nullptr, fused) == cudaSuccess,
+          "%s: launch", what);
+    return gapmon_emu_global_bytes_read() - before;
+  };
+  const long long plain = bytes_read(nullptr), tensor = static_cast<long long>(data.size());
+  CHECK(plain == tensor, "%s: the plain pass read %lld bytes of a %lld-byte tensor", what, plain, tensor);
+  for (const auto& formats : kReaderFormatSets) {
+    const long long fused = bytes_read(&formats);
+    CHECK(fused == plain, "%s: the fused pass with %d format(s) read %lld bytes, the plain pass %lld", what, formats.num,
+          fused, plain);
+  }
+  const long long asked = bytes_read(&kReaderFormatSets[0], false);
+  CHECK(asked == 2 * plain, "%s: asked to read each chunk again, the fused pass read %lld bytes, want %lld", what, asked,
+        2 * plain);
+  const gapmon::cuda::BlockFormatList six = all_formats();
+  const long long reread = bytes_read(&six);
+  CHECK(reread == plain * (1 + six.num), "%s: with six formats each group is read again per format: %lld bytes, want %lld",
+        what, reread, plain * (1 + six.num));
+}
+
 }  // namespace
 
 int main() {
-  run_fused_instances_case(DType::kFloat32, "instances float32");
-  run_fused_instances_case(DType::kFloat64, "instances float64");
-  run_fused_instances_case(DType::kBFloat16, "instances bfloat16");
-  run_fused_instances_case(DType::kFloat16, "instances float16");
-  run_fused_case(DType::kFloat32, "fused float32");
-  run_fused_case(DType::kFloat64, "fused float64");
-  run_fused_case(DType::kBFloat16, "fused bfloat16");
-  run_fused_case(DType::kFloat16, "fused float16");
+  check_one_read(DType::kFloat32, "one read float32");
+  check_one_read(DType::kBFloat16, "one read bfloat16");
+  check_one_read(DType::kFloat16, "one read float16");
+  const gapmon::cuda::BlockFormatList six = all_formats();
+  run_fused_instances_case(DType::kFloat32, six, "instances float32");
+  run_fused_instances_case(DType::kFloat64, six, "instances float64");
+  run_fused_instances_case(DType::kBFloat16, six, "instances bfloat16");
+  run_fused_instances_case(DType::kFloat16, six, "instances float16");
+  run_fused_case(DType::kFloat32, six, "fused float32");
+  run_fused_case(DType::kFloat64, six, "fused float64");
+  run_fused_case(DType::kBFloat16, six, "fused bfloat16");
+  run_fused_case(DType::kFloat16, six, "fused float16");
+  int set = 0;
+  for (const auto& formats : kReaderFormatSets) {  // each set on one 32-bit and one 16-bit dtype, in turn
+    const std::string n = std::to_string(formats.num) + " format(s), first " +
+                          std::to_string(static_cast<int>(formats.codes[0]));
+    const bool odd = set++ % 2 == 1;
+    run_fused_case(odd ? DType::kBFloat16 : DType::kFloat32, formats, ("fused, " + n).c_str());
+    run_fused_instances_case(odd ? DType::kFloat32 : DType::kFloat16, formats, ("instances, " + n).c_str());
+  }
   run_case(DType::kFloat32, "float32");
   run_case(DType::kFloat64, "float64");
   run_case(DType::kBFloat16, "bfloat16");
