@@ -319,16 +319,9 @@ class BatchTracker(TorchFunctionMode):
         plain = [(t, st) for t, st in inputs if type(st) is not Shared]
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
-            if name in _COPIES and not plain and t is args[0]:
-                return st
-            if name in _ORDER_KEEPING_VIEWS and not plain and t is args[0] and hasattr(st.owner, "reshaped"):
-                piece = st.owner.reshaped(out)  # a free parameter's (free_parameters): the same elements in order
-                if piece is not None:
-                    return Shared(piece)
-            # (a repeat that copies size-1 dims only is an expansion, for the gradient)
-            if (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and not plain \
-                    and t is args[0] and hasattr(st.owner, "expanded"):
-                return Shared(st.owner.expanded(out))
+            view = _shared_view(name, args, t, st, out) if not plain and t is args[0] else None
+            if view is not None:
+                return view
             sign = _ADDS.get(name)
             in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
             if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
@@ -578,6 +571,22 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
     if status != (0 if args[8] else 1):
         raise Lost(f"an RNN with batch_first={args[8]} on input batched on dim {status}")
     return [status] + [1] * (len(out) - 1)
+
+
+def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:
+    """out = name(t, ...) of a Shared t alone: a copy stays Shared, as a free parameter's (free_parameters) order-keeping
+    reshape, slice (basic indexing) or expansion does (a repeat that copies size-1 dims only is an expansion, for the
+    gradient); None for any other op."""
+    if name in _COPIES:
+        return st
+    owner, piece = st.owner, None
+    if name in _ORDER_KEEPING_VIEWS and hasattr(owner, "reshaped"):
+        piece = owner.reshaped(out)
+    elif name == "__getitem__" and len(args) == 2 and hasattr(owner, "sliced"):
+        piece = owner.sliced(t, args[1], out)
+    elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "expanded"):
+        piece = owner.expanded(out)
+    return None if piece is None else Shared(piece)
 
 
 def _repeats_only_ones(t: torch.Tensor, out: torch.Tensor) -> bool:

@@ -4,7 +4,8 @@ added to the batch (`x + self.pos_embed`), a class token expanded over the batch
 
 Such a parameter, registered on a module that has submodules (the model, an embeddings block) and covered by no
 rule, is followed in every collected forward pass (batch_provenance.Shared, as a shared input's output is): its
-copies and casts, reshapes (the same elements in the same order) and expansions stay followed; where one of them is
+copies and casts, reshapes (the same elements in the same order), slices (`self.pos_embed[:, :T]`: basic indexing,
+each sample's gradient placed back where the elements sit) and expansions stay followed; where one of them is
 added to a tensor batched on a dim it is broadcast along, multiplies one (a layer scale, `x * self.gamma`), or is
 concatenated to one along another dim, a hook on the result reads each sample's gradient there (summed over the dims
 it was broadcast along). Any other use leaves the
@@ -143,11 +144,12 @@ class ParameterUses:
 
 
 class Piece:
-    """A tensor holding the parameter's elements, in the parameter's order, as `base` shape; where it is broadcast
-    (an expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
+    """A tensor holding parameter elements as `base` shape: all of them in the parameter's order, or (`positions`, of
+    `base` shape) those at these flat positions of the parameter (a slice of it); where it is broadcast (an
+    expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
 
-    def __init__(self, uses: ParameterUses, base: tuple[int, ...]):
-        self.uses, self.base = uses, base
+    def __init__(self, uses: ParameterUses, base: tuple[int, ...], positions: torch.Tensor | None = None):
+        self.uses, self.base, self.positions = uses, base, positions
 
     def on_escape(self, what: str) -> None:
         self.uses.on_escape(what)
@@ -155,10 +157,37 @@ class Piece:
     def reshaped(self, out: torch.Tensor) -> "Piece | None":
         """A view or reshape of a tensor that is not broadcast: the same elements in the same order (None: broadcast,
         its elements repeat)."""
-        return Piece(self.uses, tuple(out.shape)) if out.numel() == _numel(self.base) else None
+        if out.numel() != _numel(self.base):
+            return None
+        positions = None if self.positions is None else self.positions.reshape(out.shape)
+        return Piece(self.uses, tuple(out.shape), positions)
 
     def expanded(self, out: torch.Tensor) -> "Piece":
-        return Piece(self.uses, (1,) * (out.dim() - len(self.base)) + self.base)
+        base = (1,) * (out.dim() - len(self.base)) + self.base
+        return Piece(self.uses, base, None if self.positions is None else self.positions.reshape(base))
+
+    def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "Piece | None":
+        """`out = t[index]`, basic indexing (ints, slices, None, Ellipsis) of a tensor that is not broadcast: the
+        elements at the indexed positions (None: another index, or a broadcast tensor)."""
+        parts = index if isinstance(index, tuple) else (index,)
+        if tuple(t.shape) != self.base or not all(
+                i is None or i is Ellipsis or isinstance(i, slice) or type(i) is int for i in parts):
+            return None
+        if any(isinstance(i, slice) and not all(type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))
+               for i in parts):
+            return None
+        every = self.positions
+        if every is None:
+            every = torch.arange(_numel(self.base), device=t.device).reshape(self.base)
+        return Piece(self.uses, tuple(out.shape), every[index])
+
+    def _add(self, g: torch.Tensor) -> None:
+        """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter."""
+        if self.positions is None:
+            self.uses.add(g)
+            return
+        full = g.new_zeros(g.shape[0], self.uses.param.numel())
+        self.uses.add(full.index_add_(1, self.positions.reshape(-1), g))
 
     def _broadcast(self, shape: torch.Size, dim: int) -> list[int] | None:
         """The dims (but the batch's, `dim`) of a result of `shape` along which this piece is broadcast; None when it is
@@ -176,7 +205,7 @@ class Piece:
             return
         if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
             return
-        total.register_hook(lambda g: self.uses.add(_per_sample(g, dim, broadcast, self.uses.batch, sign)))
+        total.register_hook(lambda g: self._add(_per_sample(g, dim, broadcast, self.uses.batch, sign)))
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
@@ -194,8 +223,8 @@ class Piece:
             if _torch_compat.version_counter(other) != version:
                 self.on_escape("a product with a tensor changed in place afterwards")
                 return
-            self.uses.add(_per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * other, dim, broadcast,
-                                      self.uses.batch, 1))
+            self._add(_per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * other, dim, broadcast,
+                                  self.uses.batch, 1))
 
         out.register_hook(hook)
 
@@ -209,7 +238,7 @@ class Piece:
         if not out.requires_grad:  # (as on_add)
             return
         length = t.shape[cat_dim]
-        out.register_hook(lambda g: self.uses.add(
+        out.register_hook(lambda g: self._add(
             _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1)))
 
 

@@ -278,3 +278,57 @@ def test_a_token_repeated_over_the_batch_is_exact_and_a_tiled_one_left_out():
     assert "tokens" in cov["uncovered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
+
+
+class SlicedPositions(nn.Module):
+    """A position table longer than the sequence, sliced to it as minGPT does (`pos_emb[:, :t]`); `use` picks the
+    slice: a prefix, an int index (the leading dim dropped), a stepped slice of a slice, two overlapping slices (their
+    gradients add where they overlap), its last rows as register tokens expanded over the batch and concatenated, or
+    an index tensor (advanced indexing: not followed)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.tok = nn.Embedding(11, 8)
+        self.pos = nn.Parameter(torch.randn(1, 12, 8) * 0.1)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+        self.use = use
+
+    def forward(self, idx):
+        n = idx.shape[1]
+        x = self.tok(idx)
+        if self.use == "prefix":
+            x = x + self.pos[:, :n]
+        elif self.use == "int":
+            x = x + self.pos[0, :n]
+        elif self.use == "step":
+            x = x + self.pos[:, 1::2][:, :n]
+        elif self.use == "overlap":
+            x = x + self.pos[:, :n] - self.pos[..., 2:n + 2, :]
+        elif self.use == "register":
+            x = torch.cat([self.pos[:, -2:].expand(x.shape[0], -1, -1), x + self.pos[:, :n]], dim=1)
+        else:
+            x = x + self.pos[:, torch.arange(n)]
+        return self.head(self.block(x)[:, 0])
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use", ["prefix", "int", "step", "overlap", "register"])
+def test_a_sliced_position_table_is_exact(use, bookkeeping):
+    torch.manual_seed(9)
+    model = SlicedPositions(use).double()
+    x, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_position_table_indexed_by_a_tensor_is_left_out_by_name():
+    torch.manual_seed(10)
+    model = SlicedPositions("advanced").double()
+    x, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"'pos' is not per-sample \(the model uses this parameter in __getitem__"):
+        got, cov = _norms(model, x, y)
+    assert "pos" in cov["uncovered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
