@@ -322,10 +322,15 @@ class BatchTracker(TorchFunctionMode):
             view = _shared_view(name, args, t, st, out) if not plain and t is args[0] else None
             if view is not None:
                 return view
+        if not plain and 0 < len(shared) <= 2 and isinstance(out, torch.Tensor):
+            combined = _shared_arithmetic(name, args, kwargs, shared, out)
+            if combined is not None:
+                return combined
+        if len(shared) == 1 and isinstance(out, torch.Tensor):
+            t, st = shared[0]
             sign = _ADDS.get(name)
-            in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i")
             if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
-                    and out.shape == plain[0][0].shape and not (in_place and t is args[0])):
+                    and out.shape == plain[0][0].shape and not (_in_place(name) and t is args[0])):
                 d = self._rule(name, args, kwargs, plain, out)
                 if type(d) is int:
                     st.owner.on_add(out, t, d, -1 if sign < 0 and t is args[1] else 1)
@@ -587,6 +592,41 @@ def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: to
     elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "expanded"):
         piece = owner.expanded(out)
     return None if piece is None else Shared(piece)
+
+
+_DIVS = {"div", "__truediv__", "true_divide", "divide"}
+
+
+def _shared_arithmetic(name: str, args: Sequence, kwargs: dict, shared: list, out: torch.Tensor) -> Shared | None:
+    """Free parameters' pieces (free_parameters) negated, scaled by a number, added to an unbatched tensor or to each
+    other (`self.cls_token + self.pos_embed[:, :1]`): the result's gradient reaches each piece times its factor
+    (summed where the result broadcasts it), so the result stays Shared. None for any other op."""
+    if kwargs or not all(hasattr(st.owner, "scaled") for _, st in shared) or _in_place(name):
+        return None
+    tensors = [t for t, _ in shared]
+    if len(tensors) == 2 and tensors[0] is tensors[1]:
+        return None
+    if name in ("neg", "__neg__", "negative") and len(args) == 1:
+        factors = [-1.0]
+    elif len(args) != 2:
+        return None
+    elif name in _MULS or name in _DIVS:
+        number = args[1] if args[0] is tensors[0] else args[0]
+        if len(tensors) != 1 or type(number) not in (int, float) or number == 0 or name in _DIVS and args[1] is not number:
+            return None
+        factors = [1.0 / number if name in _DIVS else float(number)]
+    else:
+        sign = -1 if name == "__rsub__" else _ADDS.get(name)
+        if sign is None:
+            return None
+        subtracted = args[0] if name == "__rsub__" else args[1]
+        factors = [-1.0 if sign < 0 and t is subtracted else 1.0 for t in tensors]
+    terms = [st.owner.scaled(out, f) for (_, st), f in zip(shared, factors)]
+    return Shared(terms[0] if len(terms) == 1 else terms[0].plus(terms[1:]))
+
+
+def _in_place(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("__") or name.startswith("__i")
 
 
 def _repeats_only_ones(t: torch.Tensor, out: torch.Tensor) -> bool:

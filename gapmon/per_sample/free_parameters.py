@@ -5,7 +5,8 @@ added to the batch (`x + self.pos_embed`), a class token expanded over the batch
 Such a parameter, registered on a module that has submodules (the model, an embeddings block) and covered by no
 rule, is followed in every collected forward pass (batch_provenance.Shared, as a shared input's output is): its
 copies and casts, reshapes (the same elements in the same order), slices (`self.pos_embed[:, :T]`: basic indexing,
-each sample's gradient placed back where the elements sit) and expansions stay followed; where one of them is
+each sample's gradient placed back where the elements sit), expansions, products with a number, sums with unbatched
+tensors and with each other (`self.cls_token + self.pos_embed[:, :1]`) stay followed; where one of them is
 added to a tensor batched on a dim it is broadcast along, multiplies one (a layer scale, `x * self.gamma`), or is
 concatenated to one along another dim, a hook on the result reads each sample's gradient there (summed over the dims
 it was broadcast along). Any other use leaves the
@@ -144,12 +145,13 @@ class ParameterUses:
 
 
 class Piece:
-    """A tensor holding parameter elements as `base` shape: all of them in the parameter's order, or (`positions`, of
-    `base` shape) those at these flat positions of the parameter (a slice of it); where it is broadcast (an
-    expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
+    """A tensor holding parameter elements (times `factor`) as `base` shape: all of them in the parameter's order, or
+    (`positions`, of `base` shape) those at these flat positions of the parameter (a slice of it); where it is
+    broadcast (an expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
 
-    def __init__(self, uses: ParameterUses, base: tuple[int, ...], positions: torch.Tensor | None = None):
-        self.uses, self.base, self.positions = uses, base, positions
+    def __init__(self, uses: ParameterUses, base: tuple[int, ...], positions: torch.Tensor | None = None,
+                 factor: float = 1.0):
+        self.uses, self.base, self.positions, self.factor = uses, base, positions, factor
 
     def on_escape(self, what: str) -> None:
         self.uses.on_escape(what)
@@ -160,11 +162,20 @@ class Piece:
         if out.numel() != _numel(self.base):
             return None
         positions = None if self.positions is None else self.positions.reshape(out.shape)
-        return Piece(self.uses, tuple(out.shape), positions)
+        return Piece(self.uses, tuple(out.shape), positions, self.factor)
 
     def expanded(self, out: torch.Tensor) -> "Piece":
+        return self.scaled(out, 1.0)
+
+    def scaled(self, out: torch.Tensor, factor: float) -> "Piece":
+        """This piece times a number (negated, `0.5 * p`, `p / 4`), or added to an unbatched tensor, giving `out`:
+        broadcast where `out` is larger."""
         base = (1,) * (out.dim() - len(self.base)) + self.base
-        return Piece(self.uses, base, None if self.positions is None else self.positions.reshape(base))
+        positions = None if self.positions is None else self.positions.reshape(base)
+        return Piece(self.uses, base, positions, self.factor * factor)
+
+    def plus(self, others: list) -> "PieceSum":
+        return PieceSum([self, *others])
 
     def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "Piece | None":
         """`out = t[index]`, basic indexing (ints, slices, None, Ellipsis) of a tensor that is not broadcast: the
@@ -179,10 +190,12 @@ class Piece:
         every = self.positions
         if every is None:
             every = torch.arange(_numel(self.base), device=t.device).reshape(self.base)
-        return Piece(self.uses, tuple(out.shape), every[index])
+        return Piece(self.uses, tuple(out.shape), every[index], self.factor)
 
     def _add(self, g: torch.Tensor) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter."""
+        if self.factor != 1.0:
+            g = g * self.factor
         if self.positions is None:
             self.uses.add(g)
             return
@@ -240,6 +253,49 @@ class Piece:
         length = t.shape[cat_dim]
         out.register_hook(lambda g: self._add(
             _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1)))
+
+
+class PieceSum:
+    """Pieces of free parameters added together (`self.cls_token + self.pos_embed[:, :1]`): each use of the sum is a
+    use of every piece, which reads its own per-sample gradient there."""
+
+    def __init__(self, pieces: list):
+        self.pieces = [q for p in pieces for q in (p.pieces if isinstance(p, PieceSum) else [p])]
+
+    def on_escape(self, what: str) -> None:
+        for p in self.pieces:
+            p.on_escape(what)
+
+    def _each(self, make) -> "PieceSum | None":
+        pieces = [make(p) for p in self.pieces]
+        return None if any(p is None for p in pieces) else PieceSum(pieces)
+
+    def reshaped(self, out: torch.Tensor) -> "PieceSum | None":
+        return self._each(lambda p: p.reshaped(out))
+
+    def expanded(self, out: torch.Tensor) -> "PieceSum":
+        return self._each(lambda p: p.expanded(out))
+
+    def scaled(self, out: torch.Tensor, factor: float) -> "PieceSum":
+        return self._each(lambda p: p.scaled(out, factor))
+
+    def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "PieceSum | None":
+        return self._each(lambda p: p.sliced(t, index, out))
+
+    def plus(self, others: list) -> "PieceSum":
+        return PieceSum([self, *others])
+
+    def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int) -> None:
+        for p in self.pieces:
+            p.on_add(total, t, dim, sign)
+
+    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
+        for p in self.pieces:
+            p.on_mul(out, other, dim)
+
+    def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
+        for p in self.pieces:
+            p.on_cat(out, t, cat_dim, start, dim)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

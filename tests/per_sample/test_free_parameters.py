@@ -28,7 +28,7 @@ class TinyViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, 8) * 0.1) if cls_token else None
         n = 4 + (1 if cls_token else 0)
         shape = {"add": (1, n, 8), "add_2d": (n, 8), "flat": (n * 8,), "sub": (1, n, 8), "in_place": (1, n, 8),
-                 "scaled": (1, n, 8)}[use]
+                 "scaled": (1, n, 8), "exp": (1, n, 8)}[use]
         self.pos_embed = nn.Parameter(torch.randn(*shape) * 0.1)
         self.use = use
         self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
@@ -47,8 +47,10 @@ class TinyViT(nn.Module):
         elif self.use == "in_place":
             x = x.clone()
             x += self.pos_embed
-        else:  # scaled: a use that is not an add or a concatenation
-            x = x + 0.5 * self.pos_embed
+        elif self.use == "scaled":  # by numbers, and subtracted from a constant: still followed
+            x = x + (1.0 - self.pos_embed / 4) * 2
+        else:  # exp: a use that is not an add, a product or a concatenation
+            x = x + self.pos_embed.exp()
         return self.head(self.encoder(x)[:, 0])
 
 
@@ -63,7 +65,7 @@ def _norms(model, x, y, **kwargs):
 
 @BOOKKEEPING
 @pytest.mark.parametrize("use, cls_token", [("add", True), ("add_2d", True), ("flat", True), ("sub", True),
-                                            ("in_place", True), ("add", False)])
+                                            ("in_place", True), ("scaled", True), ("add", False)])
 def test_position_embedding_and_class_token_are_exact(use, cls_token, bookkeeping):
     torch.manual_seed(0)
     model = TinyViT(cls_token, use).double()
@@ -89,18 +91,18 @@ def test_micro_batches_accumulate_each_their_own_samples():
 
 
 def test_a_use_the_tracking_cannot_follow_leaves_the_parameter_out_by_name():
-    """0.5 * pos_embed: not an add or a concatenation of the parameter itself. It is left out (warned, and refused
-    under strict=True), and the rest, the class token among it, is exact."""
+    """pos_embed.exp(): not an add, a product or a concatenation of the parameter itself. It is left out (warned,
+    and refused under strict=True), and the rest, the class token among it, is exact."""
     torch.manual_seed(2)
-    model = TinyViT(use="scaled").double()
+    model = TinyViT(use="exp").double()
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in mul"):
+    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in exp"):
         got, cov = _norms(model, x, y)
     assert "pos_embed" in cov["uncovered"] and "cls_token" in cov["covered"]
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="'pos_embed' is not per-sample"):
-        _norms(TinyViT(use="scaled").double(), x, y, strict=True)
+        _norms(TinyViT(use="exp").double(), x, y, strict=True)
 
 
 def test_a_use_outside_the_forward_pass_is_refused():
@@ -332,3 +334,36 @@ def test_a_position_table_indexed_by_a_tensor_is_left_out_by_name():
     assert "pos" in cov["uncovered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
+
+
+class MaskedAutoencoderEmbeddings(nn.Module):
+    """MAE's encoder embeddings: the patches get the position table's rows after the first, the class token the first
+    row (`cls_token + pos_embed[:, :1]`, two free parameters added), expanded over the batch and concatenated. With
+    `frozen`, the table is a fixed buffer-like parameter (requires_grad=False, as Hugging Face's ViTMAE): the class
+    token plus a constant. `minus` subtracts the row instead."""
+
+    def __init__(self, frozen=False, minus=False):
+        super().__init__()
+        self.patch = nn.Linear(6, 8)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8) * 0.1)
+        self.pos_embed = nn.Parameter(torch.randn(1, 6, 8) * 0.1, requires_grad=not frozen)
+        self.head = nn.Linear(8, 3)
+        self.minus = minus
+
+    def forward(self, x):
+        x = self.patch(x) + self.pos_embed[:, 1:, :]
+        cls = self.cls_token - self.pos_embed[:, :1, :] if self.minus else self.cls_token + self.pos_embed[:, :1, :]
+        x = torch.cat((cls.expand(x.shape[0], -1, -1), x), dim=1)
+        return self.head(torch.tanh(x).mean(1))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("frozen, minus", [(False, False), (False, True), (True, False)],
+                         ids=["trained", "subtracted", "frozen"])
+def test_a_class_token_plus_a_position_row_is_exact(frozen, minus, bookkeeping):
+    torch.manual_seed(11)
+    model = MaskedAutoencoderEmbeddings(frozen, minus).double()
+    x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
