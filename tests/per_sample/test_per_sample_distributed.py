@@ -214,6 +214,22 @@ def _tied_worker(rank: int, world: int):
     _loss(model(xs[local]), ys[local]).backward()
     torch.testing.assert_close(psn.global_norms(local)[1], torch.stack(want), rtol=1e-4, atol=1e-6)
     psn.close()
+    # MAE's embeddings: slices of the position table, the first row added to the class token (two free parameters
+    # summed), their per-sample gradients placed back in the unsharded table.
+    from test_free_parameters import MaskedAutoencoderEmbeddings
+
+    torch.manual_seed(1)
+    mae = MaskedAutoencoderEmbeddings()
+    xs, ys = torch.randn(GLOBAL, 5, 6), torch.randn(GLOBAL, 3)
+    want = []
+    for i in range(GLOBAL):
+        grads = torch.autograd.grad(_loss(mae(xs[i:i + 1]), ys[i:i + 1]), list(mae.parameters()))
+        want.append(torch.cat([g.reshape(-1) for g in grads]).norm())
+    model = fully_shard(copy.deepcopy(mae), mesh=mesh)
+    psn = gapmon.PerSampleGradNorms(model, strict=True, loss_reduction="sum")
+    _loss(model(xs[local]), ys[local]).backward()
+    torch.testing.assert_close(psn.global_norms(local)[1], torch.stack(want), rtol=1e-4, atol=1e-6)
+    psn.close()
 
 
 def test_a_tied_embedding_and_head_under_fsdp2():
