@@ -367,3 +367,29 @@ def test_a_class_token_plus_a_position_row_is_exact(frozen, minus, bookkeeping):
     got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
     assert set(cov["covered"]) == {n for n, p in model.named_parameters() if p.requires_grad}
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["meta + to_empty", "load_state_dict(assign=True)"])
+def test_free_parameters_follow_replaced_parameter_objects(how):
+    """PerSampleGradNorms made on a model whose parameter objects are then replaced, as large models are built (on the
+    meta device, then to_empty and an init; or an assign=True load): the free parameters followed are the new objects,
+    with their values."""
+    torch.manual_seed(12)
+    fresh = MaskedAutoencoderEmbeddings().double()
+    if how == "meta + to_empty":
+        with torch.device("meta"):
+            model = MaskedAutoencoderEmbeddings().double()
+    else:
+        model = MaskedAutoencoderEmbeddings().double()
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    if how == "meta + to_empty":
+        model.to_empty(device="cpu")
+        model.load_state_dict(fresh.state_dict())
+    else:
+        model.load_state_dict(fresh.state_dict(), assign=True)
+    x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    _loss(model(x), y).backward()
+    got = psn.local_norms()
+    assert {"cls_token", "pos_embed"} <= set(psn.coverage()["covered"])
+    psn.close()
+    torch.testing.assert_close(got, loop_per_sample_norms(fresh, _loss, x, y), rtol=1e-10, atol=1e-12)
