@@ -579,12 +579,13 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
 
 
 def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:
-    """out = name(t, ...) of a Shared t alone: a copy stays Shared, as a free parameter's (free_parameters) order-keeping
+    """out = name(t, ...) of a Shared t alone: a copy stays Shared (a free parameter's (free_parameters) cast noting the
+    rounding of its gradient), as a free parameter's order-keeping
     reshape, slice (basic indexing) or expansion does (a repeat that copies size-1 dims only is an expansion, for the
     gradient); None for any other op."""
-    if name in _COPIES:
-        return st
     owner, piece = st.owner, None
+    if name in _COPIES:
+        return Shared(owner.copied(out)) if hasattr(owner, "copied") else st
     if name in _ORDER_KEEPING_VIEWS and hasattr(owner, "reshaped"):
         piece = owner.reshaped(out)
     elif name == "__getitem__" and len(args) == 2 and hasattr(owner, "sliced"):

@@ -109,8 +109,7 @@ class FreeParameterNorms:
                     owner = self.coverage.free[name][0]
                     g = uses.per_sample  # (float32 or float64: _per_sample widens 16-bit gradients)
                     mb.add(g.square().sum(1), g.dtype, self.coverage.type_of(name, owner))
-                    self.checker.explain_gradient(uses.param, name, g.sum(0).reshape(uses.param.shape),
-                                                  uses.per_sample.dtype)
+                    self.checker.explain_gradient(uses.param, name, g.sum(0).reshape(uses.param.shape), uses.rounding)
                 mb.free = {}
 
 
@@ -123,6 +122,7 @@ class ParameterUses:
         self.per_sample: torch.Tensor | None = None
         self.escaped: str | None = None
         self.param: torch.Tensor | None = None  # the object the forward uses (under FSDP2 the unsharded one)
+        self.rounding = torch.float64  # the least precise dtype autograd formed a use's gradient in
 
     def follow(self, p: torch.Tensor, tracker: Any, checker: Any, name: str) -> None:
         """Follows `p`, the object the forward pass uses now, in the batch tracking, its gradient watched by the
@@ -139,9 +139,12 @@ class ParameterUses:
     def on_escape(self, what: str) -> None:
         self.escaped = self.escaped or what
 
-    def add(self, g: torch.Tensor) -> None:
-        """Adds one use's per-sample gradient."""
+    def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+        """Adds one use's per-sample gradient, read from a gradient of dtype `rounding` (the use check allows for the
+        least precise of them)."""
         self.per_sample = g if self.per_sample is None else self.per_sample + g
+        if torch.finfo(rounding).eps > torch.finfo(self.rounding).eps:
+            self.rounding = rounding
 
 
 class Piece:
@@ -150,11 +153,21 @@ class Piece:
     broadcast (an expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
 
     def __init__(self, uses: ParameterUses, base: tuple[int, ...], positions: torch.Tensor | None = None,
-                 factor: float = 1.0):
+                 factor: float = 1.0, rounding: torch.dtype = torch.float64):
         self.uses, self.base, self.positions, self.factor = uses, base, positions, factor
+        self.rounding = rounding  # the least precise dtype on the way from the parameter (a cast rounds its gradient)
+
+    def _like(self, base: tuple[int, ...], positions: torch.Tensor | None, factor: float = 1.0) -> "Piece":
+        return Piece(self.uses, base, positions, self.factor * factor, self.rounding)
 
     def on_escape(self, what: str) -> None:
         self.uses.on_escape(what)
+
+    def copied(self, out: torch.Tensor) -> "Piece":
+        """A copy or cast: the same elements, its gradient rounded to out's dtype on the way back."""
+        if not out.is_floating_point() or torch.finfo(out.dtype).eps <= torch.finfo(self.rounding).eps:
+            return self
+        return Piece(self.uses, self.base, self.positions, self.factor, out.dtype)
 
     def reshaped(self, out: torch.Tensor) -> "Piece | None":
         """A view or reshape of a tensor that is not broadcast: the same elements in the same order (None: broadcast,
@@ -162,7 +175,7 @@ class Piece:
         if out.numel() != _numel(self.base):
             return None
         positions = None if self.positions is None else self.positions.reshape(out.shape)
-        return Piece(self.uses, tuple(out.shape), positions, self.factor)
+        return self._like(tuple(out.shape), positions)
 
     def expanded(self, out: torch.Tensor) -> "Piece":
         return self.scaled(out, 1.0)
@@ -172,7 +185,7 @@ class Piece:
         broadcast where `out` is larger."""
         base = (1,) * (out.dim() - len(self.base)) + self.base
         positions = None if self.positions is None else self.positions.reshape(base)
-        return Piece(self.uses, base, positions, self.factor * factor)
+        return self._like(base, positions, factor)
 
     def plus(self, others: list) -> "PieceSum":
         return PieceSum([self, *others])
@@ -190,17 +203,16 @@ class Piece:
         every = self.positions
         if every is None:
             every = torch.arange(_numel(self.base), device=t.device).reshape(self.base)
-        return Piece(self.uses, tuple(out.shape), every[index], self.factor)
+        return self._like(tuple(out.shape), every[index])
 
-    def _add(self, g: torch.Tensor) -> None:
-        """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter."""
+    def _add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+        """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
+        from a gradient of dtype `rounding`)."""
         if self.factor != 1.0:
             g = g * self.factor
-        if self.positions is None:
-            self.uses.add(g)
-            return
-        full = g.new_zeros(g.shape[0], self.uses.param.numel())
-        self.uses.add(full.index_add_(1, self.positions.reshape(-1), g))
+        if self.positions is not None:
+            g = g.new_zeros(g.shape[0], self.uses.param.numel()).index_add_(1, self.positions.reshape(-1), g)
+        self.uses.add(g, rounding if torch.finfo(rounding).eps > torch.finfo(self.rounding).eps else self.rounding)
 
     def _broadcast(self, shape: torch.Size, dim: int) -> list[int] | None:
         """The dims (but the batch's, `dim`) of a result of `shape` along which this piece is broadcast; None when it is
@@ -218,7 +230,7 @@ class Piece:
             return
         if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
             return
-        total.register_hook(lambda g: self._add(_per_sample(g, dim, broadcast, self.uses.batch, sign)))
+        total.register_hook(lambda g: self._add(_per_sample(g, dim, broadcast, self.uses.batch, sign), g.dtype))
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
@@ -237,7 +249,7 @@ class Piece:
                 self.on_escape("a product with a tensor changed in place afterwards")
                 return
             self._add(_per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * other, dim, broadcast,
-                                  self.uses.batch, 1))
+                                  self.uses.batch, 1), torch.promote_types(g.dtype, other.dtype))
 
         out.register_hook(hook)
 
@@ -252,7 +264,7 @@ class Piece:
             return
         length = t.shape[cat_dim]
         out.register_hook(lambda g: self._add(
-            _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1)))
+            _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1), g.dtype))
 
 
 class PieceSum:
@@ -269,6 +281,9 @@ class PieceSum:
     def _each(self, make) -> "PieceSum | None":
         pieces = [make(p) for p in self.pieces]
         return None if any(p is None for p in pieces) else PieceSum(pieces)
+
+    def copied(self, out: torch.Tensor) -> "PieceSum":
+        return self._each(lambda p: p.copied(out))
 
     def reshaped(self, out: torch.Tensor) -> "PieceSum | None":
         return self._each(lambda p: p.reshaped(out))

@@ -393,3 +393,29 @@ def test_free_parameters_follow_replaced_parameter_objects(how):
     assert {"cls_token", "pos_embed"} <= set(psn.coverage()["covered"])
     psn.close()
     torch.testing.assert_close(got, loop_per_sample_norms(fresh, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+class CastSkip(nn.Module):
+    """Mamba's skip connection: a float64 model's own parameter cast to float32 and sliced into a product with the
+    batch (`h * self.D.float()[None, :]`): autograd rounds its gradient to float32 at the cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.D = nn.Parameter(torch.randn(6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.head(torch.tanh(h + h * self.D.float()[None, :]))
+
+
+def test_a_parameter_cast_to_a_narrower_dtype_is_checked_at_that_dtypes_rounding():
+    """The use check allows the cast's rounding (a float64 parameter's gradient rounded to float32 on the way back),
+    rather than refusing the norms as if a use had gone unseen; the norms match the loop to float32's rounding."""
+    torch.manual_seed(13)
+    model = CastSkip().double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True)
+    assert "D" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-6, atol=1e-9)
