@@ -579,10 +579,9 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
 
 
 def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:
-    """out = name(t, ...) of a Shared t alone: a copy stays Shared (a free parameter's (free_parameters) cast noting the
-    rounding of its gradient), as a free parameter's order-keeping
-    reshape, slice (basic indexing) or expansion does (a repeat that copies size-1 dims only is an expansion, for the
-    gradient); None for any other op."""
+    """out = name(t, ...) of a Shared t alone: a copy stays Shared, as a free parameter's (free_parameters) cast (noting
+    the rounding its gradient gets), order-keeping reshape, slice (basic indexing) or expansion does (a repeat that
+    copies size-1 dims only is an expansion, for the gradient); None for any other op."""
     owner, piece = st.owner, None
     if name in _COPIES:
         return Shared(owner.copied(out)) if hasattr(owner, "copied") else st

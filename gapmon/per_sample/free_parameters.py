@@ -143,8 +143,7 @@ class ParameterUses:
         """Adds one use's per-sample gradient, read from a gradient of dtype `rounding` (the use check allows for the
         least precise of them)."""
         self.per_sample = g if self.per_sample is None else self.per_sample + g
-        if torch.finfo(rounding).eps > torch.finfo(self.rounding).eps:
-            self.rounding = rounding
+        self.rounding = _coarser(self.rounding, rounding)
 
 
 class Piece:
@@ -165,9 +164,8 @@ class Piece:
 
     def copied(self, out: torch.Tensor) -> "Piece":
         """A copy or cast: the same elements, its gradient rounded to out's dtype on the way back."""
-        if not out.is_floating_point() or torch.finfo(out.dtype).eps <= torch.finfo(self.rounding).eps:
-            return self
-        return Piece(self.uses, self.base, self.positions, self.factor, out.dtype)
+        rounding = _coarser(self.rounding, out.dtype) if out.is_floating_point() else self.rounding
+        return self if rounding == self.rounding else Piece(self.uses, self.base, self.positions, self.factor, rounding)
 
     def reshaped(self, out: torch.Tensor) -> "Piece | None":
         """A view or reshape of a tensor that is not broadcast: the same elements in the same order (None: broadcast,
@@ -212,7 +210,7 @@ class Piece:
             g = g * self.factor
         if self.positions is not None:
             g = g.new_zeros(g.shape[0], self.uses.param.numel()).index_add_(1, self.positions.reshape(-1), g)
-        self.uses.add(g, rounding if torch.finfo(rounding).eps > torch.finfo(self.rounding).eps else self.rounding)
+        self.uses.add(g, _coarser(self.rounding, rounding))
 
     def _broadcast(self, shape: torch.Size, dim: int) -> list[int] | None:
         """The dims (but the batch's, `dim`) of a result of `shape` along which this piece is broadcast; None when it is
@@ -311,6 +309,11 @@ class PieceSum:
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         for p in self.pieces:
             p.on_cat(out, t, cat_dim, start, dim)
+
+
+def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two floating dtypes (the one whose rounding the use check must allow)."""
+    return b if torch.finfo(b).eps > torch.finfo(a).eps else a
 
 
 def _numel(shape: tuple[int, ...]) -> int:
