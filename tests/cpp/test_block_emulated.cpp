@@ -358,14 +358,14 @@ int main() {
   check_one_read(DType::kBFloat16, "one read bfloat16");
   check_one_read(DType::kFloat16, "one read float16");
   const gapmon::cuda::BlockFormatList six = all_formats();
+  // The re-read path with every format (float16 takes bfloat16's 16-bit path there; it is run through the reader's
+  // cast below and through the block kernel).
   run_fused_instances_case(DType::kFloat32, six, "instances float32");
   run_fused_instances_case(DType::kFloat64, six, "instances float64");
   run_fused_instances_case(DType::kBFloat16, six, "instances bfloat16");
-  run_fused_instances_case(DType::kFloat16, six, "instances float16");
   run_fused_case(DType::kFloat32, six, "fused float32");
   run_fused_case(DType::kFloat64, six, "fused float64");
   run_fused_case(DType::kBFloat16, six, "fused bfloat16");
-  run_fused_case(DType::kFloat16, six, "fused float16");
   int set = 0;
   for (const auto& formats : kReaderFormatSets) {  // each set on one 32-bit and one 16-bit dtype, in turn
     const std::string n = std::to_string(formats.num) + " format(s), first " +
