@@ -51,6 +51,20 @@ __device__ __forceinline__ T read_element(const T* p) {
   return T{__ldg(reinterpret_cast<const unsigned short*>(p))};
 }
 
+// A magnitude's bits as the key of the smallest non-zero one: non-negative floats order as their bits, and a zero
+// (bits - 1 wraps) maps to +inf's bits, out of the minimum.
+__device__ __forceinline__ uint32_t nonzero_key(uint32_t bits) { return bits - 1u < 0x7F800000u ? bits : 0x7F800000u; }
+
+// Ranges of the magnitudes' bits over `lanes` lanes (a power of two, from `from`), by butterfly shuffles within the
+// lanes' aligned set `mask`: top the largest, low the smallest non-zero (0x7F800000, +inf, when none).
+__device__ __forceinline__ void range_over_lanes(uint32_t& top, uint32_t& low, int from, int lanes, unsigned mask) {
+  for (int d = from; d < lanes; d *= 2) {
+    const uint32_t t = __shfl_xor_sync(mask, top, d), l = __shfl_xor_sync(mask, low, d);
+    top = t > top ? t : top;
+    low = l < low ? l : low;
+  }
+}
+
 // One lane's sums of one format over the groups its warp casts (warp_cast_groups).
 struct LaneSums {
   double error_sq = 0, signal_sq = 0, max_ratio = 0;
@@ -100,14 +114,9 @@ __device__ LaneSums warp_cast_groups(const core::BlockOperand& op, int64_t begin
         a = 0;
       }
     }
-    // Non-negative floats order as their bits; a zero (bits - 1 wraps) is left out of the smallest.
     const uint32_t bits = core::bits_of(a);
-    uint32_t top = bits, low = bits - 1u < 0x7F800000u ? bits : 0x7F800000u;
-    for (int d = block / 2; d > 0; d /= 2) {
-      const uint32_t t = __shfl_xor_sync(0xffffffffu, top, d), l = __shfl_xor_sync(0xffffffffu, low, d);
-      top = t > top ? t : top;
-      low = l < low ? l : low;
-    }
+    uint32_t top = bits, low = nonzero_key(bits);
+    range_over_lanes(top, low, 1, block, 0xffffffffu);
     const float amax = core::f32_from_bits(top), amin = core::f32_from_bits(low);
     const core::BlockScale s = core::block_scale_of(amax, c);
     if (lane % block == 0 && lane < n) {  // the block's first lane counts the block (one that has elements)
@@ -207,16 +216,6 @@ __device__ void reader_sums_start(ReaderSums<kThreadsPerBlock>& s, const BlockFo
   }
 }
 
-// Ranges of the magnitudes' bits over `lanes` lanes (a power of two, from `from`), by butterfly shuffles within the
-// lanes' aligned set `mask`: top the largest, low the smallest non-zero (0x7F800000, +inf, when none).
-__device__ __forceinline__ void range_over_lanes(uint32_t& top, uint32_t& low, int from, int lanes, unsigned mask) {
-  for (int d = from; d < lanes; d *= 2) {
-    const uint32_t t = __shfl_xor_sync(mask, top, d), l = __shfl_xor_sync(mask, low, d);
-    top = t > top ? t : top;
-    low = l < low ? l : low;
-  }
-}
-
 // K magnitudes cast to format c with the scale of their block, into the format's slots. One body for every
 // format (the reader's loop holds it once), rounded by core::quantise_f32; the error a - q * dq_mul (/ dq_div) in
 // float64 has the bits of core::cast_element_f32's for every kind: for MX (dq_mul = 2^X, dq_div = 1) q * 2^X and
@@ -262,8 +261,7 @@ __device__ __forceinline__ void reader_cast_vector(const float (&xs)[K], ReaderS
     nonfinite += finite ? 0u : 1u;
     nonzero += a[k] > 0 ? 1u : 0u;
     signal += static_cast<double>(a[k]) * a[k];
-    // Non-negative floats order as their bits; a zero (bits - 1 wraps) is left out of the smallest.
-    const uint32_t bits = core::bits_of(a[k]), l = bits - 1u < 0x7F800000u ? bits : 0x7F800000u;
+    const uint32_t bits = core::bits_of(a[k]), l = nonzero_key(bits);
     top = bits > top ? bits : top;
     low = l < low ? l : low;
   }

@@ -107,8 +107,8 @@ __device__ __forceinline__ bool casts_in_reader(const StridedView& v, const Chun
     return false;
   }
   const int64_t first = at.item * v.item_numel + at.lo;  // the chunk's first element in the operand
-  const uintptr_t address = reinterpret_cast<uintptr_t>(v.data) + static_cast<uintptr_t>(first) * 2u *
-                                                                        (v.dtype == DType::kFloat32 ? 2u : 1u);
+  const uintptr_t element_bytes = v.dtype == DType::kFloat32 ? 4u : 2u;
+  const uintptr_t address = reinterpret_cast<uintptr_t>(v.data) + static_cast<uintptr_t>(first) * element_bytes;
   return at.lo < at.hi && first % core::kGroupElems == 0 && (at.hi - at.lo) % core::kGroupElems == 0 &&
          address % 16 == 0;
 }

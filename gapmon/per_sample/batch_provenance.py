@@ -589,8 +589,8 @@ def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: to
         piece = owner.reshaped(out)
     elif name == "__getitem__" and len(args) == 2 and hasattr(owner, "sliced"):
         piece = owner.sliced(t, args[1], out)
-    elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "expanded"):
-        piece = owner.expanded(out)
+    elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "scaled"):
+        piece = owner.scaled(out, 1.0)
     return None if piece is None else Shared(piece)
 
 

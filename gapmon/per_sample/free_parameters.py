@@ -175,12 +175,9 @@ class Piece:
         positions = None if self.positions is None else self.positions.reshape(out.shape)
         return self._like(tuple(out.shape), positions)
 
-    def expanded(self, out: torch.Tensor) -> "Piece":
-        return self.scaled(out, 1.0)
-
     def scaled(self, out: torch.Tensor, factor: float) -> "Piece":
-        """This piece times a number (negated, `0.5 * p`, `p / 4`), or added to an unbatched tensor, giving `out`:
-        broadcast where `out` is larger."""
+        """This piece times a number (1 for an expansion; negated, `0.5 * p`, `p / 4`), or added to an unbatched tensor,
+        giving `out`: broadcast where `out` is larger."""
         base = (1,) * (out.dim() - len(self.base)) + self.base
         positions = None if self.positions is None else self.positions.reshape(base)
         return self._like(base, positions, factor)
@@ -285,9 +282,6 @@ class PieceSum:
 
     def reshaped(self, out: torch.Tensor) -> "PieceSum | None":
         return self._each(lambda p: p.reshaped(out))
-
-    def expanded(self, out: torch.Tensor) -> "PieceSum":
-        return self._each(lambda p: p.expanded(out))
 
     def scaled(self, out: torch.Tensor, factor: float) -> "PieceSum":
         return self._each(lambda p: p.scaled(out, factor))
