@@ -85,12 +85,14 @@ LossWeights = Callable[[tuple, dict, int], "float | torch.Tensor | None"]
 
 
 def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weights: LossWeights | None,
-                        count_samples: bool = True) -> torch.utils.hooks.RemovableHandle:
+                        count_samples: bool = True, collated: bool = False) -> torch.utils.hooks.RemovableHandle:
     """A forward pre-hook on the trainer's model that sees each micro-batch of a monitored step: it counts
     its samples (GAPMonitor.add_samples: the samples that were in the step, a short last batch included)
     and, with per-sample norms on, declares how the trainer scales each sample's loss in it
     (`loss_weights`), so that the norms are those of each sample's own loss. Registered after the
-    monitor's hooks, so that the micro-batch it describes is the one the norms just opened."""
+    monitor's hooks, so that the micro-batch it describes is the one the norms just opened. `collated`: the trainer
+    passes its data loader's batch as the model's arguments, so every tensor argument with the first one's number
+    of samples holds samples (an encoder-decoder's labels too), unless the per-sample config names its batch_inputs."""
 
     def hook(module, args, kwargs):
         if not monitor.monitoring or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
@@ -100,6 +102,11 @@ def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weight
             return
         if count_samples:
             monitor.add_samples(x.shape[0])
+        per_sample = monitor.per_sample
+        if collated and per_sample is not None and per_sample.batch_inputs is None:
+            dim = per_sample.batch_dim
+            per_sample.mark_batched(*[t for t in _torch_compat.tensor_leaves((args, kwargs)) if t is not x and t.dim() > dim
+                                      and x.dim() > dim and t.shape[dim] == x.shape[dim]])
         if monitor.per_sample is not None and loss_weights is not None:
             weights = loss_weights(args, kwargs, x.shape[0])
             if weights is not None:  # None: the loss_reduction the norms were configured with

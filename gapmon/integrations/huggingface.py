@@ -16,10 +16,13 @@ Per-sample gradient norms are those of each sample's own loss, whatever the Trai
 causal LM the mean cross entropy of the sample's tokens (labels shifted, -100 ignored), though the
 Trainer divides the sum over all tokens of the step by their count (`num_items_in_batch`); for a model
 that returns its own mean loss, that mean, though the Trainer divides it by the micro-batches of the
-step. A sample with no label tokens has norm 0.
+step, or (a model that takes `**kwargs` but builds its own CrossEntropyLoss: BART, T5) does not. A sample with no
+label tokens has norm 0. Every tensor of the collated batch holds samples: an encoder-decoder's labels, which it
+shifts into its decoder's ids, are followed into the decoder.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +54,13 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         self._pending: dict[str, float] = {}
         self._watch = None
         self._shifts: bool | None = None  # whether the model's loss shifts its labels (_loss_shifts_labels)
+        self._divides: bool | None = None  # whether the model's loss divides by num_items_in_batch (_loss_divides_by_items)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         model = model if model is not None else self.trainer.model
         self.monitor = make_monitor(model, self.monitor_config, self.monitor_kwargs)
         self.dumper = make_dumper(model, self.dump_dir, self.dump_config, self.dump_kwargs)
-        self._watch = watch_micro_batches(model, self.monitor, self._loss_weights)
+        self._watch = watch_micro_batches(model, self.monitor, self._loss_weights, collated=True)
         if self.optimizer_stats:
             self.monitor.watch_optimizer(unwrap_optimizer(kwargs.get("optimizer") or self.trainer.optimizer))
         if self.data_parallel_noise:
@@ -73,16 +77,18 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
                 labels = labels[..., 1:]  # a causal LM predicts token t + 1 at t
         token_level = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.shape[0] == samples
         num_items = model_kwargs.get("num_items_in_batch")
-        if token_level and num_items is not None:
+        if token_level and num_items is not None and self._loss_divides_by_items():
             # sum over the step's tokens / num_items_in_batch (the count over every micro-batch, and ranks)
             weights = tokens_per_sample(labels, samples) / float(num_items)
-            if trainer.args.average_tokens_across_devices:  # compute_loss scales it back per rank
-                weights = weights * (trainer.accelerator.num_processes // trainer.get_tp_size())
         elif token_level:  # the model's own mean over the micro-batch's tokens
             tokens = tokens_per_sample(labels, samples)
             weights = tokens / tokens.sum().clamp(min=1)
         else:  # the model's own mean over the micro-batch's samples
             weights = torch.full((samples,), 1.0 / samples, dtype=torch.float64)
+        if (num_items is not None and trainer.args.average_tokens_across_devices
+                and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)):
+            # compute_loss multiplies the loss by the ranks where it passes num_items_in_batch, whatever the model did
+            weights = weights * (trainer.accelerator.num_processes // trainer.get_tp_size())
         scaled_for_accumulation = getattr(trainer, "loss_is_scaled_for_ga", None)
         if scaled_for_accumulation is None:
             scaled_for_accumulation = ((trainer.model_accepts_loss_kwargs and num_items is not None)
@@ -90,6 +96,22 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         if not scaled_for_accumulation:  # training_step divides by the micro-batches of the step
             weights = weights / getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
         return weights
+
+    def _loss_divides_by_items(self) -> bool:
+        """Whether the model's loss divides by the num_items_in_batch the Trainer passes it: the Trainer passes it to any
+        forward that takes **kwargs, but only the losses transformers shares (`self.loss_function`) use it; a model that
+        builds its own CrossEntropyLoss (BART, T5, LED) takes the mean over its micro-batch's tokens. Read from the
+        model's forward; where its source cannot be read, as the Trainer assumes."""
+        if self._divides is None:
+            model = self.trainer.model
+            model = getattr(model, "module", model)  # DDP / DataParallel
+            base = getattr(model, "get_base_model", None)  # PEFT
+            model = base() if callable(base) else model
+            try:
+                self._divides = "loss_function" in inspect.getsource(type(model).forward)
+            except (OSError, TypeError):
+                self._divides = True
+        return self._divides
 
     def _loss_shifts_labels(self) -> bool:
         """Whether the model's own loss shifts its labels (a causal LM's): what a sample's own mean is over. Read from

@@ -294,6 +294,8 @@ class BatchTracker(TorchFunctionMode):
             lost = [s for _, s in inputs if isinstance(s, str)]
             if not inputs:
                 return self._expanded(name, args, out) if name in _EXPANDS else None
+        if lost and name == "__setitem__" and self.batch == 1 and not any(type(st) is Merged for _, st in inputs):
+            return _setitem(self, args, kwargs, inputs, out)  # one sample: a lost value may still be that sample's
         if lost and name != "embedding_bag":  # 1-D bags: the ids' batch dim is the offsets', not theirs
             return lost[0]
         if any(type(st) is Merged for _, st in inputs):
@@ -701,6 +703,12 @@ def _getitem(tracker, args, kwargs, inputs, out) -> int:
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     if any(isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         raise Lost("indexing with a batched index tensor")
+    return _indexed_dim(x, index, d)
+
+
+def _indexed_dim(x: torch.Tensor, index: tuple, d: int) -> int:
+    """Where dim d of x lands in x[index] (basic indexing and one index tensor off d); Lost where the index selects
+    along d (some samples, not all of them)."""
     used = sum(0 if i is None or i is Ellipsis else (i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                                       else 1) for i in index)
     if Ellipsis in [i for i in index if not isinstance(i, torch.Tensor)]:
@@ -728,13 +736,50 @@ def _getitem(tracker, args, kwargs, inputs, out) -> int:
     return dst + (d - src)
 
 
+def _indexed_rank(x: torch.Tensor, index: tuple) -> int:
+    """The number of dims of x[index] (basic indexing, an integer index tensor)."""
+    rank = x.dim()
+    for i in index:
+        if i is None:
+            rank += 1
+        elif isinstance(i, torch.Tensor):
+            rank += i.dim() - 1
+        elif i is not Ellipsis and not isinstance(i, slice):  # an int
+            rank -= 1
+    return rank
+
+
 def _setitem(tracker, args, kwargs, inputs, out) -> Any:
+    """x[index] = value. An unbatched value leaves x as it was. A batched one keeps (or makes) x batched on dim d where
+    the index takes every sample along d and value's batch lands on d's place in x[index]: each sample's slice of x
+    then holds its own values and what x held for every sample (T5's and BART's `shifted = ids.new_zeros(ids.shape);
+    shifted[..., 1:] = ids[..., :-1]`). Views of x taken before the write keep their own status (none)."""
     x, value = args[0], args[2] if len(args) > 2 else None
     sx = tracker.status(x)
     sv = tracker.status(value) if isinstance(value, torch.Tensor) else None
     if sv is None:
         return sx
-    return "an indexed assignment of batched values (x[i] = y)"
+    lost = "an indexed assignment of batched values (x[i] = y)"
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if tracker.batch == 1 and type(sx) is int and isinstance(sv, str):
+        # One sample: a value whose batch dim was squeezed away (mBART's `ids.gather(1, last).squeeze()`, written back
+        # into its ids) is that sample's; x keeps its batch where the index keeps it whole.
+        try:
+            _indexed_dim(x, index, sx)
+            return sx
+        except Lost:
+            return lost
+    if type(sv) is not int or (sx is not None and type(sx) is not int) or any(
+            isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
+        return lost
+    for d in ([sx] if sx is not None else [k for k in range(x.dim()) if x.shape[k] == tracker.batch]):
+        try:
+            at = _indexed_dim(x, index, d)
+        except Lost:
+            continue
+        if sv + _indexed_rank(x, index) - value.dim() == at and value.shape[sv] == tracker.batch:
+            return d
+    return lost
 
 
 def _matmul(tracker, args, kwargs, inputs, out) -> int:

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..utils import clean_named, layer_type_name, name_cleaner
 from .free_parameters import free_parameters
-from .rules import EmbeddingRule, LinearRule, NormRule, rule_for, why_no_rule
+from .rules import EmbeddingRule, LinearRule, NormRule, overrides_ruled_forward, rule_for, why_no_rule
 
 SKIPPED = "layer is not per-sample (see skipped_layers)"  # coverage()'s reason for a skipped layer's parameters
 
@@ -71,6 +71,10 @@ class LayerCoverage:
                 self.ties[name] = tuple(n for n in group if n != name)
         untied = {id(m): (names[key], [n or "<root>" for n, _ in owners]) for key, owners in ties.items()
                   if groups[key] is None for _, m in owners}
+        # Parameters a layer without a rule uses as its base type would (an Embedding subclass that overrides forward,
+        # tied to covered layers: BART's scaled embeddings before they had a rule): those layers are left out with it.
+        unruled_users = {id(p): (clean_name(name), why_no_rule(module)) for name, module in model.named_modules()
+                         if overrides_ruled_forward(module) for p in module.parameters(recurse=False)}
         owned: set[int] = set()  # submodules whose parameters their parent's rule covers (MHA's out_proj)
         for module in model.modules():
             rule = rule_for(module)
@@ -94,6 +98,10 @@ class LayerCoverage:
                 tied_name, holders = untied[id(module)]
                 why = (f"{tied_name} is tied (shared by {holders}): only embeddings tied with each other and with "
                        "one Linear head are covered")
+            if why is None:
+                shared = next((unruled_users[id(p)] for p in params if id(p) in unruled_users), None)
+                if shared is not None:
+                    why = f"its parameters are also {shared[0]}'s, which no rule covers ({shared[1]})"
             if why is None:
                 self.layers.append((clean_name(name), module, rule))
             else:

@@ -216,6 +216,21 @@ class PerSampleGradNorms(GradientProducts):
         self._open_micro_batch(tensors, {t.untyped_storage().data_ptr() for t in tensors})
         self._explicit = True
 
+    def mark_batched(self, *tensors: torch.Tensor) -> None:
+        """Declares more inputs of the forward pass now running as holding its micro-batch's samples on batch_dim: a
+        trainer's collated batch, every tensor of which is per-sample (the Hugging Face integration marks them all,
+        so that an encoder-decoder's labels, shifted into its decoder's ids, are followed without batch_inputs)."""
+        tracking = self._state.tracking
+        if tracking is None or not self._state.micro:
+            return
+        batch = self._state.micro[-1].batch
+        for t in tensors:
+            if t.dim() <= self.batch_dim or t.shape[self.batch_dim] != batch:
+                raise ValueError(f"PerSampleGradNorms.mark_batched: {list(t.shape)} has no dim {self.batch_dim} of "
+                                 f"the micro-batch's {batch} samples")
+            if tracking.status(t) is None:
+                tracking.mark(t, self.batch_dim)
+
     def end_forward(self) -> None:
         """Ends the micro-batch begin_forward started (call it after the forward pass, before backward)."""
         self._explicit = False

@@ -13,7 +13,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import first_tensor
 from . import shared_input, tied_embedding
-from .batch_provenance import Merged
+from .batch_provenance import Merged, Shared
 from .coverage import LayerCoverage
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
 from .rules import Call, NormRule
@@ -74,7 +74,10 @@ class LayerHooks:
             status = self.state.tracking.status(t)
             if status is None and mb.batch == 1 and t.dim() and t.shape[0] == 1 and want in (0, None):
                 status = 0  # one sample: an input shared by every sample (position ids [1, T]) is that sample's
-            if type(status) is Merged and not (rule.moves_batch and want == 0):
+            if type(status) is Shared:
+                found = (0, "its input is shared by every sample (a parameter of the model, or an embedding of ids every "
+                            "sample shares) and has not joined the batch yet: layers there are not followed")
+            elif type(status) is Merged and not (rule.moves_batch and want == 0):
                 found = (0, "its input has the batch merged with other dims (x.view(-1, d)): only a layer that works "
                             "row by row follows it there")
             elif want is None and status is not None:  # from the batch, on a dim the rule finds itself

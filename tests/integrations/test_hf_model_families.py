@@ -49,6 +49,14 @@ def _gemma(transformers):  # RMSNorm with 1 + weight, embeddings scaled by sqrt(
     return transformers.GemmaForCausalLM(_small(transformers.GemmaConfig, head_dim=8))
 
 
+def _gemma2(transformers):  # Gemma2RMSNorm: no rule of its own, a copy of GemmaRMSNorm's code (rules.base._copied_rule)
+    return transformers.Gemma2ForCausalLM(_small(transformers.Gemma2Config, head_dim=8))
+
+
+def _glm(transformers):  # GlmRMSNorm: a copy of LlamaRMSNorm's code
+    return transformers.GlmForCausalLM(_small(transformers.GlmConfig, head_dim=8, pad_token_id=0))
+
+
 def _bert(transformers):  # its MLM decoder tied to the word embeddings, the decoder's bias also the head's parameter
     return transformers.BertForMaskedLM(_small(transformers.BertConfig, hidden_dropout_prob=0.0,
                                                attention_probs_dropout_prob=0.0))
@@ -78,7 +86,7 @@ def _loss(model, ids):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, left_out", [("gpt2", set()), ("llama-tied", set()), ("olmo2", set()),
-                                              ("qwen3", set()), ("gemma", set()),
+                                              ("qwen3", set()), ("gemma", set()), ("gemma2", set()), ("glm", set()),
                                               ("bert", set()), ("falcon", set()),
                                               ("opt", {"model.decoder.embed_positions.weight"}), ("bloom", set())])
 @pytest.mark.parametrize("batch", [1, 3])
@@ -86,7 +94,8 @@ def _loss(model, ids):
 def test_hugging_face_families_are_exact(family, left_out, batch, bookkeeping):
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
-    makers = {"gpt2": _gpt2, "llama-tied": _tied_llama, "olmo2": _olmo2, "qwen3": _qwen3, "gemma": _gemma, "bert": _bert,
+    makers = {"gpt2": _gpt2, "llama-tied": _tied_llama, "olmo2": _olmo2, "qwen3": _qwen3, "gemma": _gemma,
+              "gemma2": _gemma2, "glm": _glm, "bert": _bert,
               "falcon": _falcon, "opt": _opt, "bloom": _bloom}
     model = makers[family](transformers)
     model = model.double()
@@ -108,7 +117,7 @@ def test_hugging_face_families_are_exact(family, left_out, batch, bookkeeping):
         _loss(model, ids[i:i + 1]).backward()
         want.append(torch.sqrt(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in cov["covered"])))
     # Gemma forms its norms' weight gradient in float32 in a float64 model (the reference's gradients too): 1e-7.
-    torch.testing.assert_close(got, torch.stack(want), rtol=1e-6 if family == "gemma" else 1e-9, atol=1e-12)
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-6 if family.startswith("gemma") else 1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["RMSNorm", "QwenRMSNorm", "LayerNorm"])
@@ -215,6 +224,45 @@ def test_t5_with_one_table_for_encoder_decoder_and_head_is_exact(batch):
     biases = {f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" for part in ("encoder", "decoder")}
     assert set(cov["uncovered"]) == biases
     assert "shared.weight" in cov["covered"] and "encoder.block.0.layer.0.layer_norm.weight" in cov["covered"]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["bart", "mbart", "t5"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_encoder_decoders_fed_labels_are_exact(family, batch):
+    """The Trainer's way: input_ids and labels, which the model shifts into its decoder's ids
+    (`shifted = labels.new_zeros(labels.shape); shifted[:, 1:] = labels[:, :-1]`): followed, so the decoder is covered
+    once labels is named a batched input. BART's and mBART's embeddings scaled by a number (sqrt(d_model) with
+    scale_embedding) are covered; their learned position embeddings (an Embedding subclass of its own forward) and
+    T5's relative attention biases are left out, named."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, d_model=12, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=20, decoder_ffn_dim=20, max_position_embeddings=32,
+                  dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, scale_embedding=True, pad_token_id=1,
+                  decoder_start_token_id=2)
+    if family == "bart":
+        model = transformers.BartForConditionalGeneration(transformers.BartConfig(**common))
+    elif family == "mbart":
+        model = transformers.MBartForConditionalGeneration(transformers.MBartConfig(**common))
+    else:
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, dropout_rate=0.0,
+            decoder_start_token_id=0))
+    model = model.double()
+    source, labels = torch.randint(3, VOCAB, (batch, SEQ)), torch.randint(3, VOCAB, (batch, SEQ - 2))
+    labels[0, -2:] = -100  # ignored tokens: shifted in as the pad id
+
+    def loss_of(m, s):
+        logits = m(input_ids=source[s], labels=labels[s]).logits
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels[s].reshape(-1), reduction="sum")
+
+    got, want, cov, _ = _exact_norms(model, loss_of, batch, batch_inputs=("input_ids", "labels"))
+    if family == "t5":
+        left_out = {f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" for part in ("encoder", "decoder")}
+    else:
+        left_out = {f"model.{part}.embed_positions.weight" for part in ("encoder", "decoder")}
+    assert set(cov["uncovered"]) == left_out
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 

@@ -177,6 +177,48 @@ def test_huggingface_per_sample_norms_with_bookkeeping_under_accumulation(tmp_pa
         assert got == pytest.approx(want, rel=HF_RTOL)
 
 
+def _bart(transformers, seed: int = 0):
+    """A tiny BartForConditionalGeneration (embeddings scaled by sqrt(d_model)), float64, without dropout."""
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=12, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=20,
+                                  decoder_ffn_dim=20, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, scale_embedding=True, pad_token_id=1, decoder_start_token_id=2)
+    torch.manual_seed(seed)
+    return transformers.BartForConditionalGeneration(cfg).double(), cfg
+
+
+@pytest.mark.slow
+def test_huggingface_per_sample_norms_follow_an_encoder_decoder_into_its_decoder(tmp_path):
+    """The Trainer feeds input_ids and labels, which BART shifts into its decoder's ids: every tensor of the collated
+    batch is taken as per-sample, so the decoder is covered without batch_inputs (it was left out, warned, for
+    decoder ids that came from no batched input), and the norms are each sample's own loss's under accumulation."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for i in range(8):
+        labels = torch.randint(3, VOCAB, (SEQ - 2,), generator=g)
+        labels[: i % 3] = -100
+        data.append({"input_ids": torch.randint(3, VOCAB, (SEQ,), generator=g), "labels": labels})
+    model, _ = _bart(transformers)
+    args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    max_steps=2, max_grad_norm=0.0, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        callback = attach(trainer, interval=1, per_sample_grad_norms=True)
+        checks = hf_own_loss_checks(transformers, trainer, model, callback, _bart)
+        trainer.train()
+    assert not [str(w.message) for w in caught if "not per-sample" in str(w.message)]
+    uncovered = set(callback.monitor.per_sample.coverage()["uncovered"])
+    assert uncovered == {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 4
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
 def hf_own_loss_checks(transformers, trainer, model, callback, make=None) -> list:
     """Adds to `trainer` a callback that, at each optimizer step (after gapmon's), appends (gapmon's norms,
     the float64-loop norms of the samples the model saw in the step) to the list it returns."""

@@ -2,6 +2,8 @@
 the default sequence-first TransformerEncoderLayer, position ids with T == B, extra per-sample
 inputs, a reduction over the batch. Each case is exact against a float64 loop (one backward per
 sample) over the parameters coverage() lists, or refused with a warning naming the layer."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -173,6 +175,37 @@ def test_a_second_per_sample_input_is_refused_until_named(bookkeeping):
     got, cov = _run(model, (x, t), y, bookkeeping, batch_inputs=(0, "t"), strict=True)
     assert "time.weight" in cov["covered"]
     _exact(got, _reference(model, x, y, cov, extra=[(t, True)]))
+
+
+@BOOKKEEPING
+def test_mark_batched_declares_more_inputs_of_the_running_forward(bookkeeping):
+    """What the Hugging Face integration does with a collated batch: a pre-hook after gapmon's marks the timestep."""
+    torch.manual_seed(0)
+    model = TimeConditioned().double()
+    x, t, y = (torch.randn(B, 5, dtype=torch.float64), torch.rand(B, dtype=torch.float64),
+               torch.randn(B, 5, dtype=torch.float64))
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, strict=True)
+    handle = model.register_forward_pre_hook(lambda module, args: psn.mark_batched(args[1]))
+    try:
+        _loss(model(x, t), y).backward()
+        got, cov = psn.local_norms(), psn.coverage()
+    finally:
+        handle.remove()
+        psn.close()
+    assert "time.weight" in cov["covered"]
+    _exact(got, _reference(model, x, y, cov, extra=[(t, True)]))
+
+
+def test_mark_batched_refuses_a_tensor_without_the_samples():
+    model = TimeConditioned().double()
+    psn = gapmon.PerSampleGradNorms(model)
+    handle = model.register_forward_pre_hook(lambda module, args: psn.mark_batched(args[1][:2]))
+    try:
+        with pytest.raises(ValueError, match=r"mark_batched: \[2\] has no dim 0 of the micro-batch's 4 samples"):
+            model(torch.randn(B, 5, dtype=torch.float64), torch.rand(B, dtype=torch.float64))
+    finally:
+        handle.remove()
+        psn.close()
 
 
 class CentredOverBatch(nn.Module):
@@ -369,3 +402,83 @@ def test_type_as_takes_the_status_of_its_first_input_only():
             same_dtype = constant.type_as(batch)
             summed = batch + batch * 2
             assert tracker.status(same_dtype) is None and tracker.status(summed) == 0
+
+
+class ShiftedIds(nn.Module):
+    """T5's and BART's decoder inputs: `shifted = ids.new_zeros(ids.shape); shifted[..., 1:] = ids[..., :-1]`, the
+    batched ids written into a fresh tensor; `alias` reads them through a view of it taken before the write."""
+
+    def __init__(self, alias: bool = False):
+        super().__init__()
+        self.emb, self.head, self.alias = nn.Embedding(11, 6), nn.Linear(6, 5), alias
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        view = shifted[:, 1:] if self.alias else None
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = 3  # the start token, every sample's
+        return self.head(self.emb(shifted if view is None else view))
+
+
+@BOOKKEEPING
+def test_batched_values_written_into_a_fresh_tensor_keep_the_batch(bookkeeping):
+    torch.manual_seed(0)
+    model = ShiftedIds().double()
+    ids, y = torch.randint(0, 11, (B, 7)), torch.randn(B, 7, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing left out
+        got, cov = _run(model, (ids,), y, bookkeeping)
+    assert set(cov["covered"]) == {"emb.weight", "head.weight", "head.bias"}
+    _exact(got, _reference(model, ids, y, cov))
+
+
+def test_batched_values_read_through_a_view_taken_before_the_write_are_not_followed():
+    """A view taken before the write keeps the status it had (none): the layers reading it are left out, named."""
+    torch.manual_seed(0)
+    model = ShiftedIds(alias=True).double()
+    ids, y = torch.randint(0, 11, (B, 7)), torch.randn(B, 6, 5, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="'head' is not per-sample"):
+        got, cov = _run(model, (ids,), y, False)
+    assert set(cov["uncovered"]) == {"emb.weight", "head.weight", "head.bias"}
+    assert got.shape == (B,)
+
+
+class SharedThroughALayer(nn.Module):
+    """Something every sample shares (an embedding of position ids, or a parameter of the model) run through a
+    Linear before it joins the batch."""
+
+    def __init__(self, shared: str):
+        super().__init__()
+        self.inp, self.proj, self.shared = nn.Linear(6, 6), nn.Linear(6, 6), shared
+        self.pos = nn.Embedding(7, 6) if shared == "position embedding" else None
+        self.query = nn.Parameter(torch.randn(1, 7, 6)) if shared == "parameter" else None
+
+    def forward(self, x):
+        s = self.pos(torch.arange(x.shape[1])[None]) if self.pos is not None else self.query
+        return self.inp(x) + self.proj(s)
+
+
+@pytest.mark.parametrize("shared", ["position embedding", "parameter"])
+@BOOKKEEPING
+def test_a_shared_tensor_run_through_a_layer_before_it_joins_the_batch_is_left_out(shared, bookkeeping):
+    """That layer (and what feeds it) is left out by name; the forward pass and the other layers' norms are as
+    they were (gapmon raised TypeError inside the user's forward pass here)."""
+    torch.manual_seed(0)
+    model = SharedThroughALayer(shared).double()
+    x, y = torch.randn(B, 7, 6, dtype=torch.float64), torch.randn(B, 7, 6, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="'proj' is not per-sample .*has not joined the batch"):
+        got, cov = _run(model, (x,), y, bookkeeping)
+    assert set(cov["covered"]) == {"inp.weight", "inp.bias"}
+    _exact(got, _reference(model, x, y, cov))
+
+
+@pytest.mark.parametrize("write, why", [("x[:2] = y[:2]", "selects samples"), ("x[0] = y.sum(0)", "indexed assignment")])
+def test_batched_values_written_over_some_samples_lose_the_batch(write, why):
+    tracker = BatchTracker(B)
+    y = torch.randn(B, 3)
+    tracker.mark(y, 0)
+    with tracker:
+        x = torch.zeros(B, 3)
+        exec(write)
+    status = tracker.status(x)
+    assert isinstance(status, str) or status is None, status

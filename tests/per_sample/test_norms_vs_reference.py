@@ -131,6 +131,31 @@ def test_scaled_embedding_subclass_is_left_out_and_named(bookkeeping):
 
 
 @BOOKKEEPING
+def test_a_table_tied_to_a_subclass_without_a_rule_is_left_out_with_it(bookkeeping):
+    """BART's layout before its scaled embeddings had a rule: a plain Embedding (never called) and a Linear head share
+    their weight with an Embedding subclass that overrides forward. The tied layers are left out with the subclass,
+    named, and the rest is exact (the use check refused every norm here, as the subclass's use was no rule's)."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.tok = nn.Embedding(11, 6), ScaledEmbedding(11, 6)
+            self.mid, self.head = nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
+            self.tok.weight = self.head.weight = self.shared.weight
+
+        def forward(self, ids):
+            return self.head(self.mid(self.tok(ids)))
+
+    model = Model().double()
+    ids, y = torch.randint(0, 11, (5, 4)), torch.randn(5, 4, 11, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="its parameters are also tok's, which no rule covers"):
+        got, want, cov = _norms(model, ids, y, bookkeeping)
+    _assert_exact(got, want)
+    assert set(cov["uncovered"]) == {"shared.weight"} and set(cov["covered"]) == {"mid.weight", "mid.bias"}
+
+
+@BOOKKEEPING
 def test_a_registered_subclass_is_covered_and_exact(bookkeeping):
     register_norm_rule(SameMathLinear)(LinearRule)
     model = _mlp(SameMathLinear(5, 6))

@@ -575,3 +575,46 @@ def test_covered_layer_types_follow_freezing_and_skipped_layers():
     psn._coverage.skip("3", "a test's reason")  # as a layer found not to be per-sample at run time
     assert psn.covered_layer_types() == {k: v for k, v in want.items() if not k.startswith("3.")}
     psn.close()
+
+
+def test_a_transformers_layer_copying_a_registered_ones_code_takes_its_rule(tmp_path, monkeypatch):
+    """transformers keeps `# Copied from ...LlamaRMSNorm` classes in sync: a copy (own name, comments, docstring) takes
+    LlamaRMSNorm's rule, exact; one whose forward differs by a character has none and is left out, named."""
+    pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    import importlib.util
+    import inspect
+    import sys
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from gapmon.per_sample.rules import HFRMSNormRule, rule_for
+
+    original = inspect.getsource(LlamaRMSNorm)
+    copy = original.replace("LlamaRMSNorm", "CopiedRMSNorm").replace("def forward", "# copied, as transformers does\n    def forward")
+    changed = original.replace("LlamaRMSNorm", "ChangedRMSNorm").replace("+ self.variance_epsilon", "+ 2 * self.variance_epsilon")
+    assert changed != original.replace("LlamaRMSNorm", "ChangedRMSNorm")
+    path = tmp_path / "modeling_gapmon_copies.py"
+    header = "import torch\nfrom torch import nn\nfrom transformers.integrations import use_kernel_forward_from_hub\n\n"
+    path.write_text(header + copy + "\n\n" + changed + "\n")
+    name = "transformers.models.gapmon_copies.modeling_gapmon_copies"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    assert isinstance(rule_for(module.CopiedRMSNorm(6)), HFRMSNormRule)
+    assert rule_for(module.ChangedRMSNorm(6)) is None
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), module.CopiedRMSNorm(6), module.ChangedRMSNorm(6), nn.Linear(6, 3)).double()
+    for norm in (model[1], model[2]):
+        nn.init.normal_(norm.weight)
+    x, y = torch.randn(4, 7, 5, dtype=torch.float64), torch.randn(4, 7, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no per-sample rule for ChangedRMSNorm"):
+        psn = gapmon.PerSampleGradNorms(model)
+    _loss = lambda out, target: ((out - target) ** 2).sum((1, 2)).mean()  # noqa: E731
+    _loss(model(x), y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert "1.weight" in cov["covered"] and "2.weight" in cov["uncovered"]
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

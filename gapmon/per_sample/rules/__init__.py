@@ -8,10 +8,21 @@ from . import activation, attention, conv, conv_transpose, embedding, linear, re
 from . import normalization as norms
 from .activation import PReLURule
 from .attention import MultiheadAttentionRule
-from .base import Call, NormRule, Sketch, add_sketch, register_norm_rule, rule_for, sketch, sketch_rows, why_no_rule
+from .base import (
+    Call,
+    NormRule,
+    Sketch,
+    add_sketch,
+    overrides_ruled_forward,
+    register_norm_rule,
+    rule_for,
+    sketch,
+    sketch_rows,
+    why_no_rule,
+)
 from .conv import ConvRule
 from .conv_transpose import ConvTransposeRule
-from .embedding import EmbeddingBagRule, EmbeddingRule, ScaledEmbeddingRule
+from .embedding import EmbeddingBagRule, EmbeddingRule, NumberScaledEmbeddingRule, ScaledEmbeddingRule
 from .linear import BilinearRule, LinearRule, TransposedLinearRule, product_norm_sq, use_ghost
 from .normalization import (
     GroupNormRule,
@@ -28,9 +39,9 @@ from .recurrent import RecurrentCellRule, RecurrentRule
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent, activation)
 
 __all__ = [
-    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "sketch", "add_sketch",
+    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "overrides_ruled_forward", "sketch", "add_sketch",
     "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
-    "ScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
+    "ScaledEmbeddingRule", "NumberScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
     "HFGemmaRMSNormRule", "OLMoCoreNormRule", "T5LayerNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
     "RecurrentCellRule", "BilinearRule", "PReLURule",
     "product_norm_sq", "use_ghost", "RULE_MODULES",

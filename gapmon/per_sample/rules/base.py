@@ -25,6 +25,11 @@ refuses it): a Freivalds check that costs a matrix-vector product, not a gradien
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import re
+import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -36,6 +41,7 @@ from ...utils import first_tensor
 
 _RULES: dict[type, "NormRule"] = {}
 _RULES_BY_NAME: dict[str, "NormRule"] = {}  # "module.QualName" -> rule: layers of libraries gapmon does not import
+_COPIES: dict[type, "NormRule | None"] = {}  # transformers types without a rule -> the rule of the layer they copy
 
 
 def _registrar(table: dict, keys: tuple) -> Callable[[type], type]:
@@ -43,6 +49,7 @@ def _registrar(table: dict, keys: tuple) -> Callable[[type], type]:
         rule = cls()
         for key in keys:
             table[key] = rule
+        _COPIES.clear()
         return cls
 
     return register
@@ -72,7 +79,57 @@ def rule_for(module: nn.Module) -> "NormRule | None":
     if by_name is not None:  # exactly that type (Gemma's scaled Embedding subclass overrides forward: its own rule)
         return by_name
     base = _registered_base(kind)
-    return _RULES[base] if base is not None and kind.forward is base.forward else None
+    if base is not None:
+        return _RULES[base] if kind.forward is base.forward else None
+    return _copied_rule(kind)
+
+
+# The layer kinds transformers copies from family to family (`# Copied from ...LlamaRMSNorm`), by the end of their names.
+_COPIED_KINDS = ("RMSNorm", "LayerNorm", "ScaledWordEmbedding")
+
+
+def _copied_rule(kind: type) -> "NormRule | None":
+    """The rule of a layer registered by name whose code a transformers type without a rule copies: the same source
+    once comments, docstrings and the two class names are set aside. Transformers keeps its `# Copied from` layers in
+    sync with the original, so Qwen2.5-VL's RMSNorm is Llama's and Gemma 2's is Gemma's, in the version installed."""
+    suffix = next((end for end in _COPIED_KINDS if kind.__name__.endswith(end)), None)
+    if suffix is None or not kind.__module__.startswith("transformers."):
+        return None
+    if kind not in _COPIES:
+        own = _layer_source(kind)
+        _COPIES[kind] = None
+        for name, rule in _RULES_BY_NAME.items():
+            original = _named_type(name) if own is not None and name.endswith(suffix) else None
+            if original is not None and original is not kind and _layer_source(original) == own:
+                _COPIES[kind] = rule
+                break
+    return _COPIES[kind]
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_source(kind: type) -> str | None:
+    """A class's source without comments, docstrings, decorators, blank lines and its own name (None: none to read)."""
+    try:
+        source = inspect.getsource(kind)
+    except (OSError, TypeError):
+        return None
+    source = re.sub(r'(\"\"\"|\'\'\')(.|\n)*?\1', "", source)
+    lines = [re.sub(r"\s+#.*$|^\s*#.*$", "", line).rstrip() for line in source.splitlines()]
+    lines = [line for line in lines if line.strip() and not line.lstrip().startswith("@")]
+    return re.sub(rf"\b{re.escape(kind.__name__)}\b", "<layer>", "\n".join(lines))
+
+
+def _named_type(qualified: str) -> type | None:
+    """The type "module.QualName" names, importing its module when transformers is loaded (None if it cannot)."""
+    module, _, name = qualified.rpartition(".")
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        found = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 (a model family that cannot load here: an optional dependency missing)
+        return None
+    kind = getattr(found, name, None)
+    return kind if isinstance(kind, type) else None
 
 
 def registered_rules() -> dict[type | str, "NormRule"]:
@@ -82,6 +139,12 @@ def registered_rules() -> dict[type | str, "NormRule"]:
 
 def _registered_base(kind: type) -> type | None:
     return next((t for t in kind.__mro__[1:] if t in _RULES), None)
+
+
+def overrides_ruled_forward(module: nn.Module) -> bool:
+    """Whether `module` subclasses a layer type with a rule but has no rule itself (it overrides forward): it uses its
+    parameters as its base type does, in math no rule follows."""
+    return rule_for(module) is None and _registered_base(type(module)) is not None
 
 
 def why_no_rule(module: nn.Module) -> str:

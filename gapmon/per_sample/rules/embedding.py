@@ -131,6 +131,33 @@ class ScaledEmbeddingRule(EmbeddingRule):
         return super().positions(module, call, g * scale, acc)
 
 
+_SCALED_BY_A_NUMBER = ("bart.modeling_bart.BartScaledWordEmbedding",
+                       "bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusScaledWordEmbedding",
+                       "biogpt.modeling_biogpt.BioGptScaledWordEmbedding",
+                       "blenderbot.modeling_blenderbot.BlenderbotScaledWordEmbedding",
+                       "m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding", "mbart.modeling_mbart.MBartScaledWordEmbedding",
+                       "nllb_moe.modeling_nllb_moe.NllbMoeScaledWordEmbedding",
+                       "pegasus_x.modeling_pegasus_x.PegasusXScaledWordEmbedding",
+                       "plbart.modeling_plbart.PLBartScaledWordEmbedding",
+                       "seamless_m4t.modeling_seamless_m4t.SeamlessM4TScaledWordEmbedding",
+                       "seamless_m4t_v2.modeling_seamless_m4t_v2.SeamlessM4Tv2ScaledWordEmbedding",
+                       "trocr.modeling_trocr.TrOCRScaledWordEmbedding", "xglm.modeling_xglm.XGLMScaledWordEmbedding")
+
+
+@register_norm_rule_by_name(*(f"transformers.models.{name}" for name in _SCALED_BY_A_NUMBER))
+class NumberScaledEmbeddingRule(ScaledEmbeddingRule):
+    """BART's embedding and its descendants': `Embedding.forward(ids) * embed_scale`, a Python number (1.0 unless the
+    config scales embeddings). A row's gradient is the output gradient times that number, as autograd multiplies it."""
+
+    def unsupported(self, module):
+        if not isinstance(getattr(module, "embed_scale", None), (float, int)):
+            return "its embed_scale is not a number"
+        return None
+
+    def positions(self, module, call, g, acc):
+        return EmbeddingRule.positions(self, module, call, g * module.embed_scale, acc)
+
+
 # -------------------------------------------------------------------- bags
 @register_norm_rule(nn.EmbeddingBag)
 class EmbeddingBagRule(NormRule):
