@@ -44,7 +44,8 @@ _VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ra
 _EXPANDS = {"expand", "expand_as", "broadcast_to"}
 _REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "std", "var", "norm",
                "logsumexp", "any", "all", "argmax", "argmin", "count_nonzero", "median", "nanmedian", "mode",
-               "std_mean", "var_mean", "aminmax", "vector_norm"}
+               "std_mean", "var_mean", "aminmax", "vector_norm", "linalg_vector_norm", "linalg_norm"}
+_ORD_FIRST = {"norm", "vector_norm", "linalg_vector_norm", "linalg_norm"}  # (x, p or ord, dim, keepdim)
 # Same shape (or the dim's size changes in place), along one dim that must not be the batch's.
 _ALONG_DIM = {"cumsum": 1, "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 1, "softmax": 1,
               "log_softmax": 1, "softmin": 1, "sort": 1, "argsort": 1, "topk": 2, "kthvalue": 2, "glu": 1,
@@ -105,6 +106,7 @@ _MULS = {"mul", "__mul__", "__rmul__", "multiply"}  # a free parameter scaling a
 # Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
 # its dim, the merge kept (their checks of the batch's size are the aligned/merged ones).
 _MERGED_ROW_WISE = {"linear", "addmm", "mm", "matmul", "__matmul__", "bmm", "baddbmm", "layer_norm", "rms_norm",
+                    "scaled_dot_product_attention",
                     "transpose", "transpose_", "swapaxes", "swapdims", "t", "T", "mT", "mH", "adjoint", "permute",
                     "movedim", "moveaxis", "__getitem__", "pad", *_REDUCTIONS, *_ALONG_DIM}
 
@@ -540,7 +542,7 @@ def _reduction(name: str):
         x, d = args[0], tracker.input_dim(args, inputs)
         if isinstance(_arg(args, kwargs, 1, "other"), torch.Tensor):  # torch.max(a, b): pointwise
             return tracker.aligned(name, inputs, out)
-        shift = 1 if name == "norm" else 0  # x.norm(p, dim, keepdim)
+        shift = 1 if name in _ORD_FIRST else 0  # x.norm(p, dim, keepdim), torch.linalg.vector_norm(x, ord, dim, keepdim)
         dims = _dims(_arg(args, kwargs, 1 + shift, "dim"), x.dim())
         if not dims or d in dims:
             raise Lost(f"{name} over the batch dim (it mixes the samples)")

@@ -23,6 +23,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .batch_provenance import Shared
+from .rules.base import overrides_ruled_forward
 
 # Why a free parameter is left out when the use check finds a gradient no followed use explains.
 FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the forward pass, or in one run without "
@@ -30,13 +31,16 @@ FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the f
 
 
 def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, tuple[nn.Module, str]]:
-    """{parameter name: (the module that registers it, its attribute)} of the parameters a module with submodules
-    registers itself and no rule covers (`ruled`: ids of the parameters a layer with a rule holds). A leaf module
-    without a rule is a layer gapmon has no rule for: its parameters stay uncovered, as that."""
+    """{parameter name: (the module that registers it, its attribute)} of the parameters a module registers itself
+    and no rule covers (`ruled`: ids of the parameters a layer with a rule holds): a model's position table or class
+    token, a layer scale (DINOv2's, a leaf module of its own), ConvNeXt V2's response normalisation. A subclass of a
+    layer with a rule that overrides its forward (a LoRA Linear), and torch's own layers without a rule (BatchNorm: its
+    parameters go into one fused op), use them in math no rule follows: left out, as that, when the model is built."""
     found: dict[str, tuple[nn.Module, str]] = {}
     seen: set[int] = set()
     for prefix, module in model.named_modules():
-        if next(module.children(), None) is None:
+        leaf = next(module.children(), None) is None
+        if overrides_ruled_forward(module) or (leaf and type(module).__module__.startswith("torch.nn.")):
             continue
         for attr, p in module.named_parameters(recurse=False):
             if id(p) not in ruled and id(p) not in seen:

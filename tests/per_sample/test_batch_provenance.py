@@ -482,3 +482,46 @@ def test_batched_values_written_over_some_samples_lose_the_batch(write, why):
         exec(write)
     status = tracker.status(x)
     assert isinstance(status, str) or status is None, status
+
+
+class WindowAttention(nn.Module):
+    """Swin's layout: the batch merged with its windows into dim 0 ([B·W, heads, N, d]) for attention in each window,
+    with a mask every sample shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.proj = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # x [B, 2 windows · 3 tokens, 4]
+        b = x.shape[0]
+        windows = x.view(b, 2, 3, 4).reshape(b * 2, 3, 4)  # (window_partition: split, then merge)
+        q, k, v = (layer(windows).view(b * 2, 3, 2, 2).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        mask = torch.tensor([[0.0, -1.0, 0.5]], dtype=x.dtype).expand(3, 3)  # every sample's
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, 2, 3, 4).reshape(b, 6, 4))
+
+
+@BOOKKEEPING
+def test_attention_within_windows_merged_with_the_batch_is_exact(bookkeeping):
+    torch.manual_seed(0)
+    model = WindowAttention().double()
+    x, y = torch.randn(B, 6, 4, dtype=torch.float64), torch.randn(B, 6, 4, dtype=torch.float64)
+    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
+    assert set(cov["covered"]) == {f"{n}.{p}" for n in ("q", "k", "v", "proj") for p in ("weight", "bias")}
+    _exact(got, _reference(model, x, y, cov))
+
+
+def test_attention_over_a_merged_batch_loses_it():
+    """The batch merged into the positions attention runs over mixes the samples."""
+    from gapmon.per_sample.batch_provenance import Merged
+
+    tracker = BatchTracker(B)
+    x = torch.randn(B, 3, 4)
+    tracker.mark(x, 0)
+    with tracker:
+        rows = x.reshape(1, B * 3, 4)
+        over_rows = torch.nn.functional.scaled_dot_product_attention(rows, rows, rows)
+        windows = x.reshape(B * 3, 1, 4)
+        per_window = torch.nn.functional.scaled_dot_product_attention(windows, windows, windows)
+    assert tracker.status(rows) == Merged(1, 3) and isinstance(tracker.status(over_rows), str)
+    assert tracker.status(per_window) == Merged(0, 3)

@@ -207,27 +207,69 @@ def test_coverage_follows_requires_grad_at_each_step(bookkeeping):
         psn.close()
 
 
-def test_unfreezing_a_parameter_no_rule_covers_is_warned_at_the_next_step():
-    class Scale(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.s = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+class _Scale(nn.Module):
+    """A leaf layer without a rule: its parameter multiplies the batch (followed: free_parameters), or its exponential
+    does (left out, named)."""
 
-        def forward(self, x):
-            return x * self.s
+    def __init__(self, exp: bool):
+        super().__init__()
+        self.s, self.exp = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False), exp
 
+    def forward(self, x):
+        return x * (self.s.exp() if self.exp else self.s)
+
+
+@pytest.mark.parametrize("exp", [False, True], ids=["multiplied", "exp"])
+def test_unfreezing_a_parameter_no_rule_covers_is_followed_or_warned_at_the_next_step(exp):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 3), Scale()).double()
+    model = nn.Sequential(nn.Linear(5, 3), _Scale(exp)).double()
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     psn = gapmon.PerSampleGradNorms(model)
     model[1].s.requires_grad_(True)
     _loss(model(x), y).backward()
-    with pytest.warns(RuntimeWarning, match=r"1.s \(no per-sample rule for Scale\)"):
-        got = psn.local_norms()
+    if exp:
+        with pytest.warns(RuntimeWarning, match=r"layer '1.s' is not per-sample \(the model uses this parameter in exp"):
+            got = psn.local_norms()
+    else:
+        with _no_warning():
+            got = psn.local_norms()
     cov = psn.coverage()
-    assert cov["uncovered"] == {"1.s": 3} and set(cov["covered"]) == {"0.weight", "0.bias"}
+    assert set(cov["uncovered"]) == ({"1.s"} if exp else set())
+    assert set(cov["covered"]) == {"0.weight", "0.bias"} | (set() if exp else {"1.s"})
     _assert_exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))
     psn.close()
+
+
+@BOOKKEEPING
+def test_a_leaf_layer_scale_and_response_normalisation_are_exact(bookkeeping):
+    """Leaf layers without a rule whose parameters only multiply and add to the batch (DINOv2's layer scale, ConvNeXt
+    V2's global response normalisation) are followed as a model's own parameters."""
+
+    class LayerScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.randn(6, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.gamma
+
+    class ResponseNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(1, 1, 6, dtype=torch.float64))
+            self.bias = nn.Parameter(torch.randn(1, 1, 6, dtype=torch.float64))
+
+        def forward(self, x):
+            norms = torch.linalg.vector_norm(x, ord=2, dim=1, keepdim=True)
+            return self.weight * (x * norms / (norms.mean(dim=-1, keepdim=True) + 1e-6)) + self.bias + x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), LayerScale(), ResponseNorm(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(4, 7, 5, dtype=torch.float64), torch.randn(4, 7, 3, dtype=torch.float64)
+    with _no_warning():
+        got, want, cov = _norms(model, x, y, bookkeeping, strict=True)
+    assert {"1.gamma", "2.weight", "2.bias"} <= set(cov["covered"]) and not cov["uncovered"]
+    _assert_exact(got, want)
 
 
 @BOOKKEEPING

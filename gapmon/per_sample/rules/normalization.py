@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...stats import _backend
-from .base import NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, sketch, sum_of_terms, trainable
+from .base import Call, NormRule, Sketch, register_norm_rule, register_norm_rule_by_name, sketch, sum_of_terms, trainable
 
 
 # -------------------------------------------------------------------- normalisation layers
@@ -77,6 +77,23 @@ class LastDimsNormRule(_AffineNormRule):
 
 def _hf_names(*families: tuple[str, str]) -> list[str]:
     return [f"transformers.models.{module}.modeling_{module}.{cls}" for module, cls in families]
+
+
+@register_norm_rule_by_name(*_hf_names(("convnext", "ConvNextLayerNorm"), ("convnextv2", "ConvNextV2LayerNorm")))
+class ChannelsFirstLayerNormRule(LastDimsNormRule):
+    """ConvNeXt's LayerNorm: nn.LayerNorm over the channels, last (`data_format="channels_last"`) or on dim 1 of
+    [B, C, H, W] (`"channels_first"`: moved last for nn.LayerNorm, and back): positions with the channels last."""
+
+    def unsupported(self, module):
+        if getattr(module, "data_format", None) not in ("channels_last", "channels_first"):
+            return "its data_format is neither channels_last nor channels_first"
+        return None
+
+    def positions(self, module, call, g, acc):
+        x = call.arg(0, "features")
+        if module.data_format == "channels_first":
+            x, g = x.movedim(1, -1), g.movedim(1, -1)
+        return super().positions(module, Call((x,), {}), g, acc)
 
 
 @register_norm_rule_by_name(*_hf_names(
