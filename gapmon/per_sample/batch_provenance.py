@@ -96,6 +96,11 @@ class Shared(NamedTuple):
 
 _COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda"}
 # Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
+# Ops that only move a tensor's elements (a free parameter's positions follow them: free_parameters.Piece.rearranged)
+_REARRANGES: dict[str, Callable] = {
+    "permute": lambda t, *dims: t.permute(*dims), "transpose": torch.transpose, "swapaxes": torch.transpose,
+    "swapdims": torch.transpose, "movedim": torch.movedim, "moveaxis": torch.movedim, "t": torch.t,
+    "flip": torch.flip}
 _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
                         "ravel"}
 _ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
@@ -333,12 +338,20 @@ class BatchTracker(TorchFunctionMode):
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
             sign = _ADDS.get(name)
+            # (The batched operand may be broadcast too: Swin's window mask over the heads. What reaches the shared
+            # tensor is the sum's gradient, summed where it was broadcast, whatever the other operand's shape.)
             if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
-                    and out.shape == plain[0][0].shape and not (_in_place(name) and t is args[0])):
+                    and out.dim() == plain[0][0].dim() and not (_in_place(name) and t is args[0])):
                 d = self._rule(name, args, kwargs, plain, out)
                 if type(d) is int:
                     st.owner.on_add(out, t, d, -1 if sign < 0 and t is args[1] else 1)
                     return d
+            if (sign is not None and len(plain) == 1 and type(plain[0][1]) is Merged and len(args) == 2 and not kwargs
+                    and out.dim() == plain[0][0].dim() and not (_in_place(name) and t is args[0])
+                    and hasattr(st.owner, "sliced")):  # a model's own parameter added to rows merged with the batch
+                merged = self._merged_rule(name, args, kwargs, plain, out)
+                st.owner.on_add(out, t, merged.dim, -1 if sign < 0 and t is args[1] else 1, merged.inner)
+                return merged
             if (name in _MULS and hasattr(st.owner, "on_mul") and len(plain) == 1 and type(plain[0][1]) is int
                     and len(args) == 2 and not kwargs and out.shape == plain[0][0].shape):
                 d = self._rule(name, args, kwargs, plain, out)
@@ -593,6 +606,8 @@ def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: to
         piece = owner.reshaped(out)
     elif name == "__getitem__" and len(args) == 2 and hasattr(owner, "sliced"):
         piece = owner.sliced(t, args[1], out)
+    elif name in _REARRANGES and hasattr(owner, "rearranged"):
+        piece = owner.rearranged(t, out, lambda positions: _REARRANGES[name](positions, *args[1:]))
     elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "scaled"):
         piece = owner.scaled(out, 1.0)
     return None if piece is None else Shared(piece)

@@ -15,7 +15,7 @@ compares the sum over the samples with what autograd accumulated for it, so a us
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -190,19 +190,28 @@ class Piece:
         return PieceSum([self, *others])
 
     def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "Piece | None":
-        """`out = t[index]`, basic indexing (ints, slices, None, Ellipsis) of a tensor that is not broadcast: the
-        elements at the indexed positions (None: another index, or a broadcast tensor)."""
+        """`out = t[index]` of a tensor that is not broadcast, by ints, slices, None, Ellipsis and index tensors every
+        sample shares (Swin's `table[relative_position_index]`): the elements at the indexed positions, an element
+        picked twice twice (its gradients add where they are scattered back). None: another index, or a broadcast
+        tensor."""
         parts = index if isinstance(index, tuple) else (index,)
-        if tuple(t.shape) != self.base or not all(
-                i is None or i is Ellipsis or isinstance(i, slice) or type(i) is int for i in parts):
+        if not all(i is None or i is Ellipsis or isinstance(i, (slice, torch.Tensor)) or type(i) is int for i in parts):
             return None
         if any(isinstance(i, slice) and not all(type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))
                for i in parts):
             return None
+        return self.rearranged(t, out, lambda every: every[index])
+
+    def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable[[torch.Tensor], torch.Tensor]) -> "Piece | None":
+        """`out = how(t)`, an op that only picks and moves elements of a tensor that is not broadcast (indexing, permute,
+        transpose, flip): the same op on the elements' positions in the parameter says where out's are."""
+        if tuple(t.shape) != self.base:
+            return None
         every = self.positions
         if every is None:
             every = torch.arange(_numel(self.base), device=t.device).reshape(self.base)
-        return self._like(tuple(out.shape), every[index])
+        moved = how(every)
+        return self._like(tuple(out.shape), moved) if tuple(moved.shape) == tuple(out.shape) else None
 
     def _add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
@@ -213,23 +222,34 @@ class Piece:
             g = g.new_zeros(g.shape[0], self.uses.param.numel()).index_add_(1, self.positions.reshape(-1), g)
         self.uses.add(g, _coarser(self.rounding, rounding))
 
-    def _broadcast(self, shape: torch.Size, dim: int) -> list[int] | None:
+    def _broadcast(self, shape: torch.Size, dim: int, inner: int = 1) -> list[int] | None:
         """The dims (but the batch's, `dim`) of a result of `shape` along which this piece is broadcast; None when it is
-        not broadcast along the batch (it is no per-sample use then)."""
+        not broadcast along the batch (it is no per-sample use then). `inner`: dim holds the batch merged with `inner`
+        rows each (Swin's windows), split out as dim + 1 in the dims returned."""
         aligned = (1,) * (len(shape) - len(self.base)) + self.base
         if aligned[dim] != 1:
             return None
+        if inner != 1:
+            shape = (*shape[:dim], self.uses.batch, inner, *shape[dim + 1:])
+            aligned = (*aligned[:dim], 1, 1, *aligned[dim + 1:])
         return [k for k in range(len(shape)) if k != dim and aligned[k] == 1 and shape[k] != 1]
 
-    def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int) -> None:
-        """t (this piece) was added (sign 1) or subtracted (-1) to a tensor batched on `dim`, giving `total`."""
-        broadcast = self._broadcast(total.shape, dim)
+    def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int, inner: int = 1) -> None:
+        """t (this piece) was added (sign 1) or subtracted (-1) to a tensor batched on `dim` (merged with `inner` rows
+        of each sample there, inner > 1), giving `total`."""
+        broadcast = self._broadcast(total.shape, dim, inner)
         if broadcast is None:
             self.on_escape("an add that does not broadcast it over the batch")
             return
         if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
             return
-        total.register_hook(lambda g: self._add(_per_sample(g, dim, broadcast, self.uses.batch, sign), g.dtype))
+        batch = self.uses.batch
+
+        def hook(g: torch.Tensor) -> None:
+            g = g if inner == 1 else g.unflatten(dim, (batch, inner))
+            self._add(_per_sample(g, dim, broadcast, batch, sign), g.dtype)
+
+        total.register_hook(hook)
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
@@ -293,12 +313,15 @@ class PieceSum:
     def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "PieceSum | None":
         return self._each(lambda p: p.sliced(t, index, out))
 
+    def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable[[torch.Tensor], torch.Tensor]) -> "PieceSum | None":
+        return self._each(lambda p: p.rearranged(t, out, how))
+
     def plus(self, others: list) -> "PieceSum":
         return PieceSum([self, *others])
 
-    def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int) -> None:
+    def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int, inner: int = 1) -> None:
         for p in self.pieces:
-            p.on_add(total, t, dim, sign)
+            p.on_add(total, t, dim, sign, inner)
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         for p in self.pieces:

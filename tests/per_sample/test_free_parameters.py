@@ -285,8 +285,8 @@ def test_a_token_repeated_over_the_batch_is_exact_and_a_tiled_one_left_out():
 class SlicedPositions(nn.Module):
     """A position table longer than the sequence, sliced to it as minGPT does (`pos_emb[:, :t]`); `use` picks the
     slice: a prefix, an int index (the leading dim dropped), a stepped slice of a slice, two overlapping slices (their
-    gradients add where they overlap), its last rows as register tokens expanded over the batch and concatenated, or
-    an index tensor (advanced indexing: not followed)."""
+    gradients add where they overlap), its last rows as register tokens expanded over the batch and concatenated, rows
+    picked by an index tensor every sample shares (some twice), or by the batch's own ids (not followed)."""
 
     def __init__(self, use):
         super().__init__()
@@ -309,13 +309,15 @@ class SlicedPositions(nn.Module):
             x = x + self.pos[:, :n] - self.pos[..., 2:n + 2, :]
         elif self.use == "register":
             x = torch.cat([self.pos[:, -2:].expand(x.shape[0], -1, -1), x + self.pos[:, :n]], dim=1)
+        elif self.use == "index":
+            x = x + self.pos[:, torch.arange(n) // 2]
         else:
-            x = x + self.pos[:, torch.arange(n)]
+            x = x + self.pos[0, idx % 12]
         return self.head(self.block(x)[:, 0])
 
 
 @BOOKKEEPING
-@pytest.mark.parametrize("use", ["prefix", "int", "step", "overlap", "register"])
+@pytest.mark.parametrize("use", ["prefix", "int", "step", "overlap", "register", "index"])
 def test_a_sliced_position_table_is_exact(use, bookkeeping):
     torch.manual_seed(9)
     model = SlicedPositions(use).double()
@@ -325,12 +327,12 @@ def test_a_sliced_position_table_is_exact(use, bookkeeping):
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
 
 
-def test_a_position_table_indexed_by_a_tensor_is_left_out_by_name():
+def test_a_position_table_indexed_by_the_batch_is_left_out_by_name():
     torch.manual_seed(10)
-    model = SlicedPositions("advanced").double()
+    model = SlicedPositions("by ids").double()
     x, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 3, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match=r"'pos' is not per-sample \(the model uses this parameter in __getitem__"):
-        got, cov = _norms(model, x, y)
+        got, cov = _norms(model, x, y)  # (pos[:, ids]: each sample's rows picked by the samples' ids)
     assert "pos" in cov["uncovered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
@@ -419,3 +421,40 @@ def test_a_parameter_cast_to_a_narrower_dtype_is_checked_at_that_dtypes_rounding
     got, cov = _norms(model, x, y, strict=True)
     assert "D" in cov["covered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-6, atol=1e-9)
+
+
+class RelativeBias(nn.Module):
+    """Swin's window attention, its relative position bias table looked up by an index every sample shares, reshaped,
+    permuted and added to the scores of windows merged with the batch ([B·windows, heads, N, N]), alone or plus a
+    mask over the windows (shifted windows), written out as eager attention."""
+
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(4, 4) for _ in range(4))
+        self.table = nn.Parameter(torch.randn(5, 2) * 0.5)  # (2·3 - 1) relative positions, 2 heads
+        self.register_buffer("index", (torch.arange(3)[:, None] - torch.arange(3)[None, :] + 2).reshape(-1))
+        self.masked = masked
+
+    def forward(self, x):  # x [B, 2 windows · 3 tokens, 4]
+        b = x.shape[0]
+        windows = x.view(b, 2, 3, 4).reshape(b * 2, 3, 4)
+        q, k, v = (layer(windows).view(b * 2, 3, 2, 2).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        bias = self.table[self.index].view(3, 3, -1).permute(2, 0, 1).contiguous().unsqueeze(0)  # [1, heads, 3, 3]
+        if self.masked:
+            mask = torch.tensor([[0.0, -2.0, 0.0], [0.0, 0.0, 1.0], [-1.0, 0.0, 0.0]], dtype=x.dtype)
+            mask = torch.stack([mask, mask.T]).unsqueeze(1).unsqueeze(0).expand(b, -1, -1, -1, -1).reshape(-1, 1, 3, 3)
+            bias = bias + mask
+        scores = (q @ k.transpose(-1, -2)) / 2 ** 0.5 + bias
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, 2, 3, 4).reshape(b, 6, 4)
+        return self.out(out).sum(1)
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("masked", [False, True], ids=["bias", "bias plus mask"])
+def test_a_relative_position_table_added_to_windows_merged_with_the_batch_is_exact(masked, bookkeeping):
+    torch.manual_seed(11)
+    model = RelativeBias(masked).double()
+    x, y = torch.randn(4, 6, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert "table" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
