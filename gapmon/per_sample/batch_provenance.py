@@ -233,7 +233,7 @@ class BatchTracker(TorchFunctionMode):
                 status[id(out)] = (weakref.ref(out), kept)
                 return out
         try:
-            result = self._rule(name, args, kwargs, inputs, out)
+            result = self.status_by_rules(name, args, kwargs, inputs, out)
         except Lost as why:
             result = f"{why}"
         except Exception as error:  # a rule's own bug must never break the user's forward pass
@@ -283,7 +283,7 @@ class BatchTracker(TorchFunctionMode):
                     self.mark(t, s)
 
     # ------------------------------------------------------------------ rules
-    def _rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+    def status_by_rules(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
         for _, st in inputs:
             if type(st) is not int:
                 break
@@ -306,7 +306,7 @@ class BatchTracker(TorchFunctionMode):
         if lost and name != "embedding_bag":  # 1-D bags: the ids' batch dim is the offsets', not theirs
             return lost[0]
         if any(type(st) is Merged for _, st in inputs):
-            return self._merged_rule(name, args, kwargs, inputs, out)
+            return self.merged_status(name, args, kwargs, inputs, out)
         return self._by_rule(name, args, kwargs, inputs, out)
 
     def _by_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
@@ -337,38 +337,26 @@ class BatchTracker(TorchFunctionMode):
                 return combined
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
-            sign = _ADDS.get(name)
-            # (The batched operand may be broadcast too: Swin's window mask over the heads. What reaches the shared
-            # tensor is the sum's gradient, summed where it was broadcast, whatever the other operand's shape.)
-            if (sign is not None and len(plain) == 1 and type(plain[0][1]) is int and len(args) == 2 and not kwargs
-                    and out.dim() == plain[0][0].dim() and not (_in_place(name) and t is args[0])):
-                d = self._rule(name, args, kwargs, plain, out)
-                if type(d) is int:
-                    st.owner.on_add(out, t, d, -1 if sign < 0 and t is args[1] else 1)
-                    return d
-            if (sign is not None and len(plain) == 1 and type(plain[0][1]) is Merged and len(args) == 2 and not kwargs
-                    and out.dim() == plain[0][0].dim() and not (_in_place(name) and t is args[0])
-                    and hasattr(st.owner, "sliced")):  # a model's own parameter added to rows merged with the batch
-                merged = self._merged_rule(name, args, kwargs, plain, out)
-                st.owner.on_add(out, t, merged.dim, -1 if sign < 0 and t is args[1] else 1, merged.inner)
-                return merged
+            added = _shared_add(self, name, args, kwargs, t, st, plain, out)
+            if added is not None:
+                return added
             if (name in _MULS and hasattr(st.owner, "on_mul") and len(plain) == 1 and type(plain[0][1]) is int
                     and len(args) == 2 and not kwargs and out.shape == plain[0][0].shape):
-                d = self._rule(name, args, kwargs, plain, out)
+                d = self.status_by_rules(name, args, kwargs, plain, out)
                 if type(d) is int:
                     st.owner.on_mul(out, plain[0][0], d)
                     return d
         if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
                 hasattr(st.owner, "on_cat") for _, st in shared):
             try:
-                d = self._rule(name, args, kwargs, plain, out)
+                d = self.status_by_rules(name, args, kwargs, plain, out)
             except Lost:
                 d = None  # (the escape below, then the same Lost again)
             if type(d) is int and self._shared_cat(args, kwargs, out, d):
                 return d
         for _, st in shared:
             st.owner.on_escape(name)
-        return self._rule(name, args, kwargs, plain, out) if plain else None
+        return self.status_by_rules(name, args, kwargs, plain, out) if plain else None
 
     def _shared_cat(self, args: Sequence, kwargs: dict, out: torch.Tensor, d: int) -> bool:
         """A concatenation, along another dim than its batch `d`, of batched tensors and expansions of free parameters
@@ -388,7 +376,7 @@ class BatchTracker(TorchFunctionMode):
             start += t.shape[cat_dim]
         return True
 
-    def _merged_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+    def merged_status(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
         """An op with an input whose batch is merged with other dims (Merged): reshapes may split it out again,
         row-wise ops keep it, every other op loses it."""
         if name in _VIEWS and name not in ("unsqueeze", "unsqueeze_", "squeeze", "squeeze_"):
@@ -593,6 +581,29 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
     if status != (0 if args[8] else 1):
         raise Lost(f"an RNN with batch_first={args[8]} on input batched on dim {status}")
     return [status] + [1] * (len(out) - 1)
+
+
+def _shared_add(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,
+                plain: list, out: torch.Tensor) -> Any:
+    """out = t ± the one batched tensor of `plain`, t Shared: its owner reads the sum's gradient (on_add) and out's
+    status is returned; None when this is no such add. The batched operand may be broadcast too (Swin's window mask
+    over the heads): what reaches t is the sum's gradient summed where t was broadcast, whatever the other's shape. A
+    model's own parameter may be added to rows merged with the batch (Swin's scores over windows)."""
+    sign = _ADDS.get(name)
+    if (sign is None or len(plain) != 1 or len(args) != 2 or kwargs or out.dim() != plain[0][0].dim()
+            or (_in_place(name) and t is args[0])):
+        return None
+    sign = -1 if sign < 0 and t is args[1] else 1
+    if type(plain[0][1]) is int:
+        d = tracker.status_by_rules(name, args, kwargs, plain, out)
+        if type(d) is int:
+            st.owner.on_add(out, t, d, sign)
+            return d
+    elif type(plain[0][1]) is Merged and hasattr(st.owner, "sliced"):
+        merged = tracker.merged_status(name, args, kwargs, plain, out)
+        st.owner.on_add(out, t, merged.dim, sign, merged.inner)
+        return merged
+    return None
 
 
 def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:

@@ -112,7 +112,7 @@ class FreeParameterNorms:
                         continue
                     owner = self.coverage.free[name][0]
                     g = uses.per_sample  # (float32 or float64: _per_sample widens 16-bit gradients)
-                    mb.add(g.square().sum(1), g.dtype, self.coverage.type_of(name, owner))
+                    mb.add(g.square().sum(1), g.dtype, self.coverage.type_of(name, owner), name)
                     self.checker.explain_gradient(uses.param, name, g.sum(0).reshape(uses.param.shape), uses.rounding)
                 mb.free = {}
 

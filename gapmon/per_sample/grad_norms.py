@@ -26,10 +26,10 @@ not: coverage follows requires_grad at each step. A layer that mixes the samples
 Uses of a parameter outside its layer's forward (`F.linear(h, self.tok.weight)`, a layer's weight
 read by another module): a hook on every covered parameter sketches the gradient autograd
 accumulates for it, and each rule sketches the sum of the per-sample gradients it saw (the same
-random probe, NormRule.grad_sketch). Norms are refused when the two differ by more than
-the gradient's rounding (USE_CHECK_RTOL): the parameter got contributions no rule saw. A layer none of whose calls
-was seen while its parameters got gradients (used only functionally) added nothing to the norms: it is left out
-with a warning instead (strict=True refuses).
+random probe, NormRule.grad_sketch). When the two differ by more than the gradient's rounding
+(USE_CHECK_RTOL) the parameter got contributions no rule saw: its layer (and the layers tied to it) is left out of
+the norms, what it added taken back out, with a warning naming it (strict=True refuses); so is a layer none of whose
+calls was seen while its parameters got gradients (used only functionally).
 """
 from __future__ import annotations
 
@@ -324,10 +324,12 @@ class PerSampleGradNorms(GradientProducts):
                 self._layer_hooks.finish(index, mb)
         self._layer_hooks.shared.flush_refused()
         self._free.finish(self._state.micro)
-        for layer, params in self._checker.refuse_unseen_uses(self._coverage.skipped).items():
-            self._coverage.skip(layer, FREE_UNSEEN if layer in self._coverage.free else
-                                f"its parameters {params} got gradients while its forward never ran: they are used "
-                                "functionally (F.linear(x, layer.weight), a fused kernel taking the weights)")
+        unseen = self._checker.unseen_uses(self._coverage.skipped)
+        for layer, (why, partly) in unseen.items():
+            self._coverage.skip(layer, FREE_UNSEEN if layer in self._coverage.free and not partly else why)
+        if unseen:  # what they (and the layers tied to them) added is taken back out
+            for mb in self._state.micro:
+                mb.drop(self._coverage.skipped)
         self._state.collected = True
 
     def _per_sample(self, squared) -> torch.Tensor:

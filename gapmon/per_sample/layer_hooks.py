@@ -268,7 +268,7 @@ class LayerHooks:
         name, module, rule = self.layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
         self.checker.explain(name, module, rule, mb.used.get(index), (), g.dtype, returned, returned=True)
-        mb.add(sq, acc, self.coverage.type_of(name, module))
+        mb.add(sq, acc, self.coverage.type_of(name, module), name)
         mb.finished.add(index)
 
     def finish(self, index: int, mb: MicroBatch) -> None:
@@ -295,6 +295,6 @@ class LayerHooks:
                 sq = sq + self.tied.cross(index, mb, pos, calls, acc)
         if self.keep_positions is True or (self.keep_positions and index in self.keep_positions):
             mb.keep_positions(index, pos)  # for gram() and per_sample_gradients(): they need the positions
-        mb.add(sq, acc, self.coverage.type_of(name, module))
+        mb.add(sq, acc, self.coverage.type_of(name, module), name)
         mb.finished.add(index)
 

@@ -58,9 +58,10 @@ class MicroBatch:
 
     batch: int  # its number of samples
     inputs: set[int]  # storages of the model's own tensor inputs
-    # each layer call's per-sample squared norms (as the layer formed them), per layer type ("Linear"): widened to
-    # float64 and summed when read (sq, sq_by_type), not layer by layer (ops per layer in backward)
-    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # each layer call's per-sample squared norms (as the layer formed them) with its layer's name, per layer type
+    # ("Linear"): widened to float64 and summed when read (sq, sq_by_type), not layer by layer (ops per layer in
+    # backward); a layer found wrong when the norms are read is dropped from them (drop)
+    parts: dict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
     _sums: tuple | None = field(default=None, init=False, repr=False)  # (sq, sq_by_type) of the parts; None: to sum
     dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
     layers: dict[int, LayerCalls] = field(default_factory=dict)  # layer index -> its calls
@@ -91,12 +92,19 @@ class MicroBatch:
                                    "buffer?); read them before refilling the buffers, or pass a copy to the model")
         return self.positions
 
-    def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str) -> None:
-        """Adds a layer's squared norms (summed in `acc`, in any float dtype: widened to float64 when the parts are
-        summed), to the total and to its layer type's."""
-        self.parts.setdefault(layer_type, []).append(sq)
+    def add(self, sq: torch.Tensor, acc: torch.dtype, layer_type: str, layer: str) -> None:
+        """Adds layer `layer`'s squared norms (summed in `acc`, in any float dtype: widened to float64 when the parts
+        are summed), to the total and to its layer type's."""
+        self.parts.setdefault(layer_type, []).append((layer, sq))
         self._sums = None
         self.dtype = acc if self.dtype is None or self.dtype is acc else torch.promote_types(self.dtype, acc)
+
+    def drop(self, layers: set[str]) -> None:
+        """Takes the norms of these layers back out (found wrong when the norms were read: a parameter also used where
+        no rule saw it): the sums are formed again from the other layers' parts, the same bits as without them."""
+        kept = {t: [(n, sq) for n, sq in parts if n not in layers] for t, parts in self.parts.items()}
+        self.parts = {t: parts for t, parts in kept.items() if parts}
+        self._sums = None
 
     @property
     def sq(self) -> torch.Tensor | None:
@@ -110,7 +118,7 @@ class MicroBatch:
 
     def _summed(self) -> tuple:
         if self._sums is None:
-            by_type = {t: _sum_of(parts) for t, parts in self.parts.items()}
+            by_type = {t: _sum_of([sq for _, sq in parts]) for t, parts in self.parts.items()}
             self._sums = (_sum_of([by_type[t] for t in sorted(by_type)]) if by_type else None, by_type)
         return self._sums
 

@@ -294,12 +294,13 @@ class UseChecker:
         check.widen(dtype)
         check.seen_by_rule = True
 
-    def refuse_unseen_uses(self, skipped: set[str]) -> dict[str, list[str]]:
-        """Raises RuntimeError naming the covered parameters whose gradient got contributions that no rule saw besides
-        those it saw (the parameter was used outside its layer's forward as well as in it): their norms would be wrong.
-        Returns {layer: its parameters' names} of the layers whose parameters got gradients while no call of theirs
-        was seen (used only functionally: F.linear(x, layer.weight), a fused kernel taking the weights): their norms
-        added nothing, so they are to be left out (PerSampleGradNorms skips them) rather than refuse the rest.
+    def unseen_uses(self, skipped: set[str]) -> dict[str, tuple[str, bool]]:
+        """{layer: (why, whether a rule saw part of it)} of the layers whose parameters got gradient contributions no rule saw, to be left out of the
+        norms (PerSampleGradNorms skips them and takes back what they added; strict=True refuses): a parameter used
+        outside its layer's forward as well as in it (F.linear(h, self.tok.weight) beside the embedding, a layer's
+        weight read by another module), whose per-sample norms would be wrong, or a layer whose parameters got
+        gradients while no call of it was seen (used only functionally: F.linear(x, layer.weight), a fused kernel
+        taking the weights), which added nothing.
 
         A parameter's difference is judged against the larger of its own gradient's size and its layer's largest
         (a key projection's bias gets a gradient that cancels to rounding noise: softmax ignores it)."""
@@ -319,24 +320,24 @@ class UseChecker:
         for c, v in zip(checks, size):
             layer_size[c.layer] = _max_keeping_nan(layer_size.get(c.layer, v), v)
         scale = [_max_keeping_nan(v, layer_size[c.layer]) for c, v in zip(checks, size)]
-        bad = [d > s * c.rtol for c, d, s in zip(checks, diff, scale)]
-        if not any(bad):
-            return {}
-        partly = [b and c.seen_by_rule for c, b in zip(checks, bad)]
-        if not any(partly):
-            unseen: dict[str, list[str]] = {}
-            for c, b in zip(checks, bad):
-                if b:
+        partly: dict[str, list[str]] = {}
+        unseen: dict[str, list[str]] = {}
+        for c, d, s in zip(checks, diff, scale):
+            if d > s * c.rtol:
+                if c.seen_by_rule:
+                    partly.setdefault(c.layer, []).append(
+                        f"{c.name} (relative difference {d / max(s, torch.finfo(torch.float64).tiny):.2g})")
+                else:
                     unseen.setdefault(c.layer, []).append(c.name)
-            return unseen
-        named = [f"{c.name} (relative difference {d / max(v, torch.finfo(torch.float64).tiny):.2g})"
-                 for c, d, v, b in zip(checks, diff, scale, partly) if b]
-        raise RuntimeError(
-            f"PerSampleGradNorms: the gradient of {', '.join(named)} has contributions that "
-            "no per-sample rule saw: the parameter is used outside its layer's forward (e.g. F.linear(h, "
-            "self.tok.weight), or a layer's weight read by another module), so its per-sample norms would be wrong "
-            "and none are returned. Call the layer itself (tie weights by sharing the module), or freeze the "
-            "parameter.")
+        why = {layer: (f"the gradient of {', '.join(names)} has contributions that no per-sample rule saw: the "
+                       "parameter is used outside its layer's forward as well (e.g. F.linear(h, self.tok.weight), or a "
+                       "layer's weight read by another module), so its per-sample norms would be wrong. Call the layer "
+                       "itself (tie weights by sharing the module), or freeze the parameter", True)
+               for layer, names in partly.items()}
+        for layer, names in unseen.items():
+            why.setdefault(layer, (f"its parameters {names} got gradients while its forward never ran: they are used "
+                                   "functionally (F.linear(x, layer.weight), a fused kernel taking the weights)", False))
+        return why
 
     def _gather_into_arena(self) -> None:
         """After a step's comparison, its checks and the kept ones into a new arena when some are not in the current

@@ -210,9 +210,9 @@ def test_book_kept_output_can_be_modified_in_place():
     _check_exact(model, [(x, y)], _mse, bookkept=2)
 
 
-def test_a_bookkept_weight_used_outside_its_layer_is_still_refused():
+def test_a_bookkept_weight_used_outside_its_layer_is_still_caught():
     """The use check of a book-kept call sketches the weight gradient it formed: a use of the weight
-    outside the layer's forward still shows."""
+    outside the layer's forward still shows (left out, named; strict=True refuses)."""
     import torch.nn.functional as F
 
     class Reused(nn.Module):
@@ -225,8 +225,15 @@ def test_a_bookkept_weight_used_outside_its_layer_is_still_refused():
 
     torch.manual_seed(0)
     model = Reused()
+    x = torch.randn(3, 100, 64)
     norms = gapmon.PerSampleGradNorms(model, bookkeeping=True)  # T=100 > dp/(d+p): the direct form, book-kept
-    model(torch.randn(3, 100, 64)).sum().backward()
+    model(x).sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"layer 'a' is not per-sample \(the gradient of a.weight"):
+        norms.local_norms()
+    assert set(norms.coverage()["uncovered"]) == {"a.weight", "a.bias"}
+    norms.close()
+    norms = gapmon.PerSampleGradNorms(model, bookkeeping=True, strict=True)
+    model(x).sum().backward()
     with pytest.raises(RuntimeError, match="a.weight"):
         norms.local_norms()
 
@@ -295,7 +302,7 @@ def test_a_returned_gradient_that_reaches_its_hook_unchanged_is_not_sketched(ext
     torch.manual_seed(0)
     model = _LinearThenReadAgain(extra).double()
     x, y = torch.randn(5, 8, 6, dtype=torch.float64), torch.randn(5, 8, 3, dtype=torch.float64)
-    psn = gapmon.PerSampleGradNorms(model, bookkeeping=True)
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=True, strict=True)  # (refused each step, not left out from then on)
     for _ in range(2):  # the first step makes the probes; the second is counted
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _mse(model(x), y).backward()

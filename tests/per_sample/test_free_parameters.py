@@ -105,17 +105,27 @@ def test_a_use_the_tracking_cannot_follow_leaves_the_parameter_out_by_name():
         _norms(TinyViT(use="exp").double(), x, y, strict=True)
 
 
-def test_a_use_outside_the_forward_pass_is_refused():
+def test_a_use_outside_the_forward_pass_is_left_out_by_name():
     """The position embedding also read by the loss (a regulariser): its gradient gets a part no hook saw, which the
-    use check finds: no norms rather than wrong ones."""
+    use check finds: it is left out, named, and the rest is exact (strict=True refuses)."""
     torch.manual_seed(3)
     model = TinyViT().double()
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
-    (_loss(model(x), y) + model.pos_embed.square().sum()).backward()
-    with pytest.raises(RuntimeError, match="pos_embed"):
-        psn.local_norms()
-    psn.close()
+    for strict in (False, True):
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=strict)
+        model.zero_grad(set_to_none=True)
+        (_loss(model(x), y) + model.pos_embed.square().sum()).backward()
+        if strict:
+            with pytest.raises(RuntimeError, match="pos_embed"):
+                psn.local_norms()
+        else:
+            with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the gradient of pos_embed"):
+                got = psn.local_norms()
+            covered = set(psn.coverage()["covered"])
+            assert "pos_embed" not in covered and "cls_token" in covered
+            torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=covered), rtol=1e-10,
+                                       atol=1e-12)
+        psn.close()
 
 
 def test_a_class_token_concatenated_along_the_batch_is_left_out():

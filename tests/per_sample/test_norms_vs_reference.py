@@ -399,7 +399,9 @@ class UsedTwice(nn.Module):
     (OutputHeadTiedByFunction, lambda: (torch.randint(0, 11, (5, 4)), torch.randn(5, 4, 11)), ["tok.weight"]),
     (UsedTwice, lambda: (torch.randn(5, 4, 5), torch.randn(5, 4, 3)), ["a.weight"]),
 ], ids=["head-tied-by-F.linear", "weight-used-twice"])
-def test_a_parameter_used_outside_its_layer_is_refused_by_name(make, inputs, named, bookkeeping):
+def test_a_parameter_used_outside_its_layer_is_left_out_by_name_and_the_rest_is_exact(make, inputs, named, bookkeeping):
+    """Its layer (and what it is tied to) is left out, what it added taken back out, named; the other layers' norms
+    are exact (every norm was refused here); strict=True refuses."""
     torch.manual_seed(0)
     model = make().double()
     x, y = inputs()
@@ -407,13 +409,22 @@ def test_a_parameter_used_outside_its_layer_is_refused_by_name(make, inputs, nam
     psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping)
     for _ in range(2):  # two micro-batches
         _loss(model(x), y.double()).backward()
-    with pytest.raises(RuntimeError, match="no per-sample rule saw") as info:
-        psn.local_norms()
+    with pytest.warns(RuntimeWarning, match="no per-sample rule saw") as caught:
+        got = psn.local_norms()
+    cov = psn.coverage()
     psn.close()
-    message = str(info.value)
+    message = " ".join(str(w.message) for w in caught)
     assert all(f"{n} (relative difference" in message for n in named), message
     others = {n for n, _ in model.named_parameters()} - set(named)
     assert not any(f"{n} (relative" in message for n in others), message
+    assert set(named) <= set(cov["uncovered"]) and cov["covered"]
+    want = loop_per_sample_norms(model, _loss, x, y.double(), params=set(cov["covered"]))
+    _assert_exact(got, torch.cat([want, want]))
+    strict = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, strict=True)
+    _loss(model(x), y.double()).backward()
+    with pytest.raises(RuntimeError, match="no per-sample rule saw"):
+        strict.local_norms()
+    strict.close()
 
 
 @BOOKKEEPING
@@ -494,7 +505,7 @@ def test_the_use_check_starts_over_every_step():
     exact, a bad step after a clean one is refused, and a parameter resized between steps is checked at its new shape."""
     torch.manual_seed(0)
     model = SometimesUsedTwice().double()
-    psn = gapmon.PerSampleGradNorms(model)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)  # (refused, not left out from then on)
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     for twice in (True, False, True, False):
         if _step_refused(psn, model, twice, x, y, r"a\.weight \(relative difference"):
@@ -541,7 +552,7 @@ def test_the_use_check_arena_holds_the_kept_checks_by_dtype():
     after clean steps, and a clean step after it is exact again."""
     torch.manual_seed(0)
     model = MixedPrecisionUsedTwice()
-    psn = gapmon.PerSampleGradNorms(model)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)  # (refused, not left out from then on)
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3)
     for step, twice in enumerate((False, False, True, False)):
         if _step_refused(psn, model, twice, x, y, r"b\.weight \(relative difference"):
@@ -578,7 +589,7 @@ def test_the_use_check_names_the_one_parameter_among_many(depth):
     torch.manual_seed(0)
     model = DeepUsedTwice(depth).double()
     x, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.randn(4, 3, 5, dtype=torch.float64)
-    psn = gapmon.PerSampleGradNorms(model)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
     _loss(model(x), y).backward()
     with pytest.raises(RuntimeError, match="no per-sample rule saw") as info:
         psn.local_norms()
@@ -653,7 +664,7 @@ def test_sparse_embedding_gradients_are_checked():
             return self.tok(ids) + F.embedding(ids.flip(0), self.tok.weight, sparse=True)
 
     model = SparseTied().double()
-    psn = gapmon.PerSampleGradNorms(model)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
     _loss(model(ids), torch.randn(5, 4, 6, dtype=torch.float64)).backward()
     with pytest.raises(RuntimeError, match=r"tok\.weight \(relative difference"):
         psn.local_norms()
