@@ -284,6 +284,7 @@ class BatchTracker(TorchFunctionMode):
 
     # ------------------------------------------------------------------ rules
     def status_by_rules(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+        """The status of op `name`'s output from its inputs' ((tensor, status) each), by the rule of the op's family."""
         for _, st in inputs:
             if type(st) is not int:
                 break
