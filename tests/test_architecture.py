@@ -240,7 +240,8 @@ def test_per_sample_rules_are_one_family_per_file_and_registered():
 
     files = {p.stem for p in (PACKAGE / "per_sample" / "rules").glob("*.py")} - {"__init__", "base"}
     assert files == {m.__name__.rsplit(".", 1)[1] for m in rules.RULE_MODULES} == {
-        "linear", "conv", "conv_transpose", "embedding", "normalization", "attention", "recurrent", "activation"}
+        "linear", "conv", "conv_transpose", "embedding", "normalization", "attention", "recurrent", "activation",
+        "mixture_of_experts"}
     registered = {m.__name__: set() for m in rules.RULE_MODULES}
     for layer, rule in base.registered_rules().items():
         module = type(rule).__module__

@@ -81,12 +81,16 @@ class LayerCoverage:
             if rule is not None and rule.owns_submodules:
                 owned.update(id(sub) for sub in module.modules() if sub is not module)
         self.layers: list[tuple[str, nn.Module, NormRule]] = []  # (name, module, rule)
+        self.row_keeping: list[tuple[str, nn.Module]] = []  # blocks whose output rows are their input's (keeps_rows_only)
         reasons: dict[str, str] = {}  # uncovered parameter -> why
         ruled: set[int] = set()  # parameters a module with a rule holds (its submodules' too)
         for name, module in model.named_modules():
             if id(module) in owned:
                 continue
             rule = rule_for(module)
+            if rule is not None and rule.keeps_rows_only:
+                self.row_keeping.append((clean_name(name), module))
+                continue
             if rule is not None:
                 ruled.update(id(p) for p in module.parameters())
             # Every parameter, trainable or not: a layer frozen now may be unfrozen later.

@@ -28,6 +28,20 @@ def _dtype_of(g: torch.Tensor | tuple) -> torch.dtype:
 
 
 
+def rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
+    """A layer whose rule holds works row by row over its input's leading dims (moves_batch): its output has the
+    batch where its input has it, whatever the layer did inside. The tracking may have lost it there (Hugging
+    Face's Conv1D merges the rows into one dim for addmm and splits them again; a mixture of experts gathers rows
+    per expert and adds them back into a new tensor): it is restored."""
+    status = tracking.status(output) if output is not None else 0
+    if status is not None and not isinstance(status, str):
+        return
+    x = args[0] if args else kwargs.get("input")
+    dim = tracking.status(x) if isinstance(x, torch.Tensor) else None
+    if type(dim) is int and dim < min(x.dim(), output.dim()) and output.shape[:dim + 1] == x.shape[:dim + 1]:
+        tracking.mark(output, dim)
+
+
 class LayerHooks:
     """The hooks on the covered `layers` ((name, module, rule) each). With `bookkeeping`, a Linear layer's
     output is replaced so that its weight gradient is formed from the per-sample gradients."""
@@ -52,6 +66,7 @@ class LayerHooks:
         self._handles += [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
                                                   prepend=bookkeeping)
                           for i, (_, m, _) in enumerate(layers)]
+        self._handles += [m.register_forward_hook(self._rows_kept_hook, with_kwargs=True) for _, m in coverage.row_keeping]
 
     def close(self) -> None:
         for h in self._handles:
@@ -129,20 +144,14 @@ class LayerHooks:
         if replaced is not None and tracking is not None:
             tracking.mark(replaced, tracking.status(first_tensor(output)))
         elif tracking is not None and self.layers[index][2].moves_batch:
-            self._rows_kept(tracking, args, kwargs, first_tensor(output))
+            rows_kept(tracking, args, kwargs, first_tensor(output))
         return replaced
 
-    @staticmethod
-    def _rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
-        """A layer whose rule holds works row by row over its input's leading dims (moves_batch): its output has the
-        batch where its input has it, whatever the layer did inside. The tracking may have lost it there (Hugging
-        Face's Conv1D merges the rows into one dim for addmm and splits them again): it is restored."""
-        if output is None or not isinstance(tracking.status(output), str):
-            return
-        x = args[0] if args else kwargs.get("input")
-        dim = tracking.status(x) if isinstance(x, torch.Tensor) else None
-        if type(dim) is int and dim < min(x.dim(), output.dim()) and output.shape[:dim + 1] == x.shape[:dim + 1]:
-            tracking.mark(output, dim)
+    def _rows_kept_hook(self, module: nn.Module, args, kwargs, output) -> None:
+        """A block whose output rows are its input rows' alone (a rule's keeps_rows_only: a mixture of experts)."""
+        tracking = self.state.tracking
+        if self.state.collecting and tracking is not None and not torch.compiler.is_compiling():
+            rows_kept(tracking, args, kwargs, first_tensor(output))
 
     def _follow_call(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         outputs = output

@@ -336,3 +336,31 @@ def test_hugging_face_families_under_fsdp2_per_block():
     from helpers import run_distributed
 
     run_distributed(_fsdp2_worker, 2)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_blocks_keep_the_layers_after_them_covered(family):
+    """Mixtral's and Qwen2-MoE's blocks route each token on its own: the layers after them (the next block, the
+    head) are covered and exact (float32: transformers' grouped matrix products take no float64); their routers and
+    experts are left out, named."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=16)
+    if family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
+                                                                           num_experts_per_tok=2))
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8))
+    ids = torch.randint(0, VOCAB, (3, SEQ))
+
+    def loss_of(m, s):
+        logits = m(input_ids=ids[s]).logits[:, :-1].double()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), ids[s][:, 1:].reshape(-1), reduction="sum")
+
+    got, want, cov, _ = _exact_norms(model, loss_of, 3)
+    assert {n.split(".mlp.")[-1] for n in cov["uncovered"]} == {"gate.weight", "experts.gate_up_proj",
+                                                                "experts.down_proj"}
+    assert "lm_head.weight" in cov["covered"] and "model.layers.1.self_attn.q_proj.weight" in cov["covered"]
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-7)

@@ -1,6 +1,8 @@
 """Per-sample norms are exact or refused: frozen parameters, modules called twice, embeddings that
 scale by frequency, modules that bypass their submodules, the batch dimension, and the layer rules
 that Opacus users expect (Conv, GroupNorm, InstanceNorm). References: a float64 loop over samples."""
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 from helpers import loop_per_sample_norms
 
 import gapmon
+from gapmon.per_sample.rules import register_norm_rule
 
 
 def _sq_loss(out, t):
@@ -616,3 +619,53 @@ def test_a_transformers_layer_copying_a_registered_ones_code_takes_its_rule(tmp_
     assert set(cov["covered"]) == {"0.weight", "0.bias", "1.weight", "2.weight", "2.bias"}
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+class _TokenWiseExperts(nn.Module):
+    """A mixture of two experts, each token routed to its best one (the rows gathered per expert, multiplied by the
+    expert's weight, added back into a new tensor): the output's rows are the input's alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(6, 2, dtype=torch.float64))
+        self.experts = nn.Parameter(torch.randn(2, 6, 6, dtype=torch.float64) * 0.3)
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        scores = (rows @ self.router).softmax(-1)
+        weight, expert = scores.max(-1)
+        out = torch.zeros_like(rows)
+        for e in range(2):
+            picked = (expert == e).nonzero().squeeze(1)
+            out = out.index_add(0, picked, (rows[picked] @ self.experts[e]) * weight[picked, None])
+        return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_a_token_wise_mixture_of_experts_keeps_the_layers_after_it_covered(registered):
+    """Its routing loses the batch in the tracking (index_add into a new tensor); declared token-wise (the rule of
+    transformers' Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3 blocks) its output gets it back: the head after it is covered
+    and exact, the router and experts (matrix products of routed rows) are left out, named."""
+    from gapmon.per_sample.rules.mixture_of_experts import TokenWiseBlockRule
+
+    class Experts(_TokenWiseExperts):
+        pass
+
+    if registered:
+        register_norm_rule(Experts)(TokenWiseBlockRule)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), Experts(), nn.LayerNorm(6), nn.Linear(6, 3)).double()
+    x, y = torch.randn(4, 7, 5, dtype=torch.float64), torch.randn(4, 7, 3, dtype=torch.float64)
+    loss = lambda out, target: ((out - target) ** 2).sum((1, 2)).mean()  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        psn = gapmon.PerSampleGradNorms(model)
+        loss(model(x), y).backward()
+        got, cov = psn.local_norms(), psn.coverage()
+        psn.close()
+    after = {"2.weight", "2.bias", "3.weight", "3.bias"}
+    assert {"1.router", "1.experts"} <= set(cov["uncovered"])
+    assert (after <= set(cov["covered"])) == registered
+    assert any("'1.experts' is not per-sample" in str(w.message) for w in caught)
+    want = loop_per_sample_norms(model, loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -4,7 +4,7 @@ A rule turns one call of a layer into per-sample squared norms of its trainable 
 (gapmon.per_sample.rules.base says how). Register a rule for your own layer type with
 ``register_norm_rule(MyLayer)(MyRule)``.
 """
-from . import activation, attention, conv, conv_transpose, embedding, linear, recurrent
+from . import activation, attention, conv, conv_transpose, embedding, linear, mixture_of_experts, recurrent
 from . import normalization as norms
 from .activation import PReLURule
 from .attention import MultiheadAttentionRule
@@ -36,7 +36,7 @@ from .normalization import (
 )
 from .recurrent import RecurrentCellRule, RecurrentRule
 
-RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent, activation)
+RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent, activation, mixture_of_experts)
 
 __all__ = [
     "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "overrides_ruled_forward", "sketch", "add_sketch",

@@ -178,6 +178,9 @@ class NormRule:
     # True: the layer works row by row over the leading dims of its first input (Linear, LayerNorm,
     # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
     moves_batch = False
+    # True: a block whose output rows are its input rows' alone, with no parameter of its own for the rule (a
+    # mixture of experts routing each token on its own): the hooks only put the batch back on its output.
+    keeps_rows_only = False
     # The dtype the layer forms its parameters' gradient in where that is coarser than its output gradient's (Gemma's
     # RMSNorm multiplies by the weight in float32 in a float64 model): the use check allows its rounding.
     compute_dtype: torch.dtype | None = None
