@@ -95,12 +95,12 @@ class Shared(NamedTuple):
 
 
 _COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda"}
-# Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
 # Ops that only move a tensor's elements (a free parameter's positions follow them: free_parameters.Piece.rearranged)
 _REARRANGES: dict[str, Callable] = {
     "permute": lambda t, *dims: t.permute(*dims), "transpose": torch.transpose, "swapaxes": torch.transpose,
     "swapdims": torch.transpose, "movedim": torch.movedim, "moveaxis": torch.movedim, "t": torch.t,
     "flip": torch.flip}
+# Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
 _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
                         "ravel"}
 _ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
@@ -601,7 +601,10 @@ def _shared_add(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, 
             st.owner.on_add(out, t, d, sign)
             return d
     elif type(plain[0][1]) is Merged and hasattr(st.owner, "sliced"):
-        merged = tracker.merged_status(name, args, kwargs, plain, out)
+        try:
+            merged = tracker.merged_status(name, args, kwargs, plain, out)
+        except Lost:
+            return None  # (reported as an escape by the caller, then lost again)
         st.owner.on_add(out, t, merged.dim, sign, merged.inner)
         return merged
     return None
