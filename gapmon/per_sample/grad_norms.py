@@ -324,12 +324,12 @@ class PerSampleGradNorms(GradientProducts):
                 self._layer_hooks.finish(index, mb)
         self._layer_hooks.shared.flush_refused()
         self._free.finish(self._state.micro)
-        unseen = self._checker.unseen_uses(self._coverage.skipped)
-        for layer, (why, partly) in unseen.items():
+        for layer, (why, partly) in self._checker.unseen_uses(self._coverage.skipped).items():
             self._coverage.skip(layer, FREE_UNSEEN if layer in self._coverage.free and not partly else why)
-        if unseen:  # what they (and the layers tied to them) added is taken back out
-            for mb in self._state.micro:
-                mb.drop(self._coverage.skipped)
+        # What the layers left out at run time added (an earlier micro-batch of the step, the layers tied to one found
+        # wrong now) is taken back out: the norms are those of the parameters coverage() lists.
+        for mb in self._state.micro:
+            mb.drop(self._coverage.skipped)
         self._state.collected = True
 
     def _per_sample(self, squared) -> torch.Tensor:

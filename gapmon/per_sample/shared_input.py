@@ -90,7 +90,7 @@ class SharedInputs:
 
     def __init__(self, hooks: Any):
         self.hooks = hooks
-        self.refused: list[tuple[str, str, bool]] = []  # (layer, why, its norms added earlier in the step)
+        self.refused: list[tuple[str, str]] = []  # (layer, why)
 
     def follow(self, index: int, mb: Any, module: torch.nn.Module, rule: Any, x: torch.Tensor,
                output: torch.Tensor) -> None:
@@ -110,22 +110,14 @@ class SharedInputs:
 
         def refuse(why: str) -> None:
             mb.layers.pop(index, None)
-            # Its norms were added in an earlier micro-batch of this step: leaving it out now would keep half of them.
-            self.refused.append((name, why, any(index in m.finished for m in hooks.state.micro)))
+            self.refused.append((name, why))
 
         hooks.state.tracking.mark(output, Shared(SharedCall(output, mb.batch, done, refuse)))
 
     def flush_refused(self) -> None:
         """Skips the layers found in backward not to be per-sample after all (coverage.skip warns, or raises under
-        strict: here, outside backward); RuntimeError for one whose norms an earlier micro-batch of the step added."""
+        strict: here, outside backward). Norms an earlier micro-batch of the step added for one are taken back out
+        with the skipped layers' (PerSampleGradNorms reads the norms without them)."""
         refused, self.refused = self.refused, []
-        coverage = self.hooks.coverage
-        added = [f"'{name}' ({why})" for name, why, was_added in refused if was_added]
-        if added:
-            coverage.skipped.update(name for name, _, was_added in refused if was_added)
-            raise RuntimeError(
-                f"PerSampleGradNorms: layer {', '.join(added)} was per-sample in an earlier micro-batch of this step and "
-                "not in a later one, so its norms cannot be completed and none are returned; the layer is left out from "
-                "the next step on.")
-        for name, why, _ in refused:
-            coverage.skip(name, why)
+        for name, why in refused:
+            self.hooks.coverage.skip(name, why)

@@ -368,24 +368,38 @@ def test_a_shared_output_used_besides_its_add_is_left_out(extra):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_a_shared_output_that_stops_being_added_mid_step_is_refused():
-    """Added to the batch in the first micro-batch (its norms added), used otherwise in the second: half of its norms
-    would remain, so the step's norms are refused, naming it, and the layer is left out from then on."""
+def test_a_shared_output_that_stops_being_added_mid_step_is_left_out():
+    """Added to the batch in the first micro-batch (its norms added), used otherwise in the second: it is left out,
+    named, and what the first micro-batch added taken back out, so the step's norms are the rest's, exact (they were
+    refused); strict=True refuses. It stays left out from then on."""
     torch.manual_seed(0)
     model = _Positions("add").double()
     ids, y = torch.randint(0, 11, (3, 6)), torch.randn(3, 6, 3, dtype=torch.float64)
-    psn = gapmon.PerSampleGradNorms(model)
-    _loss(model(ids), y).backward()
-    model.extra = "scaled"
-    _loss(model(ids), y).backward()
-    with pytest.raises(RuntimeError, match="'pos' .*earlier micro-batch"):
+
+    def step(psn, extras):
+        for extra in extras:
+            model.extra = extra
+            _loss(model(ids), y).backward()
+
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
+    step(psn, (None, "scaled"))
+    with pytest.raises(RuntimeError, match="'pos' is not per-sample"):
         psn.local_norms()
-    model.extra = None
-    _loss(model(ids), y).backward()
-    got, cov = psn.local_norms(), psn.coverage()
     psn.close()
-    assert "pos.weight" not in cov["covered"]
-    _exact(got, loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"])))
+    psn = gapmon.PerSampleGradNorms(model)
+    step(psn, (None, "scaled"))
+    with pytest.warns(RuntimeWarning, match="'pos' is not per-sample"):
+        got = psn.local_norms()
+    step(psn, (None,))  # the next step: still left out
+    then, covered = psn.local_norms(), set(psn.coverage()["covered"])
+    psn.close()
+    assert "pos.weight" not in covered
+    want = []
+    for extra in (None, "scaled"):
+        model.extra = extra
+        want.append(loop_per_sample_norms(model, _loss, ids, y, params=covered))
+    _exact(got, torch.cat(want))
+    _exact(then, want[0])
 
 
 def test_type_as_takes_the_status_of_its_first_input_only():
