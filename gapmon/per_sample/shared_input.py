@@ -5,10 +5,13 @@ sum it is added to still holds every sample's. So the call's output is followed 
 is added to a batched tensor, a hook on the sum reads that gradient per sample (summed over the dims the output was
 broadcast along); when its own gradient arrives (every use of it summed), that must equal the per-sample
 gradients summed over the samples, else it had a use the hook did not see, and the layer is left out, named.
-Copies and casts of the output are followed; any other use of it leaves the layer out. Exact: nothing is guessed.
+Copies and casts of the output are followed, and its reshapes and permutes (T5's relative attention bias, permuted
+to [1, heads, T, T] before it is added to the scores: each element's gradient is put back where it sits in the
+output); any other use of it leaves the layer out. Exact: nothing is guessed.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -34,27 +37,42 @@ class SharedCall:
         self.escaped: str | None = None
         output.register_hook(self._whole)
 
-    def on_add(self, total: torch.Tensor, output: torch.Tensor, dim: int, sign: int) -> None:
-        """`output` (a copy of the call's output) was added (sign 1) or subtracted (-1) to a tensor batched on `dim`
-        giving `total`: the gradient of `total`, summed over the dims `output` was broadcast along, is sample b's
-        gradient of the output at index b of `dim`."""
+    def on_add(self, total: torch.Tensor, output: torch.Tensor, dim: int, sign: int,
+               positions: torch.Tensor | None = None) -> None:
+        """`output` (a copy of the call's output, or a view of it whose elements sit at `positions` of the output) was
+        added (sign 1) or subtracted (-1) to a tensor batched on `dim` giving `total`: the gradient of `total`, summed
+        over the dims `output` was broadcast along, is sample b's gradient of the output at index b of `dim`."""
         aligned = (1,) * (total.dim() - output.dim()) + tuple(output.shape)
         if aligned[dim] != 1:
             self.on_escape("an add that does not broadcast it over the batch")
             return
         broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
-        total.register_hook(lambda g: self._add(g, dim, broadcast, sign))
+        total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions))
 
     def on_escape(self, what: str) -> None:
         self.escaped = self.escaped or what
 
-    def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int) -> None:
+    def reshaped(self, out: torch.Tensor) -> "SharedView | None":
+        """A view of the output with its elements in order (T5's relative attention bias, unsqueezed)."""
+        return SharedView(self, self._positions()).reshaped(out)
+
+    def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable) -> "SharedView | None":
+        """A permutation of the output's elements (T5's `bias.permute(2, 0, 1)`)."""
+        return SharedView(self, self._positions()).rearranged(t, out, how)
+
+    def _positions(self) -> torch.Tensor:
+        return torch.arange(math.prod(self.shape)).reshape(self.shape)
+
+    def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int, positions: torch.Tensor | None) -> None:
         g = g.detach()
         if broadcast:
             g = g.sum(broadcast, keepdim=True)
         g = g.movedim(dim, 0).reshape(self.batch, -1)
+        if positions is not None:  # a view's elements back where they sit in the output
+            g = g.new_zeros(self.batch, math.prod(self.shape)).index_add_(1, positions.to(g.device).reshape(-1), g)
         g = -g if sign < 0 else g
         self.per_sample = g if self.per_sample is None else self.per_sample + g
+
 
     def _whole(self, g: torch.Tensor) -> None:
         """The output's own gradient (every use summed): the per-sample gradients must add up to it."""
@@ -72,6 +90,31 @@ class SharedCall:
             self.refuse("its output, shared by every sample, has a use besides its adds to batched tensors")
             return
         self.done(self.per_sample)
+
+
+class SharedView:
+    """A view of a SharedCall's output (reshaped, permuted): its elements' positions in the output, so that where it is
+    added to the batch the per-sample gradient is put back in the output's layout."""
+
+    def __init__(self, call: SharedCall, positions: torch.Tensor):
+        self.call, self.positions = call, positions
+
+    def on_add(self, total: torch.Tensor, view: torch.Tensor, dim: int, sign: int) -> None:
+        self.call.on_add(total, view, dim, sign, self.positions)
+
+    def on_escape(self, what: str) -> None:
+        self.call.on_escape(what)
+
+    def reshaped(self, out: torch.Tensor) -> "SharedView | None":
+        if out.numel() != self.positions.numel():
+            return None
+        return SharedView(self.call, self.positions.reshape(out.shape))
+
+    def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable) -> "SharedView | None":
+        if tuple(t.shape) != tuple(self.positions.shape):
+            return None
+        moved = how(self.positions)
+        return SharedView(self.call, moved) if tuple(moved.shape) == tuple(out.shape) else None
 
 
 def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:

@@ -539,3 +539,31 @@ def test_attention_over_a_merged_batch_loses_it():
         per_window = torch.nn.functional.scaled_dot_product_attention(windows, windows, windows)
     assert tracker.status(rows) == Merged(1, 3) and isinstance(tracker.status(over_rows), str)
     assert tracker.status(per_window) == Merged(0, 3)
+
+
+class RelativeAttentionBias(nn.Module):
+    """T5's relative attention bias: an embedding of the [T, T] buckets every sample shares, permuted to
+    [1, heads, T, T] and added to each sample's attention scores (eager attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(4, 4) for _ in range(4))
+        self.rel = nn.Embedding(5, 2)
+
+    def forward(self, x):  # x [B, T, 4]
+        b, t, _ = x.shape
+        q, k, v = (layer(x).view(b, t, 2, 2).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        buckets = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).clamp(-2, 2) + 2
+        bias = self.rel(buckets).permute(2, 0, 1).unsqueeze(0)
+        scores = q @ k.transpose(-1, -2) + bias
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 4))
+
+
+@BOOKKEEPING
+def test_a_relative_attention_bias_permuted_before_its_add_is_exact(bookkeeping):
+    torch.manual_seed(0)
+    model = RelativeAttentionBias().double()
+    x, y = torch.randn(B, 5, 4, dtype=torch.float64), torch.randn(B, 5, 4, dtype=torch.float64)
+    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
+    assert "rel.weight" in cov["covered"]
+    _exact(got, _reference(model, x, y, cov))
