@@ -347,6 +347,9 @@ class BatchTracker(TorchFunctionMode):
                 if type(d) is int:
                     st.owner.on_mul(out, plain[0][0], d)
                     return d
+            contracted = _shared_contraction(self, name, args, t, st, plain, out)
+            if contracted is not None:
+                return contracted
         if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
                 hasattr(st.owner, "on_cat") for _, st in shared):
             try:
@@ -608,6 +611,60 @@ def _shared_add(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, 
         st.owner.on_add(out, t, merged.dim, sign, merged.inner)
         return merged
     return None
+
+
+def _contraction_equation(name: str, args: Sequence, x: torch.Tensor, d: int, t: torch.Tensor,
+                          merged: bool = False) -> str | None:
+    """The einsum equation of each sample's gradient of t from (x, the output's gradient) where the op contracts x,
+    batched on its dim d, with t: F.linear(x, t) (t [p, q]), x @ t (t [q, p]), a two-operand einsum. `merged`: x's dim
+    d holds the batch merged with the rows after it, split in two dims (d, d + 1) when the equation is used (a MoE
+    router's F.linear over [B·T, d]). None otherwise."""
+    if name in ("linear", "matmul", "__matmul__"):
+        if args[0] is not x or len(args) < 2 or args[1] is not t or t.dim() != 2 or not 0 <= d < x.dim() - 1:
+            return None
+        lead = "abcdefghijklm"[:x.dim() - 1 + merged]
+        return f"{lead}q,{lead}p->{lead[d]}pq" if name == "linear" else f"{lead}q,{lead}p->{lead[d]}qp"
+    if name != "einsum" or merged:
+        return None
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    equation = args[0].replace(" ", "") if isinstance(args[0], str) else ""
+    if len(operands) != 2 or "->" not in equation or "..." in equation:
+        return None
+    (spec_a, spec_b), rhs = equation.split("->")[0].split(","), equation.split("->")[1]
+    if operands[0] is x and operands[1] is t:
+        spec_x, spec_t = spec_a, spec_b
+    elif operands[1] is x and operands[0] is t:
+        spec_x, spec_t = spec_b, spec_a
+    else:
+        return None
+    batch = spec_x[d]
+    if any(len(set(spec)) != len(spec) for spec in (spec_x, spec_t, rhs)) or batch in spec_t or batch not in rhs \
+            or not set(spec_t) <= set(spec_x) | set(rhs):
+        return None
+    return f"{spec_x},{rhs}->{batch}{spec_t}"
+
+
+def _shared_contraction(tracker: BatchTracker, name: str, args: Sequence, t: torch.Tensor, st: Shared, plain: list,
+                        out: torch.Tensor) -> Any:
+    """out = a contraction of t (Shared: a model's own parameter, whole) with one batched tensor (a weight in F.linear,
+    `x @ W`, an einsum), or with rows merged with the batch: its owner gets the equation of each sample's gradient
+    (on_contract) and out's status is returned; None when this is no such op."""
+    if not hasattr(st.owner, "on_contract") or getattr(st.owner, "base", None) != tuple(t.shape) or len(plain) != 1 \
+            or type(plain[0][1]) not in (int, Merged):
+        return None
+    x, status = plain[0]
+    merged = type(status) is Merged
+    equation = _contraction_equation(name, args, x, status.dim if merged else status, t, merged)
+    if equation is None:
+        return None
+    try:
+        status = (tracker.merged_status if merged else tracker.status_by_rules)(name, args, {}, plain, out)
+    except Lost:
+        return None  # (reported as an escape by the caller, then lost again)
+    if type(status) not in (int, Merged):
+        return None
+    st.owner.on_contract(out, x, equation, (status.dim, status.inner) if merged else None)
+    return status
 
 
 def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:

@@ -25,6 +25,8 @@ from ..utils import is_dtensor
 from .batch_provenance import Shared
 from .rules.base import overrides_ruled_forward
 
+# The most elements of per-sample gradients a contraction of a free parameter forms at once (batch · numel).
+_MAX_FORMED = 1 << 26
 # Why a free parameter is left out when the use check finds a gradient no followed use explains.
 FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the forward pass, or in one run without "
                "grad (reentrant activation checkpointing)")
@@ -272,6 +274,32 @@ class Piece:
 
         out.register_hook(hook)
 
+    def on_contract(self, out: torch.Tensor, other: torch.Tensor, equation: str,
+                    merged: tuple[int, int] | None = None) -> None:
+        """This piece contracted with `other`, batched, into `out` (a weight in F.linear, `x @ W`, an einsum: MoE
+        routers, XLNet's projections): each sample's gradient is einsum(equation, other, g), [batch, *piece shape],
+        formed whole (none where batch · numel exceeds _MAX_FORMED elements: left out, named). `merged` (dim, inner):
+        other's and out's dim holds the batch merged with `inner` rows each, split in two for the equation."""
+        if self.uses.batch * _numel(self.base) > _MAX_FORMED:
+            self.on_escape(f"a matrix product, its per-sample gradients more than {_MAX_FORMED} elements")
+            return
+        if not out.requires_grad:  # (as on_add)
+            return
+        other, version = other.detach(), _torch_compat.version_counter(other)
+
+        def hook(g: torch.Tensor) -> None:
+            if _torch_compat.version_counter(other) != version:
+                self.on_escape("a product with a tensor changed in place afterwards")
+                return
+            wide = torch.promote_types(torch.promote_types(g.dtype, other.dtype), torch.float32)
+            a, g = other.to(wide), g.detach().to(wide)
+            if merged is not None:
+                a, g = (u.unflatten(merged[0], (self.uses.batch, merged[1])) for u in (a, g))
+            per_sample = torch.einsum(equation, a, g)
+            self._add(per_sample.reshape(self.uses.batch, -1), torch.promote_types(g.dtype, other.dtype))
+
+        out.register_hook(hook)
+
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         """t (this piece, expanded over the batch on `dim`) is rows [start, start + t.shape[cat_dim]) of `out` along
         `cat_dim`."""
@@ -326,6 +354,11 @@ class PieceSum:
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         for p in self.pieces:
             p.on_mul(out, other, dim)
+
+    def on_contract(self, out: torch.Tensor, other: torch.Tensor, equation: str,
+                    merged: tuple[int, int] | None = None) -> None:
+        for p in self.pieces:
+            p.on_contract(out, other, equation, merged)
 
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         for p in self.pieces:

@@ -345,8 +345,9 @@ def test_hugging_face_families_under_fsdp2_per_block():
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_mixture_of_experts_blocks_keep_the_layers_after_them_covered(family):
     """Mixtral's and Qwen2-MoE's blocks route each token on its own: the layers after them (the next block, the
-    head) are covered and exact (float32: transformers' grouped matrix products take no float64); their routers and
-    experts are left out, named."""
+    head) are covered and exact (float32: transformers' grouped matrix products take no float64), their routers too
+    (F.linear over the tokens merged with the batch); their experts (grouped products of routed rows) are left out,
+    named."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
@@ -364,7 +365,26 @@ def test_mixture_of_experts_blocks_keep_the_layers_after_them_covered(family):
         return F.cross_entropy(logits.reshape(-1, VOCAB), ids[s][:, 1:].reshape(-1), reduction="sum")
 
     got, want, cov, _ = _exact_norms(model, loss_of, 3)
-    assert {n.split(".mlp.")[-1] for n in cov["uncovered"]} == {"gate.weight", "experts.gate_up_proj",
-                                                                "experts.down_proj"}
+    assert {n.split(".mlp.")[-1] for n in cov["uncovered"]} == {"experts.gate_up_proj", "experts.down_proj"}
     assert "lm_head.weight" in cov["covered"] and "model.layers.1.self_attn.q_proj.weight" in cov["covered"]
     torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-7)
+
+
+def test_xlnet_projections_contracted_by_einsum_are_exact():
+    """XLNet's relative attention holds its projections as parameters and applies them by einsum over
+    sequence-first activations ("ibh,hnd->ibnd"): each sample's gradient is formed by the matching einsum."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = transformers.XLNetLMHeadModel(transformers.XLNetConfig(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2,
+                                                                   d_inner=24, dropout=0.0)).double()
+    ids = torch.randint(0, VOCAB, (3, SEQ))
+
+    def loss_of(m, s):
+        return F.cross_entropy(m(input_ids=ids[s]).logits.reshape(-1, VOCAB), ids[s].reshape(-1), reduction="sum")
+
+    for p in (model.transformer.mask_emb, *(layer.rel_attn.seg_embed for layer in model.transformer.layer),
+              *(layer.rel_attn.r_s_bias for layer in model.transformer.layer)):
+        p.requires_grad_(False)  # (used only with token types or target mappings: no gradient here)
+    got, want, cov, _ = _exact_norms(model, loss_of, 3, strict=True)
+    assert not cov["uncovered"] and {"transformer.layer.0.rel_attn.q", "transformer.layer.1.rel_attn.r"} <= set(cov["covered"])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from helpers import loop_per_sample_norms
 
 import gapmon
@@ -468,3 +469,53 @@ def test_a_relative_position_table_added_to_windows_merged_with_the_batch_is_exa
     got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
     assert "table" in cov["covered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+class Contracted(nn.Module):
+    """A model's own weights contracted with the batch: a leaf layer calling F.linear on its weight, `x @ W`, XLNet's
+    sequence-first einsum ("ibh,hnd->ibnd"), and a router's F.linear over the tokens merged with the batch."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use = use
+        shape = {"linear": (6, 4), "merged": (6, 4), "matmul": (4, 6), "einsum": (4, 2, 3)}[use]  # (out, in), (in, out)
+        self.w = nn.Parameter(torch.randn(shape) * 0.5)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # x [B, T, 4]
+        if self.use == "linear":
+            return self.head(torch.tanh(F.linear(x, self.w)))
+        if self.use == "matmul":
+            return self.head(torch.tanh(x @ self.w))
+        if self.use == "einsum":
+            h = torch.einsum("ibh,hnd->ibnd", x.transpose(0, 1), self.w).transpose(0, 1)
+            return self.head(torch.tanh(h.flatten(2)))
+        rows = x.reshape(-1, x.shape[-1])  # "merged": a router over the tokens
+        scores = F.linear(rows, self.w).softmax(-1).reshape(*x.shape[:2], -1)
+        return self.head(scores * x.sum(-1, keepdim=True))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use", ["linear", "matmul", "einsum", "merged"])
+def test_a_parameter_contracted_with_the_batch_is_exact(use, bookkeeping):
+    torch.manual_seed(12)
+    model = Contracted(use).double()
+    x, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert "w" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_a_contracted_parameter_too_large_to_form_per_sample_is_left_out_by_name(monkeypatch):
+    from gapmon.per_sample import free_parameters
+
+    monkeypatch.setattr(free_parameters, "_MAX_FORMED", 4 * 24 - 1)  # batch 4 · 24 elements of w: one too many
+    torch.manual_seed(12)
+    model = Contracted("matmul").double()
+    x, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"'w' is not per-sample \(the model uses this parameter in a matrix product"):
+        got, cov = _norms(model, x, y)
+    assert "w" in cov["uncovered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
