@@ -255,24 +255,13 @@ class Piece:
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
-        gradient is g ⊙ other, summed over the dims the piece was broadcast along. `other` is read in backward (autograd
-        keeps it for the product's own gradient): changed in place before then, the parameter is left out."""
+        gradient is g ⊙ other, summed over the dims the piece was broadcast along."""
         broadcast = self._broadcast(out.shape, dim)
         if broadcast is None:
             self.on_escape("a product that does not broadcast it over the batch")
             return
-        if not out.requires_grad:  # (as on_add)
-            return
-        other, version = other.detach(), _torch_compat.version_counter(other)
-
-        def hook(g: torch.Tensor) -> None:
-            if _torch_compat.version_counter(other) != version:
-                self.on_escape("a product with a tensor changed in place afterwards")
-                return
-            self._add(_per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * other, dim, broadcast,
-                                  self.uses.batch, 1), torch.promote_types(g.dtype, other.dtype))
-
-        out.register_hook(hook)
+        self._on_product(out, other, lambda g, o: _per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * o,
+                                                              dim, broadcast, self.uses.batch, 1))
 
     def on_contract(self, out: torch.Tensor, other: torch.Tensor, equation: str,
                     merged: tuple[int, int] | None = None) -> None:
@@ -283,6 +272,21 @@ class Piece:
         if self.uses.batch * _numel(self.base) > _MAX_FORMED:
             self.on_escape(f"a matrix product, its per-sample gradients more than {_MAX_FORMED} elements")
             return
+
+        def per_sample(g: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+            wide = torch.promote_types(torch.promote_types(g.dtype, other.dtype), torch.float32)
+            a, g = other.to(wide), g.detach().to(wide)
+            if merged is not None:
+                a, g = (u.unflatten(merged[0], (self.uses.batch, merged[1])) for u in (a, g))
+            return torch.einsum(equation, a, g).reshape(self.uses.batch, -1)
+
+        self._on_product(out, other, per_sample)
+
+    def _on_product(self, out: torch.Tensor, other: torch.Tensor,
+                    per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """A hook on out's gradient g adds per_sample(g, other) ([batch, numel]) to this piece's uses. `other` is read in
+        backward (autograd keeps it for the product's own gradient): changed in place before then, the parameter is left
+        out."""
         if not out.requires_grad:  # (as on_add)
             return
         other, version = other.detach(), _torch_compat.version_counter(other)
@@ -291,12 +295,7 @@ class Piece:
             if _torch_compat.version_counter(other) != version:
                 self.on_escape("a product with a tensor changed in place afterwards")
                 return
-            wide = torch.promote_types(torch.promote_types(g.dtype, other.dtype), torch.float32)
-            a, g = other.to(wide), g.detach().to(wide)
-            if merged is not None:
-                a, g = (u.unflatten(merged[0], (self.uses.batch, merged[1])) for u in (a, g))
-            per_sample = torch.einsum(equation, a, g)
-            self._add(per_sample.reshape(self.uses.batch, -1), torch.promote_types(g.dtype, other.dtype))
+            self._add(per_sample(g, other), torch.promote_types(g.dtype, other.dtype))
 
         out.register_hook(hook)
 

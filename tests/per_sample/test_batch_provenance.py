@@ -162,12 +162,15 @@ class TimeConditioned(nn.Module):
         return self.out(torch.tanh(self.inp(x) + self.time(t[:, None])))
 
 
+def _time_conditioned():
+    torch.manual_seed(0)
+    return (TimeConditioned().double(), torch.randn(B, 5, dtype=torch.float64), torch.rand(B, dtype=torch.float64),
+            torch.randn(B, 5, dtype=torch.float64))
+
+
 @BOOKKEEPING
 def test_a_second_per_sample_input_is_refused_until_named(bookkeeping):
-    torch.manual_seed(0)
-    model = TimeConditioned().double()
-    x, t, y = (torch.randn(B, 5, dtype=torch.float64), torch.rand(B, dtype=torch.float64),
-               torch.randn(B, 5, dtype=torch.float64))
+    model, x, t, y = _time_conditioned()
     with pytest.warns(RuntimeWarning, match="'time' is not per-sample"):
         got, cov = _run(model, (x, t), y, bookkeeping)
     assert "time.weight" in cov["uncovered"]
@@ -180,10 +183,7 @@ def test_a_second_per_sample_input_is_refused_until_named(bookkeeping):
 @BOOKKEEPING
 def test_mark_batched_declares_more_inputs_of_the_running_forward(bookkeeping):
     """What the Hugging Face integration does with a collated batch: a pre-hook after gapmon's marks the timestep."""
-    torch.manual_seed(0)
-    model = TimeConditioned().double()
-    x, t, y = (torch.randn(B, 5, dtype=torch.float64), torch.rand(B, dtype=torch.float64),
-               torch.randn(B, 5, dtype=torch.float64))
+    model, x, t, y = _time_conditioned()
     psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, strict=True)
     handle = model.register_forward_pre_hook(lambda module, args: psn.mark_batched(args[1]))
     try:
@@ -515,14 +515,20 @@ class WindowAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, 2, 3, 4).reshape(b, 6, 4))
 
 
+def _strictly_exact(make, t: int, bookkeeping: bool) -> dict:
+    """The coverage of make()'s norms on [B, t, 4] inputs, with strict=True, checked exact."""
+    torch.manual_seed(0)
+    model = make().double()
+    x, y = torch.randn(B, t, 4, dtype=torch.float64), torch.randn(B, t, 4, dtype=torch.float64)
+    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
+    _exact(got, _reference(model, x, y, cov))
+    return cov
+
+
 @BOOKKEEPING
 def test_attention_within_windows_merged_with_the_batch_is_exact(bookkeeping):
-    torch.manual_seed(0)
-    model = WindowAttention().double()
-    x, y = torch.randn(B, 6, 4, dtype=torch.float64), torch.randn(B, 6, 4, dtype=torch.float64)
-    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
+    cov = _strictly_exact(WindowAttention, 6, bookkeeping)
     assert set(cov["covered"]) == {f"{n}.{p}" for n in ("q", "k", "v", "proj") for p in ("weight", "bias")}
-    _exact(got, _reference(model, x, y, cov))
 
 
 def test_attention_over_a_merged_batch_loses_it():
@@ -561,9 +567,4 @@ class RelativeAttentionBias(nn.Module):
 
 @BOOKKEEPING
 def test_a_relative_attention_bias_permuted_before_its_add_is_exact(bookkeeping):
-    torch.manual_seed(0)
-    model = RelativeAttentionBias().double()
-    x, y = torch.randn(B, 5, 4, dtype=torch.float64), torch.randn(B, 5, 4, dtype=torch.float64)
-    got, cov = _run(model, (x,), y, bookkeeping, strict=True)
-    assert "rel.weight" in cov["covered"]
-    _exact(got, _reference(model, x, y, cov))
+    assert "rel.weight" in _strictly_exact(RelativeAttentionBias, 5, bookkeeping)["covered"]
