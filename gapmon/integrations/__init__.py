@@ -103,14 +103,16 @@ def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weight
         if count_samples:
             monitor.add_samples(x.shape[0])
         per_sample = monitor.per_sample
-        if collated and per_sample is not None and per_sample.batch_inputs is None:
-            dim = per_sample.batch_dim
-            per_sample.mark_batched(*[t for t in _torch_compat.tensor_leaves((args, kwargs)) if t is not x and t.dim() > dim
-                                      and x.dim() > dim and t.shape[dim] == x.shape[dim]])
-        if monitor.per_sample is not None and loss_weights is not None:
+        if per_sample is None:
+            return
+        dim = per_sample.batch_dim
+        if collated and per_sample.batch_inputs is None and x.dim() > dim:
+            per_sample.mark_batched(*[t for t in _torch_compat.tensor_leaves((args, kwargs))
+                                      if t is not x and t.dim() > dim and t.shape[dim] == x.shape[dim]])
+        if loss_weights is not None:
             weights = loss_weights(args, kwargs, x.shape[0])
             if weights is not None:  # None: the loss_reduction the norms were configured with
-                monitor.per_sample.set_loss_weights(weights)
+                per_sample.set_loss_weights(weights)
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -207,13 +207,9 @@ class Piece:
     def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable[[torch.Tensor], torch.Tensor]) -> "Piece | None":
         """`out = how(t)`, an op that only picks and moves elements of a tensor that is not broadcast (indexing, permute,
         transpose, flip): the same op on the elements' positions in the parameter says where out's are."""
-        if tuple(t.shape) != self.base:
-            return None
-        every = self.positions
-        if every is None:
-            every = torch.arange(_numel(self.base), device=t.device).reshape(self.base)
-        moved = how(every)
-        return self._like(tuple(out.shape), moved) if tuple(moved.shape) == tuple(out.shape) else None
+        every = self.positions if self.positions is not None else element_positions(self.base, t.device)
+        moved = rearranged_positions(every, t, out, how)
+        return None if moved is None else self._like(tuple(out.shape), moved)
 
     def _add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
@@ -221,7 +217,7 @@ class Piece:
         if self.factor != 1.0:
             g = g * self.factor
         if self.positions is not None:
-            g = g.new_zeros(g.shape[0], self.uses.param.numel()).index_add_(1, self.positions.reshape(-1), g)
+            g = scattered(g, self.positions, self.uses.param.numel())
         self.uses.add(g, _coarser(self.rounding, rounding))
 
     def _broadcast(self, shape: torch.Size, dim: int, inner: int = 1) -> list[int] | None:
@@ -362,6 +358,27 @@ class PieceSum:
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         for p in self.pieces:
             p.on_cat(out, t, cat_dim, start, dim)
+
+
+def element_positions(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The flat positions of a tensor of `shape`'s elements, in its shape: what views and picks of it move."""
+    return torch.arange(_numel(shape), device=device).reshape(shape)
+
+
+def rearranged_positions(positions: torch.Tensor, t: torch.Tensor, out: torch.Tensor,
+                         how: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """The positions of `out = how(t)`'s elements, `positions` those of t's (t not broadcast: of their shape); None
+    where the op does not give out's shape from them (it broadcasts, or reads something else)."""
+    if tuple(t.shape) != tuple(positions.shape):
+        return None
+    moved = how(positions)
+    return moved if tuple(moved.shape) == tuple(out.shape) else None
+
+
+def scattered(g: torch.Tensor, positions: torch.Tensor, numel: int) -> torch.Tensor:
+    """[batch, numel]: per-sample gradients g ([batch, positions' numel]) added where `positions` say their elements
+    sit (an element picked twice gets both)."""
+    return g.new_zeros(g.shape[0], numel).index_add_(1, positions.reshape(-1), g)
 
 
 def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:

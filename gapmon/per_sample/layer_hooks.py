@@ -33,8 +33,10 @@ def rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
     batch where its input has it, whatever the layer did inside. The tracking may have lost it there (Hugging
     Face's Conv1D merges the rows into one dim for addmm and splits them again; a mixture of experts gathers rows
     per expert and adds them back into a new tensor): it is restored."""
-    status = tracking.status(output) if output is not None else 0
-    if status is not None and not isinstance(status, str):
+    if output is None:
+        return
+    status = tracking.status(output)
+    if status is not None and not isinstance(status, str):  # followed already (a dim, merged, shared)
         return
     x = args[0] if args else kwargs.get("input")
     dim = tracking.status(x) if isinstance(x, torch.Tensor) else None

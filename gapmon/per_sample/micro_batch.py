@@ -102,6 +102,8 @@ class MicroBatch:
     def drop(self, layers: set[str]) -> None:
         """Takes the norms of these layers back out (found wrong when the norms were read: a parameter also used where
         no rule saw it): the sums are formed again from the other layers' parts, the same bits as without them."""
+        if not any(n in layers for parts in self.parts.values() for n, _ in parts):
+            return  # (the usual case: the sums, if formed, stand)
         kept = {t: [(n, sq) for n, sq in parts if n not in layers] for t, parts in self.parts.items()}
         self.parts = {t: parts for t, parts in kept.items() if parts}
         self._sums = None

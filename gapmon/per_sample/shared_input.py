@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .batch_provenance import Shared
+from .free_parameters import element_positions, rearranged_positions, scattered
 from .micro_batch import LayerCalls
 from .rules import Call
 
@@ -54,22 +55,19 @@ class SharedCall:
 
     def reshaped(self, out: torch.Tensor) -> "SharedView | None":
         """A view of the output with its elements in order (T5's relative attention bias, unsqueezed)."""
-        return SharedView(self, self._positions()).reshaped(out)
+        return SharedView(self, element_positions(self.shape, out.device)).reshaped(out)
 
     def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable) -> "SharedView | None":
         """A permutation of the output's elements (T5's `bias.permute(2, 0, 1)`)."""
-        return SharedView(self, self._positions()).rearranged(t, out, how)
-
-    def _positions(self) -> torch.Tensor:
-        return torch.arange(math.prod(self.shape)).reshape(self.shape)
+        return SharedView(self, element_positions(self.shape, t.device)).rearranged(t, out, how)
 
     def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int, positions: torch.Tensor | None) -> None:
         g = g.detach()
         if broadcast:
             g = g.sum(broadcast, keepdim=True)
         g = g.movedim(dim, 0).reshape(self.batch, -1)
-        if positions is not None:  # a view's elements back where they sit in the output
-            g = g.new_zeros(self.batch, math.prod(self.shape)).index_add_(1, positions.to(g.device).reshape(-1), g)
+        if positions is not None:  # a view's elements back where they sit in the output (on its device already)
+            g = scattered(g, positions, math.prod(self.shape))
         g = -g if sign < 0 else g
         self.per_sample = g if self.per_sample is None else self.per_sample + g
 
@@ -111,10 +109,8 @@ class SharedView:
         return SharedView(self.call, self.positions.reshape(out.shape))
 
     def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable) -> "SharedView | None":
-        if tuple(t.shape) != tuple(self.positions.shape):
-            return None
-        moved = how(self.positions)
-        return SharedView(self.call, moved) if tuple(moved.shape) == tuple(out.shape) else None
+        moved = rearranged_positions(self.positions, t, out, how)
+        return None if moved is None else SharedView(self.call, moved)
 
 
 def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:

@@ -295,8 +295,9 @@ class UseChecker:
         check.seen_by_rule = True
 
     def unseen_uses(self, skipped: set[str]) -> dict[str, tuple[str, bool]]:
-        """{layer: (why, whether a rule saw part of it)} of the layers whose parameters got gradient contributions no rule saw, to be left out of the
-        norms (PerSampleGradNorms skips them and takes back what they added; strict=True refuses): a parameter used
+        """{layer: (why, whether a rule saw part of it)} of the layers whose parameters got gradient contributions no
+        rule saw, to be left out of the norms (PerSampleGradNorms skips them and takes back what they added;
+        strict=True refuses): a parameter used
         outside its layer's forward as well as in it (F.linear(h, self.tok.weight) beside the embedding, a layer's
         weight read by another module), whose per-sample norms would be wrong, or a layer whose parameters got
         gradients while no call of it was seen (used only functionally: F.linear(x, layer.weight), a fused kernel
