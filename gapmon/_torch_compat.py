@@ -41,6 +41,20 @@ def saved_tensors_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs matrix products in on this device type now (None: autocast is off)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def experts_gate(module: nn.Module, up: torch.Tensor) -> torch.Tensor:
+    """transformers' experts gate (`_apply_gate`, which its mixture-of-experts integration sets on every experts class
+    it dispatches: act(gate) · up by default, a family's own where it has one; transformers 5.24) applied to the up
+    projection's output; the activation alone for experts without a gate."""
+    return module._apply_gate(up) if getattr(module, "has_gate", True) else module.act_fn(up)
+
+
 def own_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The module's own parameters, each once: what parameters(recurse=False) yields, read from its registry
     (`_parameters`, which FSDP2 updates when it swaps the objects) without the generator walk, ~10x slower."""

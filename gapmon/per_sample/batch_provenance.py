@@ -350,6 +350,10 @@ class BatchTracker(TorchFunctionMode):
             contracted = _shared_contraction(self, name, args, t, st, plain, out)
             if contracted is not None:
                 return contracted
+        if len(shared) == 2 and isinstance(out, torch.Tensor):
+            biased = _shared_linear_with_bias(self, name, args, kwargs, shared, plain, out)
+            if biased is not None:
+                return biased
         if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
                 hasattr(st.owner, "on_cat") for _, st in shared):
             try:
@@ -664,6 +668,22 @@ def _shared_contraction(tracker: BatchTracker, name: str, args: Sequence, t: tor
     if type(status) not in (int, Merged):
         return None
     st.owner.on_contract(out, x, equation, (status.dim, status.inner) if merged else None)
+    return status
+
+
+def _shared_linear_with_bias(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
+                             out: torch.Tensor) -> Any:
+    """F.linear(x, W, b) of a batched x with W and b both Shared (gpt-oss's router: its own parameters, over the rows
+    merged with the batch): W contracted with x, b added to the product, each told (on_contract, on_add); out's status
+    is returned, None when this is no such call."""
+    if name != "linear" or kwargs or len(args) != 3 or len(plain) != 1:
+        return None
+    (w, w_st), (b, b_st) = shared if shared[0][0] is args[1] else shared[::-1]
+    if w is not args[1] or b is not args[2] or b.dim() != 1 or not hasattr(b_st.owner, "on_add"):
+        return None
+    status = _shared_contraction(tracker, name, args[:2], w, w_st, plain, out)
+    if status is not None:
+        b_st.owner.on_add(out, b, *((status.dim, 1, status.inner) if type(status) is Merged else (status, 1)))
     return status
 
 

@@ -269,7 +269,11 @@ class Piece:
             self.on_escape(f"a matrix product, its per-sample gradients more than {_MAX_FORMED} elements")
             return
 
+        ran_in = out.dtype  # under autocast a 16-bit product of `other` cast to it (the exact operand of its gradient)
+
         def per_sample(g: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+            if ran_in in (torch.float16, torch.bfloat16) and other.is_floating_point():
+                other = other.to(ran_in)
             wide = torch.promote_types(torch.promote_types(g.dtype, other.dtype), torch.float32)
             a, g = other.to(wide), g.detach().to(wide)
             if merged is not None:
@@ -285,13 +289,14 @@ class Piece:
         out."""
         if not out.requires_grad:  # (as on_add)
             return
-        other, version = other.detach(), _torch_compat.version_counter(other)
+        other, version, out_dtype = other.detach(), _torch_compat.version_counter(other), out.dtype
 
         def hook(g: torch.Tensor) -> None:
             if _torch_compat.version_counter(other) != version:
                 self.on_escape("a product with a tensor changed in place afterwards")
                 return
-            self._add(per_sample(g, other), torch.promote_types(g.dtype, other.dtype))
+            rounding = torch.promote_types(g.dtype, other.dtype)
+            self._add(per_sample(g, other), _coarser(rounding, out_dtype) if out_dtype.is_floating_point else rounding)
 
         out.register_hook(hook)
 

@@ -16,23 +16,16 @@ from . import shared_input, tied_embedding
 from .batch_provenance import Merged, Shared
 from .coverage import LayerCoverage
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
-from .rules import Call, NormRule
+from .rules import Call, NormRule, gradient_dtype
 from .use_check import UseChecker
-
-
-def _dtype_of(g: torch.Tensor | tuple) -> torch.dtype:
-    """The dtype of an output gradient, or the widest of several (a rule of several outputs)."""
-    if isinstance(g, torch.Tensor):
-        return g.dtype
-    return functools.reduce(torch.promote_types, [t.dtype for t in g if t is not None], torch.float16)
-
 
 
 def rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
     """A layer whose rule holds works row by row over its input's leading dims (moves_batch): its output has the
     batch where its input has it, whatever the layer did inside. The tracking may have lost it there (Hugging
     Face's Conv1D merges the rows into one dim for addmm and splits them again; a mixture of experts gathers rows
-    per expert and adds them back into a new tensor): it is restored."""
+    per expert and adds them back into a new tensor): it is restored, merged with the dims after it where the input's
+    is (transformers' experts take the tokens' rows [B·T, d])."""
     if output is None:
         return
     status = tracking.status(output)
@@ -40,7 +33,8 @@ def rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
         return
     x = args[0] if args else kwargs.get("input")
     dim = tracking.status(x) if isinstance(x, torch.Tensor) else None
-    if type(dim) is int and dim < min(x.dim(), output.dim()) and output.shape[:dim + 1] == x.shape[:dim + 1]:
+    at = dim.dim if type(dim) is Merged else dim
+    if type(at) is int and at < min(x.dim(), output.dim()) and output.shape[:at + 1] == x.shape[:at + 1]:
         tracking.mark(output, dim)
 
 
@@ -193,8 +187,8 @@ class LayerHooks:
         if why is not None:
             self.coverage.skip(name, why)
             return
-        call = batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs)))), dim,
-                           mb.batch)
+        call = batch_first(Call(*_torch_compat.tree_map_tensors(torch.Tensor.detach, (tuple(args), dict(kwargs))),
+                                _torch_compat.autocast_dtype(output.device.type)), dim, mb.batch)
         why = rule.not_per_sample(module, call, sample_first(output, dim, mb.batch), mb.batch, mb.inputs)
         if why is not None:
             self.coverage.skip(name, why)
@@ -290,16 +284,16 @@ class LayerHooks:
         if not pairs or name in self.coverage.skipped:  # (a tied partner found not per-sample since its forward)
             return
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # create_graph=True backward
-            acc = torch.float64 if any(_dtype_of(g) == torch.float64 for _, g in pairs) else torch.float32
+            acc = torch.float64 if any(gradient_dtype(g) == torch.float64 for _, g in pairs) else torch.float32
             pieces = [rule.positions(module, call, g, acc) for call, g in pairs]
             if len(pieces) == 1:  # the use check takes the gradients when the norms formed them
                 pos = pieces[0]
                 sq, grads = rule.norm_sq_and_grads(module, pos)
-                self.checker.explain(name, module, rule, mb.used.get(index), pos, _dtype_of(pairs[0][1]),
+                self.checker.explain(name, module, rule, mb.used.get(index), pos, rule.rounding_dtype(module, *pairs[0]),
                                      grads)
             else:
-                for piece, (_, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
-                    self.checker.explain(name, module, rule, mb.used.get(index), piece, _dtype_of(g))
+                for piece, (call, g) in zip(pieces, pairs):  # per call: autograd sums each call's gradient as it is
+                    self.checker.explain(name, module, rule, mb.used.get(index), piece, rule.rounding_dtype(module, call, g))
                 pos = tuple(torch.cat(parts, dim=1) for parts in zip(*pieces))
                 sq = rule.norm_sq(module, pos)
             if index in self.tied:

@@ -187,8 +187,8 @@ def batch_first(call: Call, dim: int | Merged, batch: int = 0) -> Call:
     if not dim:
         return call
     if call.args:
-        return Call((sample_first(call.args[0], dim, batch), *call.args[1:]), call.kwargs)
-    return Call(call.args, {**call.kwargs, "input": sample_first(call.kwargs["input"], dim, batch)})
+        return Call((sample_first(call.args[0], dim, batch), *call.args[1:]), call.kwargs, call.autocast)
+    return Call(call.args, {**call.kwargs, "input": sample_first(call.kwargs["input"], dim, batch)}, call.autocast)
 
 
 class Collection:

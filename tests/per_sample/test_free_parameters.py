@@ -472,39 +472,67 @@ def test_a_relative_position_table_added_to_windows_merged_with_the_batch_is_exa
 
 
 class Contracted(nn.Module):
-    """A model's own weights contracted with the batch: a leaf layer calling F.linear on its weight, `x @ W`, XLNet's
-    sequence-first einsum ("ibh,hnd->ibnd"), and a router's F.linear over the tokens merged with the batch."""
+    """A model's own weights contracted with the batch: a leaf layer calling F.linear on its weight (and its bias),
+    `x @ W`, XLNet's sequence-first einsum ("ibh,hnd->ibnd"), and a router's F.linear over the tokens merged with the
+    batch (gpt-oss's with a bias)."""
 
     def __init__(self, use: str):
         super().__init__()
         self.use = use
-        shape = {"linear": (6, 4), "merged": (6, 4), "matmul": (4, 6), "einsum": (4, 2, 3)}[use]  # (out, in), (in, out)
+        shape = {"linear": (6, 4), "merged": (6, 4), "matmul": (4, 6), "einsum": (4, 2, 3), "linear_bias": (6, 4),
+                 "merged_bias": (6, 4)}[use]  # (out, in), (in, out)
         self.w = nn.Parameter(torch.randn(shape) * 0.5)
+        self.b = nn.Parameter(torch.randn(6) * 0.5) if use.endswith("bias") else None
         self.head = nn.Linear(6, 3)
 
     def forward(self, x):  # x [B, T, 4]
-        if self.use == "linear":
-            return self.head(torch.tanh(F.linear(x, self.w)))
+        if self.use in ("linear", "linear_bias"):
+            return self.head(torch.tanh(F.linear(x, self.w, self.b)))
         if self.use == "matmul":
             return self.head(torch.tanh(x @ self.w))
         if self.use == "einsum":
             h = torch.einsum("ibh,hnd->ibnd", x.transpose(0, 1), self.w).transpose(0, 1)
             return self.head(torch.tanh(h.flatten(2)))
         rows = x.reshape(-1, x.shape[-1])  # "merged": a router over the tokens
-        scores = F.linear(rows, self.w).softmax(-1).reshape(*x.shape[:2], -1)
+        scores = F.linear(rows, self.w, self.b).softmax(-1).reshape(*x.shape[:2], -1)
         return self.head(scores * x.sum(-1, keepdim=True))
 
 
 @BOOKKEEPING
-@pytest.mark.parametrize("use", ["linear", "matmul", "einsum", "merged"])
+@pytest.mark.parametrize("use", ["linear", "matmul", "einsum", "merged", "linear_bias", "merged_bias"])
 def test_a_parameter_contracted_with_the_batch_is_exact(use, bookkeeping):
     torch.manual_seed(12)
     model = Contracted(use).double()
     x, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
     got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
-    assert "w" in cov["covered"]
+    assert "w" in cov["covered"] and ("b" in cov["covered"]) == use.endswith("bias")
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("use", ["linear", "merged_bias"])
+def test_a_contraction_under_bf16_autocast_is_checked_at_its_rounding(use):
+    """Autocast runs the product in bfloat16 on a cast of the batched operand: each sample's gradient is formed from
+    that cast, and the use check allows bfloat16's rounding of the parameter's gradient (float32's refused it falsely);
+    the norms agree with a loop over the samples under the same autocast within it."""
+    torch.manual_seed(12)
+    model = Contracted(use)
+    x, y = torch.randn(4, 5, 4), torch.randn(4, 5, 3)
+
+    def loss(xs, ys):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(xs)
+        return _loss(out.float(), ys)
+
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    loss(x, y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert not cov["uncovered"]
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(x[i:i + 1], y[i:i + 1]),
+                                                                              list(model.parameters()))]).norm()
+                        for i in range(4)])
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
 
 
 def test_a_contracted_parameter_too_large_to_form_per_sample_is_left_out_by_name(monkeypatch):

@@ -13,6 +13,7 @@ from .base import (
     NormRule,
     Sketch,
     add_sketch,
+    gradient_dtype,
     overrides_ruled_forward,
     register_norm_rule,
     rule_for,
@@ -39,7 +40,8 @@ from .recurrent import RecurrentCellRule, RecurrentRule
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent, activation, mixture_of_experts)
 
 __all__ = [
-    "Call", "NormRule", "Sketch", "register_norm_rule", "rule_for", "why_no_rule", "overrides_ruled_forward", "sketch", "add_sketch",
+    "Call", "NormRule", "Sketch", "gradient_dtype",
+    "register_norm_rule", "rule_for", "why_no_rule", "overrides_ruled_forward", "sketch", "add_sketch",
     "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
     "ScaledEmbeddingRule", "NumberScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
     "HFGemmaRMSNormRule", "OLMoCoreNormRule", "T5LayerNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",

@@ -42,6 +42,8 @@ from ...utils import first_tensor
 _RULES: dict[type, "NormRule"] = {}
 _RULES_BY_NAME: dict[str, "NormRule"] = {}  # "module.QualName" -> rule: layers of libraries gapmon does not import
 _COPIES: dict[type, "NormRule | None"] = {}  # transformers types without a rule -> the rule of the layer they copy
+# (test, rule): a family of another library's layers known by how they are built, not by name (transformers' experts)
+_RULES_BY_TEST: list[tuple[Callable[[type], bool], "NormRule"]] = []
 
 
 def _registrar(table: dict, keys: tuple) -> Callable[[type], type]:
@@ -68,6 +70,18 @@ def register_norm_rule_by_name(*qualified_names: str) -> Callable[[type], type]:
     return _registrar(_RULES_BY_NAME, qualified_names)
 
 
+def register_norm_rule_by_test(test: Callable[[type], bool]) -> Callable[[type], type]:
+    """Class decorator: the decorated NormRule handles every module type without another rule for which test(type)
+    holds (a family of another library's layers known by how they are built: transformers' experts, whose forward
+    its mixture-of-experts integration dispatches, in dozens of model families)."""
+    def register(cls: type) -> type:
+        _RULES_BY_TEST.append((test, cls()))
+        _COPIES.clear()
+        return cls
+
+    return register
+
+
 def rule_for(module: nn.Module) -> "NormRule | None":
     """The rule registered for `module`'s type (or its qualified name); for a subclass of a registered type, that
     type's rule only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
@@ -81,7 +95,7 @@ def rule_for(module: nn.Module) -> "NormRule | None":
     base = _registered_base(kind)
     if base is not None:
         return _RULES[base] if kind.forward is base.forward else None
-    return _copied_rule(kind)
+    return _copied_rule(kind) or next((rule for test, rule in _RULES_BY_TEST if test(kind)), None)
 
 
 # The layer kinds transformers copies from family to family (`# Copied from ...LlamaRMSNorm`), by the end of their names.
@@ -158,10 +172,12 @@ def why_no_rule(module: nn.Module) -> str:
 
 
 class Call(NamedTuple):
-    """The arguments of one call of a layer (tensors detached), as its forward hook saw them."""
+    """The arguments of one call of a layer (tensors detached), as its forward hook saw them, and the dtype autocast
+    ran the call's matrix products in (None: autocast was off)."""
 
     args: tuple
     kwargs: dict
+    autocast: torch.dtype | None = None
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """Argument `index` of forward(), passed by position or by keyword `name`."""
@@ -273,6 +289,11 @@ class NormRule:
     def positions(self, module: nn.Module, call: Call, g: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def rounding_dtype(self, module: nn.Module, call: Call, g: torch.Tensor | tuple) -> torch.dtype:
+        """The dtype whose rounding the use check allows in the gradients of one call: its output gradient's (the
+        widest of several outputs'), or `compute_dtype` where that is coarser."""
+        return gradient_dtype(g)
+
     def bookkeep(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor,
                  report: Callable[..., None]) -> torch.Tensor | None:
         """With book-keeping on, the output that replaces `output` so that this call's backward forms
@@ -308,6 +329,13 @@ class Sketch(NamedTuple):
     param: torch.Tensor
     value: torch.Tensor
     repeats: int = 1
+
+
+def gradient_dtype(g: torch.Tensor | tuple) -> torch.dtype:
+    """The dtype of an output gradient, or the widest of several (a rule of several outputs)."""
+    if isinstance(g, torch.Tensor):
+        return g.dtype
+    return functools.reduce(torch.promote_types, [t.dtype for t in g if t is not None], torch.float16)
 
 
 def sketch_rows(p: torch.Tensor) -> int:
