@@ -33,7 +33,6 @@ calls was seen while its parameters got gradients (used only functionally).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -53,9 +52,9 @@ from .micro_batch import (
     MicroBatch,
     batched_inputs,
     concatenated,
-    refuse_batch_mixing,
     refuse_before_backward,
 )
+from .mixing import SampleMixing, refuse_batch_mixing
 from .sample_ids import by_global_id
 from .sample_ids import sample_ids as checked_sample_ids
 from .use_check import UseChecker
@@ -111,15 +110,14 @@ class PerSampleGradNorms(GradientProducts):
                 "PerSampleGradNorms(gram=True): the model ties one table across layers "
                 f"({self._coverage.ties}); gram() and per_sample_gradients() do not form the products across "
                 "them. local_norms() and global_norms() are exact with gram=False.")
-        # Layers that mix the samples of a batch when they use batch statistics.
-        self._mixing = [m.register_forward_pre_hook(functools.partial(self._mixing_hook, clean_name(n)))
-                        for n, m in model.named_modules() if isinstance(m, _torch_compat.BatchNormBase)]
+        self._mixing = SampleMixing(model, self._state, clean_name)  # BatchNorm using batch statistics
         self._layer_hooks = LayerHooks(self._coverage.layers, self._state, self._checker, self._coverage,
                                        config.bookkeeping, keep_positions=config.gram)
         # A function of self (see keep_out_of_compiled_graphs), not a bound method: a deep copy calls it on its own copy.
         self._starts, self._untraced = PerSampleGradNorms._micro_batch_starts, False
         self.keep_out_of_compiled_graphs()
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
+        self._mixing.watch_routing(model, clean_name)  # a MoE's load-balancing loss (after the root's hook)
         self._free = FreeParameterNorms(self._coverage, self._checker, self._state)  # after the root's hook
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
@@ -255,12 +253,6 @@ class PerSampleGradNorms(GradientProducts):
             return
         self._state.stop_tracking()
 
-    def _mixing_hook(self, name: str, module: nn.Module, args) -> None:
-        # As F.batch_norm decides: batch statistics in training mode, or without running statistics.
-        uses_batch = module.training or (module.running_mean is None and module.running_var is None)
-        if uses_batch and self._state.collecting and self._state.micro and not _torch_compat.functorch_transforms_active():
-            self._state.micro[-1].mixing.add(f"{name} ({type(module).__name__})")
-
     # ------------------------------------------------------------------ results
     def start(self) -> None:
         """Collects from the next forward pass on, with the samples seen so far forgotten (GAPMonitor
@@ -371,9 +363,9 @@ class PerSampleGradNorms(GradientProducts):
 
     def close(self) -> None:
         """Removes the hooks."""
-        for h in (*self._mixing, self._root, self._root_end):
+        for h in (self._root, self._root_end):
             h.remove()
-        self._mixing.clear()
+        self._mixing.close()
         self._layer_hooks.close()
         self._free.close()
         self._checker.close()

@@ -232,7 +232,7 @@ class LayerHooks:
         if params is None:
             params = mb.used[index] = rule.params(module)
         for p in params:
-            self.checker.watch(p, self.layers[index][0])
+            self.checker.watch(p, self.layers[index][0], rule.factored_probe)
         return params
 
     def deliver(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:

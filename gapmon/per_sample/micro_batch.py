@@ -65,7 +65,8 @@ class MicroBatch:
     _sums: tuple | None = field(default=None, init=False, repr=False)  # (sq, sq_by_type) of the parts; None: to sum
     dtype: torch.dtype | None = None  # the widest dtype the norms were summed in
     layers: dict[int, LayerCalls] = field(default_factory=dict)  # layer index -> its calls
-    mixing: set[str] = field(default_factory=set)  # layers that mixed the samples (BatchNorm)
+    # What mixed the samples: {module: (what it did, how to avoid it)} (BatchNorm, a MoE's load-balancing loss)
+    mixing: dict[str, tuple[str, str]] = field(default_factory=dict)
     provenance: dict[int, set[tuple[int, str | None]]] = field(default_factory=dict)  # layer -> (batch dim, why not)
     weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
     used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
@@ -225,16 +226,6 @@ def batched_inputs(module: nn.Module, args: tuple, kwargs: dict, batch_inputs, b
         raise ValueError(f"PerSampleGradNorms: the model's first tensor input gives the batch size (dim "
                          f"{batch_dim}), but this forward call has no tensor input with that dim")
     return found
-
-
-def refuse_batch_mixing(micro: list[MicroBatch]) -> None:
-    """RuntimeError naming the layers that mixed the samples of a batch (BatchNorm using batch statistics)."""
-    mixing = sorted({name for mb in micro for name in mb.mixing})
-    if mixing:
-        raise RuntimeError(
-            f"PerSampleGradNorms: {', '.join(mixing)} normalises with statistics of the whole batch, which mixes "
-            "the samples: no layer has per-sample gradients of the form gapmon computes, so no norms are "
-            "returned. Put it in eval mode (running statistics), or replace it (GroupNorm, LayerNorm).")
 
 
 def refuse_before_backward(micro: list[MicroBatch]) -> None:

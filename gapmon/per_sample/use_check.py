@@ -144,6 +144,22 @@ class SketchArena:
         return out
 
 
+class RuleProbes:
+    """What a rule's grad_sketch reads the probes through: called with a parameter, its probe; `factors(p)`, the
+    (u, v) of a probe drawn as an outer product (NormRule.factored_probe), else None. `as_used`: the parameter objects
+    the forward used, by id of the module's (FSDP2)."""
+
+    def __init__(self, checker: "UseChecker", layer: str, as_used: dict[int, torch.Tensor]):
+        self.checker, self.layer, self.as_used = checker, layer, as_used
+
+    def __call__(self, p: torch.Tensor) -> torch.Tensor:
+        return self.checker.check(self.as_used.get(id(p), p), self.layer).probe
+
+    def factors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self(p)  # (drawn now if it was not yet)
+        return self.checker.factors.get(id(self.as_used.get(id(p), p)))
+
+
 class UseChecker:
     """The gradient hooks, probes and sketches of the covered parameters (keyed by parameter identity)."""
 
@@ -152,6 +168,8 @@ class UseChecker:
         self.param_names: dict[int, str] = {}
         self.hooks: dict[int, Any] = {}  # id(parameter) -> handle of its gradient hook
         self.probes: dict[int, torch.Tensor] = {}  # id(parameter) -> its random probe
+        self.factored: set[int] = set()  # ids of 3-D parameters whose probe is an outer product (NormRule.factored_probe)
+        self.factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(parameter) -> (u, v) of its probe u ⊗ v
         self.checks: dict[int, UseCheck] = {}  # id(parameter) -> the checks this step touched
         self._kept: dict[int, UseCheck] = {}  # id(parameter) -> its check of an earlier step (UseCheck.fits)
         self._arena: SketchArena | None = None  # the kept checks' sums
@@ -162,6 +180,7 @@ class UseChecker:
         self.close()
         self.param_names = param_names
         self.probes, self.checks, self._kept, self._hooked_state, self._arena = {}, {}, {}, None, None
+        self.factored, self.factors = set(), {}
 
     def new_step(self) -> None:
         """Starts the sketches over: the checks of the last step are kept for their parameters (those still alive),
@@ -184,11 +203,13 @@ class UseChecker:
         self._hooked_state = trainable_state
         for name, module, rule in layers:
             for p in rule.params(module):
-                self.watch(p, name)
+                self.watch(p, name, rule.factored_probe)
 
-    def watch(self, p: torch.Tensor, layer: str) -> None:
+    def watch(self, p: torch.Tensor, layer: str, factored: bool = False) -> None:
         """Hooks parameter p's gradient (once). A weak reference: the hook lives on the parameter and
-        must not keep it alive."""
+        must not keep it alive. `factored`: its rule reads a 3-D parameter's probe as an outer product."""
+        if factored and p.dim() == 3:
+            self.factored.add(id(p))
         if id(p) not in self.hooks:
             self.hooks[id(p)] = p.register_hook(functools.partial(self._accumulated, weakref.ref(p), layer))
 
@@ -200,7 +221,15 @@ class UseChecker:
         r = self.probes.get(id(p))
         if r is None or r.shape[0] != width or r.dtype != dtype or r.device != p.device:
             gen = torch.Generator(device=p.device).manual_seed(0x9E3779B9 + len(self.probes))
-            r = self.probes[id(p)] = torch.randn(width, generator=gen, dtype=dtype, device=p.device)
+            if id(p) in self.factored and p.dim() == 3:
+                # u ⊗ v over the last two dims: E[(uᵀ D v)²] = ||D||², as a dense probe's, and a rule sketches Σ gᵀ R a
+                # as (g·u)(a·v), not through a product with R.
+                u, v = (torch.randn(n, generator=gen, dtype=dtype, device=p.device) for n in p.shape[1:])
+                self.factors[id(p)] = (u, v)
+                r = self.probes[id(p)] = torch.outer(u, v).reshape(-1)
+            else:
+                self.factors.pop(id(p), None)
+                r = self.probes[id(p)] = torch.randn(width, generator=gen, dtype=dtype, device=p.device)
         return r
 
     def check(self, p: torch.Tensor, layer: str) -> UseCheck:
@@ -269,7 +298,7 @@ class UseChecker:
             for p, grad in grads:
                 self.explain_gradient(as_used.get(id(p), p), name, grad, dtype, returned)
             return
-        sketches = rule.grad_sketch(module, piece, lambda p: self.check(as_used.get(id(p), p), name).probe)
+        sketches = rule.grad_sketch(module, piece, RuleProbes(self, name, as_used))
         if sketches is None:
             for p in (now if used is None else used):
                 self.check(p, name).unchecked = f"{type(rule).__name__} gives no grad_sketch"

@@ -446,6 +446,59 @@ def test_mixture_of_experts_under_bf16_autocast_is_covered_within_its_rounding(f
     torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
 
 
+@pytest.mark.parametrize("how", ["config", "call", "coefficient 0"])
+def test_a_load_balancing_loss_over_the_batch_is_refused(how):
+    """With output_router_logits the model's loss adds a load-balancing loss of the whole batch's routing (each
+    expert's share of the tokens times its mean router probability): no sample's own loss has it, and the gradient it
+    adds to the routers and every layer before them is no sum of per-sample gradients (gapmon's norms were 2% off a
+    loop's, silently). Refused, naming it and how to avoid it; with a coefficient of 0 nothing is added: exact."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = _mixture_of_experts(transformers, "mixtral", "eager").double()
+    model.router_aux_loss_coef = 0.0 if how == "coefficient 0" else 0.5  # (the copy of its config's the model reads)
+    model.config.output_router_logits = how != "call"
+    ids = torch.randint(0, VOCAB, (3, SEQ))
+    extra = {"output_router_logits": True} if how == "call" else {}
+
+    def loss_of(m, s):  # the sum of the samples' own means (every sample has as many tokens)
+        return m(input_ids=ids[s], labels=ids[s], **extra).loss * ids[s].shape[0]
+
+    if how == "coefficient 0":
+        got, want, cov, _ = _exact_norms(model, loss_of, 3, strict=True)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        return
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
+    loss_of(model, slice(0, 3)).backward()
+    with pytest.raises(RuntimeError, match=r"MixtralForCausalLM adds a load-balancing loss of the whole batch's "
+                                           r"routing .*output_router_logits=False"):
+        psn.local_norms()
+    psn.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_expert_weight_used_outside_the_experts_is_left_out(dtype):
+    """The use check sketches an expert weight's gradient against a probe drawn as an outer product u ⊗ v (the rule
+    then reads (g·u)(a·v) per pair, not a product with the probe): a use of the weight outside the experts' forward
+    (a penalty on one expert's weight in the loss) is still found, that layer left out with what it added, and the
+    rest exact."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = _mixture_of_experts(transformers, "mixtral", "eager" if dtype == torch.float64 else "grouped_mm").to(dtype)
+    experts = model.model.layers[1].mlp.experts
+    base = _moe_loss(torch.randint(0, VOCAB, (3, SEQ)))
+
+    def loss_of(m, s):  # the penalty counted once, as in each sample's own loss
+        n = len(range(*s.indices(3)))
+        return base(m, s) + n * 1e-2 * m.model.layers[1].mlp.experts.gate_up_proj[1].square().sum()
+
+    got, want, cov, caught = _exact_norms(model, loss_of, 3)
+    assert set(cov["uncovered"]) == {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    assert any("model.layers.1.mlp.experts.gate_up_proj (relative difference" in w for w in caught)
+    assert experts.gate_up_proj.dim() == 3
+    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got, want.to(got.dtype), **tol)
+
+
 def test_experts_followed_by_a_norm_are_left_out_by_name():
     """A family whose experts end in a norm of their own (has_post_expert_norm) is not the math the rule follows: left
     out, saying so, and the rest stays exact."""

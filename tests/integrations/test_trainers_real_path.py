@@ -44,6 +44,15 @@ def _gpt2(transformers, seed: int = 0):
     return transformers.GPT2LMHeadModel(cfg).double(), cfg
 
 
+def _mixtral(transformers, seed: int = 0):
+    """A tiny MixtralForCausalLM (a mixture of experts; their eager loop, which runs in float64), float64."""
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM._from_config(cfg, experts_implementation="eager").double(), cfg
+
+
 def _lm_data(n: int, seed: int = 1) -> list[dict]:
     """Samples whose number of label tokens differs (-100 where they do not count), so that token-count
     normalisation and a per-sample mean differ."""
@@ -117,16 +126,17 @@ def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "gpt2-tied"])
+@pytest.mark.parametrize("family", ["llama", "gpt2-tied", "mixtral"])
 def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, accumulation, family):
     """The Trainer sums every token's loss over the step and divides by their count: the norms still
     are ||grad of the mean cross entropy of the sample's own tokens||, with or without accumulation (GPT-2: its
-    Conv1D layers, its tied embedding and head and its position embeddings covered)."""
+    Conv1D layers, its tied embedding and head and its position embeddings covered; Mixtral: its experts and
+    routers)."""
     transformers = _hf()
     from gapmon.integrations.huggingface import attach
 
     data = _lm_data(12)
-    make = {"llama": _llama, "gpt2-tied": _gpt2}[family]
+    make = {"llama": _llama, "gpt2-tied": _gpt2, "mixtral": _mixtral}[family]
     model, _ = make(transformers)
     args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
                     max_steps=2, max_grad_norm=0.0, learning_rate=1e-2)

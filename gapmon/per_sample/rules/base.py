@@ -200,6 +200,9 @@ class NormRule:
     # The dtype the layer forms its parameters' gradient in where that is coarser than its output gradient's (Gemma's
     # RMSNorm multiplies by the weight in float32 in a float64 model): the use check allows its rounding.
     compute_dtype: torch.dtype | None = None
+    # True: the use check draws the probe of each of its 3-D parameters ([rows, out, in]) as an outer product u ⊗ v of
+    # its last two dims, which grad_sketch reads through probe.factors(p): Σ gᵀ R a becomes (g·u)(a·v) (the experts').
+    factored_probe = False
 
     def per_sample_grads(self, module: nn.Module, pos: tuple, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, [batch, *its shape] float64 per-sample gradients) of the positions `pos` of `batch`

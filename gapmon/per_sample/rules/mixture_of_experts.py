@@ -52,6 +52,23 @@ class TokenWiseBlockRule(NormRule):
         return []
 
 
+def load_balancing_loss(module: nn.Module, kwargs: dict) -> str | None:
+    """What a transformers mixture-of-experts model's forward adds to its loss that mixes the samples (None: nothing):
+    with output_router_logits (its config's, or the call's) a load-balancing loss of the whole batch's routing, the
+    share of tokens each expert got times its mean router probability, times router_aux_loss_coef. No sample's own
+    loss has it: the gradient it adds to the routers, and to every layer before them, is not a sum of per-sample
+    gradients."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "output_router_logits"):
+        return None
+    on = kwargs.get("output_router_logits")
+    coefficient = getattr(module, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))  # (its own copy)
+    if not (config.output_router_logits if on is None else on) or coefficient == 0:
+        return None
+    return (f"adds a load-balancing loss of the whole batch's routing (output_router_logits=True, router_aux_loss_coef="
+            f"{coefficient})")
+
+
 def is_transformers_experts(kind: type) -> bool:
     """Whether `kind` is a transformers experts module: its forward is the dispatcher of transformers'
     mixture-of-experts integration (`use_experts_implementation`), which runs one math whatever the implementation."""
@@ -106,8 +123,8 @@ def _rows_by_expert(order: torch.Tensor, counts: list[int]):
 def _groups(experts: torch.Tensor, n_experts: int):
     """The (sample, expert) groups of the pairs `experts` [B, L] (an expert id per pair, -1: none), a few at a time:
     (the groups' samples [G], [G, n] indices of their pairs in the flattened [B·L] positions, B·L where a group has
-    fewer than n). Groups of similar sizes go together (sizes up to 2^j padded to their largest), so that padding at
-    most doubles what is read; padded pairs point at a zero row."""
+    fewer than n: padding). Groups of similar sizes go together (sizes up to 2^j padded to their largest), so that
+    padding at most doubles what is read."""
     b, length = experts.shape
     flat = experts.reshape(-1)
     sample = torch.arange(b * length, device=flat.device) // length
@@ -130,9 +147,10 @@ def _groups(experts: torch.Tensor, n_experts: int):
 
 
 def _padded(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t [B, L, d] gathered at `index` [G, n] of its flattened rows, index B·L a zero row: [G, n, d]."""
+    """t [B, L, d] gathered at `index` [G, n] of its flattened rows, zeros where the index is B·L (padding)."""
     flat = t.reshape(-1, t.shape[-1])
-    return torch.cat((flat, flat.new_zeros(1, flat.shape[1])))[index]
+    out = flat[index.clamp(max=flat.shape[0] - 1)]
+    return out.masked_fill_((index == flat.shape[0]).unsqueeze(-1), 0)
 
 
 @register_norm_rule_by_test(is_transformers_experts)
@@ -146,6 +164,7 @@ class ExpertsRule(NormRule):
     the products run in its dtype on casts of their operands, as the model's did."""
 
     moves_batch = True
+    factored_probe = True
     param_names = ("gate_up_proj", "gate_up_proj_bias", "up_proj", "up_proj_bias", "down_proj", "down_proj_bias")
 
     def unsupported(self, module):
@@ -271,8 +290,13 @@ class ExpertsRule(NormRule):
             if trainable(weight):
                 r = probe(weight)
                 a_r, g_r = a.to(r.dtype), grad.to(r.dtype)
-                per_pair = ((a_r @ r.view(a.shape[1], -1)) * g_r if transposed
-                            else (g_r @ r.view(grad.shape[1], -1)) * a_r).sum(1)
+                factors = probe.factors(weight) if hasattr(probe, "factors") else None
+                if factors is not None:  # R = u ⊗ v: (a·u)(g·v) stored [in, out], (g·u)(a·v) stored [out, in]
+                    u, v = factors
+                    per_pair = (a_r @ u) * (g_r @ v) if transposed else (g_r @ u) * (a_r @ v)
+                else:
+                    per_pair = ((a_r @ r.view(a.shape[1], -1)) * g_r if transposed
+                                else (g_r @ r.view(grad.shape[1], -1)) * a_r).sum(1)
                 out.append(Sketch(weight, per_pair.new_zeros(weight.shape[0]).index_add_(0, picked, per_pair)))
             if trainable(bias):
                 r = probe(bias)
