@@ -25,6 +25,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import fused_attention
+
 Status = "int | str | None"
 
 # Ops whose output has the input's shape and layout, or that are pointwise without an aten tag.
@@ -350,10 +352,9 @@ class BatchTracker(TorchFunctionMode):
             contracted = _shared_contraction(self, name, args, t, st, plain, out)
             if contracted is not None:
                 return contracted
-        if len(shared) == 2 and isinstance(out, torch.Tensor):
-            biased = _shared_linear_with_bias(self, name, args, kwargs, shared, plain, out)
-            if biased is not None:
-                return biased
+        found = _shared_in_op(self, name, args, kwargs, shared, plain, out)
+        if found is not None:
+            return found
         if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
                 hasattr(st.owner, "on_cat") for _, st in shared):
             try:
@@ -671,6 +672,22 @@ def _shared_contraction(tracker: BatchTracker, name: str, args: Sequence, t: tor
     return status
 
 
+def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
+                  out: Any) -> Any:
+    """The ops that take Shared tensors where no add, product or contraction shows them: `torch.where` (a mask keeping
+    some of their elements), fused attention (one as its mask), F.linear with a weight and a bias. out's status, or
+    None when the op is none of these."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    if name == "where" and len(shared) == 1:
+        return _shared_where(tracker, args, kwargs, *shared[0], plain, out)
+    if name == "scaled_dot_product_attention" and len(shared) == 1:
+        return _shared_attention_mask(tracker, args, kwargs, *shared[0], plain, out)
+    if len(shared) == 2:
+        return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
+    return None
+
+
 def _shared_linear_with_bias(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
                              out: torch.Tensor) -> Any:
     """F.linear(x, W, b) of a batched x with W and b both Shared (gpt-oss's router: its own parameters, over the rows
@@ -684,6 +701,63 @@ def _shared_linear_with_bias(tracker: BatchTracker, name: str, args: Sequence, k
     status = _shared_contraction(tracker, name, args[:2], w, w_st, plain, out)
     if status is not None:
         b_st.owner.on_add(out, b, *((status.dim, 1, status.inner) if type(status) is Merged else (status, 1)))
+    return status
+
+
+def _shared_where(tracker: BatchTracker, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, plain: list,
+                  out: torch.Tensor) -> Any:
+    """torch.where(cond, t, c) (or where(cond, c, t)) of a Shared t, c a number or an unbatched tensor without a
+    gradient (T5's relative attention bias under a mask before fused attention): with cond unbatched, t's elements
+    where it keeps them (a Shared piece with holes, owner.masked); with cond batched on a dim, t times each sample's
+    0/1 keep mask (owner.on_mul), out batched there. None when this is no such call."""
+    if kwargs or len(args) != 3 or not isinstance(args[0], torch.Tensor) or args[0].dtype != torch.bool \
+            or t is args[0] or (args[1] is t) == (args[2] is t):
+        return None
+    cond, other = args[0], args[2] if args[1] is t else args[1]
+    if isinstance(other, torch.Tensor) and (other.requires_grad or tracker.status(other) is not None):
+        return None
+    keep = cond if args[1] is t else ~cond
+    status = tracker.status(cond)
+    if status is None:
+        piece = st.owner.masked(t, out, keep) if hasattr(st.owner, "masked") else None
+        return None if piece is None else Shared(piece)
+    if type(status) is not int or not hasattr(st.owner, "on_mul") or len(plain) != 1 or plain[0][0] is not cond:
+        return None
+    d = tracker.status_by_rules("where", args, kwargs, plain, out)
+    if type(d) is not int:
+        return None
+    st.owner.on_mul(out, keep.expand(out.shape).to(out.dtype), d)
+    return d
+
+
+def _shared_attention_mask(tracker: BatchTracker, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,
+                           plain: list, out: torch.Tensor) -> Any:
+    """F.scaled_dot_product_attention(q, k, v, attn_mask=t) of batched q, k, v (on one dim, or merged with windows:
+    Swin's [B·windows, heads, N, d]) with t Shared: t is added to each sample's scores inside the fused op, so its
+    owner is told of an add (on_add) to a stand-in for the scores, whose gradient is recomputed from the call and its
+    output's gradient (fused_attention). out's status is returned; None when this is no such call (t is not the mask,
+    dropout, a causal flag, a mask that does not broadcast to the scores)."""
+    q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+    if (_arg(args, kwargs, 3, "attn_mask") is not t or not t.is_floating_point() or _arg(args, kwargs, 4, "dropout_p", 0.0)
+            or _arg(args, kwargs, 5, "is_causal", False) or not hasattr(st.owner, "on_add")
+            or {id(x) for x, _ in plain} != {id(q), id(k), id(v)}):
+        return None
+    shape = fused_attention.scores_shape(q, k, t)
+    if shape is None:
+        return None
+    try:
+        status = tracker.status_by_rules("scaled_dot_product_attention", args, {**kwargs, "attn_mask": None}, plain, out)
+    except Lost:
+        return None  # (reported as an escape by the caller, then lost again)
+    merged = type(status) is Merged
+    if not (type(status) is int or (merged and hasattr(st.owner, "sliced"))):
+        return None
+    scores = fused_attention.ScoresGradient(shape, out.requires_grad)
+    st.owner.on_add(scores, t, *((status.dim, 1, status.inner) if merged else (status, 1)))
+    if scores.hooks and out.requires_grad:
+        scale, gqa = _arg(args, kwargs, 6, "scale"), _arg(args, kwargs, 7, "enable_gqa", False)
+        q, k, v, mask = (x.detach() for x in (q, k, v, t))
+        out.register_hook(lambda g: scores.deliver(fused_attention.scores_grad(q, k, v, mask, scale, gqa, g).to(g.dtype)))
     return status
 
 
@@ -812,7 +886,32 @@ def _getitem(tracker, args, kwargs, inputs, out) -> int:
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     if any(isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         raise Lost("indexing with a batched index tensor")
-    return _indexed_dim(x, index, d)
+    picked = _samples_picked_in_order(tracker.batch, x, index, d, out)
+    return _indexed_dim(x, index, d) if picked is None else picked
+
+
+def _samples_picked_in_order(batch: int, x: torch.Tensor, index: tuple, d: int, out: torch.Tensor) -> int | None:
+    """Where the batch lands in x[i_0, ..., i_k] of integer index tensors every sample shares, the one on the batch
+    dim d counting the samples in order along one of its dims (Hugging Face's masks: `padding_mask[batch_idx, kv_idx]`
+    with batch_idx = arange(B)[:, None, None, None]): there row b of the result is sample b's. None where the index is
+    not of that kind (its values are read: one device sync, on the forward's mask building)."""
+    if (not 0 < len(index) <= x.dim() or d >= len(index) or not all(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32) for i in index)):
+        return None
+    counting = index[d]
+    varying = [k for k, n in enumerate(counting.shape) if n != 1]
+    if counting.dim() == 0 or len(varying) > 1 or (varying and counting.shape[varying[0]] != batch) \
+            or (not varying and batch != 1):
+        return None
+    try:
+        shape = torch.broadcast_shapes(*(i.shape for i in index))
+    except RuntimeError:
+        return None
+    if tuple(out.shape) != (*shape, *x.shape[len(index):]):
+        return None
+    if not torch.equal(counting.reshape(-1), torch.arange(batch, device=counting.device, dtype=counting.dtype)):
+        return None
+    return len(shape) - counting.dim() + (varying[0] if varying else counting.dim() - 1)
 
 
 def _indexed_dim(x: torch.Tensor, index: tuple, d: int) -> int:

@@ -158,12 +158,14 @@ class Piece:
     broadcast (an expansion) `base` has size 1 along the broadcast dims, aligned to the tensor's rank."""
 
     def __init__(self, uses: ParameterUses, base: tuple[int, ...], positions: torch.Tensor | None = None,
-                 factor: float = 1.0, rounding: torch.dtype = torch.float64):
+                 factor: float = 1.0, rounding: torch.dtype = torch.float64, holes: bool = False):
         self.uses, self.base, self.positions, self.factor = uses, base, positions, factor
         self.rounding = rounding  # the least precise dtype on the way from the parameter (a cast rounds its gradient)
+        self.holes = holes  # some positions are the parameter's numel: elements a `where` replaced (no gradient back)
 
-    def _like(self, base: tuple[int, ...], positions: torch.Tensor | None, factor: float = 1.0) -> "Piece":
-        return Piece(self.uses, base, positions, self.factor * factor, self.rounding)
+    def _like(self, base: tuple[int, ...], positions: torch.Tensor | None, factor: float = 1.0,
+              holes: bool = False) -> "Piece":
+        return Piece(self.uses, base, positions, self.factor * factor, self.rounding, self.holes or holes)
 
     def on_escape(self, what: str) -> None:
         self.uses.on_escape(what)
@@ -171,7 +173,8 @@ class Piece:
     def copied(self, out: torch.Tensor) -> "Piece":
         """A copy or cast: the same elements, its gradient rounded to out's dtype on the way back."""
         rounding = _coarser(self.rounding, out.dtype) if out.is_floating_point() else self.rounding
-        return self if rounding == self.rounding else Piece(self.uses, self.base, self.positions, self.factor, rounding)
+        return self if rounding == self.rounding else Piece(self.uses, self.base, self.positions, self.factor, rounding,
+                                                            self.holes)
 
     def reshaped(self, out: torch.Tensor) -> "Piece | None":
         """A view or reshape of a tensor that is not broadcast: the same elements in the same order (None: broadcast,
@@ -211,13 +214,20 @@ class Piece:
         moved = rearranged_positions(every, t, out, how)
         return None if moved is None else self._like(tuple(out.shape), moved)
 
+    def masked(self, t: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> "Piece | None":
+        """`out = torch.where(keep, t, c)` (or its mirror) with `keep` and c unbatched (T5's bias under the causal mask
+        before fused attention): t's elements where `keep` holds, none elsewhere (holes: no gradient goes back)."""
+        every = self.positions if self.positions is not None else element_positions(self.base, t.device)
+        holed = masked_positions(every, t, out, keep, self.uses.param.numel())
+        return None if holed is None else self._like(tuple(out.shape), holed, holes=True)
+
     def _add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
         from a gradient of dtype `rounding`)."""
         if self.factor != 1.0:
             g = g * self.factor
         if self.positions is not None:
-            g = scattered(g, self.positions, self.uses.param.numel())
+            g = scattered(g, self.positions, self.uses.param.numel(), self.holes)
         self.uses.add(g, _coarser(self.rounding, rounding))
 
     def _broadcast(self, shape: torch.Size, dim: int, inner: int = 1) -> list[int] | None:
@@ -380,10 +390,26 @@ def rearranged_positions(positions: torch.Tensor, t: torch.Tensor, out: torch.Te
     return moved if tuple(moved.shape) == tuple(out.shape) else None
 
 
-def scattered(g: torch.Tensor, positions: torch.Tensor, numel: int) -> torch.Tensor:
+def scattered(g: torch.Tensor, positions: torch.Tensor, numel: int, holes: bool = False) -> torch.Tensor:
     """[batch, numel]: per-sample gradients g ([batch, positions' numel]) added where `positions` say their elements
-    sit (an element picked twice gets both)."""
-    return g.new_zeros(g.shape[0], numel).index_add_(1, positions.reshape(-1), g)
+    sit (an element picked twice gets both); `holes`: positions equal to numel take nothing back (masked_positions)."""
+    out = g.new_zeros(g.shape[0], numel + holes).index_add_(1, positions.reshape(-1), g)
+    return out[:, :numel] if holes else out
+
+
+def masked_positions(positions: torch.Tensor, t: torch.Tensor, out: torch.Tensor, keep: torch.Tensor,
+                     numel: int) -> torch.Tensor | None:
+    """The positions of `out = torch.where(keep, t, c)`'s elements (t's where `keep` holds, `numel`, a hole,
+    elsewhere), `positions` those of t's (of its shape); None where t is broadcast or out is not where's shape."""
+    if tuple(t.shape) != tuple(positions.shape):
+        return None
+    try:
+        shape = torch.broadcast_shapes(t.shape, keep.shape)
+    except RuntimeError:
+        return None
+    if tuple(shape) != tuple(out.shape):
+        return None
+    return torch.where(keep.to(positions.device), positions.expand(shape), numel)
 
 
 def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .batch_provenance import Shared
-from .free_parameters import element_positions, rearranged_positions, scattered
+from .free_parameters import element_positions, masked_positions, rearranged_positions, scattered
 from .micro_batch import LayerCalls
 from .rules import Call
 
@@ -39,7 +39,7 @@ class SharedCall:
         output.register_hook(self._whole)
 
     def on_add(self, total: torch.Tensor, output: torch.Tensor, dim: int, sign: int,
-               positions: torch.Tensor | None = None) -> None:
+               positions: torch.Tensor | None = None, holes: bool = False) -> None:
         """`output` (a copy of the call's output, or a view of it whose elements sit at `positions` of the output) was
         added (sign 1) or subtracted (-1) to a tensor batched on `dim` giving `total`: the gradient of `total`, summed
         over the dims `output` was broadcast along, is sample b's gradient of the output at index b of `dim`."""
@@ -48,7 +48,7 @@ class SharedCall:
             self.on_escape("an add that does not broadcast it over the batch")
             return
         broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
-        total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions))
+        total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions, holes))
 
     def on_escape(self, what: str) -> None:
         self.escaped = self.escaped or what
@@ -61,13 +61,35 @@ class SharedCall:
         """A permutation of the output's elements (T5's `bias.permute(2, 0, 1)`)."""
         return SharedView(self, element_positions(self.shape, t.device)).rearranged(t, out, how)
 
-    def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int, positions: torch.Tensor | None) -> None:
+    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
+        """The output times `other`, batched on `dim` and of out's shape (see multiplied)."""
+        self.multiplied(out, self.shape, other, dim)
+
+    def masked(self, t: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> "SharedView | None":
+        """`out = torch.where(keep, output, c)` with `keep` and c unbatched: the output's elements where keep holds."""
+        return SharedView(self, element_positions(self.shape, t.device)).masked(t, out, keep)
+
+    def multiplied(self, out: torch.Tensor, shape: tuple[int, ...], other: torch.Tensor, dim: int,
+                   positions: torch.Tensor | None = None, holes: bool = False) -> None:
+        """The output (or a view of it of `shape`, its elements at `positions`, as on_add) times `other`, batched on
+        `dim` and of out's shape (a `torch.where` keeping it where each sample's mask holds): sample b's gradient of
+        the output is (g ⊙ other) at index b."""
+        aligned = (1,) * (out.dim() - len(shape)) + tuple(shape)
+        if aligned[dim] != 1 or tuple(other.shape) != tuple(out.shape):
+            self.on_escape("a product that does not broadcast it over the batch")
+            return
+        broadcast = [k for k in range(out.dim()) if k != dim and aligned[k] == 1 and out.shape[k] != 1]
+        other = other.detach()
+        out.register_hook(lambda g: self._add(g * other, dim, broadcast, 1, positions, holes))
+
+    def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int, positions: torch.Tensor | None,
+             holes: bool = False) -> None:
         g = g.detach()
         if broadcast:
             g = g.sum(broadcast, keepdim=True)
         g = g.movedim(dim, 0).reshape(self.batch, -1)
         if positions is not None:  # a view's elements back where they sit in the output (on its device already)
-            g = scattered(g, positions, math.prod(self.shape))
+            g = scattered(g, positions, math.prod(self.shape), holes)
         g = -g if sign < 0 else g
         self.per_sample = g if self.per_sample is None else self.per_sample + g
 
@@ -94,11 +116,18 @@ class SharedView:
     """A view of a SharedCall's output (reshaped, permuted): its elements' positions in the output, so that where it is
     added to the batch the per-sample gradient is put back in the output's layout."""
 
-    def __init__(self, call: SharedCall, positions: torch.Tensor):
-        self.call, self.positions = call, positions
+    def __init__(self, call: SharedCall, positions: torch.Tensor, holes: bool = False):
+        self.call, self.positions, self.holes = call, positions, holes  # (holes: free_parameters.masked_positions)
 
     def on_add(self, total: torch.Tensor, view: torch.Tensor, dim: int, sign: int) -> None:
-        self.call.on_add(total, view, dim, sign, self.positions)
+        self.call.on_add(total, view, dim, sign, self.positions, self.holes)
+
+    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
+        self.call.multiplied(out, tuple(self.positions.shape), other, dim, self.positions, self.holes)
+
+    def masked(self, t: torch.Tensor, out: torch.Tensor, keep: torch.Tensor) -> "SharedView | None":
+        holed = masked_positions(self.positions, t, out, keep, math.prod(self.call.shape))
+        return None if holed is None else SharedView(self.call, holed, holes=True)
 
     def on_escape(self, what: str) -> None:
         self.call.on_escape(what)
@@ -106,11 +135,11 @@ class SharedView:
     def reshaped(self, out: torch.Tensor) -> "SharedView | None":
         if out.numel() != self.positions.numel():
             return None
-        return SharedView(self.call, self.positions.reshape(out.shape))
+        return SharedView(self.call, self.positions.reshape(out.shape), self.holes)
 
     def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Callable) -> "SharedView | None":
         moved = rearranged_positions(self.positions, t, out, how)
-        return None if moved is None else SharedView(self.call, moved)
+        return None if moved is None else SharedView(self.call, moved, self.holes)
 
 
 def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:

@@ -186,8 +186,9 @@ def test_vision_transformer_with_key_biases_is_exact():
 def test_swin_attention_in_windows_merged_with_the_batch_is_exact(batch, attention):
     """Swin merges the batch with its windows ([B·windows, heads, N, d]) and attends in each window, shifted windows
     masked: followed through attention there. Its relative position bias tables (looked up by an index every sample
-    shares, permuted) are followed where they are added to the scores; passed to torch's fused attention as its mask
-    alone (the blocks without shifted windows, "sdpa") they are left out, named."""
+    shares, permuted) are followed where they are added to the scores, also where torch's fused attention takes them
+    as its mask ("sdpa": each sample's gradient of the scores recomputed from the call, gapmon.per_sample.fused_attention;
+    they were left out before)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
     model = transformers.SwinForImageClassification(transformers.SwinConfig(
@@ -200,14 +201,9 @@ def test_swin_attention_in_windows_merged_with_the_batch_is_exact(batch, attenti
     def loss_of(m, s):
         return F.cross_entropy(m(pixel_values=pixels[s]).logits, labels[s], reduction="sum")
 
-    got, want, cov, _ = _exact_norms(model, loss_of, batch)
-    tables = {f"swin.encoder.layers.{i}.blocks.{j}.attention.relative_position_bias.relative_position_bias_table": j
-              for i in (0, 1) for j in (0, 1)}
-    if attention == "eager":
-        assert not cov["uncovered"]
-    else:  # with one sample the shifted windows' mask is every sample's too: their tables also reach the fused mask alone
-        assert {n for n, shifted in tables.items() if not shifted} <= set(cov["uncovered"]) <= set(tables)
-        assert len(cov["uncovered"]) == (2 if batch > 1 else 4)
+    got, want, cov, _ = _exact_norms(model, loss_of, batch, strict=True)
+    assert not cov["uncovered"]
+    assert "swin.encoder.layers.0.blocks.0.attention.relative_position_bias.relative_position_bias_table" in cov["covered"]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
@@ -239,8 +235,9 @@ def test_mamba_layers_used_by_its_fused_kernel_are_left_out_by_name():
 def test_t5_with_one_table_for_encoder_decoder_and_head_is_exact(batch, attention):
     """T5 ties one table to three Embedding modules (shared, encoder's, decoder's) and its head: the cross terms of
     every pair are counted; its T5LayerNorm is covered; the relative attention biases look up buckets every sample
-    shares, permuted to [1, heads, T, T]: followed to where eager attention adds them to each sample's scores (exact),
-    left out, by name, where torch's fused attention takes them as its mask."""
+    shares, permuted to [1, heads, T, T]: followed to where eager attention adds them to each sample's scores, and
+    where torch's fused attention takes them as its mask, the decoder's after `torch.where` under the causal mask
+    (exact; both were left out under fused attention before)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -255,9 +252,36 @@ def test_t5_with_one_table_for_encoder_decoder_and_head_is_exact(batch, attentio
         return F.cross_entropy(logits.reshape(-1, VOCAB), target[s].roll(-1, 1).reshape(-1), reduction="sum")
 
     got, want, cov, _ = _exact_norms(model, loss_of, batch, batch_inputs=("input_ids", "decoder_input_ids"))
-    biases = {f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" for part in ("encoder", "decoder")}
-    assert set(cov["uncovered"]) == (biases if attention == "sdpa" else set())
+    assert not cov["uncovered"]
     assert "shared.weight" in cov["covered"] and "encoder.block.0.layer.0.layer_norm.weight" in cov["covered"]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_t5_with_padding_masks_is_exact(attention):
+    """T5 fed padded batches with their attention masks (named batched, as the Hugging Face Trainer's integration
+    names its whole collated batch): transformers builds the 4-D masks by indexing the padding mask with arange(B),
+    followed; under fused attention the relative biases are kept by `torch.where` under each sample's mask (a product
+    with its 0/1 mask, per sample) before they become the mask. Every parameter covered, exact."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0))
+    model.set_attn_implementation(attention)
+    model = model.double()
+    source, target = torch.randint(0, VOCAB, (3, SEQ)), torch.randint(0, VOCAB, (3, SEQ - 2))
+    source_mask, target_mask = torch.ones(3, SEQ, dtype=torch.long), torch.ones(3, SEQ - 2, dtype=torch.long)
+    source_mask[0, -3:], source_mask[2, -1:], target_mask[1, -2:] = 0, 0, 0
+
+    def loss_of(m, s):
+        logits = m(input_ids=source[s], attention_mask=source_mask[s], decoder_input_ids=target[s],
+                   decoder_attention_mask=target_mask[s]).logits
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target[s].roll(-1, 1).reshape(-1), reduction="sum")
+
+    got, want, cov, _ = _exact_norms(model, loss_of, 3, strict=True, batch_inputs=(
+        "input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask"))
+    assert not cov["uncovered"]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
@@ -267,8 +291,8 @@ def test_encoder_decoders_fed_labels_are_exact(family, batch):
     """The Trainer's way: input_ids and labels, which the model shifts into its decoder's ids
     (`shifted = labels.new_zeros(labels.shape); shifted[:, 1:] = labels[:, :-1]`): followed, so the decoder is covered
     once labels is named a batched input. BART's and mBART's embeddings scaled by a number (sqrt(d_model) with
-    scale_embedding) are covered; their learned position embeddings (an Embedding subclass of its own forward) and
-    T5's relative attention biases are left out, named."""
+    scale_embedding) are covered, and T5 whole; their learned position embeddings (an Embedding subclass of its own
+    forward) are left out, named."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, d_model=12, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -292,10 +316,7 @@ def test_encoder_decoders_fed_labels_are_exact(family, batch):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels[s].reshape(-1), reduction="sum")
 
     got, want, cov, _ = _exact_norms(model, loss_of, batch, batch_inputs=("input_ids", "labels"))
-    if family == "t5":
-        left_out = {f"{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" for part in ("encoder", "decoder")}
-    else:
-        left_out = {f"model.{part}.embed_positions.weight" for part in ("encoder", "decoder")}
+    left_out = set() if family == "t5" else {f"model.{part}.embed_positions.weight" for part in ("encoder", "decoder")}
     assert set(cov["uncovered"]) == left_out
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 

@@ -154,6 +154,49 @@ def test_huggingface_per_sample_norms_are_of_each_samples_own_loss(tmp_path, acc
         assert got == pytest.approx(want, rel=HF_RTOL)
 
 
+def _padded_lm_data(n: int, seed: int = 2) -> list[dict]:
+    """Samples of 3 to SEQ tokens, as a tokenizer gives them (no padding yet: the collator pads)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, VOCAB, (3 + i % (SEQ - 2),), generator=g).tolist()} for i in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_huggingface_per_sample_norms_with_a_padding_collator(tmp_path, attention):
+    """The usual Trainer set-up: samples of different lengths padded by DataCollatorForLanguageModeling, whose batch
+    holds an attention_mask. transformers builds its 4-D masks from it by `padding_mask[batch_idx, kv_idx]` (indexing
+    by arange(B) and the key positions), which gapmon follows, so every layer stays covered (16 of Llama's 21
+    parameters were left out when the mask was a batched input) and the norms are each sample's own loss's."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    class Tokenizer:  # what the collator reads of a tokenizer: its pad id and side
+        pad_token_id, padding_side, model_input_names = 0, "right", ["input_ids", "attention_mask"]
+
+        def pad(self, features, return_tensors=None, **kwargs):
+            width = max(len(f["input_ids"]) for f in features)
+            ids = torch.tensor([f["input_ids"] + [0] * (width - len(f["input_ids"])) for f in features])
+            mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features])
+            return transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask})
+
+    model, _ = _llama(transformers)
+    model.set_attn_implementation(attention)
+    make = lambda tr, seed=0: (lambda m: (m[0].set_attn_implementation(attention), m)[1])(_llama(tr, seed))  # noqa: E731
+    collator = transformers.DataCollatorForLanguageModeling(Tokenizer(), mlm=False)
+    args = _hf_args(transformers, tmp_path, per_device_train_batch_size=3, max_steps=2, max_grad_norm=0.0,
+                    learning_rate=1e-2, remove_unused_columns=False)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_padded_lm_data(6), data_collator=collator)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="PerSampleGradNorms", category=RuntimeWarning)
+        callback = attach(trainer, interval=1, per_sample_grad_norms=True)
+        checks = hf_own_loss_checks(transformers, trainer, model, callback, make)
+        trainer.train()
+    assert set(callback.monitor.per_sample.coverage()["uncovered"]) == set()
+    assert len(checks) == 2
+    for got, want in checks:
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
 @pytest.mark.slow
 def test_huggingface_per_sample_norms_with_bookkeeping_under_accumulation(tmp_path):
     """Book-keeping under the real Trainer with gradient accumulation: the weight gradients gapmon forms reach the
@@ -238,7 +281,7 @@ def hf_own_loss_checks(transformers, trainer, model, callback, make=None) -> lis
     def capture(module, args, kwargs):
         if callback.monitor is not None and callback.monitor.monitoring:
             for i in range(kwargs["input_ids"].shape[0]):
-                seen.append({"input_ids": kwargs["input_ids"][i].clone(), "labels": kwargs["labels"][i].clone()})
+                seen.append({k: kwargs[k][i].clone() for k in ("input_ids", "labels", "attention_mask") if k in kwargs})
 
     model.register_forward_pre_hook(capture, with_kwargs=True)
 
@@ -248,8 +291,8 @@ def hf_own_loss_checks(transformers, trainer, model, callback, make=None) -> lis
             got = callback.monitor.per_sample.local_norms().tolist()
             state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-            def loss_of(m, s):
-                return m(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss  # its own mean over tokens
+            def loss_of(m, s):  # its own mean over tokens
+                return m(**{k: v[None] for k, v in s.items()}).loss
 
             checks.append((got, _reference_norms(lambda: (make or _llama)(transformers)[0], state_dict, list(seen), covered,
                                                  loss_of)))

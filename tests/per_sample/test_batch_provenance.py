@@ -253,6 +253,29 @@ def test_tracker_follows_the_batch_through_common_ops():
         assert (isinstance(got, str) if want is str else got == want), (what, got)
 
 
+def test_tracker_follows_masks_indexed_by_the_samples_in_order():
+    """transformers builds its 4-D attention masks from the 2-D padding mask by `padding_mask[batch_idx, kv_idx]`,
+    batch_idx = arange(B)[:, None, None, None]: row b of the result is sample b's (followed: it was lost, and with it
+    every layer after the mask); an index that reorders or repeats the samples, or is batched itself, loses it."""
+    mask = torch.ones(B, T, dtype=torch.bool)
+    tracker = BatchTracker(B)
+    tracker.mark(mask, 0)
+    samples, keys = torch.arange(B), torch.arange(T)
+    with tracker:
+        cases = {
+            "in order": (mask[samples[:, None, None, None], keys[None, None, None, :]], 0),
+            "in order, on dim 1": (mask[samples[None, :, None], keys[None, None, :]], 1),
+            "one dim each": (mask[samples[:, None], keys[None, :]], 0),
+            "reversed": (mask[samples.flip(0)[:, None], keys[None, :]], str),
+            "repeated": (mask[torch.zeros(B, dtype=torch.long)[:, None], keys[None, :]], str),
+            "too few": (mask[samples[:2, None], keys[None, :]], str),
+            "by a batched index": (mask[samples[:, None], mask.long()], str),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
 def test_tracker_follows_a_batch_of_one_sample_through_unsqueeze_and_squeeze():
     """With one sample every size-1 dim could be the batch by sizes alone: unsqueeze and squeeze say where it goes
     ([1, 5].unsqueeze(0) has it on dim 1, which a repeat over dim 0 must not take for copied samples)."""

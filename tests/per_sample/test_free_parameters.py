@@ -547,3 +547,66 @@ def test_a_contracted_parameter_too_large_to_form_per_sample_is_left_out_by_name
     assert "w" in cov["uncovered"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
+
+
+class FusedAttentionBias(nn.Module):
+    """A learned attention bias [heads, T, T] (Swin's and T5's kind) given to torch's fused attention as its mask; `use`:
+    plain, with a scale of its own, grouped-query (two query heads per key/value head), the batch merged with windows
+    ([B·2, heads, T/2, d], Swin's), or with attention dropout in training."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use, heads, self.t = use, 4, 6
+        self.qkv = nn.Linear(8, 8 * 3 if use != "gqa" else 8 + 2 * 4)
+        n = self.t // 2 if use == "windows" else self.t
+        self.bias = nn.Parameter(torch.randn(heads, n, n) * 0.5)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # x [B, T, 8]
+        b = x.shape[0]
+        h = self.qkv(x)
+        q, rest = h[..., :8], h[..., 8:]
+        kv_heads = 2 if self.use == "gqa" else 4
+        k, v = rest.chunk(2, -1)
+        q = q.reshape(b, self.t, 4, 2).transpose(1, 2)
+        k, v = (u.reshape(b, self.t, kv_heads, 2).transpose(1, 2) for u in (k, v))
+        kwargs = {"scale": 0.3} if self.use == "scale" else {"enable_gqa": True} if self.use == "gqa" else {}
+        if self.use == "windows":  # [B, 4, T, 2] -> [B·2, 4, T/2, 2]: two windows per sample, the batch outermost
+            q, k, v = (u.reshape(b, 4, 2, self.t // 2, 2).transpose(1, 2).reshape(b * 2, 4, self.t // 2, 2)
+                       for u in (q, k, v))
+        mask = self.bias
+        if self.use == "causal":  # kept under a mask every sample shares (T5's decoder under fused attention)
+            mask = torch.where(torch.ones(self.t, self.t, dtype=torch.bool).tril(), mask, torch.finfo(x.dtype).min)
+        elif self.use == "padded":  # kept under each sample's padding mask: a batched mask, each its own
+            keep = (x[:, None, None, :, 0] > -0.5).expand(b, 1, self.t, self.t)
+            mask = torch.where(keep, mask, torch.finfo(x.dtype).min)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3 if self.use == "dropout" else 0.0,
+                                             **kwargs)
+        if self.use == "windows":
+            out = out.reshape(b, 2, 4, self.t // 2, 2).transpose(1, 2).reshape(b, 4, self.t, 2)
+        return self.head(out.transpose(1, 2).reshape(b, self.t, 8))
+
+
+@pytest.mark.parametrize("use", ["plain", "scale", "gqa", "windows", "causal", "padded"])
+def test_a_bias_given_to_fused_attention_as_its_mask_is_exact(use):
+    """Added to each sample's scores inside the fused op, which autograd never shows: each sample's gradient of the
+    scores is recomputed from the call (q, k, v, the mask, the output's gradient) and handed to the bias as an add's
+    (the bias was left out before); kept by `torch.where` under a causal mask first (its elements there only), or
+    under each sample's own mask (a product with it, per sample, batched)."""
+    torch.manual_seed(3)
+    model = FusedAttentionBias(use).double()
+    x, y = torch.randn(4, 6, 8, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True)
+    assert "bias" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_a_bias_given_to_fused_attention_with_dropout_is_left_out_by_name():
+    torch.manual_seed(3)
+    model = FusedAttentionBias("dropout").double()
+    x, y = torch.randn(4, 6, 8, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"'bias' is not per-sample \(the model uses this parameter in "
+                                            r"scaled_dot_product_attention"):
+        got, cov = _norms(model, x, y)
+    assert "bias" in cov["uncovered"] and "qkv.weight" in cov["covered"]
