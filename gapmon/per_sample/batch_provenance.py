@@ -243,7 +243,7 @@ class BatchTracker(TorchFunctionMode):
         if one:
             self.mark(out, result[0] if type(result) is list else result)
         else:
-            self._mark_outputs(name, args, out, result)
+            _mark_outputs(self, name, args, out, result)
         return out
 
     def _kept_dim(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: torch.Tensor) -> int | None:
@@ -271,19 +271,6 @@ class BatchTracker(TorchFunctionMode):
             return s if s < args[0].dim() - n else None
         return None
 
-    def _mark_outputs(self, name: str, args: Sequence, out: Any, result: Any) -> None:
-        if name == "__setitem__":  # x[i] = value: x now holds what value holds
-            if isinstance(result, (int, str)) or result is None:
-                self.mark(args[0], result)
-            return
-        if isinstance(out, torch.Tensor):
-            self.mark(out, result if not isinstance(result, list) else result[0])
-        elif isinstance(out, (tuple, list)):
-            statuses = result if isinstance(result, list) else [result] * len(out)
-            for t, s in zip(out, statuses):
-                if isinstance(t, torch.Tensor):
-                    self.mark(t, s)
-
     # ------------------------------------------------------------------ rules
     def status_by_rules(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
         """The status of op `name`'s output from its inputs' ((tensor, status) each), by the rule of the op's family."""
@@ -306,6 +293,9 @@ class BatchTracker(TorchFunctionMode):
                 return self._expanded(name, args, out) if name in _EXPANDS else None
         if lost and name == "__setitem__" and self.batch == 1 and not any(type(st) is Merged for _, st in inputs):
             return _setitem(self, args, kwargs, inputs, out)  # one sample: a lost value may still be that sample's
+        joined = _samples_rejoined(self, name, args, kwargs, inputs, lost, out)
+        if joined is not None:
+            return joined
         if lost and name != "embedding_bag":  # 1-D bags: the ids' batch dim is the offsets', not theirs
             return lost[0]
         if any(type(st) is Merged for _, st in inputs):
@@ -847,12 +837,83 @@ def _split(tracker, args, kwargs, inputs, out) -> int:
     return d
 
 
-def _unbind(tracker, args, kwargs, inputs, out) -> int:
+def _mark_outputs(tracker: BatchTracker, name: str, args: Sequence, out: Any, result: Any) -> None:
+    """Marks the outputs of an op of several (or none: __setitem__ marks the tensor written), result a status or one per
+    output."""
+    if name == "__setitem__":  # x[i] = value: x now holds what value holds
+        if isinstance(result, (int, str)) or result is None:
+            tracker.mark(args[0], result)
+        return
+    if isinstance(out, torch.Tensor):
+        tracker.mark(out, result if not isinstance(result, list) else result[0])
+    elif isinstance(out, (tuple, list)):
+        statuses = result if isinstance(result, list) else [result] * len(out)
+        for t, s in zip(out, statuses):
+            if isinstance(t, torch.Tensor):
+                tracker.mark(t, s)
+
+
+class SampleSlice(str):
+    """A status: sample `sample`'s tensor of those `unbind` made of a tensor along its batch dim (`list(features)`):
+    lost, as its str says, except to `cat` and `stack` of all of them in order, which make the batch again (LLaVA's
+    image features: `torch.cat(list(features), 0)`)."""
+
+    def __new__(cls, why: str, source: int, sample: int):
+        out = super().__new__(cls, why)
+        out.source, out.sample = source, sample
+        return out
+
+
+def _unbind(tracker, args, kwargs, inputs, out) -> int | list:
     x, d = args[0], tracker.input_dim(args, inputs)
     dim = _dims(_arg(args, kwargs, 1, "dim", 0), x.dim())[0]
     if dim == d:
-        raise Lost("unbind of the batch dim (one sample per tensor)")
+        return [SampleSlice("unbind of the batch dim (one sample per tensor)", id(out), b) for b in range(len(out))]
     return d - (dim < d)
+
+
+def _samples_joined(tracker, name: str, args: Sequence, kwargs: dict, inputs: list) -> int | Merged | None:
+    """cat (or stack) of every sample's tensor of one unbind (SampleSlice), in order: along dim k, dim k holds the batch
+    merged with each tensor's rows there (plain for stack). None when the op is not that."""
+    tensors = _arg(args, kwargs, 0, "tensors")
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != tracker.batch or len(inputs) != len(tensors):
+        return None
+    slices = [tracker.status(t) for t in tensors]
+    if not all(type(sl) is SampleSlice and sl.source == slices[0].source and sl.sample == b for b, sl in enumerate(slices)):
+        return None
+    ndim = tensors[0].dim() + (name == "stack")
+    dim = _dims(_arg(args, kwargs, 1, "dim", 0), ndim)[0]
+    if name == "stack":
+        return dim
+    return dim if tensors[0].shape[dim] == 1 else Merged(dim, tensors[0].shape[dim])
+
+
+def _samples_rejoined(tracker, name: str, args: Sequence, kwargs: dict, inputs: list, lost: list, out: Any) -> Any:
+    """The batch made again from what had lost it as a dim of its own: every sample's tensor of one unbind
+    concatenated or stacked in order (_samples_joined), or source rows merged with the batch scattered into it
+    (_masked_scatter). None when the op is neither."""
+    if lost and name in ("cat", "concat", "concatenate", "stack"):
+        return _samples_joined(tracker, name, args, kwargs, inputs)
+    if not lost and name in ("masked_scatter", "masked_scatter_"):
+        return _masked_scatter(tracker, args, kwargs, inputs, out)
+    return None
+
+
+def _masked_scatter(tracker, args: Sequence, kwargs: dict, inputs: list, out: torch.Tensor) -> int:
+    """x.masked_scatter(mask, source): source's elements, in order, into x where mask holds (LLaVA's image features into
+    the image tokens' embeddings). With x and mask batched on dim 0 (or shared by every sample) and source's elements
+    sample-major (batched on dim 0, or merged there), row b of the result is sample b's when every sample's row takes
+    the same number of source elements, its own (the mask's counts are read: one device sync)."""
+    x, mask, source = args[0], _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "source")
+    statuses = {id(t): s for t, s in inputs}
+    sx, sm, ss = (statuses.get(id(t)) for t in (x, mask, source))
+    if sx not in (0, None) or sm not in (0, None) or not (ss == 0 or (type(ss) is Merged and ss.dim == 0)) \
+            or out.dim() == 0 or out.shape[0] != tracker.batch or source.numel() % tracker.batch:
+        raise Lost("masked_scatter whose samples' elements may go to other samples")
+    taken = mask.expand(out.shape).reshape(tracker.batch, -1).sum(1)
+    if not bool((taken == source.numel() // tracker.batch).all()):
+        raise Lost("masked_scatter whose samples take different numbers of elements")
+    return 0
 
 
 def _cat(tracker, args, kwargs, inputs, out) -> int:
@@ -1148,7 +1209,8 @@ _RULES: dict[str, Callable] = {
     "transpose_": _transpose, "t": _t, "T": _t, "mT": _matrix_t, "mH": _matrix_t, "adjoint": _matrix_t,
     "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,
     **{n: _reduction(n) for n in _REDUCTIONS}, **{n: _along_dim(n) for n in _ALONG_DIM},
-    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind,
+    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind, "masked_scatter": _masked_scatter,
+    "masked_scatter_": _masked_scatter,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "__getitem__": _getitem, "__setitem__": _setitem,
     "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul, "addmm": _addmm,

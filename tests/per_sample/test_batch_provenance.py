@@ -276,6 +276,37 @@ def test_tracker_follows_masks_indexed_by_the_samples_in_order():
         assert (isinstance(got, str) if want is str else got == want), (what, got)
 
 
+def test_tracker_follows_samples_unbound_then_joined_and_scattered():
+    """LLaVA's image features: `list(features)` unbinds the batch (each tensor one sample's), `torch.cat(..., 0)` joins
+    them in order (the batch merged with the patches again), `embeds.masked_scatter(image_mask, features)` puts them
+    at the image tokens: followed where every sample's row takes its own features (it was lost at the unbind, and
+    every layer after with it); joined out of order, or scattered where samples take different counts, lost."""
+    from gapmon.per_sample.batch_provenance import Merged
+
+    features, embeds = torch.randn(B, 3, 8), torch.randn(B, T + 3, 8)
+    mask = torch.zeros(B, T + 3, 1, dtype=torch.bool)
+    mask[:, 1:4] = True
+    uneven = mask.clone()
+    uneven[0, 4] = True
+    tracker = BatchTracker(B)
+    for t in (features, embeds, mask, uneven):
+        tracker.mark(t, 0)
+    with tracker:
+        pieces = list(features)
+        joined = torch.cat(pieces, 0)
+        cases = {
+            "one sample's": (pieces[1], str), "joined": (joined, Merged(0, 3)), "stacked": (torch.stack(pieces, 0), 0),
+            "joined along features": (torch.cat(pieces, -1), Merged(1, 8)),
+            "out of order": (torch.cat(pieces[::-1], 0), str), "some": (torch.cat(pieces[:2], 0), str),
+            "scattered": (embeds.masked_scatter(mask, joined), 0),
+            "scattered from a batch": (embeds.masked_scatter(mask, features), 0),
+            "uneven": (embeds.masked_scatter(uneven, torch.cat([joined, joined[:1]], 0)), str),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
 def test_tracker_follows_a_batch_of_one_sample_through_unsqueeze_and_squeeze():
     """With one sample every size-1 dim could be the batch by sizes alone: unsqueeze and squeeze say where it goes
     ([1, 5].unsqueeze(0) has it on dim 1, which a repeat over dim 0 must not take for copied samples)."""
