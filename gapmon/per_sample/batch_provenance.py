@@ -75,6 +75,12 @@ class Lost(Exception):
     """Raised by a rule: the batch dimension of the op's output cannot be told."""
 
 
+class CrossSample(Lost):
+    """Raised by a rule: the op multiplies two samples' tensors together (sample i's rows against sample j's columns: a
+    contrastive loss's similarities). A loss that gets a gradient through it has no per-sample form: the hook
+    `watch_cross_sample` puts on its output records that in the tracker's `mixing`, and the norms are refused."""
+
+
 class Merged(NamedTuple):
     """A status: dim `dim` holds the batch merged with the `inner` elements of the dims that followed it, the batch
     outermost (x.view(-1, d) of a [B, T, d] activation: Merged(0, T)). Index b·inner + r of that dim is sample b's.
@@ -176,6 +182,7 @@ class BatchTracker(TorchFunctionMode):
         super().__init__()
         self.batch = batch
         self._status: dict[int, tuple[weakref.ref, int | str]] = {}  # id(tensor) -> (ref, status)
+        self.mixing: dict | None = None  # where a CrossSample op's output got a gradient: the micro-batch's `mixing`
 
     # ------------------------------------------------------------------ statuses
     def mark(self, t: torch.Tensor, status: int | str | None) -> None:
@@ -238,6 +245,8 @@ class BatchTracker(TorchFunctionMode):
             result = self.status_by_rules(name, args, kwargs, inputs, out)
         except Lost as why:
             result = f"{why}"
+            if type(why) is CrossSample and one and out.requires_grad:
+                watch_cross_sample(self, out, result)
         except Exception as error:  # a rule's own bug must never break the user's forward pass
             result = f"{name} (no batch rule could read it: {type(error).__name__})"
         if one:
@@ -837,6 +846,18 @@ def _split(tracker, args, kwargs, inputs, out) -> int:
     return d
 
 
+def watch_cross_sample(tracker: BatchTracker, out: torch.Tensor, why: str) -> None:
+    """A hook on out, the product of two samples' tensors: a gradient there that is not zero (one device sync, in that
+    backward) means the loss depends on pairs of samples, recorded in the tracker's `mixing`."""
+    def hook(g: torch.Tensor) -> None:
+        if tracker.mixing is not None and bool(g.detach().abs().amax() > 0):
+            tracker.mixing["the model's forward"] = (
+                f"multiplies two samples' tensors together, and the loss depends on the product ({why})",
+                "A loss over pairs of samples (a contrastive loss: CLIP's, SigLIP's) has no per-sample gradients of "
+                "each sample's own loss.")
+    out.register_hook(hook)
+
+
 def _mark_outputs(tracker: BatchTracker, name: str, args: Sequence, out: Any, result: Any) -> None:
     """Marks the outputs of an op of several (or none: __setitem__ marks the tensor written), result a status or one per
     output."""
@@ -945,18 +966,22 @@ def _getitem(tracker, args, kwargs, inputs, out) -> int:
     """Basic indexing (ints, slices, None, ...); an index tensor only off the batch dim and alone."""
     x, d = args[0], tracker.input_dim(args, inputs)
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    picked = _samples_picked_in_order(tracker, x, index, d, out)
+    if picked is not None:
+        return picked
     if any(isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         raise Lost("indexing with a batched index tensor")
-    picked = _samples_picked_in_order(tracker.batch, x, index, d, out)
-    return _indexed_dim(x, index, d) if picked is None else picked
+    return _indexed_dim(x, index, d)
 
 
-def _samples_picked_in_order(batch: int, x: torch.Tensor, index: tuple, d: int, out: torch.Tensor) -> int | None:
-    """Where the batch lands in x[i_0, ..., i_k] of integer index tensors every sample shares, the one on the batch
-    dim d counting the samples in order along one of its dims (Hugging Face's masks: `padding_mask[batch_idx, kv_idx]`
-    with batch_idx = arange(B)[:, None, None, None]): there row b of the result is sample b's. None where the index is
-    not of that kind (its values are read: one device sync, on the forward's mask building)."""
-    if (not 0 < len(index) <= x.dim() or d >= len(index) or not all(
+def _samples_picked_in_order(tracker, x: torch.Tensor, index: tuple, d: int, out: torch.Tensor) -> int | None:
+    """Where the batch lands in x[i_0, ..., i_k] of integer index tensors, the one on the batch dim d counting the
+    samples in order along one of its dims, the others shared by every sample or batched along that same dim
+    (Hugging Face's masks: `padding_mask[batch_idx, kv_idx]` with batch_idx = arange(B)[:, None, None, None]; CLIP's
+    end-of-text pick `h[arange(B), ids.argmax(-1)]`): there row b of the result is sample b's. None where the index is
+    not of that kind (its values are read: one device sync)."""
+    batch = tracker.batch
+    if (not 0 < len(index) <= x.dim() or d >= len(index) or tracker.status(index[d]) is not None or not all(
             isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32) for i in index)):
         return None
     counting = index[d]
@@ -970,9 +995,14 @@ def _samples_picked_in_order(batch: int, x: torch.Tensor, index: tuple, d: int, 
         return None
     if tuple(out.shape) != (*shape, *x.shape[len(index):]):
         return None
+    at = len(shape) - counting.dim() + (varying[0] if varying else counting.dim() - 1)
+    for i in index:
+        s = tracker.status(i)
+        if s is not None and (type(s) is not int or len(shape) - i.dim() + s != at):
+            return None  # an index batched along another dim than the samples are counted on
     if not torch.equal(counting.reshape(-1), torch.arange(batch, device=counting.device, dtype=counting.dtype)):
         return None
-    return len(shape) - counting.dim() + (varying[0] if varying else counting.dim() - 1)
+    return at
 
 
 def _indexed_dim(x: torch.Tensor, index: tuple, d: int) -> int:
@@ -1068,6 +1098,8 @@ def _matmul(tracker, args, kwargs, inputs, out) -> int:
         else:
             dims.add(s + out.dim() - n)
     if len(dims) != 1:
+        if len(inputs) == 2 and len(dims) == 2:
+            raise CrossSample("matmul of two tensors batched on different dims: sample i's rows against sample j's")
         raise Lost("matmul of operands batched on different dims")
     return dims.pop()
 
@@ -1087,6 +1119,8 @@ def _einsum(tracker, args, kwargs, inputs, out) -> int:
         s = tracker.status(t) if isinstance(t, torch.Tensor) else None
         if isinstance(s, int):
             letters.add(spec[s])
+    if len(letters) > 1 and all(letter in rhs for letter in letters):
+        raise CrossSample("einsum of tensors whose batches stay on different letters: every pair of samples")
     if len(letters) != 1 or next(iter(letters)) not in rhs:
         raise Lost("einsum that sums over the batch or puts it on several letters")
     return rhs.index(letters.pop())

@@ -193,6 +193,7 @@ class PerSampleGradNorms(GradientProducts):
                                  f"{self.batch_dim} of size {batch} (the first one's)")
             tracker.mark(t, self.batch_dim)
         mb = MicroBatch(batch, storages)
+        tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
         self._free.follow(mb, tracker)
         self._state.stop_tracking()  # a forward pass that raised before its end hook could run
         self._state.tracking = tracker.__enter__()

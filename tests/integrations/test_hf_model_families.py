@@ -562,6 +562,38 @@ def test_llava_image_features_scattered_into_the_tokens_are_exact():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("loss", ["contrastive", "per sample"])
+def test_clip_contrastive_loss_is_refused_and_a_per_sample_one_exact(loss):
+    """CLIP's own loss (return_loss=True) is a cross entropy over the similarities of every pair of samples, formed in
+    its forward (`text_embeds @ image_embeds.t()`): no sample has a gradient of its own loss (alone, a pair's loss is a
+    constant), and gapmon's norms were numbers of no meaning (237 where the loop gives 0): refused, naming it. With a
+    loss of each sample's own embeddings the similarities get no gradient: exact, its text projection covered (the
+    end-of-text pick `h[arange(B), ids.argmax(-1)]` is followed)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8), projection_dim=8)).double()
+    batch = dict(input_ids=torch.randint(1, VOCAB, (4, SEQ)), pixel_values=torch.randn(4, 3, 16, 16, dtype=torch.float64))
+    if loss == "contrastive":
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", batch_inputs=tuple(batch))
+        model(**batch, return_loss=True).loss.backward()
+        with pytest.raises(RuntimeError, match=r"multiplies two samples' tensors together.*contrastive loss"):
+            psn.local_norms()
+        psn.close()
+        return
+
+    def loss_of(m, s):
+        out = m(**{k: v[s] for k, v in batch.items()})
+        return (out.text_embeds * out.image_embeds).sum() + out.image_embeds.square().sum()
+
+    got, want, cov, _ = _exact_norms(model, loss_of, 4, batch_inputs=tuple(batch))
+    assert set(cov["uncovered"]) == {"logit_scale"} and "text_projection.weight" in cov["covered"]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_xlnet_projections_contracted_by_einsum_are_exact():
     """XLNet's relative attention holds its projections as parameters and applies them by einsum over
     sequence-first activations ("ibh,hnd->ibnd"): each sample's gradient is formed by the matching einsum."""

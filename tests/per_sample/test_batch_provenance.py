@@ -269,7 +269,9 @@ def test_tracker_follows_masks_indexed_by_the_samples_in_order():
             "reversed": (mask[samples.flip(0)[:, None], keys[None, :]], str),
             "repeated": (mask[torch.zeros(B, dtype=torch.long)[:, None], keys[None, :]], str),
             "too few": (mask[samples[:2, None], keys[None, :]], str),
-            "by a batched index": (mask[samples[:, None], mask.long()], str),
+            "by its own batched index": (mask[samples[:, None], mask.long()], 0),
+            "each sample's own position": (mask[samples, mask.long().argmax(-1)], 0),  # CLIP's end-of-text pick
+            "a position batched across": (mask[samples[:, None], mask.long().argmax(-1)[None, :]], str),
         }
     for what, (t, want) in cases.items():
         got = tracker.status(t)
@@ -305,6 +307,51 @@ def test_tracker_follows_samples_unbound_then_joined_and_scattered():
     for what, (t, want) in cases.items():
         got = tracker.status(t)
         assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
+class TwoTowers(nn.Module):
+    """A contrastive model: each sample's two views embedded by a tower each, their similarities over every pair of
+    samples (`a @ b.T`, CLIP's logits)."""
+
+    def __init__(self, einsum: bool = False):
+        super().__init__()
+        self.left, self.right, self.einsum = nn.Linear(6, 4), nn.Linear(6, 4), einsum
+
+    def forward(self, x, y):
+        a, b = self.left(x), self.right(y)
+        return a, b, torch.einsum("id,jd->ij", a, b) if self.einsum else a @ b.T
+
+
+@pytest.mark.parametrize("loss", ["contrastive", "einsum", "per sample"])
+def test_a_loss_over_pairs_of_samples_is_refused(loss):
+    """A contrastive loss (cross entropy over the similarities of every pair of samples) has no per-sample gradients of
+    each sample's own loss (alone, a sample's loss is a constant): its norms were numbers of no meaning; now refused,
+    naming the product. The same model with a loss of each sample's own embeddings computes the similarities too
+    (no gradient through them): exact. (The similarities are formed in the model's forward, where the batch is
+    followed, as CLIP's are; a loss function that forms them outside it is the user's own.)"""
+    torch.manual_seed(0)
+    model = TwoTowers(einsum=loss == "einsum").double()
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", batch_inputs=(0, 1))
+
+    def loss_of(xs, ys):
+        a, b, sim = model(xs, ys)
+        if loss != "per sample":
+            return nn.functional.cross_entropy(sim, torch.arange(xs.shape[0]), reduction="sum")
+        return (a * b).sum() + a.square().sum()
+
+    loss_of(x, y).backward()
+    if loss != "per sample":
+        with pytest.raises(RuntimeError, match=r"multiplies two samples' tensors together, and the loss depends on"):
+            psn.local_norms()
+        psn.close()
+        return
+    got = psn.local_norms()
+    psn.close()
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss_of(x[i:i + 1], y[i:i + 1]),
+                                                                              list(model.parameters()))]).norm()
+                        for i in range(4)])
+    _exact(got, want)
 
 
 def test_tracker_follows_a_batch_of_one_sample_through_unsqueeze_and_squeeze():
