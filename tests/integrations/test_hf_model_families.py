@@ -231,6 +231,15 @@ def test_mamba_layers_used_by_its_fused_kernel_are_left_out_by_name():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+def _t5(transformers, attention: str):
+    """A tiny float64 T5 (two layers each side) whose attention runs `attention` ("sdpa": torch's fused attention)."""
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0))
+    model.set_attn_implementation(attention)
+    return model.double()
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_t5_with_one_table_for_encoder_decoder_and_head_is_exact(batch, attention):
@@ -241,11 +250,7 @@ def test_t5_with_one_table_for_encoder_decoder_and_head_is_exact(batch, attentio
     (exact; both were left out under fused attention before)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
-        dropout_rate=0.0, decoder_start_token_id=0))
-    model.set_attn_implementation(attention)
-    model = model.double()
+    model = _t5(transformers, attention)
     source, target = torch.randint(0, VOCAB, (batch, SEQ)), torch.randint(0, VOCAB, (batch, SEQ - 2))
 
     def loss_of(m, s):
@@ -266,11 +271,7 @@ def test_t5_with_padding_masks_is_exact(attention):
     with its 0/1 mask, per sample) before they become the mask. Every parameter covered, exact."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
-        dropout_rate=0.0, decoder_start_token_id=0))
-    model.set_attn_implementation(attention)
-    model = model.double()
+    model = _t5(transformers, attention)
     source, target = torch.randint(0, VOCAB, (3, SEQ)), torch.randint(0, VOCAB, (3, SEQ - 2))
     source_mask, target_mask = torch.ones(3, SEQ, dtype=torch.long), torch.ones(3, SEQ - 2, dtype=torch.long)
     source_mask[0, -3:], source_mask[2, -1:], target_mask[1, -2:] = 0, 0, 0

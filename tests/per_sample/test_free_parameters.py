@@ -197,9 +197,12 @@ def test_under_bf16_autocast_within_its_rounding():
     norms agree with a loop over the samples under the same autocast within bf16's rounding (2^-8 a product, a few of
     them along the chain)."""
     torch.manual_seed(5)
-    model = TinyViT()
-    x, y = torch.randn(4, 3, 8, 8), torch.randn(4, 3)
+    got, want, _ = _autocast_norms(TinyViT(), torch.randn(4, 3, 8, 8), torch.randn(4, 3))
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
 
+
+def _autocast_norms(model, x, y):
+    """(gapmon's norms, a loop's over the samples, coverage) with the model run under CPU bf16 autocast (strict)."""
     def loss(xs, ys):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(xs)
@@ -207,12 +210,12 @@ def test_under_bf16_autocast_within_its_rounding():
 
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
     loss(x, y).backward()
-    got = psn.local_norms()
+    got, cov = psn.local_norms(), psn.coverage()
     psn.close()
     want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(x[i:i + 1], y[i:i + 1]),
                                                                               list(model.parameters()))]).norm()
-                        for i in range(4)])
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+                        for i in range(x.shape[0])])
+    return got, want, cov
 
 
 class ScaledBlock(nn.Module):
@@ -516,22 +519,8 @@ def test_a_contraction_under_bf16_autocast_is_checked_at_its_rounding(use):
     that cast, and the use check allows bfloat16's rounding of the parameter's gradient (float32's refused it falsely);
     the norms agree with a loop over the samples under the same autocast within it."""
     torch.manual_seed(12)
-    model = Contracted(use)
-    x, y = torch.randn(4, 5, 4), torch.randn(4, 5, 3)
-
-    def loss(xs, ys):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(xs)
-        return _loss(out.float(), ys)
-
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    loss(x, y).backward()
-    got, cov = psn.local_norms(), psn.coverage()
-    psn.close()
+    got, want, cov = _autocast_norms(Contracted(use), torch.randn(4, 5, 4), torch.randn(4, 5, 3))
     assert not cov["uncovered"]
-    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss(x[i:i + 1], y[i:i + 1]),
-                                                                              list(model.parameters()))]).norm()
-                        for i in range(4)])
     torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
 
 
