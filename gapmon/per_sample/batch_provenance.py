@@ -900,7 +900,8 @@ def _samples_joined(tracker, name: str, args: Sequence, kwargs: dict, inputs: li
     if not isinstance(tensors, (list, tuple)) or len(tensors) != tracker.batch or len(inputs) != len(tensors):
         return None
     slices = [tracker.status(t) for t in tensors]
-    if not all(type(sl) is SampleSlice and sl.source == slices[0].source and sl.sample == b for b, sl in enumerate(slices)):
+    if not all(type(sl) is SampleSlice and sl.source == slices[0].source and sl.sample == b for b, sl in enumerate(slices)) \
+            or any(t.shape != tensors[0].shape for t in tensors):
         return None
     ndim = tensors[0].dim() + (name == "stack")
     dim = _dims(_arg(args, kwargs, 1, "dim", 0), ndim)[0]

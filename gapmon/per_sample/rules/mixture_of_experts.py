@@ -241,7 +241,7 @@ class ExpertsRule(NormRule):
         found = (super().rounding_dtype(module, call, g), call.autocast, getattr(weights, "dtype", None))
         return max((d for d in found if d is not None and d.is_floating_point), key=lambda d: torch.finfo(d).eps)
 
-    def _terms(self, module, pos):
+    def norm_sq(self, module, pos):
         """The [B] terms of the up and down projections (weights and biases that train), per (sample, expert) group."""
         xs, h, dy, *rest = pos[:-1]
         experts = pos[-1]
@@ -254,9 +254,6 @@ class ExpertsRule(NormRule):
             if terms:
                 out = out.index_add(0, samples, sum_of_terms(terms, samples.shape[0], out.dtype, out.device).to(out.dtype))
         return out
-
-    def norm_sq(self, module, pos):
-        return self._terms(module, pos)
 
     def per_sample_grads(self, module, pos, batch):
         xs, h, dy, *rest = (t.double() for t in pos[:-1])
