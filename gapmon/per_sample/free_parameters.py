@@ -231,16 +231,8 @@ class Piece:
         self.uses.add(g, _coarser(self.rounding, rounding))
 
     def _broadcast(self, shape: torch.Size, dim: int, inner: int = 1) -> list[int] | None:
-        """The dims (but the batch's, `dim`) of a result of `shape` along which this piece is broadcast; None when it is
-        not broadcast along the batch (it is no per-sample use then). `inner`: dim holds the batch merged with `inner`
-        rows each (Swin's windows), split out as dim + 1 in the dims returned."""
-        aligned = (1,) * (len(shape) - len(self.base)) + self.base
-        if aligned[dim] != 1:
-            return None
-        if inner != 1:
-            shape = (*shape[:dim], self.uses.batch, inner, *shape[dim + 1:])
-            aligned = (*aligned[:dim], 1, 1, *aligned[dim + 1:])
-        return [k for k in range(len(shape)) if k != dim and aligned[k] == 1 and shape[k] != 1]
+        """broadcast_dims of this piece in a result of `shape` (Swin's windows: `inner` rows of each sample on dim)."""
+        return broadcast_dims(shape, self.base, dim, self.uses.batch, inner)
 
     def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int, inner: int = 1) -> None:
         """t (this piece) was added (sign 1) or subtracted (-1) to a tensor batched on `dim` (merged with `inner` rows
@@ -388,6 +380,21 @@ def rearranged_positions(positions: torch.Tensor, t: torch.Tensor, out: torch.Te
         return None
     moved = how(positions)
     return moved if tuple(moved.shape) == tuple(out.shape) else None
+
+
+def broadcast_dims(shape: tuple[int, ...], piece: tuple[int, ...], dim: int, batch: int = 0,
+                   inner: int = 1) -> list[int] | None:
+    """The dims (but the batch's, `dim`) of a result of `shape` along which a tensor of shape `piece` (aligned to its
+    rank) was broadcast; None when it is not broadcast along the batch (no per-sample use then). `inner` > 1: dim holds
+    the batch (`batch` samples) merged with `inner` rows each (Swin's windows), split out as dim + 1 in the dims
+    returned."""
+    aligned = (1,) * (len(shape) - len(piece)) + tuple(piece)
+    if aligned[dim] != 1:
+        return None
+    if inner != 1:
+        shape = (*shape[:dim], batch, inner, *shape[dim + 1:])
+        aligned = (*aligned[:dim], 1, 1, *aligned[dim + 1:])
+    return [k for k in range(len(shape)) if k != dim and aligned[k] == 1 and shape[k] != 1]
 
 
 def scattered(g: torch.Tensor, positions: torch.Tensor, numel: int, holes: bool = False) -> torch.Tensor:

@@ -26,7 +26,7 @@ class SampleMixing:
         """Hooks the outermost model with a router config (a MixtralForCausalLM, not its MixtralModel): to be called
         after the hook that opens each micro-batch is registered on the model, so that this one runs after it."""
         routed = [n for n, m in model.named_modules() if hasattr(getattr(m, "config", None), "output_router_logits")]
-        routed = [n for n in routed if not any(n.startswith(f"{o}.") or (not o and n) for o in routed if o != n)]
+        routed = [n for n in routed if not any(o != n and (o == "" or n.startswith(f"{o}.")) for o in routed)]
         self._handles += [model.get_submodule(n).register_forward_pre_hook(
             functools.partial(self._routing_hook, clean_name(n)), with_kwargs=True) for n in routed]
 

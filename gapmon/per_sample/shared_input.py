@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .batch_provenance import Shared
-from .free_parameters import element_positions, masked_positions, rearranged_positions, scattered
+from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered
 from .micro_batch import LayerCalls
 from .rules import Call
 
@@ -43,11 +43,10 @@ class SharedCall:
         """`output` (a copy of the call's output, or a view of it whose elements sit at `positions` of the output) was
         added (sign 1) or subtracted (-1) to a tensor batched on `dim` giving `total`: the gradient of `total`, summed
         over the dims `output` was broadcast along, is sample b's gradient of the output at index b of `dim`."""
-        aligned = (1,) * (total.dim() - output.dim()) + tuple(output.shape)
-        if aligned[dim] != 1:
+        broadcast = broadcast_dims(tuple(total.shape), tuple(output.shape), dim)
+        if broadcast is None:
             self.on_escape("an add that does not broadcast it over the batch")
             return
-        broadcast = [k for k in range(total.dim()) if k != dim and aligned[k] == 1 and total.shape[k] != 1]
         total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions, holes))
 
     def on_escape(self, what: str) -> None:
@@ -74,11 +73,10 @@ class SharedCall:
         """The output (or a view of it of `shape`, its elements at `positions`, as on_add) times `other`, batched on
         `dim` and of out's shape (a `torch.where` keeping it where each sample's mask holds): sample b's gradient of
         the output is (g ⊙ other) at index b."""
-        aligned = (1,) * (out.dim() - len(shape)) + tuple(shape)
-        if aligned[dim] != 1 or tuple(other.shape) != tuple(out.shape):
+        broadcast = broadcast_dims(tuple(out.shape), shape, dim)
+        if broadcast is None or tuple(other.shape) != tuple(out.shape):
             self.on_escape("a product that does not broadcast it over the batch")
             return
-        broadcast = [k for k in range(out.dim()) if k != dim and aligned[k] == 1 and out.shape[k] != 1]
         other = other.detach()
         out.register_hook(lambda g: self._add(g * other, dim, broadcast, 1, positions, holes))
 

@@ -132,15 +132,16 @@ def _groups(experts: torch.Tensor, n_experts: int):
     order = torch.argsort(key, stable=True)
     sizes = torch.bincount(key, minlength=b * n_experts + 1)[:-1]
     starts = torch.cumsum(sizes, 0) - sizes
-    found = sizes.nonzero().squeeze(1)
-    if found.numel() == 0:
-        return
-    found_sizes = sizes[found]
-    bucket = torch.ceil(torch.log2(found_sizes.double())).long()
-    for j in torch.unique(bucket).tolist():
-        groups = found[bucket == j]
-        n = int(sizes[groups].max())
-        at = torch.arange(n, device=flat.device)
+    buckets: dict[int, list[int]] = {}  # size rounded up to a power of two -> its groups (one read of the sizes)
+    largest: dict[int, int] = {}
+    for group, size in enumerate(sizes.tolist()):
+        if size:
+            j = (size - 1).bit_length()
+            buckets.setdefault(j, []).append(group)
+            largest[j] = max(largest.get(j, 0), size)
+    for j, members in buckets.items():
+        groups = torch.tensor(members, device=flat.device)
+        at = torch.arange(largest[j], device=flat.device)
         inside = at < sizes[groups, None]
         index = torch.where(inside, order[(starts[groups, None] + at).clamp(max=b * length - 1)], b * length)
         yield groups // n_experts, index
