@@ -449,6 +449,46 @@ def test_mixture_of_experts_with_bookkeeping_gram_and_per_sample_gradients():
         torch.testing.assert_close(got, torch.stack([g[name] for g in by_name]), rtol=1e-9, atol=1e-12)
 
 
+def _fsdp2_experts_worker(rank: int, world: int):
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    reference = _mixture_of_experts(transformers, "mixtral", "eager").double()
+    torch.manual_seed(0)
+    model = _mixture_of_experts(transformers, "mixtral", "eager").double()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh)  # the experts a unit of their own: their weights resharded after forward
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    local = ids[rank::world]
+    model(input_ids=local, labels=local).loss.mul(local.shape[0]).backward()
+    _, got = psn.global_norms(torch.arange(4)[rank::world])
+    psn.close()
+    want = []
+    for i in range(4):
+        reference.zero_grad()
+        reference(input_ids=ids[i:i + 1], labels=ids[i:i + 1]).loss.backward()
+        want.append(torch.sqrt(sum(p.grad.square().sum() for p in reference.parameters() if p.grad is not None)))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_mixture_of_experts_under_fsdp2_with_the_experts_a_unit_of_their_own():
+    """FSDP2 over the experts, each block and the root (2 gloo processes, different samples per rank): the experts'
+    rule reads their weights in backward (its recomputed products), unsharded there; every parameter covered, the
+    float64 loop's norms."""
+    pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    from helpers import run_distributed
+
+    run_distributed(_fsdp2_experts_worker, 2)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_mixture_of_experts_under_bf16_autocast_is_covered_within_its_rounding(family):
     """Under autocast the experts' products ran in bfloat16 on casts of their operands (the eager loop's F.linear):
