@@ -107,7 +107,7 @@ _COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "cont
 _REARRANGES: dict[str, Callable] = {
     "permute": lambda t, *dims: t.permute(*dims), "transpose": torch.transpose, "swapaxes": torch.transpose,
     "swapdims": torch.transpose, "movedim": torch.movedim, "moveaxis": torch.movedim, "t": torch.t,
-    "flip": torch.flip}
+    "flip": torch.flip, "T": lambda t: t.permute(*reversed(range(t.dim()))), "mT": lambda t: t.transpose(-2, -1)}
 # Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
 _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
                         "ravel"}
@@ -390,6 +390,10 @@ class BatchTracker(TorchFunctionMode):
         if name in _VIEWS and name not in ("unsqueeze", "unsqueeze_", "squeeze", "squeeze_"):
             return _view(self, args, kwargs, inputs, out)
         merges = {st for _, st in inputs}
+        if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
+            return _merged_parts(self, name, args, kwargs, inputs, out, next(iter(merges)))
+        if len(merges) == 1 and name in ("cat", "concat", "concatenate", "stack"):
+            return _merged_joined(self, name, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) != 1 or not isinstance(out, torch.Tensor):
             raise Lost(f"{name} of inputs whose batch is merged differently (or with a plain batch dim)")
         merged = merges.pop()
@@ -682,9 +686,88 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_where(tracker, args, kwargs, *shared[0], plain, out)
     if name == "scaled_dot_product_attention" and len(shared) == 1:
         return _shared_attention_mask(tracker, args, kwargs, *shared[0], plain, out)
+    if name in _AFFINE_NORMS:
+        return _shared_affine_norm(tracker, name, args, kwargs, shared, plain, out)
+    if name == "addcmul":
+        return _shared_addcmul(tracker, args, kwargs, shared, plain, out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
     return None
+
+
+# The functional normalisations with an affine weight and bias: name -> (the bias's position, or None, and the eps's).
+_AFFINE_NORMS = {"layer_norm": (3, 4), "group_norm": (3, 4), "rms_norm": (None, 3)}
+
+
+def _shared_affine_norm(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
+                        out: torch.Tensor) -> Any:
+    """F.layer_norm / F.group_norm / F.rms_norm of a batched x with a Shared weight or bias, whole (a normalisation
+    layer's own parameters, used by a forward that overrides torch's: timm's LayerNorm, LayerNorm2d, GroupNorm1):
+    y = x̂ ⊙ weight + bias, so the weight's owner is told of a product with x̂ (on_normalised: x̂ formed again in
+    backward) and the bias's of an add (on_add), both broadcast as the op broadcasts them (GroupNorm's over dim 1).
+    out's status is returned; None when this is no such call."""
+    bias_at, eps_at = _AFFINE_NORMS[name]
+    x, shape_arg = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "num_groups" if name == "group_norm"
+                                                        else "normalized_shape")
+    weight = _arg(args, kwargs, 2, "weight")
+    bias = None if bias_at is None else _arg(args, kwargs, bias_at, "bias")
+    if len(plain) != 1 or plain[0][0] is not x or type(plain[0][1]) is not int or x.dim() < 2:
+        return None
+    for t, st in shared:
+        if (t is not weight and t is not bias) or getattr(st.owner, "base", None) != tuple(t.shape) \
+                or not hasattr(st.owner, "viewed"):
+            return None
+    try:
+        d = tracker.status_by_rules(name, args, kwargs, plain, out)
+    except Lost:
+        return None  # (reported as an escape by the caller, then lost again)
+    if type(d) is not int:
+        return None
+    eps = _arg(args, kwargs, eps_at, "eps", None if name == "rms_norm" else 1e-5)
+    if name == "group_norm":
+        aligned = (x.shape[1], *(1,) * (x.dim() - 2))  # the affine parameters scale dim 1, the channels
+
+        def normalise(v: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.group_norm(v, shape_arg, None, None, eps)
+    else:
+        aligned = None
+
+        def normalise(v: torch.Tensor) -> torch.Tensor:
+            if name == "rms_norm":
+                return torch.nn.functional.rms_norm(v, shape_arg, None, eps)
+            return torch.nn.functional.layer_norm(v, shape_arg, None, None, eps)
+    for t, st in shared:
+        owner = st.owner if aligned is None else st.owner.viewed(aligned)
+        if owner is None:
+            return None
+        if t is weight:
+            owner.on_normalised(out, x, d, normalise)
+        else:
+            owner.on_add(out, t if aligned is None else t.view(aligned), d, 1)
+    return d
+
+
+def _shared_addcmul(tracker: BatchTracker, args: Sequence, kwargs: dict, shared: list, plain: list,
+                    out: torch.Tensor) -> Any:
+    """torch.addcmul(b, a, x) = b + a ⊙ x (value 1) of a batched x with a, b or both Shared (timm's Affine: its own
+    alpha and beta): a's owner is told of a product with x (on_mul), b's of an add (on_add). out's status is returned;
+    None when this is no such call."""
+    if len(args) != 3 or set(kwargs) - {"value"} or kwargs.get("value", 1) != 1 or len(plain) != 1 \
+            or type(plain[0][1]) is not int or plain[0][0] is not args[2] or out.shape != args[2].shape:
+        return None
+    base, factor, x = args
+    if not all((t is base and hasattr(st.owner, "on_add")) or (t is factor and hasattr(st.owner, "on_mul"))
+               for t, st in shared):
+        return None
+    d = tracker.status_by_rules("mul", (factor, x), {}, plain, out)
+    if type(d) is not int:
+        return None
+    for t, st in shared:
+        if t is base:
+            st.owner.on_add(out, t, d, 1)
+        else:
+            st.owner.on_mul(out, x, d)
+    return d
 
 
 def _shared_linear_with_bias(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
@@ -828,6 +911,63 @@ def _recurrent_cell(tracker, args, kwargs, inputs, out) -> int | list:
     if dims != [0]:
         raise Lost(f"a recurrent cell with inputs batched on dim {dims[-1]} (a cell takes the batch on dim 0)")
     return [0] * len(out) if isinstance(out, (tuple, list)) else 0
+
+
+# Ops that take parts of a tensor along one dim (a window attention's q, k, v: `qkv.unbind(0)` over rows merged with
+# the batch): run on a merged batch as on a plain one at its dim, the merge kept, when they cut another dim.
+_MERGED_PARTS = {"unbind", "select", *_SPLITS}
+
+
+def _merged_parts(tracker, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any, merged: Merged) -> Merged:
+    """The status of the parts (unbind, select, split) or the repeats (repeat_interleave) of a tensor whose batch is
+    merged with rows (`merged`): merged as before on the dim the batch's rows are on then; lost when the op cuts that
+    dim."""
+    x = args[0]
+    if x is not inputs[0][0] or len(inputs) != 1:
+        raise Lost(f"{name} of a merged batch given other than as its first argument")
+    if name == "repeat_interleave":
+        return _repeat_interleave(tracker, args, kwargs, inputs, out, merged)
+    d = _RULES[name](tracker, args, kwargs, [(x, merged.dim)], out)
+    parts = out if isinstance(out, (tuple, list)) else (out,)
+    if type(d) is not int or any(p.shape[d] != tracker.batch * merged.inner for p in parts):
+        raise Lost(f"{name} of a merged batch (its rows do not stay its rows)")
+    return Merged(d, merged.inner)
+
+
+def _merged_joined(tracker, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any, merged: Merged) -> Merged:
+    """cat / stack of tensors whose batch is merged with rows alike (`merged`), along another dim: merged as before
+    (on the dim after it where stack puts a new dim before it); lost along the merged dim itself."""
+    tensors = [t for t in _arg(args, kwargs, 0, "tensors") if not (t.dim() == 1 and t.numel() == 0)]
+    rows = tracker.batch * merged.inner
+    if not isinstance(out, torch.Tensor) or not tensors or any(
+            t.dim() != tensors[0].dim() or t.shape[merged.dim] != rows for t in tensors):
+        raise Lost(f"{name} of a merged batch with a tensor without its rows")
+    dim = _dims(_arg(args, kwargs, 1, "dim", 0), tensors[0].dim() + (name == "stack"))[0]
+    if name == "stack":
+        return Merged(merged.dim + (dim <= merged.dim), merged.inner)
+    if dim == merged.dim:
+        raise Lost(f"{name} along the dim where the batch is merged with other rows")
+    return merged
+
+
+def _repeat_interleave(tracker, args, kwargs, inputs, out, merged: Merged | None = None) -> int | Merged:
+    """x.repeat_interleave(n, dim) with n a number: along the batch dim each sample's rows repeated n times in a row,
+    which is the batch merged with n rows each, sample-major (GC ViT's global query over each image's windows); along
+    another dim each sample's own values repeated, the batch where it was."""
+    x = args[0]
+    repeats, dim = _arg(args, kwargs, 1, "repeats"), _arg(args, kwargs, 2, "dim")
+    if isinstance(repeats, torch.Tensor) and repeats.numel() == 1 and repeats.dim() == 0:
+        repeats = int(repeats)
+    if type(repeats) is not int or dim is None or not isinstance(out, torch.Tensor):
+        raise Lost("repeat_interleave (by a tensor of repeats, or of the flattened tensor)")
+    dim = _dims(dim, x.dim())[0]
+    d = merged.dim if merged is not None else inputs[0][1]
+    inner = merged.inner if merged is not None else 1
+    if dim == d:
+        inner *= repeats
+    if out.shape[d] != tracker.batch * inner:
+        raise Lost("repeat_interleave (its output's rows are not the batch's)")
+    return d if inner == 1 else Merged(d, inner)
 
 
 def _select(tracker, args, kwargs, inputs, out) -> int:
@@ -1244,8 +1384,8 @@ _RULES: dict[str, Callable] = {
     "transpose_": _transpose, "t": _t, "T": _t, "mT": _matrix_t, "mH": _matrix_t, "adjoint": _matrix_t,
     "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,
     **{n: _reduction(n) for n in _REDUCTIONS}, **{n: _along_dim(n) for n in _ALONG_DIM},
-    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind, "masked_scatter": _masked_scatter,
-    "masked_scatter_": _masked_scatter,
+    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind, "repeat_interleave": _repeat_interleave,
+    "masked_scatter": _masked_scatter, "masked_scatter_": _masked_scatter,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "__getitem__": _getitem, "__setitem__": _setitem,
     "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul, "addmm": _addmm,

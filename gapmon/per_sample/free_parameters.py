@@ -23,7 +23,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .batch_provenance import Shared
-from .rules.base import overrides_ruled_forward
+from .rules.base import overrides_ruled_forward, why_no_rule
 
 # The most elements of per-sample gradients a contraction of a free parameter forms at once (batch · numel).
 _MAX_FORMED = 1 << 26
@@ -35,14 +35,19 @@ FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the f
 def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, tuple[nn.Module, str]]:
     """{parameter name: (the module that registers it, its attribute)} of the parameters a module registers itself
     and no rule covers (`ruled`: ids of the parameters a layer with a rule holds): a model's position table or class
-    token, a layer scale (DINOv2's, a leaf module of its own), ConvNeXt V2's response normalisation. A subclass of a
-    layer with a rule that overrides its forward (a LoRA Linear), and torch's own layers without a rule (BatchNorm: its
-    parameters go into one fused op), use them in math no rule follows: left out, as that, when the model is built."""
+    token, a layer scale (DINOv2's, a leaf module of its own), ConvNeXt V2's response normalisation, and the parameters
+    of a subclass of a layer with a rule that overrides its forward (timm's LayerNorm, a LoRA Linear): followed through
+    whatever ops that forward runs, as any free parameter. Left out when the model is built: torch's own layers without
+    a rule (BatchNorm: its parameters go into one fused op), and an Embedding subclass that overrides forward (OPT's
+    position table, a scaled embedding): a table's per-sample gradients are too large to form, only its rule's sums
+    by id keep them small."""
     found: dict[str, tuple[nn.Module, str]] = {}
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         leaf = next(module.children(), None) is None
-        if overrides_ruled_forward(module) or (leaf and type(module).__module__.startswith("torch.nn.")):
+        overrides = overrides_ruled_forward(module)
+        if (overrides and isinstance(module, nn.Embedding)) or (
+                leaf and type(module).__module__.startswith("torch.nn.") and not overrides):
             continue
         for attr, p in module.named_parameters(recurse=False):
             if id(p) not in ruled and id(p) not in seen:
@@ -68,6 +73,8 @@ class FreeParameterNorms:
         for name, (owner, attr) in coverage.free.items():
             self._held.setdefault(id(owner), []).append((name, attr))
             owners[id(owner)] = owner
+            if overrides_ruled_forward(owner):  # its parameters' differences scaled as one layer's (UseChecker)
+                checker.scale_groups[name] = name[:-len(attr)].rstrip(".")
         self._handles = [owner.register_forward_pre_hook(self._owner_forward) for owner in owners.values()]
 
     def close(self) -> None:
@@ -105,8 +112,11 @@ class FreeParameterNorms:
         left out, named."""
         escaped = {name: uses.escaped for mb in micro for name, uses in mb.free.items() if uses.escaped}
         for name, what in escaped.items():
-            self.coverage.skip(name, f"the model uses this parameter in {what}, not only by adding it to the batch, "
-                                     "multiplying it or concatenating it (expanded over the batch) to a batched tensor")
+            owner = self.coverage.free[name][0]
+            context = f"{why_no_rule(owner)}; " if overrides_ruled_forward(owner) else ""
+            self.coverage.skip(name, f"{context}the model uses this parameter in {what}, not only by adding it to the "
+                                     "batch, multiplying it, contracting it with the batch, normalising the batch with it "
+                                     "or concatenating it (expanded over the batch) to a batched tensor")
         with torch.no_grad():
             for mb in micro:
                 for name, uses in mb.free.items():
@@ -179,10 +189,14 @@ class Piece:
     def reshaped(self, out: torch.Tensor) -> "Piece | None":
         """A view or reshape of a tensor that is not broadcast: the same elements in the same order (None: broadcast,
         its elements repeat)."""
-        if out.numel() != _numel(self.base):
+        return self.viewed(tuple(out.shape))
+
+    def viewed(self, shape: tuple[int, ...]) -> "Piece | None":
+        """This piece's elements, in their order, as `shape` (None: not its number of elements)."""
+        if _numel(shape) != _numel(self.base):
             return None
-        positions = None if self.positions is None else self.positions.reshape(out.shape)
-        return self._like(tuple(out.shape), positions)
+        positions = None if self.positions is None else self.positions.reshape(shape)
+        return self._like(tuple(shape), positions)
 
     def scaled(self, out: torch.Tensor, factor: float) -> "Piece":
         """This piece times a number (1 for an expansion; negated, `0.5 * p`, `p / 4`), or added to an unbatched tensor,
@@ -260,6 +274,23 @@ class Piece:
             return
         self._on_product(out, other, lambda g, o: _per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * o,
                                                               dim, broadcast, self.uses.batch, 1))
+
+    def on_normalised(self, out: torch.Tensor, x: torch.Tensor, dim: int,
+                      normalise: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """This piece scales a normalisation's x̂ = normalise(x), x batched on `dim` and x̂ of out's shape (a
+        LayerNorm's weight in the F.layer_norm of a forward that overrides the layer's): each sample's gradient is
+        g ⊙ x̂ summed over the dims the piece was broadcast along, x̂ formed again in backward from x."""
+        broadcast = self._broadcast(out.shape, dim)
+        if broadcast is None:
+            self.on_escape("a normalisation that does not broadcast it over the batch")
+            return
+
+        def per_sample(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            wide = torch.promote_types(g.dtype, torch.float32)
+            return _per_sample(g.to(wide) * normalise(x.to(torch.promote_types(x.dtype, wide))), dim, broadcast,
+                               self.uses.batch, 1)
+
+        self._on_product(out, x, per_sample)
 
     def on_contract(self, out: torch.Tensor, other: torch.Tensor, equation: str,
                     merged: tuple[int, int] | None = None) -> None:
@@ -353,9 +384,17 @@ class PieceSum:
         for p in self.pieces:
             p.on_add(total, t, dim, sign, inner)
 
+    def viewed(self, shape: tuple[int, ...]) -> "PieceSum | None":
+        return self._each(lambda p: p.viewed(shape))
+
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         for p in self.pieces:
             p.on_mul(out, other, dim)
+
+    def on_normalised(self, out: torch.Tensor, x: torch.Tensor, dim: int,
+                      normalise: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for p in self.pieces:
+            p.on_normalised(out, x, dim, normalise)
 
     def on_contract(self, out: torch.Tensor, other: torch.Tensor, equation: str,
                     merged: tuple[int, int] | None = None) -> None:

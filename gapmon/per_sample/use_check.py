@@ -174,6 +174,9 @@ class UseChecker:
         self._kept: dict[int, UseCheck] = {}  # id(parameter) -> its check of an earlier step (UseCheck.fits)
         self._arena: SketchArena | None = None  # the kept checks' sums
         self._hooked_state: tuple | None = None
+        # Layer -> the group whose largest gradient scales its checks' differences (a layer's own name by default):
+        # the free parameters of one module that overrides a ruled layer's forward (timm's LayerNorm: weight and bias).
+        self.scale_groups: dict[str, str] = {}
 
     def forget(self, param_names: dict[int, str]) -> None:
         """Drops what was keyed by the old parameter objects (they were replaced) and takes their names."""
@@ -333,7 +336,9 @@ class UseChecker:
         taking the weights), which added nothing.
 
         A parameter's difference is judged against the larger of its own gradient's size and its layer's largest
-        (a key projection's bias gets a gradient that cancels to rounding noise: softmax ignores it)."""
+        (a key projection's bias gets a gradient that cancels to rounding noise: softmax ignores it; so does a
+        normalisation's bias before `pool(y) - y`, PoolFormer's mixer), the free parameters of a module that overrides
+        a ruled layer's forward counting as one layer (scale_groups)."""
         for c in self.checks.values():  # returned gradients whose hook never came (the parameter's is elsewhere)
             c.explain_returned()
         # Parameters of layers found not to be per-sample are out of the norms already; a parameter whose gradients
@@ -347,9 +352,10 @@ class UseChecker:
         # A parameter's difference against the larger of its own size and its layer's largest (NaN kept, as a NaN
         # gradient is not a use no rule saw).
         layer_size: dict[str, float] = {}
-        for c, v in zip(checks, size):
-            layer_size[c.layer] = _max_keeping_nan(layer_size.get(c.layer, v), v)
-        scale = [_max_keeping_nan(v, layer_size[c.layer]) for c, v in zip(checks, size)]
+        groups = [self.scale_groups.get(c.layer, c.layer) for c in checks]
+        for group, v in zip(groups, size):
+            layer_size[group] = _max_keeping_nan(layer_size.get(group, v), v)
+        scale = [_max_keeping_nan(v, layer_size[group]) for group, v in zip(groups, size)]
         partly: dict[str, list[str]] = {}
         unseen: dict[str, list[str]] = {}
         for c, d, s in zip(checks, diff, scale):

@@ -632,6 +632,55 @@ def test_attention_within_windows_merged_with_the_batch_is_exact(bookkeeping):
     assert set(cov["covered"]) == {f"{n}.{p}" for n in ("q", "k", "v", "proj") for p in ("weight", "bias")}
 
 
+class GlobalQueryWindowAttention(nn.Module):
+    """GC ViT's and DaViT's layout: keys and values of every window from one projection, unbound from a dim before the
+    merged batch (`kv.permute(2, 0, 3, 1, 4).unbind(0)`), and each image's global query repeated over its own windows
+    (`q.repeat_interleave(windows, dim=0)`: the batch merged with its windows, sample-major)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv, self.q, self.proj = nn.Linear(4, 8), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):  # x [B, 2 windows · 3 tokens, 4]
+        b = x.shape[0]
+        windows = x.view(b, 2, 3, 4).reshape(b * 2, 3, 4)
+        k, v = self.kv(windows).reshape(b * 2, 3, 2, 2, 2).permute(2, 0, 3, 1, 4).unbind(0)
+        q = self.q(x[:, :3]).repeat_interleave(2, dim=0).reshape(b * 2, 3, 2, 2).transpose(1, 2)
+        a, c = torch.nn.functional.scaled_dot_product_attention(q, k, v).chunk(2, dim=-1)  # a split of another dim
+        out = torch.cat([a, c * 2], -1)
+        return self.proj(out.transpose(1, 2).reshape(b, 2, 3, 4).reshape(b, 6, 4))
+
+
+@BOOKKEEPING
+def test_keys_unbound_and_a_query_repeated_over_windows_merged_with_the_batch_are_exact(bookkeeping):
+    cov = _strictly_exact(GlobalQueryWindowAttention, 6, bookkeeping)
+    assert set(cov["covered"]) == {f"{n}.{p}" for n in ("kv", "q", "proj") for p in ("weight", "bias")}
+
+
+def test_repeats_along_the_batch_merge_it_and_cuts_or_joins_along_it_lose_it():
+    from gapmon.per_sample.batch_provenance import Merged
+
+    tracker = BatchTracker(B)
+    x = torch.randn(B, 3, 4)
+    tracker.mark(x, 0)
+    with tracker:
+        repeated = x.repeat_interleave(2, dim=0)  # [B·2, 3, 4], each sample's rows together
+        twice = repeated.repeat_interleave(3, dim=0)
+        within = x.repeat_interleave(2, dim=1)
+        by_tensor = x.repeat_interleave(torch.tensor([1] * (B - 1) + [2]), dim=0)
+        parts = repeated.unbind(1)
+        across = repeated.unbind(0)
+        halves = repeated.split(2, dim=-1)
+        joined, stacked = torch.cat(halves, -1), torch.stack(parts, 0)
+        along = torch.cat([repeated, repeated], 0)
+    assert tracker.status(joined) == Merged(0, 2) and tracker.status(stacked) == Merged(1, 2)
+    assert isinstance(tracker.status(along), str)
+    assert tracker.status(repeated) == Merged(0, 2) and tracker.status(twice) == Merged(0, 6)
+    assert tracker.status(within) == 0 and isinstance(tracker.status(by_tensor), str)
+    assert all(tracker.status(p) == Merged(0, 2) for p in parts + halves)
+    assert all(isinstance(tracker.status(p), str) for p in across)
+
+
 def test_attention_over_a_merged_batch_loses_it():
     """The batch merged into the positions attention runs over mixes the samples."""
     from gapmon.per_sample.batch_provenance import Merged
