@@ -328,6 +328,8 @@ class BatchTracker(TorchFunctionMode):
         the shared output unbatched."""
         shared = [(t, st) for t, st in inputs if type(st) is Shared]
         plain = [(t, st) for t, st in inputs if type(st) is not Shared]
+        if name == "linear" and kwargs:
+            args, kwargs = _positional_linear(args, kwargs)
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
             view = _shared_view(name, args, t, st, out) if not plain and t is args[0] else None
@@ -445,35 +447,26 @@ class BatchTracker(TorchFunctionMode):
 
 
 def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int | Merged:
-    """Reshapes keep the batch iff some output dim has the batch's size and the same number of
-    elements before it: then index b of it addresses exactly the elements index b did. A dim that holds the batch
-    times the elements of the dims after it (x.view(-1, d)) holds it merged (Merged); splitting that dim with the
+    """Reshapes keep the batch iff some output dim has a multiple of the batch's size and the same number of elements
+    before it: each sample's elements are one contiguous block after those (the batch outermost), and so are the rows
+    of that dim, `size / batch` of them per sample. One row each: the batch is that dim; several: it is merged with
+    them (Merged): x.view(-1, d) of [B, T, d], Swin's windows [B, 6, C] -> [B·2, 3, C]; splitting a merged dim with the
     batch outermost gives it back."""
     x = args[0]
     status = next((st for t, st in inputs if t is args[0]), None)
     if status is None:
         raise Lost("an op whose batched input is not its first argument")
-    d, inner = (status.dim, status.inner) if type(status) is Merged else (status, 1)
+    d = status.dim if type(status) is Merged else status
     before = math.prod(x.shape[:d])
     batch = tracker.batch
     for j in range(out.dim()):
         if math.prod(out.shape[:j]) != before:
             continue
         size = out.shape[j]
-        if size == batch * inner:  # the same dim (or the same merge), in place
-            return j if inner == 1 else Merged(j, inner)
         if size % batch or not size:
             continue
-        q = size // batch
-        if inner % q == 0:  # the merge split again, the batch outermost: [B·T, d] -> [B, T, d]
-            return j if q == 1 else Merged(j, q)
-        after = inner  # merged further with the dims after it: [B, T, d] -> [B·T, d]
-        for k in range(d + 1, x.dim()):
-            after *= x.shape[k]
-            if after == q:
-                return Merged(j, q)
-            if after > q:
-                break
+        rows = size // batch
+        return j if rows == 1 else Merged(j, rows)
     raise Lost("a reshape that merges or splits the batch dim")
 
 
@@ -675,6 +668,39 @@ def _shared_contraction(tracker: BatchTracker, name: str, args: Sequence, t: tor
     return status
 
 
+def _positional_linear(args: Sequence, kwargs: dict) -> tuple[tuple, dict]:
+    """F.linear's arguments given by name (`F.linear(x, weight=W, bias=b)`: timm's BEiT) as positional ones."""
+    if set(kwargs) - {"input", "weight", "bias"}:
+        return tuple(args), kwargs
+    args = tuple(_arg(args, kwargs, i, key) for i, key in enumerate(("input", "weight", "bias")))
+    return (args if args[2] is not None else args[:2]), {}
+
+
+def _shared_placed(tracker: BatchTracker, args: Sequence, kwargs: dict, out: torch.Tensor) -> Shared | None:
+    """A concatenation of free parameters' pieces and constants (unbatched tensors without a gradient), none of them
+    batched (BEiT's and EVA's `torch.cat((self.q_bias, self.k_bias, self.v_bias))`, k_bias a buffer): each piece placed
+    where its rows are, the constants' rows holes; the result stays Shared. None when this is no such op."""
+    tensors = _arg(args, kwargs, 0, "tensors")
+    cat_dim = _arg(args, kwargs, 1, "dim", 0)
+    cat_dim = cat_dim + out.dim() if cat_dim < 0 else cat_dim
+    pieces, start = [], 0
+    for t in tensors:
+        if t.dim() == 1 and t.numel() == 0 and out.dim() != 1:  # torch.cat skips these
+            continue
+        st = tracker.status(t)
+        if type(st) is Shared:
+            piece = st.owner.placed(t, out, cat_dim, start) if hasattr(st.owner, "placed") else None
+            if piece is None:
+                return None
+            pieces.append(piece)
+        elif st is not None or t.requires_grad:
+            return None
+        start += t.shape[cat_dim]
+    if not pieces:
+        return None
+    return Shared(pieces[0] if len(pieces) == 1 else pieces[0].plus(pieces[1:]))
+
+
 def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
                   out: Any) -> Any:
     """The ops that take Shared tensors where no add, product or contraction shows them: `torch.where` (a mask keeping
@@ -682,6 +708,8 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
     None when the op is none of these."""
     if not isinstance(out, torch.Tensor):
         return None
+    if name in ("cat", "concat", "concatenate") and not plain:
+        return _shared_placed(tracker, args, kwargs, out)
     if name == "where" and len(shared) == 1:
         return _shared_where(tracker, args, kwargs, *shared[0], plain, out)
     if name == "scaled_dot_product_attention" and len(shared) == 1:

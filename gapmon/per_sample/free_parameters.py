@@ -66,7 +66,7 @@ class FreeParameterNorms:
     gradients reach), whenever PerSampleGradNorms was made. Where a parameter is still a DTensor there (a wrapper whose
     hook runs after gapmon's), it is left out, named."""
 
-    def __init__(self, coverage: Any, checker: Any, state: Any):
+    def __init__(self, coverage: Any, checker: Any, state: Any, functional: Any = None):
         self.coverage, self.checker, self.state = coverage, checker, state
         self._held: dict[int, list[tuple[str, str]]] = {}  # id(module) -> (name, attribute) of the free parameters it holds
         owners = {}
@@ -76,11 +76,15 @@ class FreeParameterNorms:
             if overrides_ruled_forward(owner):  # its parameters' differences scaled as one layer's (UseChecker)
                 checker.scale_groups[name] = name[:-len(attr)].rstrip(".")
         self._handles = [owner.register_forward_pre_hook(self._owner_forward) for owner in owners.values()]
+        # The covered Linear layers' parameters used outside their own forward (functional_layers), followed with these
+        self.functional = functional
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.functional is not None:
+            self.functional.close()
 
     def follow(self, mb: Any, tracker: Any) -> None:
         """Starts micro-batch `mb`'s uses of each free parameter that trains (and was not left out), following the
@@ -90,6 +94,8 @@ class FreeParameterNorms:
                 mb.free[name] = uses = ParameterUses(mb.batch)
                 if not is_dtensor(p):
                     uses.follow(p, tracker, self.checker, name)
+        if self.functional is not None:
+            self.functional.follow(mb, tracker)
 
     def _owner_forward(self, owner: nn.Module, args) -> None:
         tracking = self.state.tracking
@@ -110,6 +116,8 @@ class FreeParameterNorms:
         """Each micro-batch's free parameters' squared norms from their per-sample gradients (and their sum over the
         samples to the use check, on the objects the forward used); a parameter one of whose uses was not followed is
         left out, named."""
+        if self.functional is not None:
+            self.functional.finish(micro)
         escaped = {name: uses.escaped for mb in micro for name, uses in mb.free.items() if uses.escaped}
         for name, what in escaped.items():
             owner = self.coverage.free[name][0]
@@ -234,6 +242,17 @@ class Piece:
         every = self.positions if self.positions is not None else element_positions(self.base, t.device)
         holed = masked_positions(every, t, out, keep, self.uses.param.numel())
         return None if holed is None else self._like(tuple(out.shape), holed, holes=True)
+
+    def placed(self, t: torch.Tensor, out: torch.Tensor, cat_dim: int, start: int) -> "Piece | None":
+        """t (this piece, not broadcast) as rows [start, start + t.shape[cat_dim]) of `out` along `cat_dim`, whose other
+        rows are not this parameter's (holes): a concatenation of parameters and constants (BEiT's
+        `torch.cat((self.q_bias, self.k_bias, self.v_bias))`, k_bias a buffer of zeros). None: t is broadcast."""
+        every = self.positions if self.positions is not None else element_positions(self.base, t.device)
+        if tuple(every.shape) != tuple(t.shape):
+            return None
+        holed = torch.full(tuple(out.shape), self.uses.param.numel(), dtype=every.dtype, device=every.device)
+        holed.narrow(cat_dim, start, t.shape[cat_dim]).copy_(every)
+        return self._like(tuple(out.shape), holed, holes=True)
 
     def _add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
@@ -379,6 +398,9 @@ class PieceSum:
 
     def plus(self, others: list) -> "PieceSum":
         return PieceSum([self, *others])
+
+    def placed(self, t: torch.Tensor, out: torch.Tensor, cat_dim: int, start: int) -> "PieceSum | None":
+        return self._each(lambda p: p.placed(t, out, cat_dim, start))
 
     def on_add(self, total: torch.Tensor, t: torch.Tensor, dim: int, sign: int, inner: int = 1) -> None:
         for p in self.pieces:

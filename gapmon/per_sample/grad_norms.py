@@ -45,6 +45,7 @@ from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import BatchTracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
 from .free_parameters import FREE_UNSEEN, FreeParameterNorms
+from .functional_layers import FunctionalLinearUses
 from .gram import GradientProducts
 from .layer_hooks import LayerHooks
 from .micro_batch import (
@@ -118,7 +119,8 @@ class PerSampleGradNorms(GradientProducts):
         self.keep_out_of_compiled_graphs()
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._mixing.watch_routing(model, clean_name)  # a MoE's load-balancing loss (after the root's hook)
-        self._free = FreeParameterNorms(self._coverage, self._checker, self._state)  # after the root's hook
+        functional = FunctionalLinearUses(self._coverage, self._checker, self._state) if not config.gram else None
+        self._free = FreeParameterNorms(self._coverage, self._checker, self._state, functional)  # after the root's hook
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
         self._explicit = False  # a micro-batch opened by begin_forward (the root hooks leave it alone)
         self._checker.hook_covered(self._coverage.layers, trainable_state(self._params))

@@ -75,6 +75,8 @@ class MicroBatch:
     tied: dict[Any, Any] = field(default_factory=dict)  # tie group -> what its members left (tied_embedding)
     finished: set[int] = field(default_factory=set)  # layers whose squared norms were added
     free: dict[str, Any] = field(default_factory=dict)  # free parameter -> its uses (free_parameters.ParameterUses)
+    # (layer index, "weight" / "bias") -> the uses of a Linear's parameter outside its forward (functional_layers)
+    functional: dict[tuple[int, str], Any] = field(default_factory=dict)
 
     def keep_positions(self, index: int, pos: tuple) -> None:
         """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""

@@ -32,14 +32,18 @@ class LayerNorm2d(nn.LayerNorm):
                             self.eps).permute(0, 3, 1, 2)
 
 
-class GroupNorm1(nn.GroupNorm):
-    """timm's GroupNorm1 (PoolFormer's norm): one group, through F.group_norm."""
-
-    def __init__(self, channels):
-        super().__init__(1, channels)
+class FunctionalGroupNorm(nn.GroupNorm):
+    """timm's GroupNorm: through F.group_norm."""
 
     def forward(self, x):
         return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class GroupNorm1(FunctionalGroupNorm):
+    """timm's GroupNorm1 (PoolFormer's norm): one group."""
+
+    def __init__(self, channels):
+        super().__init__(1, channels)
 
 
 class FunctionalRMSNorm(nn.RMSNorm):
@@ -138,8 +142,8 @@ def test_a_token_layer_with_its_own_forward_is_exact(norm, bookkeeping):
 
 
 @BOOKKEEPING
-@pytest.mark.parametrize("norm", [LayerNorm2d, GroupNorm1, lambda c: nn.GroupNorm(2, c)],
-                         ids=["layer_norm_2d", "group_norm_1", "torch_group_norm"])
+@pytest.mark.parametrize("norm", [LayerNorm2d, GroupNorm1, lambda c: FunctionalGroupNorm(3, c), lambda c: nn.GroupNorm(2, c)],
+                         ids=["layer_norm_2d", "group_norm_1", "group_norm_3", "torch_group_norm"])
 def test_a_channel_norm_before_a_pool_mixer_is_exact(norm, bookkeeping):
     """The bias's gradient cancels in each sample: judged against its layer's weight's, as a ruled layer's are (it was
     refused, its relative difference ~1, when each free parameter was judged alone)."""

@@ -1,0 +1,110 @@
+"""Linear layers whose parent passes their parameters to F.linear itself, never calling them (torchvision's Swin,
+timm's BEiT and EVA): followed outside their own forward (gapmon.per_sample.functional_layers), exact against a
+float64 loop (one backward per sample), with and without book-keeping."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import loop_per_sample_norms
+
+import gapmon
+
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+
+
+def _loss(out, t):
+    return ((out - t) ** 2).flatten(1).sum(1).sum()
+
+
+class WindowAttention(nn.Module):
+    """torchvision's Swin: the projections' weights handed to a function that runs attention in windows merged with the
+    batch (`shifted_window_attention(x, self.qkv.weight, self.proj.weight, ..., qkv_bias=self.qkv.bias, ...)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj, self.head = nn.Linear(4, 12), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # [B, 2 windows · 3 tokens, 4]
+        b = x.shape[0]
+        windows = x.reshape(b * 2, 3, 4)
+        q, k, v = F.linear(windows, self.qkv.weight, self.qkv.bias).reshape(b * 2, 3, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b * 2, 3, 4)
+        out = F.linear(out, self.proj.weight, self.proj.bias).reshape(b, 6, 4)
+        return self.head(torch.tanh(out))
+
+
+class SplitBiasAttention(nn.Module):
+    """timm's BEiT and EVA: a query and a value bias of the attention's own, the key's a buffer of zeros, concatenated
+    into the projection's bias (`F.linear(x, weight=self.qkv.weight, bias=torch.cat((q_bias, k_bias, v_bias)))`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(4, 12, bias=False), nn.Linear(4, 3)
+        self.q_bias, self.v_bias = nn.Parameter(0.3 * torch.randn(4)), nn.Parameter(0.3 * torch.randn(4))
+        self.register_buffer("k_bias", torch.zeros(4), persistent=False)
+
+    def forward(self, x):  # [B, T, 4]
+        b, t, _ = x.shape
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        q, k, v = F.linear(x, weight=self.qkv.weight, bias=bias).reshape(b, t, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, 4)
+        return self.head(out)
+
+
+def _norms(model, x, y, **kwargs):
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", **kwargs)
+    try:
+        _loss(model(x), y).backward()
+        return psn.local_norms(), psn.coverage()
+    finally:
+        psn.close()
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("make", [WindowAttention, SplitBiasAttention], ids=["swin", "beit"])
+def test_a_linear_used_only_through_its_parameters_is_exact(make, bookkeeping):
+    torch.manual_seed(0)
+    model = make().double()
+    x, y = torch.randn(3, 6, 4, dtype=torch.float64), torch.randn(3, 6, 3, dtype=torch.float64)
+    got, cov = _norms(model, x, y, strict=True, bookkeeping=bookkeeping)
+    assert not cov["uncovered"] and "qkv.weight" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batches_of_a_functional_layer_each_keep_their_own_samples():
+    torch.manual_seed(1)
+    model = WindowAttention().double()
+    x, y = torch.randn(5, 6, 4, dtype=torch.float64), torch.randn(5, 6, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    for part in (slice(0, 2), slice(2, 5)):
+        _loss(model(x[part]), y[part]).backward()
+    got = psn.local_norms()
+    psn.close()
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_concatenation_of_parameters_and_constants_keeps_each_parameters_rows():
+    """The buffer's rows are holes: the bias's gradient reaches q_bias and v_bias only where they sit."""
+    from gapmon.per_sample.batch_provenance import BatchTracker, Shared
+
+    torch.manual_seed(2)
+    model = SplitBiasAttention().double()
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    tracker = BatchTracker(3)
+    with tracker:
+        pass
+    x = torch.randn(3, 6, 4, dtype=torch.float64)
+    model(x)  # (a collected forward: the tracker of the micro-batch follows the parameters)
+    psn.close()
+    from gapmon.per_sample.free_parameters import ParameterUses
+
+    uses = ParameterUses(3)
+    tracker = BatchTracker(3)
+    uses.follow(model.q_bias, tracker, type("Checker", (), {"watch": lambda *a: None})(), "q_bias")
+    with tracker:
+        joined = torch.cat((model.q_bias, model.k_bias, model.q_bias * 2))
+    status = tracker.status(joined)
+    assert type(status) is Shared
+    pieces = status.owner.pieces
+    assert [p.positions.tolist() for p in pieces] == [[0, 1, 2, 3] + [4] * 8, [4] * 8 + [0, 1, 2, 3]]
+    assert [p.factor for p in pieces] == [1.0, 2.0]
