@@ -392,6 +392,8 @@ class BatchTracker(TorchFunctionMode):
         if name in _VIEWS and name not in ("unsqueeze", "unsqueeze_", "squeeze", "squeeze_"):
             return _view(self, args, kwargs, inputs, out)
         merges = {st for _, st in inputs}
+        if _RULES.get(name) is _recurrent:
+            return _merged_recurrent(self, args, inputs, out)
         if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
             return _merged_parts(self, name, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) == 1 and name in ("cat", "concat", "concatenate", "stack"):
@@ -586,6 +588,20 @@ def _recurrent(tracker, args, kwargs, inputs, out) -> list:
     if status != (0 if args[8] else 1):
         raise Lost(f"an RNN with batch_first={args[8]} on input batched on dim {status}")
     return [status] + [1] * (len(out) - 1)
+
+
+def _merged_recurrent(tracker, args, inputs, out) -> list:
+    """A fused RNN op over sequences whose batch is merged with other rows where the op takes its batch (Sequencer's
+    LSTMs over [B·W, H, C]): each sequence runs on its own, so the outputs keep the merge (the final states on dim 1),
+    as does an initial state given merged the same way."""
+    x = args[0]
+    status = tracker.status(x)
+    if len(args) < 9 or not isinstance(args[8], bool):
+        raise Lost("a packed sequence (its time steps interleave the samples)")
+    if type(status) is not Merged or status.dim != (0 if args[8] else 1) or any(
+            t is not x and st != Merged(1, status.inner) for t, st in inputs):
+        raise Lost("an RNN over rows merged with the batch off the dim it takes its batch on")
+    return [status] + [Merged(1, status.inner)] * (len(out) - 1)
 
 
 def _shared_add(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,

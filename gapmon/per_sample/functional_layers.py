@@ -3,10 +3,13 @@
 (`F.linear(x, self.qkv.weight, qkv_bias)`).
 
 Each covered nn.Linear's weight and bias are followed in every collected forward pass as free parameters are
-(free_parameters.ParameterUses), except inside the layer's own forward, where its rule follows them. A micro-batch
-that never called the layer takes the per-sample gradients those uses read as the layer's norms, or leaves the layer
-out, named, when one of them is a use the tracking cannot follow. In one that also called it, the rule's norms stand
-and the use check refuses them if a use outside the forward added to the gradient (use_check).
+(free_parameters.ParameterUses), until the layer's own forward first runs, where its rule takes them over. A
+micro-batch that never called the layer takes the per-sample gradients those uses read as the layer's norms, or
+leaves the layer out, named, when one of them is a use the tracking cannot follow. In one that also called it, the
+rule's norms stand and the use check refuses them if a use outside the forward added to the gradient (use_check).
+A layer whose own forward ran in a collected pass is not followed again (no cost per step for the layers models call):
+a parent that calls it in one step and passes its weights on in a later one has that use found by the use check, and
+the layer left out, named.
 """
 from __future__ import annotations
 
@@ -31,9 +34,10 @@ class FunctionalLinearUses:
         for index, (name, module, rule) in enumerate(coverage.layers):
             if type(rule) is LinearRule and name not in coverage.ties:
                 self.layers[index] = (name, module)
-        self._by_module = {id(module): index for index, (_, module) in self.layers.items()}
-        self._handles = [h for _, module in self.layers.values() for h in (
-            module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._leave))]
+        # id(module) -> its parameters followed in the micro-batch now, until the layer's own forward first runs
+        self._marks: dict[int, list[torch.Tensor]] = {}
+        self._called: set[int] = set()  # ids of the modules whose own forward ran in a collected pass: not followed
+        self._handles = [module.register_forward_pre_hook(self._enter) for _, module in self.layers.values()]
 
     def close(self) -> None:
         for handle in self._handles:
@@ -42,34 +46,32 @@ class FunctionalLinearUses:
 
     def follow(self, mb: Any, tracker: Any) -> None:
         """Starts micro-batch `mb`'s following of every such layer's trainable parameters (plain tensors only: a
-        DTensor's uses are left to the use check)."""
+        DTensor's uses are left to the use check). Their gradients are watched already (as covered parameters)."""
+        self._marks = {}
+        skipped = self.coverage.skipped
         for index, (name, module) in self.layers.items():
-            if name in self.coverage.skipped:
+            if name in skipped or id(module) in self._called:
                 continue
+            marks = []
             for attr in ("weight", "bias"):
                 p = getattr(module, attr, None)
                 if isinstance(p, torch.Tensor) and p.requires_grad and not is_dtensor(p):
                     mb.functional[(index, attr)] = uses = ParameterUses(mb.batch)
-                    uses.follow(p, tracker, self.checker, name)
+                    uses.param = p
+                    tracker.mark(p, Shared(uses.piece(p)))
+                    marks.append(p)
+            if marks:
+                self._marks[id(module)] = marks
 
     def _enter(self, module: nn.Module, args) -> None:
-        """The layer's own forward begins: its rule follows its parameters there, not the tracking."""
+        """The layer's own forward runs: its rule follows its parameters from now on, not the tracking (a use outside
+        it in the same micro-batch, before or after, is the use check's to find)."""
+        marks = self._marks.pop(id(module), None)
         tracking = self.state.tracking
-        if tracking is not None and self.state.collecting and self.state.micro:
-            for p in module.parameters(recurse=False):
+        if marks and tracking is not None:
+            self._called.add(id(module))
+            for p in marks:
                 tracking.mark(p, None)
-
-    def _leave(self, module: nn.Module, args, output) -> None:
-        """The layer's own forward ended: its parameters are followed again outside it."""
-        tracking = self.state.tracking
-        if tracking is None or not self.state.collecting or not self.state.micro:
-            return
-        index = self._by_module.get(id(module))
-        functional = self.state.micro[-1].functional
-        for attr in ("weight", "bias"):
-            uses = functional.get((index, attr))
-            if uses is not None and uses.param is not None and getattr(module, attr, None) is uses.param:
-                tracking.mark(uses.param, Shared(uses.piece(uses.param)))
 
     def finish(self, micro: list) -> None:
         """Adds each micro-batch's norms of the layers its forward used only through their parameters; leaves out, by

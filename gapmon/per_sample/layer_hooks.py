@@ -38,6 +38,12 @@ def rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
         tracking.mark(output, dim)
 
 
+def _takes_as_it_is(rule: NormRule, status: int | Merged, want: int | None) -> bool:
+    """Whether the rule takes its operand's batch where it is (the call then given with it on dim 0): a rule that
+    moves the batch takes it on any dim (merged with rows too), one of merged rows (an RNN) merged where it wants it."""
+    return (rule.moves_batch and want == 0) or (rule.merged_rows and type(status) is Merged and status.dim == want)
+
+
 class LayerHooks:
     """The hooks on the covered `layers` ((name, module, rule) each). With `bookkeeping`, a Linear layer's
     output is replaced so that its weight gradient is formed from the per-sample gradients."""
@@ -88,7 +94,7 @@ class LayerHooks:
             if type(status) is Shared:
                 found = (0, "its input is shared by every sample (a parameter of the model, or an embedding of ids every "
                             "sample shares) and has not joined the batch yet: layers there are not followed")
-            elif type(status) is Merged and not (rule.moves_batch and want == 0):
+            elif type(status) is Merged and not _takes_as_it_is(rule, status, want):
                 found = (0, "its input has the batch merged with other dims (x.view(-1, d)): only a layer that works "
                             "row by row follows it there")
             elif want is None and status is not None:  # from the batch, on a dim the rule finds itself
@@ -98,10 +104,10 @@ class LayerHooks:
             elif status is None:
                 found = (0, f"its input {list(t.shape)} does not come from the model's batched inputs (e.g. position "
                             "ids shared by every sample); name per-sample model inputs in batch_inputs=")
-            elif want is not None and status != want and not (rule.moves_batch and want == 0):
+            elif want is not None and status != want and not _takes_as_it_is(rule, status, want):
                 found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
             elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it
-                found = (status if rule.moves_batch and want == 0 else 0, None)
+                found = (status if _takes_as_it_is(rule, status, want) else 0, None)
             if found[1] is not None:
                 break
         found = found or (0, None)

@@ -84,23 +84,14 @@ def test_micro_batches_of_a_functional_layer_each_keep_their_own_samples():
 
 
 def test_a_concatenation_of_parameters_and_constants_keeps_each_parameters_rows():
-    """The buffer's rows are holes: the bias's gradient reaches q_bias and v_bias only where they sit."""
+    """The buffer's rows are holes: the bias's gradient reaches each piece only where it sits, times its factor."""
     from gapmon.per_sample.batch_provenance import BatchTracker, Shared
+    from gapmon.per_sample.free_parameters import ParameterUses
 
     torch.manual_seed(2)
     model = SplitBiasAttention().double()
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
-    tracker = BatchTracker(3)
-    with tracker:
-        pass
-    x = torch.randn(3, 6, 4, dtype=torch.float64)
-    model(x)  # (a collected forward: the tracker of the micro-batch follows the parameters)
-    psn.close()
-    from gapmon.per_sample.free_parameters import ParameterUses
-
-    uses = ParameterUses(3)
-    tracker = BatchTracker(3)
-    uses.follow(model.q_bias, tracker, type("Checker", (), {"watch": lambda *a: None})(), "q_bias")
+    tracker, uses = BatchTracker(3), ParameterUses(3)
+    uses.follow(model.q_bias, tracker, type("NoChecks", (), {"watch": lambda *args: None})(), "q_bias")
     with tracker:
         joined = torch.cat((model.q_bias, model.k_bias, model.q_bias * 2))
     status = tracker.status(joined)
@@ -108,3 +99,39 @@ def test_a_concatenation_of_parameters_and_constants_keeps_each_parameters_rows(
     pieces = status.owner.pieces
     assert [p.positions.tolist() for p in pieces] == [[0, 1, 2, 3] + [4] * 8, [4] * 8 + [0, 1, 2, 3]]
     assert [p.factor for p in pieces] == [1.0, 2.0]
+
+
+class Switching(nn.Module):
+    """Calls its projection in one step and hands its weights to F.linear in another."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.functional = False
+
+    def forward(self, x):
+        h = F.linear(x, self.proj.weight, self.proj.bias) if self.functional else self.proj(x)
+        return self.head(torch.tanh(h))
+
+
+def test_a_layer_called_once_then_used_through_its_parameters_is_left_out_by_name():
+    """A layer whose forward ran is not followed outside it again (the layers models call cost nothing more per step):
+    a later step's use through its parameters is found by the use check and the layer left out, the rest exact."""
+    torch.manual_seed(3)
+    model = Switching().double()
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=False)
+    _loss(model(x), y).backward()
+    first = psn.local_norms()
+    psn.pause()
+    torch.testing.assert_close(first, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+    psn.start()
+    model.functional = True
+    _loss(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="layer 'proj' is not per-sample .*forward never ran"):
+        got = psn.local_norms()
+    cov = psn.coverage()
+    psn.close()
+    assert cov["skipped_layers"] == ["proj"]
+    want = loop_per_sample_norms(model, _loss, x, y, params={"head.weight", "head.bias"})
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

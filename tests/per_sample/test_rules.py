@@ -376,6 +376,69 @@ def test_a_decoder_of_convolutions_and_transposed_convolutions_end_to_end():
     _check(model, x, torch.randn_like(x), strict=True)
 
 
+class _StdConv2d(nn.Conv2d):
+    """timm's StdConv2d (BiT's ResNetV2): the weight standardised per output channel by F.batch_norm, then used."""
+
+    def __init__(self, *args, eps=1e-6, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def standardised(self, weight=None):
+        return F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, weight=weight, training=True,
+                            momentum=0.0, eps=self.eps).reshape_as(self.weight)
+
+    def forward(self, x):
+        return F.conv2d(x, self.standardised(), self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class _ScaledStdConv2d(_StdConv2d):
+    """timm's ScaledStdConv2d (NF-Nets): times gain · gamma / sqrt(fan-in), gain a parameter per output channel."""
+
+    def __init__(self, *args, gamma=1.7, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = gamma * self.weight[0].numel() ** -0.5
+        self.gain = nn.Parameter(1 + 0.3 * torch.randn(self.out_channels, 1, 1, 1))
+
+    def forward(self, x):
+        weight = self.standardised((self.gain * self.scale).view(-1))
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+@pytest.mark.parametrize("kind", [_StdConv2d, _ScaledStdConv2d], ids=["std", "scaled"])
+@pytest.mark.parametrize("groups, bias, stride", [(1, True, 1), (2, False, 2), (4, True, 1)])
+def test_weight_standardised_convolutions_are_exact(kind, groups, bias, stride):
+    """Registered (as timm's StdConv2d and ScaledStdConv2d are, by name) with the standardising rule: each sample's
+    gradient of the standardised weight goes back through the standardisation; with the rule of a plain Conv2d the
+    norms would be those of the standardised weight's gradient, which the use check refuses."""
+    from gapmon.per_sample.rules import StandardisedConvRule
+    from gapmon.per_sample.rules.base import registered_rules
+
+    register_norm_rule(kind)(StandardisedConvRule)
+    assert {"timm.layers.std_conv.StdConv2d", "timm.layers.std_conv.ScaledStdConv2d"} <= set(registered_rules())
+    torch.manual_seed(0)
+    model = nn.Sequential(kind(4, 8, 3, stride=stride, padding=1, groups=groups, bias=bias), nn.GELU(),
+                          nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(3, 4, 5, 5)
+    model(x)  # (the lazy head takes its shape)
+    cov = _check(model, x, torch.randn(3, 3), strict=True)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+
+
+def test_a_weight_standardised_convolution_in_float32_is_within_its_rounding():
+    from gapmon.per_sample.rules import StandardisedConvRule
+
+    register_norm_rule(_ScaledStdConv2d)(StandardisedConvRule)
+    torch.manual_seed(1)
+    model = nn.Sequential(_ScaledStdConv2d(3, 6, 3), nn.Tanh(), nn.Flatten(), nn.Linear(6 * 9, 2))
+    x, y = torch.randn(4, 3, 5, 5), torch.randn(4, 2)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
+    _sq_loss(model(x), y).backward()
+    got = psn.local_norms()
+    psn.close()
+    want = loop_per_sample_norms(model.double(), _sq_loss, x.double(), y.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
+
+
 class _Recurrent(nn.Module):
     """A recurrent layer and a Linear head; the loss reads the sequence and the final states."""
 
@@ -425,6 +488,46 @@ def test_recurrent_layers_are_exact(kind, batch_first, kwargs):
     assert set(psn.coverage()["covered"]) == {n for n, _ in model.named_parameters()}
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
     psn.close()
+
+
+class _RowsAndColumns(nn.Module):
+    """Sequencer's mixer: recurrent layers over an image's columns and rows, each a sequence of its own, the batch
+    merged with the other axis ([B·W, H, C] batch first, or [H, B·W, C]); with `initial`, a state from the batch, merged
+    the same way."""
+
+    def __init__(self, kind, batch_first, initial, **kwargs):
+        super().__init__()
+        self.batch_first, self.initial = batch_first, initial
+        self.rows = getattr(nn, kind)(4, 5, batch_first=batch_first, **kwargs)
+        self.cols = getattr(nn, kind)(4, 5, batch_first=batch_first, **kwargs)
+        self.state = nn.Linear(4, 5 * (2 if kwargs.get("bidirectional") else 1) * kwargs.get("num_layers", 1))
+        self.head = nn.Linear(5 * (4 if kwargs.get("bidirectional") else 2), 3)
+
+    def _run(self, rnn, seqs):  # seqs [B·R, L, C]
+        x = seqs if self.batch_first else seqs.transpose(0, 1)
+        h0 = None
+        if self.initial:
+            h0 = self.state(seqs.mean(1)).reshape(seqs.shape[0], -1, 5).transpose(0, 1).contiguous()
+            h0 = (h0, torch.zeros_like(h0)) if isinstance(rnn, nn.LSTM) else h0
+        out = rnn(x, h0)[0]
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def forward(self, x):  # [B, H, W, C]
+        b, h, w, c = x.shape
+        cols = self._run(self.cols, x.permute(0, 2, 1, 3).reshape(-1, h, c)).reshape(b, w, h, -1).permute(0, 2, 1, 3)
+        rows = self._run(self.rows, x.reshape(-1, w, c)).reshape(b, h, w, -1)
+        return self.head(torch.cat([cols, rows], -1)).mean((1, 2))
+
+
+@pytest.mark.parametrize("kind", ["RNN", "LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first, initial, kwargs", [
+    (True, False, {}), (False, False, {"num_layers": 2}), (True, True, {"bidirectional": True}),
+    (False, True, {"num_layers": 2, "bidirectional": True, "bias": False})])
+def test_recurrent_layers_over_rows_merged_with_the_batch_are_exact(kind, batch_first, initial, kwargs):
+    torch.manual_seed(0)
+    model = _RowsAndColumns(kind, batch_first, initial, **kwargs)
+    cov = _check(model, torch.randn(3, 2, 3, 4), torch.randn(3, 3), strict=True)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
 
 
 def test_recurrent_layers_refuse_what_they_cannot_replay():

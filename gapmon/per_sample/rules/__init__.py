@@ -21,7 +21,7 @@ from .base import (
     sketch_rows,
     why_no_rule,
 )
-from .conv import ConvRule
+from .conv import ConvRule, StandardisedConvRule
 from .conv_transpose import ConvTransposeRule
 from .embedding import EmbeddingBagRule, EmbeddingRule, NumberScaledEmbeddingRule, ScaledEmbeddingRule
 from .linear import BilinearRule, LinearRule, TransposedLinearRule, product_norm_sq, use_ghost
@@ -42,7 +42,8 @@ RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recur
 __all__ = [
     "Call", "NormRule", "Sketch", "gradient_dtype",
     "register_norm_rule", "rule_for", "why_no_rule", "overrides_ruled_forward", "sketch", "add_sketch",
-    "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "ConvTransposeRule", "EmbeddingRule",
+    "sketch_rows", "LinearRule", "TransposedLinearRule", "ConvRule", "StandardisedConvRule", "ConvTransposeRule",
+    "EmbeddingRule",
     "ScaledEmbeddingRule", "NumberScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
     "HFGemmaRMSNormRule", "OLMoCoreNormRule", "T5LayerNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
     "RecurrentCellRule", "BilinearRule", "PReLURule",

@@ -194,6 +194,10 @@ class NormRule:
     # True: the layer works row by row over the leading dims of its first input (Linear, LayerNorm,
     # Embedding), so a batch on any of them is moved to dim 0 (sequence-first activations).
     moves_batch = False
+    # True: the layer runs each row of its batch dim on its own (an RNN's sequences), so a batch merged with other rows
+    # there (Sequencer's LSTMs over [B·W, H, C]) is more rows of the same samples: the call is given with the batch
+    # split out of them (sample_first: one more dim) and the rule groups each sample's rows itself.
+    merged_rows = False
     # True: a block whose output rows are its input rows' alone, with no parameter of its own for the rule (a
     # mixture of experts routing each token on its own): the hooks only put the batch back on its output.
     keeps_rows_only = False

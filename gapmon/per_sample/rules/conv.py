@@ -10,7 +10,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ... import _torch_compat
-from .base import NormRule, Sketch, bias_norm_sq, register_norm_rule, sketch, sum_of_terms, trainable
+from .base import (
+    NormRule,
+    Sketch,
+    bias_norm_sq,
+    register_norm_rule,
+    register_norm_rule_by_name,
+    sketch,
+    sum_of_terms,
+    trainable,
+)
 from .linear import product_norm_sq
 
 
@@ -99,3 +108,60 @@ class ConvRule(NormRule):
         if trainable(module.bias):
             out.append(Sketch(module.bias, sketch(grads.sum((0, 2)).reshape(-1), probe(module.bias))))
         return out
+
+
+@register_norm_rule_by_name("timm.layers.std_conv.StdConv2d", "timm.layers.std_conv.ScaledStdConv2d")
+class StandardisedConvRule(ConvRule):
+    """Convolutions that standardise their weight per output channel before use (timm's StdConv2d and
+    ScaledStdConv2d: BiT's ResNetV2, NF-Nets): Ŵ_o = γ_o (w_o - mean w_o) / σ_o, σ_o = sqrt(var w_o + eps) (the biased
+    variance, as F.batch_norm in training forms it), γ = gain · scale (ScaledStdConv2d) or 1. Each sample's gradient
+    D of Ŵ (Σ_l gᵀ cols over its patches, formed) goes back through the standardisation as a LayerNorm's backward does,
+    row by row: (γ/σ)(D - mean D - ẑ mean(D ⊙ ẑ)), ẑ = (w - mean w)/σ; the gain's is scale · Σ D ⊙ ẑ."""
+
+    param_names = ("weight", "bias", "gain")
+
+    def unsupported(self, module):
+        if not isinstance(getattr(module, "eps", None), float):
+            return "it has no float eps this rule can read"
+        if hasattr(module, "gain") and not isinstance(getattr(module, "scale", None), float):
+            return "it has a gain but no float scale this rule can read"
+        return None
+
+    def per_sample_parts(self, module, pos) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, [B, *its shape] each sample's gradient) of every trainable parameter of one call's positions."""
+        cols, grads = pos
+        groups, out_channels = module.groups, module.out_channels
+        b, length = grads.shape[0] // groups, grads.shape[1]
+        grads = grads.reshape(b, groups, length, -1)
+        d = torch.einsum("bglo,bglc->bgoc", grads, cols.reshape(b, groups, length, -1)).reshape(b, out_channels, -1)
+        w = module.weight.detach().to(d.dtype).reshape(out_channels, -1)
+        centred = w - w.mean(1, keepdim=True)
+        sigma = (centred.square().mean(1, keepdim=True) + module.eps).sqrt()
+        z = centred / sigma
+        gain = getattr(module, "gain", None)
+        gamma = gain.detach().to(d.dtype).reshape(-1, 1) * module.scale if gain is not None else 1.0
+        parts = []
+        if trainable(module.weight):
+            dw = (gamma / sigma) * (d - d.mean(-1, keepdim=True) - z * (d * z).mean(-1, keepdim=True))
+            parts.append((module.weight, dw.reshape(b, *module.weight.shape)))
+        if trainable(gain):
+            parts.append((gain, (module.scale * (d * z).sum(-1)).reshape(b, *gain.shape)))
+        if trainable(module.bias):
+            parts.append((module.bias, grads.sum(2).reshape(b, -1)))
+        return parts
+
+    def norm_sq_and_grads(self, module, pos):
+        parts = self.per_sample_parts(module, pos)
+        grads = pos[1]
+        b = grads.shape[0] // module.groups
+        terms = [g.reshape(b, -1).square().sum(1) for _, g in parts]
+        return sum_of_terms(terms, b, grads.dtype, grads.device), [(p, g.sum(0)) for p, g in parts]
+
+    def norm_sq(self, module, pos):
+        return self.norm_sq_and_grads(module, pos)[0]
+
+    def per_sample_grads(self, module, pos, batch):
+        return [(p, g.double()) for p, g in self.per_sample_parts(module, pos)]
+
+    def grad_sketch(self, module, pos, probe):
+        return [Sketch(p, sketch(g.sum(0), probe(p))) for p, g in self.per_sample_parts(module, pos)]

@@ -63,9 +63,18 @@ def _projected(module: nn.RNNBase) -> bool:
     return getattr(module, "proj_size", 0) > 0
 
 
+def _merged_sequences(x: torch.Tensor, batch_first: bool) -> tuple[torch.Tensor, int]:
+    """(the sequences, batch first [B·R, T, d], and B) of an input whose batch is merged with R rows of sequences, as
+    the hooks give it with the batch split out first ([B, R, T, d] when batch_first, else [B, T, R, d]): row b·R + r is
+    sample b's, as in the merged input."""
+    rows = x if batch_first else x.transpose(1, 2)
+    return rows.flatten(0, 1), x.shape[0]
+
+
 @register_norm_rule(nn.RNN, nn.LSTM, nn.GRU)
 class RecurrentRule(NormRule):
     param_names = None  # weight_ih_l0, ..._reverse: checked in unsupported
+    merged_rows = True  # (each sequence runs on its own: Sequencer's LSTMs over an image's rows merged with the batch)
 
     def unsupported(self, module):
         kinds = ("weight_ih", "weight_hh", "bias_ih", "bias_hh") + (("weight_hr",) if _projected(module) else ())
@@ -86,9 +95,9 @@ class RecurrentRule(NormRule):
         x = call.arg(0, "input")
         if isinstance(x, nn.utils.rnn.PackedSequence):
             return "its input is a packed sequence (its time steps interleave the samples); pad it instead"
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
             return "its input is unbatched"
-        if x.shape[0 if module.batch_first else 1] != batch:
+        if x.shape[0 if module.batch_first or x.dim() == 4 else 1] != batch:  # (4-D: merged rows, the batch first)
             return f"its input {list(x.shape)} has no batch of {batch} on dim {0 if module.batch_first else 1}"
         if module.training and module.dropout > 0 and module.num_layers > 1:
             return "dropout between its layers in training mode (random: it cannot be replayed)"
@@ -98,9 +107,10 @@ class RecurrentRule(NormRule):
         """(x, δi, h_prev, δh) of every cell, and (m, δr) after them with proj_size; batch first: [B, T, ·] each."""
         x, hx = call.arg(0, "input"), call.arg(1, "hx")
         grads = list(g) + [None] * (3 - len(g))
+        x, samples = (x, None) if x.dim() == 3 else _merged_sequences(x, module.batch_first)
         x = x.to(acc)
         if not module.batch_first:
-            x = x.transpose(0, 1)
+            x = x if samples is not None else x.transpose(0, 1)
             grads[0] = None if grads[0] is None else grads[0].transpose(0, 1)
         b, steps = x.shape[0], x.shape[1]
         dirs, hidden = (2 if module.bidirectional else 1), module.hidden_size
@@ -152,6 +162,8 @@ class RecurrentRule(NormRule):
             pos[width * k + 3] = torch.stack(cell[1:1 + steps], 1).detach()
             if projected:
                 pos[width * k + 5] = torch.stack(cell[1 + steps:], 1).detach()
+        if samples is not None:  # each sample's sequences' steps as its positions: [B·R, T, ·] -> [B, R·T, ·]
+            pos = [t.reshape(samples, -1, t.shape[-1]) for t in pos]
         return tuple(pos)
 
     @staticmethod

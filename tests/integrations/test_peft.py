@@ -1,0 +1,109 @@
+"""PEFT's adapters on a transformers model, as their users attach them (`peft.get_peft_model`): per-sample norms of the
+trainable adapter parameters, exact against a float64 loop over the samples, with the plain API and under the Hugging
+Face Trainer; DoRA, whose weight norm runs the adapters on an identity matrix, refused by name."""
+import warnings
+
+import pytest
+import torch
+from test_trainers_real_path import HF_RTOL, SEQ, VOCAB, _hf, _hf_args, _llama, _lm_data, hf_own_loss_checks
+
+import gapmon
+
+
+def _peft():
+    return pytest.importorskip("peft", reason="the PEFT tests need peft (CI installs it)")
+
+
+def _adapted(transformers, peft, seed: int = 0, **config):
+    """A tiny float64 Llama with LoRA adapters (their B not zero, so every adapter parameter gets a gradient)."""
+    model = peft.get_peft_model(_llama(transformers, seed)[0], peft.LoraConfig(lora_dropout=0.0, r=4, lora_alpha=8,
+                                                                               **config))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def _loss(model, ids):
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+
+def _loop(model, ids, covered):
+    norms = []
+    for i in range(ids.shape[0]):
+        model.zero_grad()
+        _loss(model, ids[i:i + 1]).backward()
+        norms.append(sum(p.grad.square().sum() for n, p in model.named_parameters() if n in covered) ** 0.5)
+    return torch.stack(norms)
+
+
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+@pytest.mark.parametrize("config", [
+    dict(target_modules=["q_proj", "v_proj"]),
+    dict(target_modules="all-linear"),
+    dict(target_modules=["q_proj", "k_proj", "o_proj", "gate_proj"], use_rslora=True, bias="lora_only"),
+    dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+], ids=["q-v", "all-linear", "rslora-bias", "modules-to-save"])
+def test_lora_adapters_are_exact(config, bookkeeping):
+    transformers, peft = _hf(), _peft()
+    model = _adapted(transformers, peft, **config)
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", bookkeeping=bookkeeping, strict=True)
+    _loss(model, ids).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(cov["covered"]) == trainable and any("lora_A" in n for n in trainable)
+    torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
+
+
+def test_dora_is_refused_by_name():
+    """DoRA divides by the norm of the adapted weight, formed by running lora_A and lora_B on an identity matrix every
+    sample shares: those layers are left out, naming that input, and so is the magnitude vector (used in a division)."""
+    transformers, peft = _hf(), _peft()
+    model = _adapted(transformers, peft, target_modules=["q_proj"], use_dora=True)
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+        _loss(model, ids).backward()
+        psn.local_norms()
+    cov = psn.coverage()
+    psn.close()
+    said = " ".join(str(w.message) for w in caught)
+    assert "lora_A.default' is not per-sample (its input [16, 16] does not come from the model's batched inputs" in said
+    assert "lora_magnitude_vector.default.weight' is not per-sample (the model uses this parameter in div" in said
+    assert not cov["covered"]
+    strict = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    with pytest.raises(RuntimeError, match="lora_A.default' is not per-sample"):  # in the forward pass, at its call
+        _loss(model, ids).backward()
+        strict.local_norms()
+    strict.close()
+
+
+@pytest.mark.slow
+def test_lora_under_the_huggingface_trainer_gives_each_samples_own_norm(tmp_path):
+    """The Trainer with a PEFT model (only the adapters train), accumulating 2 micro-batches: the norms are those of
+    each sample's own mean token loss over the adapter parameters."""
+    transformers, peft = _hf(), _peft()
+    from gapmon.integrations.huggingface import attach
+
+    def make(transformers, seed=0):
+        return _adapted(transformers, peft, seed, target_modules=["q_proj", "v_proj", "down_proj"]), None
+
+    model, _ = make(transformers)
+    args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+                    max_grad_norm=0.0, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_lm_data(12))
+    callback = attach(trainer, interval=1, per_sample_grad_norms=True)
+    checks = hf_own_loss_checks(transformers, trainer, model, callback, make)
+    trainer.train()
+    cov = callback.monitor.per_sample.coverage()
+    assert not cov["uncovered"] and any("lora_B" in n for n in cov["covered"])
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 4
+        assert got == pytest.approx(want, rel=HF_RTOL)
