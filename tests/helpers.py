@@ -198,6 +198,17 @@ def loop_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets, para
     return torch.stack(norms)
 
 
+def norms_and_coverage(model: torch.nn.Module, loss_fn, x, y, **kwargs) -> tuple[torch.Tensor, dict]:
+    """gapmon's per-sample norms of one summed-loss backward of model(x) (PerSampleGradNorms(model, **kwargs)) and its
+    coverage(); the norms are closed after."""
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", **kwargs)
+    try:
+        loss_fn(model(x), y).backward()
+        return psn.local_norms(), psn.coverage()
+    finally:
+        psn.close()
+
+
 class Autocast(torch.nn.Module):
     """Runs the wrapped model under bf16 autocast on `device_type`, as a training loop's
     `with torch.autocast(...)` around the forward pass does."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import loop_per_sample_norms
+from helpers import loop_per_sample_norms, norms_and_coverage
 
 import gapmon
 
@@ -52,12 +52,7 @@ class SplitBiasAttention(nn.Module):
 
 
 def _norms(model, x, y, **kwargs):
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", **kwargs)
-    try:
-        _loss(model(x), y).backward()
-        return psn.local_norms(), psn.coverage()
-    finally:
-        psn.close()
+    return norms_and_coverage(model, _loss, x, y, **kwargs)
 
 
 @BOOKKEEPING
