@@ -74,11 +74,46 @@ _DUNDER = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "
 class Lost(Exception):
     """Raised by a rule: the batch dimension of the op's output cannot be told."""
 
+    def status(self) -> str:
+        """The status of the op's output: why its batch was lost."""
+        return f"{self}"
+
 
 class CrossSample(Lost):
     """Raised by a rule: the op multiplies two samples' tensors together (sample i's rows against sample j's columns: a
     contrastive loss's similarities). A loss that gets a gradient through it has no per-sample form: the hook
     `watch_cross_sample` puts on its output records that in the tracker's `mixing`, and the norms are refused."""
+
+    def mixing(self) -> tuple[str, str]:
+        """(what mixed the samples, what to do), recorded when a gradient comes through the op."""
+        return (f"multiplies two samples' tensors together, and the loss depends on the product ({self})",
+                "A loss over pairs of samples (a contrastive loss: CLIP's, SigLIP's) has no per-sample gradients of "
+                "each sample's own loss.")
+
+
+class BatchStatistic(CrossSample):
+    """Raised by a rule: the op forms a statistic of the whole batch that is no sum of per-sample terms (a variance or a
+    max over the batch, a softmax along it, a nonlinear function of a batch sum that carries a gradient: a batch norm
+    written by hand). A gradient through it is refused as a CrossSample's is."""
+
+    def mixing(self) -> tuple[str, str]:
+        return (f"forms a statistic of the whole batch, and the loss depends on it ({self})",
+                "A loss of the batch's statistics (a batch normalisation written by hand, a penalty on a batch mean) "
+                "has no per-sample gradients of each sample's own loss: normalise each sample on its own (GroupNorm, "
+                "LayerNorm), or keep that term out of the loss whose norms are read.")
+
+
+class BatchSum(str):
+    """A status: a sum (or mean) over the batch of the samples' terms (a loss's reduction). Linear ops keep it: it is
+    still a sum of per-sample terms (after_batch_sum); a nonlinear one of such a sum that carries a gradient is a
+    BatchStatistic."""
+
+
+class _Summed(Lost):
+    """Raised by a reduction rule: a sum or mean over the batch (its output a BatchSum)."""
+
+    def status(self) -> str:
+        return BatchSum(f"{self}")
 
 
 class Merged(NamedTuple):
@@ -244,9 +279,9 @@ class BatchTracker(TorchFunctionMode):
         try:
             result = self.status_by_rules(name, args, kwargs, inputs, out)
         except Lost as why:
-            result = f"{why}"
-            if type(why) is CrossSample and one and out.requires_grad:
-                watch_cross_sample(self, out, result)
+            result = why.status()
+            if isinstance(why, CrossSample) and one and out.requires_grad:
+                watch_cross_sample(self, out, why)
         except Exception as error:  # a rule's own bug must never break the user's forward pass
             result = f"{name} (no batch rule could read it: {type(error).__name__})"
         if one:
@@ -290,8 +325,10 @@ class BatchTracker(TorchFunctionMode):
             if name in _VIEWS or name in _EXPANDS or name == "type_as":  # only self's values are used
                 inputs = [(t, s) for t, s in inputs if t is args[0]]
                 if not inputs:
-                    return self._expanded(name, args, out) if name in _EXPANDS else None
+                    return _expanded(self, name, args, out) if name in _EXPANDS else None
             return self._by_rule(name, args, kwargs, inputs, out)
+        if any(type(st) is BatchSum for _, st in inputs):
+            return after_batch_sum(self, name, args, kwargs, inputs, out)
         if any(type(st) is Shared for _, st in inputs):
             return self._shared_rule(name, args, kwargs, inputs, out)
         lost = [s for _, s in inputs if isinstance(s, str)]
@@ -299,7 +336,7 @@ class BatchTracker(TorchFunctionMode):
             inputs = [(t, s) for t, s in inputs if t is args[0]]
             lost = [s for _, s in inputs if isinstance(s, str)]
             if not inputs:
-                return self._expanded(name, args, out) if name in _EXPANDS else None
+                return _expanded(self, name, args, out) if name in _EXPANDS else None
         if lost and name == "__setitem__" and self.batch == 1 and not any(type(st) is Merged for _, st in inputs):
             return _setitem(self, args, kwargs, inputs, out)  # one sample: a lost value may still be that sample's
         joined = _samples_rejoined(self, name, args, kwargs, inputs, lost, out)
@@ -432,20 +469,21 @@ class BatchTracker(TorchFunctionMode):
             raise Lost(f"{name} (broadcasts the batch)")
         return d
 
-    def _expanded(self, name: str, args: Sequence, out: torch.Tensor) -> int | None:
-        """An unbatched tensor expanded to the batch: `pos.expand(B, T)`, `pos.expand_as(x)`, is a copy
-        per sample (each row read by its sample alone, as any batched tensor's row is)."""
-        if name == "expand_as" and isinstance(args[1], torch.Tensor):
-            s = self.status(args[1])
-            return s if isinstance(s, int) else None
-        base = args[0]
-        new_dims = out.dim() - base.dim()
-        if self.batch == 1:  # a batch of one sample: only a dim the expand adds can be told to be the batch
-            grown = [d for d in range(new_dims) if out.shape[d] == 1]
-        else:
-            grown = [d for d in range(out.dim()) if out.shape[d] == self.batch
-                     and (d < new_dims or base.shape[d - new_dims] == 1)]
-        return grown[0] if len(grown) == 1 else None
+
+def _expanded(tracker: BatchTracker, name: str, args: Sequence, out: torch.Tensor) -> int | None:
+    """An unbatched tensor expanded to the batch: `pos.expand(B, T)`, `pos.expand_as(x)`, is a copy
+    per sample (each row read by its sample alone, as any batched tensor's row is)."""
+    if name == "expand_as" and isinstance(args[1], torch.Tensor):
+        s = tracker.status(args[1])
+        return s if isinstance(s, int) else None
+    base = args[0]
+    new_dims = out.dim() - base.dim()
+    if tracker.batch == 1:  # a batch of one sample: only a dim the expand adds can be told to be the batch
+        grown = [d for d in range(new_dims) if out.shape[d] == 1]
+    else:
+        grown = [d for d in range(out.dim()) if out.shape[d] == tracker.batch
+                 and (d < new_dims or base.shape[d - new_dims] == 1)]
+    return grown[0] if len(grown) == 1 else None
 
 
 def _view(tracker: BatchTracker, args, kwargs, inputs, out) -> int | Merged:
@@ -553,7 +591,9 @@ def _reduction(name: str):
         shift = 1 if name in _ORD_FIRST else 0  # x.norm(p, dim, keepdim), torch.linalg.vector_norm(x, ord, dim, keepdim)
         dims = _dims(_arg(args, kwargs, 1 + shift, "dim"), x.dim())
         if not dims or d in dims:
-            raise Lost(f"{name} over the batch dim (it mixes the samples)")
+            if name in _SUMS:
+                raise _Summed(f"{name} over the batch dim")
+            raise BatchStatistic(f"{name} over the batch dim")
         keep = _arg(args, kwargs, 2 + shift, "keepdim", False) is True
         return d if keep else d - sum(1 for a in dims if a < d)
     return rule
@@ -565,8 +605,10 @@ def _along_dim(name: str):
         d = tracker.input_dim(args, inputs)
         index, keyword = _ALONG_DIM[name] if isinstance(_ALONG_DIM[name], tuple) else (_ALONG_DIM[name], "dim")
         dim = _dims(_arg(args, kwargs, index, keyword, _DIM_DEFAULT.get(name)), x.dim())
-        if dim is None or d in dim:
-            raise Lost(f"{name} along the batch dim (it mixes the samples)")
+        if dim is None:
+            raise Lost(f"{name} along an unknown dim")
+        if d in dim:
+            raise BatchStatistic(f"{name} along the batch dim")
         index = [s for t, s in inputs if t is not x]
         if index and any(s != d for s in index):
             raise Lost(f"{name} with an index batched on another dim")
@@ -1030,16 +1072,40 @@ def _split(tracker, args, kwargs, inputs, out) -> int:
     return d
 
 
-def watch_cross_sample(tracker: BatchTracker, out: torch.Tensor, why: str) -> None:
-    """A hook on out, the product of two samples' tensors: a gradient there that is not zero (one device sync, in that
-    backward) means the loss depends on pairs of samples, recorded in the tracker's `mixing`."""
+def watch_cross_sample(tracker: BatchTracker, out: torch.Tensor, why: CrossSample) -> None:
+    """A hook on out, the product of two samples' tensors or a statistic of the batch: a gradient there that is not zero
+    (one device sync, in that backward) means the loss depends on several samples at once, recorded in the tracker's
+    `mixing`."""
     def hook(g: torch.Tensor) -> None:
         if tracker.mixing is not None and bool(g.detach().abs().amax() > 0):
-            tracker.mixing["the model's forward"] = (
-                f"multiplies two samples' tensors together, and the loss depends on the product ({why})",
-                "A loss over pairs of samples (a contrastive loss: CLIP's, SigLIP's) has no per-sample gradients of "
-                "each sample's own loss.")
+            tracker.mixing["the model's forward"] = why.mixing()
     out.register_hook(hook)
+
+
+_SUMS = {"sum", "mean", "nansum", "nanmean"}
+# Ops that keep a sum over the batch a sum of per-sample terms whatever their other operands without a gradient
+_SUM_KEEPING = {*_VIEWS, *_EXPANDS, *_COPIES, *_ORDER_KEEPING_VIEWS, *_SPLITS, *_SUMS, "__getitem__", "select",
+                "unbind", "cat", "concat", "concatenate", "stack", "neg", "__neg__", "negative", "clone", "detach",
+                "transpose", "permute", "t", "T", "movedim", "flip", "where", "masked_fill", *_ADDS, "rsub",
+                "__rsub__"}
+
+
+def after_batch_sum(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+    """The status of an op on a sum over the batch (BatchSum). With an input still batched, merged or lost, that
+    input's (the batch is lost there, as for any reduction over it). Else: kept by a linear op (views, copies, sums,
+    negation, adds, a product or a quotient in which one sum with a gradient is a factor or the dividend, `where`);
+    a BatchStatistic for any other op of a sum that carries a gradient (a product of two such sums, `exp` or a power of
+    one, a division by one), as a statistic of the batch that is no sum of per-sample terms."""
+    sums = [(t, s) for t, s in inputs if type(s) is BatchSum]
+    others = [s for _, s in inputs if type(s) is not BatchSum and type(s) is not Shared]
+    if others:
+        raise Lost(f"{name} of a sum over the batch with the batch or its loss ({sums[0][1]})")
+    live = [t for t, _ in sums if t.requires_grad]
+    if name in _SUM_KEEPING or not live:
+        return sums[0][1]
+    if (name in _MULS or name in _DIVS) and len(live) == 1 and (name in _MULS or args[0] is live[0]):
+        return sums[0][1]
+    raise BatchStatistic(f"{name} of a sum over the batch ({sums[0][1]})")
 
 
 def _mark_outputs(tracker: BatchTracker, name: str, args: Sequence, out: Any, result: Any) -> None:

@@ -354,6 +354,81 @@ def test_a_loss_over_pairs_of_samples_is_refused(loss):
     _exact(got, want)
 
 
+class BatchStatistics(nn.Module):
+    """A layer, then what the forward does with the whole batch (`how`), then a head: a batch norm written by hand
+    (x - mean) / std over the batch, a penalty on the batch mean added to each sample's output, a softmax along the
+    batch; or what a loss inside the forward does that stays a sum of per-sample terms (a token sum divided by the
+    batch's count of tokens, which has no gradient), or a maximum over the batch without a gradient."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.inp, self.head, self.how = nn.Linear(5, 6), nn.Linear(6, 3), how
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        if self.how == "batch norm":
+            h = (h - h.mean(0)) / h.std(0)
+        elif self.how == "softmax over the batch":
+            h = h * h.softmax(0)
+        out = self.head(h)
+        terms = (out - y).square()
+        if self.how == "penalty on the batch mean":
+            return terms.sum() + out.mean(0).square().sum()
+        if self.how == "token count":
+            return terms.sum() / (x.abs() > 0).sum()
+        if self.how == "max without gradient":
+            return terms.sum() / x.detach().abs().amax(0).sum()
+        return terms.sum()
+
+
+@pytest.mark.parametrize("how", ["batch norm", "softmax over the batch", "penalty on the batch mean", "token count",
+                                 "max without gradient"])
+def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
+    """A loss that depends on a statistic of the whole batch other than through a sum of per-sample terms has no
+    per-sample gradients of each sample's own loss: refused, naming it (the layers before it got gradients mixed over
+    the samples, and their norms were numbers of no meaning). A sum of per-sample terms scaled by a count of the batch
+    with no gradient stays exact (the norms are of each sample's term of that loss)."""
+    torch.manual_seed(0)
+    model = BatchStatistics(how).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", batch_inputs=(0, 1))
+    model(x, y).backward()
+    if how in ("batch norm", "softmax over the batch", "penalty on the batch mean"):
+        with pytest.raises(RuntimeError, match=r"forms a statistic of the whole batch, and the loss depends on it"):
+            psn.local_norms()
+        psn.close()
+        return
+    got = psn.local_norms()
+    psn.close()
+    scale = {"token count": float((x.abs() > 0).sum()), "max without gradient": float(x.abs().amax(0).sum())}[how]
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        (model.head(torch.tanh(model.inp(x[i:i + 1]))) - y[i:i + 1]).square().sum() / scale,
+        list(model.parameters()))]).norm() for i in range(4)])
+    _exact(got, want)
+
+
+def test_tracker_keeps_a_sum_over_the_batch_through_linear_ops_only():
+    from gapmon.per_sample.batch_provenance import BatchSum
+
+    tracker = BatchTracker(B)
+    x = torch.randn(B, 3, requires_grad=True)
+    counts = torch.ones(B, 3)
+    tracker.mark(x, 0)
+    tracker.mark(counts, 0)
+    with tracker:
+        total, count = x.sum(), counts.sum()
+        kept = {"scaled": (total * 2 - 1) / count, "added": total + x.mean(), "viewed": total.reshape(1)[0],
+                "a constant's power": count.square() * total}
+        mixed = {"squared": total.square(), "a product of two": total * x.mean(), "divided by one": count / total,
+                 "a variance over the batch": x.var(0), "a max over it": x.amax(0), "a softmax along it": x.softmax(0)}
+        per_sample = total + x  # a sum added to every sample's row: the batch is lost there (not kept as a sum)
+    assert all(type(tracker.status(t)) is BatchSum for t in kept.values()), {k: tracker.status(t) for k, t in kept.items()}
+    for what, t in mixed.items():
+        status = tracker.status(t)
+        assert isinstance(status, str) and type(status) is not BatchSum, (what, status)
+    assert isinstance(tracker.status(per_sample), str) and type(tracker.status(per_sample)) is not BatchSum
+
+
 def test_tracker_follows_a_batch_of_one_sample_through_unsqueeze_and_squeeze():
     """With one sample every size-1 dim could be the batch by sizes alone: unsqueeze and squeeze say where it goes
     ([1, 5].unsqueeze(0) has it on dim 1, which a repeat over dim 0 must not take for copied samples)."""
