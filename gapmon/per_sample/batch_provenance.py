@@ -60,7 +60,7 @@ _SAMPLE_LEADING = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_trans
                    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
                    "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d", "interpolate",
                    "upsample", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "group_norm", "instance_norm",
-                   "batch_norm", "local_response_norm", "fold", "max_pool2d_with_indices", "fractional_max_pool2d"}
+                   "local_response_norm", "fold", "max_pool2d_with_indices", "fractional_max_pool2d"}
 _DUNDER = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "sub",
            "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
            "__rtruediv__": "div", "__itruediv__": "div_", "__div__": "div", "__rdiv__": "div", "__pow__": "pow",
@@ -1443,6 +1443,15 @@ def _sample_leading(name: str):
     return rule
 
 
+def _batch_norm(tracker, args, kwargs, inputs, out) -> int:
+    """F.batch_norm: each sample on its own with running statistics (training=False); with the batch's own statistics
+    (training=True, or no running statistics: a batch norm in training mode, or one called functionally, which the
+    BatchNorm modules' hooks do not see) a statistic of the whole batch."""
+    if _arg(args, kwargs, 5, "training", False) or _arg(args, kwargs, 1, "running_mean") is None:
+        raise BatchStatistic("batch_norm with the batch's statistics")
+    return _sample_leading("batch_norm")(tracker, args, kwargs, inputs, out)
+
+
 def _last_dims_norm(tracker, args, kwargs, inputs, out) -> int:
     x = args[0]
     d = tracker.input_dim(args, inputs)
@@ -1501,7 +1510,7 @@ _RULES: dict[str, Callable] = {
     "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul, "addmm": _addmm,
     "baddbmm": _baddbmm,
     "einsum": _einsum, "linear": _linear, "embedding": _embedding, "embedding_bag": _embedding_bag,
-    **{n: _sample_leading(n) for n in _SAMPLE_LEADING},
+    **{n: _sample_leading(n) for n in _SAMPLE_LEADING}, "batch_norm": _batch_norm,
     "layer_norm": _last_dims_norm, "rms_norm": _last_dims_norm, "pad": _pad,
     "scaled_dot_product_attention": _attention, "multi_head_attention_forward": _mha, "one_hot": _one_hot,
     "view_as_real": _one_hot, "view_as_complex": _one_hot,

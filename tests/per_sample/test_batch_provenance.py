@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from helpers import loop_per_sample_norms
 
 import gapmon
@@ -370,6 +371,10 @@ class BatchStatistics(nn.Module):
             h = (h - h.mean(0)) / h.std(0)
         elif self.how == "softmax over the batch":
             h = h * h.softmax(0)
+        elif self.how == "functional batch norm":  # the batch's statistics, in a module no BatchNorm hook sees
+            h = F.batch_norm(h, None, None, training=True)
+        elif self.how == "functional batch norm, running statistics":
+            h = F.batch_norm(h, torch.full((6,), 0.1, dtype=h.dtype), torch.full((6,), 2.0, dtype=h.dtype))
         out = self.head(h)
         terms = (out - y).square()
         if self.how == "penalty on the batch mean":
@@ -381,8 +386,9 @@ class BatchStatistics(nn.Module):
         return terms.sum()
 
 
-@pytest.mark.parametrize("how", ["batch norm", "softmax over the batch", "penalty on the batch mean", "token count",
-                                 "max without gradient"])
+@pytest.mark.parametrize("how", ["batch norm", "softmax over the batch", "penalty on the batch mean",
+                                 "functional batch norm", "token count", "max without gradient",
+                                 "functional batch norm, running statistics"])
 def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     """A loss that depends on a statistic of the whole batch other than through a sum of per-sample terms has no
     per-sample gradients of each sample's own loss: refused, naming it (the layers before it got gradients mixed over
@@ -393,16 +399,17 @@ def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", batch_inputs=(0, 1))
     model(x, y).backward()
-    if how in ("batch norm", "softmax over the batch", "penalty on the batch mean"):
+    if how in ("batch norm", "softmax over the batch", "penalty on the batch mean", "functional batch norm"):
         with pytest.raises(RuntimeError, match=r"forms a statistic of the whole batch, and the loss depends on it"):
             psn.local_norms()
         psn.close()
         return
     got = psn.local_norms()
     psn.close()
-    scale = {"token count": float((x.abs() > 0).sum()), "max without gradient": float(x.abs().amax(0).sum())}[how]
+    scale = {"token count": float((x.abs() > 0).sum()), "max without gradient": float(x.abs().amax(0).sum())}.get(how, 1.0)
+    norm = (lambda h: (h - 0.1) / (2.0 + 1e-5) ** 0.5) if how.endswith("running statistics") else (lambda h: h)
     want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-        (model.head(torch.tanh(model.inp(x[i:i + 1]))) - y[i:i + 1]).square().sum() / scale,
+        (model.head(norm(torch.tanh(model.inp(x[i:i + 1])))) - y[i:i + 1]).square().sum() / scale,
         list(model.parameters()))]).norm() for i in range(4)])
     _exact(got, want)
 
