@@ -30,7 +30,7 @@ from . import fused_attention
 Status = "int | str | None"
 
 # Ops whose output has the input's shape and layout, or that are pointwise without an aten tag.
-_SAME = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool", "contiguous",
+_SAME = {"to", "real", "imag", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool", "contiguous",
          "clone", "detach", "detach_", "requires_grad_", "cpu", "cuda", "dropout", "alpha_dropout",
          "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "data", "float_power", "nan_to_num",
          "masked_fill", "masked_fill_", "where", "lerp", "clamp", "clip", "relu6", "hardtanh", "celu", "selu",
@@ -52,8 +52,20 @@ _ORD_FIRST = {"norm", "vector_norm", "linalg_vector_norm", "linalg_norm"}  # (x,
 _ALONG_DIM = {"cumsum": 1, "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 1, "softmax": 1,
               "log_softmax": 1, "softmin": 1, "sort": 1, "argsort": 1, "topk": 2, "kthvalue": 2, "glu": 1,
               "normalize": 2, "diff": 2, "index_select": 1, "narrow": 1, "unfold": 1, "gather": 1,
-              "take_along_dim": 2, "flip": (1, "dims"), "roll": (2, "dims"), "rot90": (2, "dims")}
-_DIM_DEFAULT = {"rot90": (0, 1), "topk": -1, "kthvalue": -1, "glu": -1, "normalize": 1, "diff": -1, "sort": -1, "argsort": -1}
+              "take_along_dim": 2, "flip": (1, "dims"), "roll": (2, "dims"), "rot90": (2, "dims"),
+              **{f"fft_{k}": 2 for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft", "fft2", "ifft2", "rfft2",
+                                         "irfft2", "fftn", "ifftn", "rfftn", "irfftn")}}
+_DIM_DEFAULT = {"rot90": (0, 1), "topk": -1, "kthvalue": -1, "glu": -1, "normalize": 1, "diff": -1, "sort": -1, "argsort": -1,
+                **{f"fft_{k}": -1 for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")},
+                **{f"fft_{k}": (-2, -1) for k in ("fft2", "ifft2", "rfft2", "irfft2")}}
+# Of those, the ops whose values along the dim combine several of its entries (along the batch: a statistic of the whole
+# batch); the others move or pick entries (along the batch: the batch is lost there, no sample's values are mixed).
+_COMBINING_ALONG = {"cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax", "softmin", "normalize", "diff", "glu",
+                    *(k for k in _ALONG_DIM if k.startswith("fft_"))}
+# Reductions over the batch that are no sum of per-sample terms and use every sample's value (min, max and their
+# kind pick one sample's: the batch is lost there).
+_COMBINING_REDUCTIONS = {"std", "var", "std_mean", "var_mean", "norm", "vector_norm", "linalg_vector_norm",
+                         "linalg_norm", "prod", "logsumexp"}
 _SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "unsafe_chunk"}
 _SAMPLE_LEADING = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
@@ -593,7 +605,9 @@ def _reduction(name: str):
         if not dims or d in dims:
             if name in _SUMS:
                 raise _Summed(f"{name} over the batch dim")
-            raise BatchStatistic(f"{name} over the batch dim")
+            if name in _COMBINING_REDUCTIONS:
+                raise BatchStatistic(f"{name} over the batch dim")
+            raise Lost(f"{name} over the batch dim (it picks among the samples)")
         keep = _arg(args, kwargs, 2 + shift, "keepdim", False) is True
         return d if keep else d - sum(1 for a in dims if a < d)
     return rule
@@ -608,7 +622,9 @@ def _along_dim(name: str):
         if dim is None:
             raise Lost(f"{name} along an unknown dim")
         if d in dim:
-            raise BatchStatistic(f"{name} along the batch dim")
+            if name in _COMBINING_ALONG:
+                raise BatchStatistic(f"{name} along the batch dim")
+            raise Lost(f"{name} along the batch dim (it moves or picks the samples)")
         index = [s for t, s in inputs if t is not x]
         if index and any(s != d for s in index):
             raise Lost(f"{name} with an index batched on another dim")

@@ -104,7 +104,9 @@ class SharedCall:
         whole = g.detach().reshape(-1).to(self.per_sample.dtype)
         summed = self.per_sample.sum(0)
         rtol = _RTOL.get(g.dtype, 1e-5)
-        if not torch.allclose(summed, whole, rtol=rtol, atol=rtol * float(whole.abs().max()) if whole.numel() else 0.0):
+        finite = whole[torch.isfinite(whole)]  # (a NaN or inf gradient is the model's own: compared as it is)
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
+        if not torch.allclose(summed, whole, rtol=rtol, atol=rtol * scale, equal_nan=True):
             self.refuse("its output, shared by every sample, has a use besides its adds to batched tensors")
             return
         self.done(self.per_sample)

@@ -247,7 +247,8 @@ def test_tracker_follows_the_batch_through_common_ops():
             "cat": (torch.cat([x, x], -1), 0), "cat B": (torch.cat([x, x], 0), str),
             "constant": (torch.zeros_like(x), None), "positions": (torch.arange(T), None),
             "expand positions": (torch.arange(T).expand(B, T), 0), "broadcast add": (x + torch.ones(T, 8), 0),
-            "mixed layouts": (x + x.transpose(0, 1), str), "no rule": (torch.fft.fft(x, dim=1), str),
+            "mixed layouts": (x + x.transpose(0, 1), str), "no rule": (torch.cdist(x, x), str),
+            "fft over T": (torch.fft.fft(x, dim=1), 0), "fft over B": (torch.fft.fft(x, dim=0), str),
         }
     for what, (t, want) in cases.items():
         got = tracker.status(t)
@@ -414,6 +415,36 @@ def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     _exact(got, want)
 
 
+class FourierMixer(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT over the sequence and the features (`dim`), or of an FFT along
+    the batch (`dim=0`: each output row mixes every sample)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.inp, self.head, self.dim = nn.Linear(4, 6), nn.Linear(6, 4), dim
+
+    def forward(self, x):
+        h = self.inp(x)
+        mixed = torch.fft.fftn(h, dim=self.dim).real if isinstance(self.dim, tuple) else torch.fft.fft(h, dim=0).real
+        return self.head(h + mixed)
+
+
+@BOOKKEEPING
+def test_an_fft_over_each_samples_positions_is_exact_and_one_over_the_batch_refused(bookkeeping):
+    cov = _strictly_exact(lambda: FourierMixer((1, 2)), 5, bookkeeping)
+    assert set(cov["covered"]) == {"inp.weight", "inp.bias", "head.weight", "head.bias"}
+    torch.manual_seed(0)
+    model = FourierMixer(0).double()
+    x, y = torch.randn(B, 5, 4, dtype=torch.float64), torch.randn(B, 5, 4, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (head: its input lost the batch)
+        ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"forms a statistic of the whole batch.*fft_fft along the batch dim"):
+        psn.local_norms()
+    psn.close()
+
+
 def test_tracker_keeps_a_sum_over_the_batch_through_linear_ops_only():
     from gapmon.per_sample.batch_provenance import BatchSum
 
@@ -427,13 +458,18 @@ def test_tracker_keeps_a_sum_over_the_batch_through_linear_ops_only():
         kept = {"scaled": (total * 2 - 1) / count, "added": total + x.mean(), "viewed": total.reshape(1)[0],
                 "a constant's power": count.square() * total}
         mixed = {"squared": total.square(), "a product of two": total * x.mean(), "divided by one": count / total,
-                 "a variance over the batch": x.var(0), "a max over it": x.amax(0), "a softmax along it": x.softmax(0)}
+                 "a variance over the batch": x.var(0), "a softmax along it": x.softmax(0),
+                 "an fft along it": torch.fft.fft(x, dim=0)}
         per_sample = total + x  # a sum added to every sample's row: the batch is lost there (not kept as a sum)
+        picked = {"reordered": x.index_select(0, torch.tensor([2, 0, 1, 3])), "flipped": x.flip(0),
+                  "a max over the batch": x.amax(0), "sorted along it": x.sort(0).values}
     assert all(type(tracker.status(t)) is BatchSum for t in kept.values()), {k: tracker.status(t) for k, t in kept.items()}
     for what, t in mixed.items():
         status = tracker.status(t)
-        assert isinstance(status, str) and type(status) is not BatchSum, (what, status)
+        assert isinstance(status, str) and type(status) is not BatchSum and "picks" not in status, (what, status)
     assert isinstance(tracker.status(per_sample), str) and type(tracker.status(per_sample)) is not BatchSum
+    # picking or moving samples loses the batch there without mixing them: no gradient is watched on those
+    assert all("picks" in tracker.status(t) or "moves" in tracker.status(t) for t in picked.values()), picked
 
 
 def test_tracker_follows_a_batch_of_one_sample_through_unsqueeze_and_squeeze():
@@ -500,6 +536,21 @@ class _Positions(nn.Module):
         elif self.extra == "pooled":
             h = h + p.mean()  # a use that reduces it
         return self.head(torch.tanh(h))
+
+
+def test_a_nan_gradient_through_shared_positions_leaves_the_users_backward_alone():
+    """A loss whose gradient is NaN (a model's own overflow, CANINE's tiny configuration) reaches the shared position
+    embedding's check as NaN: the backward ran into gapmon's tolerance (`atol ... got -nan`) and raised; now it
+    completes and the norms carry the NaN, as the model's gradients do."""
+    torch.manual_seed(0)
+    model = _Positions().double()
+    ids = torch.randint(0, 11, (3, 5))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    (model(ids).sum() * float("nan")).backward()
+    got = psn.local_norms()
+    psn.close()
+    assert got.shape == (3,) and torch.isnan(got).all()
+    assert torch.isnan(model.pos.weight.grad[:5]).all()  # (the table's last row is no position here)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
