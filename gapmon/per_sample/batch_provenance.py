@@ -165,7 +165,7 @@ _MULS = {"mul", "__mul__", "__rmul__", "multiply"}  # a free parameter scaling a
 
 # Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
 # its dim, the merge kept (their checks of the batch's size are the aligned/merged ones).
-_MERGED_ROW_WISE = {"linear", "addmm", "mm", "matmul", "__matmul__", "bmm", "baddbmm", "layer_norm", "rms_norm",
+_MERGED_ROW_WISE = {"linear", "addmm", "mm", "matmul", "__matmul__", "bmm", "baddbmm", "einsum", "layer_norm", "rms_norm",
                     "scaled_dot_product_attention",
                     "transpose", "transpose_", "swapaxes", "swapdims", "t", "T", "mT", "mH", "adjoint", "permute",
                     "movedim", "moveaxis", "__getitem__", "pad", *_REDUCTIONS, *_ALONG_DIM}
@@ -443,6 +443,8 @@ class BatchTracker(TorchFunctionMode):
         merges = {st for _, st in inputs}
         if _RULES.get(name) is _recurrent:
             return _merged_recurrent(self, args, inputs, out)
+        if len(merges) == 1 and name == "as_strided":
+            return _as_strided(self, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
             return _merged_parts(self, name, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) == 1 and name in ("cat", "concat", "concatenate", "stack"):
@@ -1052,6 +1054,50 @@ def _merged_joined(tracker, name: str, args: Sequence, kwargs: dict, inputs: lis
     return merged
 
 
+def _as_strided(tracker, args, kwargs, inputs, out, merged: Merged | None = None) -> int | Merged:
+    """x.as_strided(size, stride, offset) that keeps x's batch dim (its size and stride) and reads, in each of its rows,
+    only that row's elements of x: Longformer's overlapping chunks of each sample's sequence (`as_strided` over
+    [B·heads, T, d], the batch merged with the heads). The batch is where it was; any other view of the storage loses
+    it."""
+    x = args[0]
+    size, stride = _arg(args, kwargs, 1, "size"), _arg(args, kwargs, 2, "stride")
+    offset = _arg(args, kwargs, 3, "storage_offset")
+    d = merged.dim if merged is not None else inputs[0][1]
+    if (x is not inputs[0][0] or len(inputs) != 1 or not isinstance(out, torch.Tensor) or size is None
+            or stride is None or len(size) != len(stride) or len(size) <= d or size[d] != x.shape[d]
+            or stride[d] != x.stride(d) or not _reads_own_rows(x, d, size, stride, offset)):
+        raise Lost("as_strided (a view of the storage that may cross the samples' rows)")
+    return merged if merged is not None else d
+
+
+def _reads_own_rows(x: torch.Tensor, d: int, size: Sequence[int], stride: Sequence[int], offset: int | None) -> bool:
+    """Whether every element a view (size, stride, offset) of x's storage, x's dim d kept, reads in its row b along d
+    is an element of x's row b: x's elements are at distinct addresses (its strides sorted, each past the reach of the
+    smaller ones), and the view's offsets within a row are offsets x has within a row. False where too many to check."""
+    dims = sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1)
+    reach = 0
+    for s, n in dims:
+        if s <= reach:
+            return False  # (x's own elements overlap: an expanded tensor)
+        reach += (n - 1) * s
+    shift = (offset if offset is not None else x.storage_offset()) - x.storage_offset()
+
+    def offsets(shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor | None:
+        if math.prod(n for k, n in enumerate(shape) if k != d) > _MOST_OFFSETS:
+            return None
+        found = torch.zeros(1, dtype=torch.long)
+        for k, (n, s) in enumerate(zip(shape, strides)):
+            if k != d:
+                found = (found[:, None] + torch.arange(n) * s).reshape(-1)
+        return found
+
+    have, want = offsets(x.shape, x.stride()), offsets(size, stride)
+    return have is not None and want is not None and bool(torch.isin(want + shift, have).all())
+
+
+_MOST_OFFSETS = 1 << 22  # the most elements per row as_strided's check looks at (on the host)
+
+
 def _repeat_interleave(tracker, args, kwargs, inputs, out, merged: Merged | None = None) -> int | Merged:
     """x.repeat_interleave(n, dim) with n a number: along the batch dim each sample's rows repeated n times in a row,
     which is the batch merged with n rows each, sample-major (GC ViT's global query over each image's windows); along
@@ -1382,8 +1428,9 @@ def _einsum(tracker, args, kwargs, inputs, out) -> int:
         raise Lost("einsum with '...' or an implicit output")
     lhs, rhs = equation.split("->")
     letters = set()
+    dims = {id(t): s for t, s in inputs}  # (a merged batch's dim, when called for one: merged_status)
     for spec, t in zip(lhs.split(","), operands):
-        s = tracker.status(t) if isinstance(t, torch.Tensor) else None
+        s = dims.get(id(t))
         if isinstance(s, int):
             letters.add(spec[s])
     if len(letters) > 1 and all(letter in rhs for letter in letters):
@@ -1519,7 +1566,7 @@ _RULES: dict[str, Callable] = {
     "transpose_": _transpose, "t": _t, "T": _t, "mT": _matrix_t, "mH": _matrix_t, "adjoint": _matrix_t,
     "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,
     **{n: _reduction(n) for n in _REDUCTIONS}, **{n: _along_dim(n) for n in _ALONG_DIM},
-    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind, "repeat_interleave": _repeat_interleave,
+    "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind, "repeat_interleave": _repeat_interleave, "as_strided": _as_strided,
     "masked_scatter": _masked_scatter, "masked_scatter_": _masked_scatter,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "__getitem__": _getitem, "__setitem__": _setitem,

@@ -814,6 +814,30 @@ def test_repeats_along_the_batch_merge_it_and_cuts_or_joins_along_it_lose_it():
     assert all(isinstance(tracker.status(p), str) for p in across)
 
 
+def test_overlapping_chunks_of_each_samples_rows_keep_the_batch():
+    """Longformer's chunks: `as_strided` over [B·heads, T, d] (transposed, so not contiguous), each row's chunks
+    overlapping within the row, then an einsum over the chunks of rows merged with the batch. A view that reads
+    across the rows (fewer of them, or a stride that reaches into the next row) loses it."""
+    from gapmon.per_sample.batch_provenance import Merged
+
+    tracker = BatchTracker(B)
+    x = torch.randn(B, 6, 2, 4)
+    tracker.mark(x, 0)
+    with tracker:
+        rows = x.transpose(1, 2).reshape(B * 2, 6, 4)  # [B·heads, T, d]: the batch merged with the heads
+        seq = rows.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, T outermost in memory
+        chunks = seq.view(B * 2, 3, 2, 4)
+        size, stride = list(chunks.size()), list(chunks.stride())
+        size[1], stride[1] = 5, stride[1] // 2  # chunks of 2 rows overlapping by 1
+        overlapping = chunks.as_strided(size=size, stride=stride)
+        scores = torch.einsum("bcxd,bcyd->bcxy", (overlapping, overlapping))
+        across = chunks.as_strided(size=[B * 2 - 1, 3, 2, 4], stride=chunks.stride())
+        skipping = chunks.as_strided(size=[B * 2, 4, 2, 4], stride=stride[:3] + [2])  # d's last 2 in the next row
+    assert tracker.status(rows) == Merged(0, 2)
+    assert tracker.status(overlapping) == Merged(0, 2) and tracker.status(scores) == Merged(0, 2)
+    assert isinstance(tracker.status(across), str) and isinstance(tracker.status(skipping), str)
+
+
 def test_attention_over_a_merged_batch_loses_it():
     """The batch merged into the positions attention runs over mixes the samples."""
     from gapmon.per_sample.batch_provenance import Merged
