@@ -443,6 +443,8 @@ class BatchTracker(TorchFunctionMode):
         merges = {st for _, st in inputs}
         if _RULES.get(name) is _recurrent:
             return _merged_recurrent(self, args, inputs, out)
+        if len(merges) == 1 and name == "__setitem__":
+            return _merged_setitem(self, args, next(iter(merges)))
         if len(merges) == 1 and name == "as_strided":
             return _as_strided(self, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
@@ -1174,7 +1176,7 @@ def _mark_outputs(tracker: BatchTracker, name: str, args: Sequence, out: Any, re
     """Marks the outputs of an op of several (or none: __setitem__ marks the tensor written), result a status or one per
     output."""
     if name == "__setitem__":  # x[i] = value: x now holds what value holds
-        if isinstance(result, (int, str)) or result is None:
+        if isinstance(result, (int, str, Merged)) or result is None:
             tracker.mark(args[0], result)
         return
     if isinstance(out, torch.Tensor):
@@ -1392,6 +1394,27 @@ def _setitem(tracker, args, kwargs, inputs, out) -> Any:
         if sv + _indexed_rank(x, index) - value.dim() == at and value.shape[sv] == tracker.batch:
             return d
     return lost
+
+
+def _merged_setitem(tracker, args, merged: Merged) -> Any:
+    """x[index] = value, value's batch merged with rows (`merged`) and x fresh or merged alike: as _setitem, with the
+    batch's rows (Longformer's diagonals written into a new [B·heads, ...] tensor)."""
+    x, value = args[0], args[2] if len(args) > 2 else None
+    sx = tracker.status(x)
+    sv = tracker.status(value) if isinstance(value, torch.Tensor) else None
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if sv != merged or (sx is not None and sx != merged) or any(
+            isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
+        return "an indexed assignment of batched values (x[i] = y)"
+    rows = tracker.batch * merged.inner
+    for d in ([sx.dim] if sx is not None else [k for k in range(x.dim()) if x.shape[k] == rows]):
+        try:
+            at = _indexed_dim(x, index, d)
+        except Lost:
+            continue
+        if sv.dim + _indexed_rank(x, index) - value.dim() == at and value.shape[sv.dim] == rows:
+            return Merged(d, merged.inner)
+    return "an indexed assignment of batched values (x[i] = y)"
 
 
 def _matmul(tracker, args, kwargs, inputs, out) -> int:

@@ -816,8 +816,9 @@ def test_repeats_along_the_batch_merge_it_and_cuts_or_joins_along_it_lose_it():
 
 def test_overlapping_chunks_of_each_samples_rows_keep_the_batch():
     """Longformer's chunks: `as_strided` over [B·heads, T, d] (transposed, so not contiguous), each row's chunks
-    overlapping within the row, then an einsum over the chunks of rows merged with the batch. A view that reads
-    across the rows (fewer of them, or a stride that reaches into the next row) loses it."""
+    overlapping within the row, then an einsum over the chunks of rows merged with the batch, and rows written into a
+    new tensor. A view that reads across the rows (fewer of them, or a stride that reaches into the next row), or a
+    write of some of the rows, loses it."""
     from gapmon.per_sample.batch_provenance import Merged
 
     tracker = BatchTracker(B)
@@ -833,9 +834,14 @@ def test_overlapping_chunks_of_each_samples_rows_keep_the_batch():
         scores = torch.einsum("bcxd,bcyd->bcxy", (overlapping, overlapping))
         across = chunks.as_strided(size=[B * 2 - 1, 3, 2, 4], stride=chunks.stride())
         skipping = chunks.as_strided(size=[B * 2, 4, 2, 4], stride=stride[:3] + [2])  # d's last 2 in the next row
+        shifted = rows.new_zeros(B * 2, 6, 4)
+        shifted[:, 1:] = rows[:, :-1]  # Longformer's diagonals written into a new tensor, every row of the batch's dim
+        some = rows.new_zeros(B * 2, 6, 4)
+        some[1:] = rows[1:]  # not every row: the first keeps zeros that are no sample's
     assert tracker.status(rows) == Merged(0, 2)
     assert tracker.status(overlapping) == Merged(0, 2) and tracker.status(scores) == Merged(0, 2)
     assert isinstance(tracker.status(across), str) and isinstance(tracker.status(skipping), str)
+    assert tracker.status(shifted) == Merged(0, 2) and isinstance(tracker.status(some), str)
 
 
 def test_attention_over_a_merged_batch_loses_it():
