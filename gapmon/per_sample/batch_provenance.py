@@ -1386,14 +1386,21 @@ def _setitem(tracker, args, kwargs, inputs, out) -> Any:
     if type(sv) is not int or (sx is not None and type(sx) is not int) or any(
             isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         return lost
-    for d in ([sx] if sx is not None else [k for k in range(x.dim()) if x.shape[k] == tracker.batch]):
+    d = _written_dim(x, index, value, sv, sx, tracker.batch)
+    return lost if d is None else d
+
+
+def _written_dim(x: torch.Tensor, index: tuple, value: torch.Tensor, sv: int, sx: int | None, rows: int) -> int | None:
+    """The dim of x that holds `rows` batch rows after x[index] = value, value's rows on its dim sv (x's own on sx, or
+    found by size when x is fresh): where the index keeps that dim whole and value's rows land on it; None otherwise."""
+    for d in ([sx] if sx is not None else [k for k in range(x.dim()) if x.shape[k] == rows]):
         try:
             at = _indexed_dim(x, index, d)
         except Lost:
             continue
-        if sv + _indexed_rank(x, index) - value.dim() == at and value.shape[sv] == tracker.batch:
+        if sv + _indexed_rank(x, index) - value.dim() == at and value.shape[sv] == rows:
             return d
-    return lost
+    return None
 
 
 def _merged_setitem(tracker, args, merged: Merged) -> Any:
@@ -1406,15 +1413,8 @@ def _merged_setitem(tracker, args, merged: Merged) -> Any:
     if sv != merged or (sx is not None and sx != merged) or any(
             isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         return "an indexed assignment of batched values (x[i] = y)"
-    rows = tracker.batch * merged.inner
-    for d in ([sx.dim] if sx is not None else [k for k in range(x.dim()) if x.shape[k] == rows]):
-        try:
-            at = _indexed_dim(x, index, d)
-        except Lost:
-            continue
-        if sv.dim + _indexed_rank(x, index) - value.dim() == at and value.shape[sv.dim] == rows:
-            return Merged(d, merged.inner)
-    return "an indexed assignment of batched values (x[i] = y)"
+    d = _written_dim(x, index, value, sv.dim, None if sx is None else sx.dim, tracker.batch * merged.inner)
+    return "an indexed assignment of batched values (x[i] = y)" if d is None else Merged(d, merged.inner)
 
 
 def _matmul(tracker, args, kwargs, inputs, out) -> int:
