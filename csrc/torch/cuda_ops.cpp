@@ -12,10 +12,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -25,13 +25,14 @@
 #include "../cuda/numerics_cuda.h"
 #include "../cuda/stats_cuda.h"
 #include "../cuda/update_cuda.h"
+#include "message.h"
 #include "tensor_views.h"
 
 namespace gapmon {
 namespace {
 
 void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "gapmon.", op, ": CUDA launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, message("gapmon.", op, ": CUDA launch failed: ", cudaGetErrorString(err)));
 }
 
 // A device copy of `bytes` bytes of host data (whole 8-byte words) on `stream`; `storage` keeps it alive

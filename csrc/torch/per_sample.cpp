@@ -16,6 +16,7 @@
 
 #include "../core/stats_state.h"
 #include "../cpu/per_sample_kernels.h"
+#include "message.h"
 
 namespace gapmon {
 namespace {
@@ -40,8 +41,10 @@ constexpr int64_t kBandMacsCuda = int64_t(1) << 33;
 // picks whole Grams when one sample's fits kWholeGramElems; a given tile, which must be positive,
 // always tiles (tests pass small ones to exercise the tiling).
 int64_t samples_per_chunk(std::optional<int64_t> tile, int64_t t, const char* op) {
-  TORCH_CHECK_VALUE(!tile || *tile > 0, "gapmon.", op, ": tile must be a positive number of positions (or None: "
-                    "automatic), got ", tile.value_or(0));
+  TORCH_CHECK_VALUE(!tile || *tile > 0, message("gapmon.", op,
+                                                ": tile must be a positive number of positions (or None: "
+                                                "automatic), got ",
+                                                tile.value_or(0)));
   if (tile || t * t > kWholeGramElems) return 0;
   return std::max<int64_t>(1, kWholeGramElems / std::max<int64_t>(1, t * t));
 }
@@ -62,8 +65,9 @@ at::Tensor wide_bmm(const at::Tensor& x, const at::Tensor& y) {
 }
 
 void check_pair(const at::Tensor& a, const at::Tensor& g, const char* op) {
-  TORCH_CHECK_VALUE(a.dim() == 3 && g.dim() == 3 && a.size(0) == g.size(0) && a.size(1) == g.size(1), "gapmon.", op,
-                    ": expected [B, T, d] and [B, T, p] tensors, got ", a.sizes(), " and ", g.sizes());
+  TORCH_CHECK_VALUE(
+      a.dim() == 3 && g.dim() == 3 && a.size(0) == g.size(0) && a.size(1) == g.size(1),
+      message("gapmon.", op, ": expected [B, T, d] and [B, T, p] tensors, got ", a.sizes(), " and ", g.sizes()));
 }
 
 // The sums over the [T, T] Gram products of each of b samples ([b], `options`), from products(s, n, i, ni, j, nj) ->
@@ -189,7 +193,7 @@ bool in_tiles(const at::Tensor& a, const at::Tensor& g) {
 std::tuple<at::Tensor, at::Tensor> direct_products(const at::Tensor& a, const at::Tensor& g, int64_t max_elements,
                                                    bool with_sum, const char* op) {
   check_pair(a, g, op);
-  TORCH_CHECK_VALUE(max_elements > 0, "gapmon.", op, ": max_elements must be positive, got ", max_elements);
+  TORCH_CHECK_VALUE(max_elements > 0, message("gapmon.", op, ": max_elements must be positive, got ", max_elements));
   const int64_t b = a.size(0), p = g.size(2), d = a.size(2);
   const int64_t step = std::max<int64_t>(1, max_elements / std::max<int64_t>(1, p * d));
   const auto wide = a.options().dtype(at::promote_types(sum_dtype(a), sum_dtype(g)));
@@ -245,17 +249,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_norm_sq_and_grads(const at
 // and a sum queued from C++ instead of ~10 calls from Python.
 std::tuple<at::Tensor, at::Tensor> linear_grad_sketch(const at::Tensor& a, const at::Tensor& g, const at::Tensor& r,
                                                       const std::optional<at::Tensor>& r_bias) {
-  TORCH_CHECK_VALUE(a.dim() >= 1 && g.dim() == a.dim() && a.sizes().slice(0, a.dim() - 1) == g.sizes().slice(0, g.dim() - 1),
-                    "gapmon.linear_grad_sketch: expected [..., d] and [..., p] tensors of the same leading dims, got ",
-                    a.sizes(), " and ", g.sizes());
+  TORCH_CHECK_VALUE(
+      a.dim() >= 1 && g.dim() == a.dim() && a.sizes().slice(0, a.dim() - 1) == g.sizes().slice(0, g.dim() - 1),
+      message("gapmon.linear_grad_sketch: expected [..., d] and [..., p] tensors of the same leading dims, got ",
+              a.sizes(), " and ", g.sizes()));
   const int64_t d = a.size(-1), p = g.size(-1);
-  TORCH_CHECK_VALUE((r.dim() == 1 || r.dim() == 2) && r.size(0) == d, "gapmon.linear_grad_sketch: expected a probe of ",
-                    d, " rows ([d] or [d, k]), got ", r.sizes());
+  TORCH_CHECK_VALUE(
+      (r.dim() == 1 || r.dim() == 2) && r.size(0) == d,
+      message("gapmon.linear_grad_sketch: expected a probe of ", d, " rows ([d] or [d, k]), got ", r.sizes()));
   const at::Tensor gr = g.reshape({-1, p}).to(r.scalar_type());
   const at::Tensor weight = gr.t().matmul(a.reshape({-1, d}).to(r.scalar_type()).matmul(r));
   if (!r_bias) return {weight, at::empty({0}, r.options())};
-  TORCH_CHECK_VALUE(r_bias->size(0) == 1 && r_bias->dim() == r.dim(), "gapmon.linear_grad_sketch: a bias probe has one ",
-                    "row, as the weight's probe has its dims, got ", r_bias->sizes());
+  TORCH_CHECK_VALUE(r_bias->size(0) == 1 && r_bias->dim() == r.dim(),
+                    message("gapmon.linear_grad_sketch: a bias probe has one ",
+                            "row, as the weight's probe has its dims, got ", r_bias->sizes()));
   return {weight, gr.sum(0).reshape({p, 1}).matmul(r_bias->to(r.scalar_type()))};
 }
 
@@ -267,7 +274,8 @@ at::Tensor embedding_norm_sq_by_rows(const at::Tensor& ids, const at::Tensor& g,
   const int64_t b = g.size(0), t = g.size(1), d = g.size(2);
   const auto wide = g.options().dtype(sum_dtype(g));
   if (b * t == 0) return at::zeros({b}, wide);
-  TORCH_CHECK_VALUE(t < (int64_t(1) << 31), "gapmon.embedding_norm_sq: at most 2^31 - 1 positions per sample, got ", t);
+  TORCH_CHECK_VALUE(t < (int64_t(1) << 31),
+                    message("gapmon.embedding_norm_sq: at most 2^31 - 1 positions per sample, got ", t));
   const at::Tensor id = ids.to(at::kLong).contiguous();
   const at::Tensor rows = g.to(sum_dtype(g)).contiguous();
   at::Tensor out = at::empty({b}, g.options().dtype(at::kDouble));
@@ -282,8 +290,8 @@ at::Tensor embedding_norm_sq_by_rows(const at::Tensor& ids, const at::Tensor& g,
   });
   if (!ok) {
     const auto [lowest, highest] = at::aminmax(id);
-    TORCH_CHECK_VALUE(false, "gapmon.embedding_norm_sq: ids must lie in [0, 2^32), got ", lowest.item<int64_t>(), " .. ",
-                      highest.item<int64_t>());
+    TORCH_CHECK_VALUE(false, message("gapmon.embedding_norm_sq: ids must lie in [0, 2^32), got ",
+                                     lowest.item<int64_t>(), " .. ", highest.item<int64_t>()));
   }
   return out.to(wide);
 }
@@ -294,8 +302,8 @@ at::Tensor embedding_norm_sq_by_rows(const at::Tensor& ids, const at::Tensor& g,
 // a tile given by the Gram pairs, in whole Grams or tiles.
 at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t padding_idx, std::optional<int64_t> tile) {
   TORCH_CHECK_VALUE(ids.dim() == 2 && g.dim() == 3 && ids.size(0) == g.size(0) && ids.size(1) == g.size(1),
-                    "gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(), " and ",
-                    g.sizes());
+                    message("gapmon.embedding_norm_sq: expected [B, T] ids and [B, T, d] gradients, got ", ids.sizes(),
+                            " and ", g.sizes()));
   if (g.is_cpu() && ids.is_cpu() && !tile) return embedding_norm_sq_by_rows(ids, g, padding_idx);
   const bool padded = padding_idx >= 0;
   const at::Tensor valid = padded ? ids.ne(padding_idx) : at::Tensor();
@@ -316,8 +324,10 @@ at::Tensor embedding_norm_sq(const at::Tensor& ids, const at::Tensor& g, int64_t
 // (cpu::affine_norm_sums; x̂, its product and the sums are ~7 ATen ops apart, each a pass over [B, T, n]); elsewhere
 // (CUDA, meta) from ATen's own normalisation.
 std::tuple<at::Tensor, at::Tensor> affine_norm_sums(const at::Tensor& x, const at::Tensor& g, double eps, bool rms) {
-  TORCH_CHECK_VALUE(x.dim() == 3 && g.sizes() == x.sizes(), "gapmon.affine_norm_sums: expected x and g of one shape "
-                    "[B, T, n], got ", x.sizes(), " and ", g.sizes());
+  TORCH_CHECK_VALUE(x.dim() == 3 && g.sizes() == x.sizes(),
+                    message("gapmon.affine_norm_sums: expected x and g of one shape "
+                            "[B, T, n], got ",
+                            x.sizes(), " and ", g.sizes()));
   const at::ScalarType wide = at::promote_types(sum_dtype(x), sum_dtype(g));
   const int64_t b = x.size(0), t = x.size(1), n = x.size(2);
   if (!(x.is_cpu() && g.is_cpu())) {
