@@ -185,11 +185,18 @@ def dynamo_loaded() -> bool:
 
 def fsdp_param_groups(model: nn.Module) -> list:
     """The FSDP2 parameter groups (torch's private FSDPParamGroup) of every FSDPModule in `model`; empty
-    without FSDP2. FSDPModule exposes setters for their reduction and no getters (torch 2.11, 2.13)."""
+    without FSDP2. FSDPModule exposes setters for their reduction and no getters. A module's state holds a list of
+    groups (`_fsdp_param_groups`, torch 2.13) or at most one (`_fsdp_param_group`, earlier releases)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [group for module in model.modules() if isinstance(module, FSDPModule)
-            for group in module._get_fsdp_state()._fsdp_param_groups]
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            several = getattr(state, "_fsdp_param_groups", None)
+            one = getattr(state, "_fsdp_param_group", None)
+            groups += list(several) if several is not None else [one] if one is not None else []
+    return groups
 
 
 def fsdp_gradient_divide_factors(model: nn.Module) -> set:
@@ -237,7 +244,7 @@ class FSDPReduction:
 
     def predivide_factor(self, dtype: torch.dtype, device_type: str) -> float:
         """The factor FSDP2 divides the reduce-scatter input by before calling it (fp16/fp64 reductions split
-        the division around the sum against overflow; 1 otherwise)."""
+        the division around the sum against overflow; 1 otherwise), from FSDP2's own helper (torch 2.11, 2.13)."""
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
         pre = _get_gradient_divide_factors(None, None, dtype, device_type, self.divide_factor, self.force_sum)[0]

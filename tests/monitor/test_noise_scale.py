@@ -390,3 +390,29 @@ def test_sample_ids_are_checked_where_they_are_given():
         mon.begin_step(2)
         with pytest.raises(ValueError, match="got 1 sample ids for 2 samples"):
             mon.add_samples(2, sample_ids=[7])
+
+
+@pytest.mark.parametrize("layout", ["several", "one", "none"])
+def test_fsdp_param_groups_reads_a_list_of_groups_or_a_single_one(monkeypatch, layout):
+    """FSDP2's module state holds a list of parameter groups (torch 2.13) or at most one (earlier releases): the noise
+    scale's reduction hooks find them either way (torch 2.11, the GPU machines' torch, has the single one)."""
+    from types import SimpleNamespace
+
+    import torch.distributed.fsdp as fsdp
+
+    from gapmon._torch_compat import fsdp_param_groups
+
+    class Sharded(torch.nn.Module):
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+
+        def _get_fsdp_state(self):
+            return self.state
+
+    a, b = object(), object()
+    state = {"several": SimpleNamespace(_fsdp_param_groups=[a, b]), "one": SimpleNamespace(_fsdp_param_group=a),
+             "none": SimpleNamespace(_fsdp_param_group=None)}[layout]
+    monkeypatch.setattr(fsdp, "FSDPModule", Sharded)
+    model = torch.nn.Sequential(Sharded(state), torch.nn.Linear(2, 2))
+    assert fsdp_param_groups(model) == {"several": [a, b], "one": [a], "none": []}[layout]
