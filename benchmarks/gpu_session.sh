@@ -29,6 +29,9 @@
 #                                   30 s, quickstats 16 s; quicknumerics at 2^28 and nvcc's kernel_bench build ran
 #                                   past their limits (now 2^24 only, and a kernel_bench built here may travel in
 #                                   .gpu-build/, see the ncu phase).
+#                                   Measured on an H200 (2026-11-27): the start ~30 s, quick1 215 s in all (build 53 s,
+#                                   the carried kernel_bench ran there), then "quickpersample quickmonitor" on the warm
+#                                   machine (no reuse needed) 74 s.
 #   quick2  reuse quickmonitor quickpersample          limits 150 + 150 + 30 = 330 s plus the reuse (if >= 6 minutes
 #                                   are left): GAPMonitor's and the per-sample norms' step costs on GPT-2 small (T=128),
 #                                   the batch tracking's cost per op and the norms' host time per covered layer.
@@ -37,7 +40,7 @@
 #                                   each phase's host time beside its time with the GPU drained, then the profiler).
 #   quick3  reuse suspects quicksuite                 limits 120 + 420 s: the tests that failed on the first H100, alone
 #                                   with their tracebacks, then the whole suite on 8 workers (pytest-xdist; on the first
-#                                   H100 240 s reached 47% of it)
+#                                   H100 240 s reached 47% of it; on an H200, 12 workers, 370 s reached 56%)
 # Expected times: build ~30 s and the whole suite ~6 min were measured on an H100 by an earlier session;
 # the others are not measured yet (their limits are generous), so replace these figures once they are.
 # With 30 minutes (the budget sessions had before):
@@ -255,7 +258,8 @@ fi
 if want quicksuite; then
   section "whole test suite, 8 workers (quick)"
   # -v: each test's verdict is in suite.log as it ends, also when the limit cuts the run
-  run 420 $py -m pytest -v -n 8 -p no:cacheprovider tests >"$out/suite.log" 2>&1
+  # GAPMON_SUITE_LIMIT / GAPMON_SUITE_WORKERS: to fit what device time is left (16 cores there)
+  run ${GAPMON_SUITE_LIMIT:-420} $py -m pytest -v -n ${GAPMON_SUITE_WORKERS:-8} -p no:cacheprovider tests >"$out/suite.log" 2>&1
   tests_rc=$?
   grep -E "FAILED|ERROR" "$out/suite.log" | head -40 | tee -a "$log"
   tail -3 "$out/suite.log" | tee -a "$log"
