@@ -3,6 +3,7 @@ torch extensions built with load_inline, each function called in a process of it
 first refusal case (the loaded libstdc++). Run there from the repository root, with gapmon/_C*.so in place; its
 output of 2026-11-27 (H200) is probe.txt beside it."""
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -43,7 +44,8 @@ open("/tmp/probe/src.cpp", "w").write(SRC)
 open("/tmp/probe/child.py", "w").write(CHILD)
 def build(item):
     i, (label, flags) = item
-    d = f"/tmp/probe/b{i}"; os.makedirs(d, exist_ok=True)
+    d = f"/tmp/probe/b{i}"
+    os.makedirs(d, exist_ok=True)
     t = time.time()
     p = subprocess.run([sys.executable, "/tmp/probe/child.py", f"probe{i}", " ".join(flags), "build", "/tmp/probe/src.cpp", d],
                        capture_output=True, text=True, timeout=240)
@@ -58,13 +60,10 @@ for (label, rc, s, err), (i, flags) in zip(built, enumerate(VARIANTS.values())):
         p = subprocess.run([sys.executable, "/tmp/probe/child.py", f"probe{i}", " ".join(flags), fn, "/tmp/probe/src.cpp",
                             f"/tmp/probe/b{i}"], capture_output=True, text=True, timeout=120)
         print(f"   {fn}: exit {p.returncode} {p.stdout.strip()[:120]}")
-so = [f for f in os.listdir("gapmon") if f.startswith("_C") and f.endswith(".so")]
 print("gdb on gapmon's case:")
-import shutil
-
 if not shutil.which("cuda-gdb"):
     sys.exit(0)
 r = subprocess.run(["cuda-gdb", "-batch", "-ex", "run", "-ex", "bt 4", "-ex", "info sharedlibrary",
                     "--args", sys.executable, "tests/stats/native_error_cases.py", "cpu"], capture_output=True, text=True, timeout=120)
 lines = r.stdout.splitlines()
-print("\n".join(l for l in lines if l.startswith("#") or "stdc++" in l or "gcc_s" in l or "SIG" in l)[:4000])
+print("\n".join(line for line in lines if line.startswith("#") or "stdc++" in line or "gcc_s" in line or "SIG" in line)[:4000])
