@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import fused_attention
+from . import elementwise, fused_attention
 
 Status = "int | str | None"
 
@@ -381,7 +381,7 @@ class BatchTracker(TorchFunctionMode):
             args, kwargs = _positional_linear(args, kwargs)
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
-            view = _shared_view(name, args, t, st, out) if not plain and t is args[0] else None
+            view = _shared_view(name, args, kwargs, t, st, out) if not plain and t is args[0] else None
             if view is not None:
                 return view
         if not plain and 0 < len(shared) <= 2 and isinstance(out, torch.Tensor):
@@ -393,12 +393,9 @@ class BatchTracker(TorchFunctionMode):
             added = _shared_add(self, name, args, kwargs, t, st, plain, out)
             if added is not None:
                 return added
-            if (name in _MULS and hasattr(st.owner, "on_mul") and len(plain) == 1 and type(plain[0][1]) is int
-                    and len(args) == 2 and not kwargs and out.shape == plain[0][0].shape):
-                d = self.status_by_rules(name, args, kwargs, plain, out)
-                if type(d) is int:
-                    st.owner.on_mul(out, plain[0][0], d)
-                    return d
+            multiplied = _shared_mul(self, name, args, kwargs, t, st, plain, out)
+            if multiplied is not None:
+                return multiplied
             contracted = _shared_contraction(self, name, args, t, st, plain, out)
             if contracted is not None:
                 return contracted
@@ -692,6 +689,29 @@ def _shared_add(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, 
     return None
 
 
+def _shared_mul(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,
+                plain: list, out: torch.Tensor) -> Any:
+    """out = t * x, t Shared (a layer scale; Swin V2's temperature per head) and x batched, of out's shape, on a dim or
+    merged with the rows after it (Swin's windows): t's owner reads each sample's gradient g ⊙ x (on_mul), and out's
+    status is returned; None when this is no such product."""
+    if (name not in _MULS or not hasattr(st.owner, "on_mul") or len(plain) != 1 or len(args) != 2 or kwargs
+            or out.shape != plain[0][0].shape or (_in_place(name) and t is args[0])):
+        return None
+    if type(plain[0][1]) is int:
+        d = tracker.status_by_rules(name, args, kwargs, plain, out)
+        if type(d) is int:
+            st.owner.on_mul(out, plain[0][0], d)
+            return d
+    elif type(plain[0][1]) is Merged and hasattr(st.owner, "sliced"):
+        try:
+            merged = tracker.merged_status(name, args, kwargs, plain, out)
+        except Lost:
+            return None  # (reported as an escape by the caller, then lost again)
+        st.owner.on_mul(out, plain[0][0], merged.dim, merged.inner)
+        return merged
+    return None
+
+
 def _contraction_equation(name: str, args: Sequence, x: torch.Tensor, d: int, t: torch.Tensor,
                           merged: bool = False) -> str | None:
     """The einsum equation of each sample's gradient of t from (x, the output's gradient) where the op contracts x,
@@ -949,10 +969,12 @@ def _shared_attention_mask(tracker: BatchTracker, args: Sequence, kwargs: dict, 
     return status
 
 
-def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:
+def _shared_view(name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, out: torch.Tensor
+                 ) -> Shared | None:
     """out = name(t, ...) of a Shared t alone: a copy stays Shared, as a free parameter's (free_parameters) cast (noting
-    the rounding its gradient gets), order-keeping reshape, slice (basic indexing) or expansion does (a repeat that
-    copies size-1 dims only is an expansion, for the gradient); None for any other op."""
+    the rounding its gradient gets), order-keeping reshape, slice (basic indexing), expansion (a repeat that copies
+    size-1 dims only is an expansion, for the gradient) or elementwise function with a slope (exp, clamp, sigmoid:
+    gapmon.per_sample.elementwise) does; None for any other op."""
     owner, piece = st.owner, None
     if name in _COPIES:
         return Shared(owner.copied(out)) if hasattr(owner, "copied") else st
@@ -964,6 +986,9 @@ def _shared_view(name: str, args: Sequence, t: torch.Tensor, st: Shared, out: to
         piece = owner.rearranged(t, out, lambda positions: _REARRANGES[name](positions, *args[1:]))
     elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "scaled"):
         piece = owner.scaled(out, 1.0)
+    elif hasattr(owner, "mapped") and not _in_place(name):
+        slope = elementwise.slope(name, args, kwargs, t, out)
+        piece = None if slope is None else owner.mapped(t, out, slope)
     return None if piece is None else Shared(piece)
 
 

@@ -254,7 +254,15 @@ class Piece:
         holed.narrow(cat_dim, start, t.shape[cat_dim]).copy_(every)
         return self._like(tuple(out.shape), holed, holes=True)
 
-    def _add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+    def mapped(self, t: torch.Tensor, out: torch.Tensor, slope: torch.Tensor) -> "Piece | None":
+        """out = f(t), f elementwise with slope f'(t) (gapmon.per_sample.elementwise), t this piece, not broadcast: out
+        is followed as a parameter of its own whose per-sample gradients reach this piece times the slope. None: a
+        broadcast piece."""
+        if tuple(t.shape) != self.base:
+            return None
+        return Piece(MappedUses(self, out, slope), tuple(out.shape))
+
+    def add_per_sample(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
         from a gradient of dtype `rounding`)."""
         if self.factor != 1.0:
@@ -280,19 +288,25 @@ class Piece:
 
         def hook(g: torch.Tensor) -> None:
             g = g if inner == 1 else g.unflatten(dim, (batch, inner))
-            self._add(_per_sample(g, dim, broadcast, batch, sign), g.dtype)
+            self.add_per_sample(_per_sample(g, dim, broadcast, batch, sign), g.dtype)
 
         total.register_hook(hook)
 
-    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
-        """This piece times `other`, batched on `dim` and of out's shape (a layer scale: x * gamma): each sample's
-        gradient is g ⊙ other, summed over the dims the piece was broadcast along."""
-        broadcast = self._broadcast(out.shape, dim)
+    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int, inner: int = 1) -> None:
+        """This piece times `other`, batched on `dim` (merged with `inner` rows of each sample there, inner > 1: Swin V2's
+        scores over windows) and of out's shape (a layer scale: x * gamma): each sample's gradient is g ⊙ other, summed
+        over the dims the piece was broadcast along."""
+        broadcast = self._broadcast(out.shape, dim, inner)
         if broadcast is None:
             self.on_escape("a product that does not broadcast it over the batch")
             return
-        self._on_product(out, other, lambda g, o: _per_sample(g.to(torch.promote_types(g.dtype, torch.float32)) * o,
-                                                              dim, broadcast, self.uses.batch, 1))
+        batch = self.uses.batch
+
+        def per_sample(g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+            product = g.to(torch.promote_types(g.dtype, torch.float32)) * o
+            return _per_sample(product if inner == 1 else product.unflatten(dim, (batch, inner)), dim, broadcast, batch, 1)
+
+        self._on_product(out, other, per_sample)
 
     def on_normalised(self, out: torch.Tensor, x: torch.Tensor, dim: int,
                       normalise: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -348,7 +362,8 @@ class Piece:
                 self.on_escape("a product with a tensor changed in place afterwards")
                 return
             rounding = torch.promote_types(g.dtype, other.dtype)
-            self._add(per_sample(g, other), _coarser(rounding, out_dtype) if out_dtype.is_floating_point else rounding)
+            self.add_per_sample(per_sample(g, other),
+                                _coarser(rounding, out_dtype) if out_dtype.is_floating_point else rounding)
 
         out.register_hook(hook)
 
@@ -362,8 +377,24 @@ class Piece:
         if not out.requires_grad:  # (as on_add)
             return
         length = t.shape[cat_dim]
-        out.register_hook(lambda g: self._add(
+        out.register_hook(lambda g: self.add_per_sample(
             _per_sample(g.narrow(cat_dim, start, length), dim, broadcast, self.uses.batch, 1), g.dtype))
+
+
+class MappedUses:
+    """The uses of y = f(x), f an elementwise function of a piece x of a free parameter (Swin V2's
+    `clamp(logit_scale, max).exp()`): y is followed as a parameter of its own (its pieces' `uses`), each of its
+    per-sample gradients reaching x times f'(x) (the chain rule, element by element: exact)."""
+
+    def __init__(self, piece: Piece, out: torch.Tensor, slope: torch.Tensor):
+        self.piece, self.param, self.batch = piece, out, piece.uses.batch
+        self.slope = slope.reshape(1, -1)
+
+    def on_escape(self, what: str) -> None:
+        self.piece.on_escape(what)
+
+    def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+        self.piece.add_per_sample(g * self.slope, _coarser(rounding, self.slope.dtype))
 
 
 class PieceSum:
@@ -409,9 +440,9 @@ class PieceSum:
     def viewed(self, shape: tuple[int, ...]) -> "PieceSum | None":
         return self._each(lambda p: p.viewed(shape))
 
-    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
+    def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int, inner: int = 1) -> None:
         for p in self.pieces:
-            p.on_mul(out, other, dim)
+            p.on_mul(out, other, dim, inner)
 
     def on_normalised(self, out: torch.Tensor, x: torch.Tensor, dim: int,
                       normalise: Callable[[torch.Tensor], torch.Tensor]) -> None:

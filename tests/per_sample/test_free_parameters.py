@@ -29,7 +29,7 @@ class TinyViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, 8) * 0.1) if cls_token else None
         n = 4 + (1 if cls_token else 0)
         shape = {"add": (1, n, 8), "add_2d": (n, 8), "flat": (n * 8,), "sub": (1, n, 8), "in_place": (1, n, 8),
-                 "scaled": (1, n, 8), "exp": (1, n, 8)}[use]
+                 "scaled": (1, n, 8), "cumsum": (1, n, 8)}[use]
         self.pos_embed = nn.Parameter(torch.randn(*shape) * 0.1)
         self.use = use
         self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
@@ -50,8 +50,8 @@ class TinyViT(nn.Module):
             x += self.pos_embed
         elif self.use == "scaled":  # by numbers, and subtracted from a constant: still followed
             x = x + (1.0 - self.pos_embed / 4) * 2
-        else:  # exp: a use that is not an add, a product or a concatenation
-            x = x + self.pos_embed.exp()
+        else:  # cumsum: a use that is not an add, a product, a concatenation or an elementwise function
+            x = x + self.pos_embed.cumsum(1)
         return self.head(self.encoder(x)[:, 0])
 
 
@@ -87,18 +87,18 @@ def test_micro_batches_accumulate_each_their_own_samples():
 
 
 def test_a_use_the_tracking_cannot_follow_leaves_the_parameter_out_by_name():
-    """pos_embed.exp(): not an add, a product or a concatenation of the parameter itself. It is left out (warned,
-    and refused under strict=True), and the rest, the class token among it, is exact."""
+    """pos_embed.cumsum(1): not an add, a product, a concatenation or an elementwise function of the parameter itself.
+    It is left out (warned, and refused under strict=True), and the rest, the class token among it, is exact."""
     torch.manual_seed(2)
-    model = TinyViT(use="exp").double()
+    model = TinyViT(use="cumsum").double()
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in exp"):
+    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in cumsum"):
         got, cov = _norms(model, x, y)
     assert "pos_embed" in cov["uncovered"] and "cls_token" in cov["covered"]
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="'pos_embed' is not per-sample"):
-        _norms(TinyViT(use="exp").double(), x, y, strict=True)
+        _norms(TinyViT(use="cumsum").double(), x, y, strict=True)
 
 
 def test_a_use_outside_the_forward_pass_is_left_out_by_name():

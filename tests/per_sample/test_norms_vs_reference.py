@@ -208,34 +208,34 @@ def test_coverage_follows_requires_grad_at_each_step(bookkeeping):
 
 
 class _Scale(nn.Module):
-    """A leaf layer without a rule: its parameter multiplies the batch (followed: free_parameters), or its exponential
+    """A leaf layer without a rule: its parameter multiplies the batch (followed: free_parameters), or its cumulative sum
     does (left out, named)."""
 
-    def __init__(self, exp: bool):
+    def __init__(self, cumsum: bool):
         super().__init__()
-        self.s, self.exp = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False), exp
+        self.s, self.cumsum = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False), cumsum
 
     def forward(self, x):
-        return x * (self.s.exp() if self.exp else self.s)
+        return x * (self.s.cumsum(0) if self.cumsum else self.s)
 
 
-@pytest.mark.parametrize("exp", [False, True], ids=["multiplied", "exp"])
-def test_unfreezing_a_parameter_no_rule_covers_is_followed_or_warned_at_the_next_step(exp):
+@pytest.mark.parametrize("cumsum", [False, True], ids=["multiplied", "cumsum"])
+def test_unfreezing_a_parameter_no_rule_covers_is_followed_or_warned_at_the_next_step(cumsum):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 3), _Scale(exp)).double()
+    model = nn.Sequential(nn.Linear(5, 3), _Scale(cumsum)).double()
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     psn = gapmon.PerSampleGradNorms(model)
     model[1].s.requires_grad_(True)
     _loss(model(x), y).backward()
-    if exp:
-        with pytest.warns(RuntimeWarning, match=r"layer '1.s' is not per-sample \(the model uses this parameter in exp"):
+    if cumsum:
+        with pytest.warns(RuntimeWarning, match=r"layer '1.s' is not per-sample \(the model uses this parameter in cumsum"):
             got = psn.local_norms()
     else:
         with _no_warning():
             got = psn.local_norms()
     cov = psn.coverage()
-    assert set(cov["uncovered"]) == ({"1.s"} if exp else set())
-    assert set(cov["covered"]) == {"0.weight", "0.bias"} | (set() if exp else {"1.s"})
+    assert set(cov["uncovered"]) == ({"1.s"} if cumsum else set())
+    assert set(cov["covered"]) == {"0.weight", "0.bias"} | (set() if cumsum else {"1.s"})
     _assert_exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))
     psn.close()
 

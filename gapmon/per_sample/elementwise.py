@@ -1,0 +1,85 @@
+"""Slopes of elementwise functions, for a model's own parameter passed through one before its use (Swin V2's
+`torch.clamp(self.logit_scale, max=math.log(100)).exp()`, a learned temperature's `exp()`, a gate's `sigmoid()`).
+
+y = f(x) element by element: each sample's gradient of x is its gradient of y times f'(x) (the chain rule, exact),
+with f'(x) formed once in the forward pass from x and y, as autograd's own backward formula forms it. Only functions
+whose arguments beside x are numbers; anything else has no slope here and stays a use the batch tracking reports."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def _clamp_slope(x: torch.Tensor, low: Any, high: Any) -> torch.Tensor | None:
+    """1 where low <= x <= high (bounds included, as torch's clamp backward), 0 elsewhere; None: a bound that is not a
+    number."""
+    if not all(b is None or type(b) in (int, float) for b in (low, high)):
+        return None
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if low is not None:
+        keep &= x >= low
+    if high is not None:
+        keep &= x <= high
+    return keep.to(x.dtype)
+
+
+def _power_slope(x: torch.Tensor, exponent: Any = None) -> torch.Tensor | None:
+    if type(exponent) not in (int, float):
+        return None
+    return torch.zeros_like(x) if exponent == 0 else exponent * x.pow(exponent - 1)
+
+
+def _softplus_slope(x: torch.Tensor, beta: Any = 1.0, threshold: Any = 20.0) -> torch.Tensor | None:
+    """sigmoid(beta x), or 1 where beta x > threshold (softplus is x there)."""
+    if type(beta) not in (int, float) or type(threshold) not in (int, float):
+        return None
+    return torch.where(x * beta > threshold, torch.ones_like(x), torch.sigmoid(x * beta))
+
+
+# f'(x) from x and y = f(x), for the functions of one tensor
+_OF_ONE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "exp": lambda x, y: y,
+    "expm1": lambda x, y: y + 1,
+    "log": lambda x, y: x.reciprocal(),
+    "log1p": lambda x, y: (x + 1).reciprocal(),
+    "sigmoid": lambda x, y: y * (1 - y),
+    "tanh": lambda x, y: 1 - y * y,
+    "sqrt": lambda x, y: 0.5 / y,
+    "rsqrt": lambda x, y: -0.5 * y * y * y,
+    "square": lambda x, y: 2 * x,
+    "reciprocal": lambda x, y: -y * y,
+    "relu": lambda x, y: (x > 0).to(x.dtype),
+    "abs": lambda x, y: x.sign(),
+}
+
+# f'(x) from x and f's other arguments (numbers, positional in this order or by these names)
+_WITH_NUMBERS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor | None]]] = {
+    "clamp": (("min", "max"), lambda x, min=None, max=None: _clamp_slope(x, min, max)),
+    "clip": (("min", "max"), lambda x, min=None, max=None: _clamp_slope(x, min, max)),
+    "clamp_min": (("min",), lambda x, min: _clamp_slope(x, min, None)),
+    "clamp_max": (("max",), lambda x, max: _clamp_slope(x, None, max)),
+    "pow": (("exponent",), _power_slope),
+    "__pow__": (("exponent",), _power_slope),
+    "softplus": (("beta", "threshold"), _softplus_slope),
+}
+
+
+def slope(name: str, args: Sequence, kwargs: dict, x: torch.Tensor, y: Any) -> torch.Tensor | None:
+    """f'(x) for y = name(x, *args[1:], **kwargs), an elementwise function of x (args[0]) of y's shape, detached; None
+    where `name` is no function listed here or its other arguments are not numbers."""
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not x.is_floating_point() or not args or args[0] is not x:
+        return None
+    x, y = x.detach(), y.detach()
+    if name in _OF_ONE:
+        return _OF_ONE[name](x, y) if len(args) == 1 and not kwargs else None
+    if name not in _WITH_NUMBERS:
+        return None
+    names, fn = _WITH_NUMBERS[name]
+    extra = args[1:]
+    if len(extra) > len(names) or set(kwargs) - set(names[len(extra):]):
+        return None
+    try:
+        return fn(x, **dict(zip(names, extra)), **kwargs)
+    except TypeError:  # a required number missing
+        return None

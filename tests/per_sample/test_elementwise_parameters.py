@@ -1,0 +1,107 @@
+"""A model's own parameter passed through an elementwise function before its use (gapmon.per_sample.elementwise):
+Swin V2's learned attention temperature `clamp(logit_scale, max=log 100).exp()`, a gate's `sigmoid()`, a softplus'd
+scale, a power. Each sample's gradient of the parameter is its gradient of the function's output times the slope:
+exact against a float64 loop, with and without book-keeping; a function without a slope here stays left out by name."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import loop_per_sample_norms, norms_and_coverage
+
+from gapmon.per_sample import elementwise
+
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+
+
+def _loss(out, t):
+    return ((out - t) ** 2).flatten(1).sum(1).sum()
+
+
+class CosineAttention(nn.Module):
+    """Swin V2's scaled cosine attention over each sample's tokens: its temperature a parameter per head, clamped and
+    exponentiated before it scales the cosine similarities; `gate`: how a second parameter scales the output."""
+
+    def __init__(self, d=8, heads=2, gate="sigmoid"):
+        super().__init__()
+        self.heads, self.gate = heads, gate
+        self.qkv = nn.Linear(d, 3 * d)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)) + 0.3 * torch.randn(heads, 1, 1))
+        self.gamma = nn.Parameter(torch.randn(d) * 0.5)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        y = self.proj((attn.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+        scale = {"sigmoid": lambda g: g.sigmoid(), "softplus": F.softplus, "tanh": torch.tanh,
+                 "square": lambda g: g ** 2, "abs": torch.abs, "clamp_min": lambda g: g.clamp_min(-0.2),
+                 "expm1": torch.expm1, "cumsum": lambda g: g.cumsum(0)}[self.gate](self.gamma)
+        return self.head((x + y * scale).mean(1))
+
+
+def _data(seed):
+    torch.manual_seed(seed)
+    return torch.randn(4, 5, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("gate", ["sigmoid", "softplus", "tanh", "square", "abs", "clamp_min", "expm1"])
+def test_parameters_through_elementwise_functions_are_exact(gate, bookkeeping):
+    x, y = _data(0)
+    model = CosineAttention(gate=gate).double()
+    got, cov = norms_and_coverage(model, _loss, x, y, strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_clamp_that_cuts_keeps_no_gradient_where_it_cuts():
+    """Heads whose temperature the clamp cuts get no gradient through it (the loop's reference says the same)."""
+    x, y = _data(1)
+    model = CosineAttention().double()
+    with torch.no_grad():
+        model.logit_scale[0] = math.log(100.0) + 1.0  # clamped: no gradient for this head
+    got, cov = norms_and_coverage(model, _loss, x, y, strict=True)
+    assert "logit_scale" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_function_without_a_slope_leaves_the_parameter_out_by_name():
+    x, y = _data(2)
+    model = CosineAttention(gate="cumsum").double()
+    with pytest.warns(RuntimeWarning, match=r"'gamma' is not per-sample \(the model uses this parameter in cumsum"):
+        got, cov = norms_and_coverage(model, _loss, x, y)
+    assert "gamma" in cov["uncovered"] and "logit_scale" in cov["covered"]
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, args, kwargs", [
+    ("exp", (), {}), ("expm1", (), {}), ("log", (), {}), ("log1p", (), {}), ("sigmoid", (), {}), ("tanh", (), {}),
+    ("sqrt", (), {}), ("rsqrt", (), {}), ("square", (), {}), ("reciprocal", (), {}), ("relu", (), {}),
+    ("abs", (), {}), ("clamp", (0.2, 1.1), {}), ("clamp", (), {"max": 0.9}), ("clip", (None, 0.7), {}),
+    ("clamp_min", (0.5,), {}), ("clamp_max", (0.5,), {}), ("pow", (3,), {}), ("pow", (0,), {}),
+    ("__pow__", (-0.5,), {}), ("softplus", (), {"beta": 2.0}), ("softplus", (0.5, 0.3), {})])
+def test_slopes_equal_autograds(name, args, kwargs):
+    """Each slope against autograd's own derivative, on values that cross every bound and threshold (float64)."""
+    torch.manual_seed(3)
+    x = torch.cat([torch.rand(40, dtype=torch.float64) * 2 + 0.05, torch.tensor([0.2, 0.5, 0.7, 0.9, 1.1],
+                                                                                dtype=torch.float64)])
+    fn = getattr(F, name) if name == "softplus" else getattr(torch.Tensor, name)
+    leaf = x.clone().requires_grad_()
+    out = fn(leaf, *args, **kwargs)
+    (want,) = torch.autograd.grad(out.sum(), leaf)
+    torch.testing.assert_close(elementwise.slope(name, (x, *args), kwargs, x, fn(x, *args, **kwargs)), want,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_functions_with_a_tensor_argument_have_no_slope():
+    x = torch.rand(5, dtype=torch.float64)
+    assert elementwise.slope("clamp", (x, x * 0.5), {}, x, x.clamp(x * 0.5)) is None
+    assert elementwise.slope("pow", (x, x), {}, x, x.pow(x)) is None
+    assert elementwise.slope("cumsum", (x, 0), {}, x, x.cumsum(0)) is None
+    assert elementwise.slope("exp", (x,), {}, x, x.exp().sum()) is None  # not of x's shape
