@@ -36,7 +36,7 @@ class _Count(TorchFunctionMode):
 
 def measure(device: str, rounds: int) -> dict:
     from gapmon.apps.examples import GPTConfig, TinyGPT, synthetic_batch
-    from gapmon.per_sample.batch_provenance import BatchTracker
+    from gapmon.per_sample.batch_provenance import batch_tracker
 
     torch.manual_seed(0)
     # GPT-2 small's structure (12 blocks, its ops), tiny widths: the ops cost little, the mode's Python shows.
@@ -52,7 +52,7 @@ def measure(device: str, rounds: int) -> dict:
         model(x)
 
     def tracked():
-        tracker = BatchTracker(x.shape[0])
+        tracker = batch_tracker(x.shape[0])
         tracker.mark(x, 0)
         with tracker:
             model(x)

@@ -42,7 +42,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..config import PerSampleConfig
 from ..utils import ParameterWatch, name_cleaner
-from .batch_provenance import BatchTracker
+from .batch_provenance import batch_tracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
 from .free_parameters import FREE_UNSEEN, FreeParameterNorms
 from .functional_layers import FunctionalLinearUses
@@ -188,7 +188,7 @@ class PerSampleGradNorms(GradientProducts):
             self._derive_params()
         self._checker.hook_covered(self._coverage.layers, trainable_state(self._params))
         batch = batched[0].shape[self.batch_dim]
-        tracker = BatchTracker(batch)
+        tracker = batch_tracker(batch)
         for t in batched:
             if t.dim() <= self.batch_dim or t.shape[self.batch_dim] != batch:
                 raise ValueError(f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim "
