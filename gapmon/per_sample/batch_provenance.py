@@ -675,17 +675,26 @@ def _shared_add(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, 
             or (_in_place(name) and t is args[0])):
         return None
     sign = -1 if sign < 0 and t is args[1] else 1
+    return _with_batched(tracker, name, args, kwargs, plain, out, st.owner,
+                         lambda dim, *inner: st.owner.on_add(out, t, dim, sign, *inner))
+
+
+def _with_batched(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, plain: list, out: torch.Tensor,
+                  owner: Any, hand: Callable[..., None]) -> Any:
+    """out's status where a Shared operand (of `owner`) meets one batched tensor, on a dim or, for a free parameter's
+    piece, merged with the rows after it; hand(dim) or hand(dim, inner) gives the owner the op. None where out keeps
+    neither."""
     if type(plain[0][1]) is int:
         d = tracker.status_by_rules(name, args, kwargs, plain, out)
         if type(d) is int:
-            st.owner.on_add(out, t, d, sign)
+            hand(d)
             return d
-    elif type(plain[0][1]) is Merged and hasattr(st.owner, "sliced"):
+    elif type(plain[0][1]) is Merged and hasattr(owner, "sliced"):
         try:
             merged = tracker.merged_status(name, args, kwargs, plain, out)
         except Lost:
             return None  # (reported as an escape by the caller, then lost again)
-        st.owner.on_add(out, t, merged.dim, sign, merged.inner)
+        hand(merged.dim, merged.inner)
         return merged
     return None
 
@@ -723,19 +732,8 @@ def _shared_mul(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, 
     if (name not in _MULS or not hasattr(st.owner, "on_mul") or len(plain) != 1 or len(args) != 2 or kwargs
             or out.shape != plain[0][0].shape or (_in_place(name) and t is args[0])):
         return None
-    if type(plain[0][1]) is int:
-        d = tracker.status_by_rules(name, args, kwargs, plain, out)
-        if type(d) is int:
-            st.owner.on_mul(out, plain[0][0], d)
-            return d
-    elif type(plain[0][1]) is Merged and hasattr(st.owner, "sliced"):
-        try:
-            merged = tracker.merged_status(name, args, kwargs, plain, out)
-        except Lost:
-            return None  # (reported as an escape by the caller, then lost again)
-        st.owner.on_mul(out, plain[0][0], merged.dim, merged.inner)
-        return merged
-    return None
+    return _with_batched(tracker, name, args, kwargs, plain, out, st.owner,
+                         lambda dim, *inner: st.owner.on_mul(out, plain[0][0], dim, *inner))
 
 
 def _contraction_equation(name: str, args: Sequence, x: torch.Tensor, d: int, t: torch.Tensor,
