@@ -75,6 +75,11 @@ def has_kernel_for(op: str, dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (None: not a view)."""
+    return t._base
+
+
 def version_counter(t: torch.Tensor) -> int:
     """The tensor's in-place version counter (-1 for inference tensors, which have none)."""
     return -1 if t.is_inference() else t._version

@@ -150,6 +150,7 @@ class Shared(NamedTuple):
     owner: Any
 
 
+_CATS = ("cat", "concat", "concatenate")  # torch.cat and its aliases
 _COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda"}
 # Ops that only move a tensor's elements (a free parameter's positions follow them: free_parameters.Piece.rearranged)
 _REARRANGES: dict[str, Callable] = {
@@ -403,7 +404,7 @@ class BatchTracker(TorchFunctionMode):
         found = _shared_in_op(self, name, args, kwargs, shared, plain, out)
         if found is not None:
             return found
-        if name in ("cat", "concat", "concatenate") and plain and isinstance(out, torch.Tensor) and all(
+        if name in _CATS and plain and isinstance(out, torch.Tensor) and all(
                 hasattr(st.owner, "on_cat") for _, st in shared):
             try:
                 d = self.status_by_rules(name, args, kwargs, plain, out)
@@ -447,7 +448,7 @@ class BatchTracker(TorchFunctionMode):
             return _as_strided(self, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
             return _merged_parts(self, name, args, kwargs, inputs, out, next(iter(merges)))
-        if len(merges) == 1 and name in ("cat", "concat", "concatenate", "stack"):
+        if len(merges) == 1 and (name in _CATS or name == "stack"):
             return _merged_joined(self, name, args, kwargs, inputs, out, next(iter(merges)))
         if len(merges) != 1 or not isinstance(out, torch.Tensor):
             raise Lost(f"{name} of inputs whose batch is merged differently (or with a plain batch dim)")
@@ -830,7 +831,7 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
     None when the op is none of these."""
     if not isinstance(out, torch.Tensor):
         return None
-    if name in ("cat", "concat", "concatenate") and not plain:
+    if name in _CATS and not plain:
         return _shared_placed(tracker, args, kwargs, out)
     if name == "where" and len(shared) == 1:
         return _shared_where(tracker, args, kwargs, *shared[0], plain, out)
@@ -842,7 +843,34 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_addcmul(tracker, args, kwargs, shared, plain, out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
+    if (name == "zero_" or name == "fill_" and len(args) == 2 and type(args[1]) in (int, float)) and not plain \
+            and not kwargs and out is args[0]:
+        return _shared_cleared(tracker, *shared[0])
     return None
+
+
+def _shared_cleared(tracker: BatchTracker, t: torch.Tensor, st: Shared) -> Shared | None:
+    """t.zero_() or t.fill_(number) of a Shared view t of a Shared tensor (torchvision's Swin V2 zeroes the middle third
+    of a clone of its qkv bias before F.linear): t's elements, and the base's in their places, become constants (holes:
+    no gradient goes back from them). None: t is no such view."""
+    base = _torch_compat.view_base(t)
+    if base is None or base.grad_fn is None or not torch.is_grad_enabled():  # a leaf, or not recorded: not constants
+        return None
+    held = tracker.status(base)
+    if type(held) is not Shared or not hasattr(held.owner, "masked") or not hasattr(st.owner, "masked"):
+        return None
+    kept = held.owner.masked(base, base, torch.isin(_storage_places(base), _storage_places(t), invert=True))
+    cleared = st.owner.masked(t, t, torch.zeros(t.shape, dtype=torch.bool, device=t.device))
+    if kept is None or cleared is None:
+        return None
+    tracker.mark(base, Shared(kept))
+    return Shared(cleared)
+
+
+def _storage_places(t: torch.Tensor) -> torch.Tensor:
+    """The index of each of t's elements in its storage (views of one storage share them)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.arange(n, device=t.device).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 # The functional normalisations with an affine weight and bias: name -> (the bias's position, or None, and the eps's).
@@ -1277,7 +1305,7 @@ def _samples_rejoined(tracker, name: str, args: Sequence, kwargs: dict, inputs: 
     """The batch made again from what had lost it as a dim of its own: every sample's tensor of one unbind
     concatenated or stacked in order (_samples_joined), or source rows merged with the batch scattered into it
     (_masked_scatter). None when the op is neither."""
-    if lost and name in ("cat", "concat", "concatenate", "stack"):
+    if lost and (name in _CATS or name == "stack"):
         return _samples_joined(tracker, name, args, kwargs, inputs)
     if not lost and name in ("masked_scatter", "masked_scatter_"):
         return _masked_scatter(tracker, args, kwargs, inputs, out)

@@ -51,12 +51,33 @@ class SplitBiasAttention(nn.Module):
         return self.head(out)
 
 
+class ClearedBiasAttention(WindowAttention):
+    """torchvision's Swin V2: the key's third of the projection's bias zeroed in place in a clone before F.linear
+    (`qkv_bias = qkv_bias.clone(); qkv_bias[length:2 * length].zero_()`); `fill`: a number written there instead."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, x):
+        b = x.shape[0]
+        bias = self.qkv.bias.clone()
+        part = bias[4:8]
+        part.zero_() if self.fill is None else part.fill_(self.fill)
+        windows = x.reshape(b * 2, 3, 4)
+        q, k, v = F.linear(windows, self.qkv.weight, bias).reshape(b * 2, 3, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b * 2, 3, 4)
+        out = F.linear(out, self.proj.weight, self.proj.bias).reshape(b, 6, 4)
+        return self.head(torch.tanh(out))
+
+
 def _norms(model, x, y, **kwargs):
     return norms_and_coverage(model, _loss, x, y, **kwargs)
 
 
 @BOOKKEEPING
-@pytest.mark.parametrize("make", [WindowAttention, SplitBiasAttention], ids=["swin", "beit"])
+@pytest.mark.parametrize("make", [WindowAttention, SplitBiasAttention, ClearedBiasAttention,
+                                  lambda: ClearedBiasAttention(0.25)], ids=["swin", "beit", "swin-v2", "filled"])
 def test_a_linear_used_only_through_its_parameters_is_exact(make, bookkeeping):
     torch.manual_seed(0)
     model = make().double()
