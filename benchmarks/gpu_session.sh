@@ -17,8 +17,8 @@
 #     -I csrc benchmarks/cuda/kernel_bench.cu csrc/cuda/{stats,numerics,block}_cuda.cu -o .gpu-build/gapmon_kernel_bench
 # A machine stays warm 30 s after a call: the next call made at once skips the start, and the extension built in
 # gapmon/ is still there (run its phases without "reuse"). Give it back (give_back) when no call follows at once.
-#   quick1  build tests suspects quicknumerics quickstats ncu   limits 120 + 90 + 90 + 75 + 45 + 120 = 540 s (and
-#                                   120 s more where kernel_bench must be built there): the extension
+#   quick1  build tests suspects quicknumerics quickstats ncu   limits 120 + 90 + 60 + 75 + 45 + 90 = 480 s (and
+#                                   90 s more where kernel_bench must be built there; ncu took 37 s on the H200): the extension
 #                                   (ptxas registers in the log; no separate register check), the CUDA tests (every
 #                                   kernel's first run on hardware: the fused one-read passes of #36 included), the
 #                                   numerics and per-block formats against the statistics pass at 2^24 and 2^28, the
@@ -171,7 +171,7 @@ if want suspects; then
   # On 8-12 workers their tracebacks were lost when the limit cut the run; here they come first and alone: the C++
   # refusals (SIGSEGV there until their messages were built as one string), the noise scale under FSDP2/HSDP (torch
   # 2.11's single parameter group) and per-sample norms under torch.compile (2.11's Dynamo traced the tracking).
-  run $([ "$quick" = 1 ] && echo 90 || echo 120) $py -m pytest -q -p no:cacheprovider --tb=short \
+  run $([ "$quick" = 1 ] && echo 60 || echo 120) $py -m pytest -q -p no:cacheprovider --tb=short \
     tests/stats/test_native_errors.py tests/monitor/test_noise_scale.py tests/per_sample/test_per_sample.py \
     -k "fsdp2 or hsdp or native or refusals or compile or untraced or one_string" 2>&1 | tail -60 | tee -a "$log"
   tests_rc=$(( tests_rc || PIPESTATUS[0] ))
@@ -219,11 +219,11 @@ if want ncu; then
     bench_bin=.gpu-build/gapmon_kernel_bench
     echo "kernel_bench: the one in .gpu-build" | tee -a "$log"
   else
-    run $([ "$quick" = 1 ] && echo 120 || echo 90) "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo \
+    run 90 "$nvcc_bin" -O3 -std=c++20 --expt-relaxed-constexpr -arch="$sm" -lineinfo \
       -I csrc benchmarks/cuda/kernel_bench.cu csrc/cuda/stats_cuda.cu csrc/cuda/numerics_cuda.cu csrc/cuda/block_cuda.cu \
       -o "$bench_bin"
   fi &&
-    run $([ "$quick" = 1 ] && echo 120 || echo 180) ncu --clock-control none $sections \
+    run $([ "$quick" = 1 ] && echo 90 || echo 180) ncu --clock-control none $sections \
       --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
       --kernel-name regex:"$kernels" "$bench_bin" --once > "$out/ncu.txt" 2>&1
   tail -80 "$out/ncu.txt" | tee -a "$log"

@@ -827,8 +827,9 @@ def _shared_placed(tracker: BatchTracker, args: Sequence, kwargs: dict, out: tor
 def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
                   out: Any) -> Any:
     """The ops that take Shared tensors where no add, product or contraction shows them: `torch.where` (a mask keeping
-    some of their elements), fused attention (one as its mask), F.linear with a weight and a bias. out's status, or
-    None when the op is none of these."""
+    some of their elements), fused attention (one as its mask), F.linear with a weight and a bias, the maximum or
+    minimum of one and a batched tensor (RWKV's decay: each sample's gradient is g times where it won), an in-place
+    zero_ or fill_ of a view of one. out's status, or None when the op is none of these."""
     if not isinstance(out, torch.Tensor):
         return None
     if name in _CATS and not plain:
@@ -843,6 +844,12 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_addcmul(tracker, args, kwargs, shared, plain, out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
+    if name in ("maximum", "minimum") and len(shared) == 1 and len(plain) == 1 and len(args) == 2 and not kwargs \
+            and out.shape == plain[0][0].shape and hasattr(shared[0][1].owner, "on_mul"):
+        (t, st), other = shared[0], plain[0][0]
+        slope = elementwise.extremum_slope(name, t, other)
+        return _with_batched(tracker, name, args, kwargs, plain, out, st.owner,
+                             lambda dim, *inner: st.owner.on_mul(out, slope, dim, *inner))
     if (name == "zero_" or name == "fill_" and len(args) == 2 and type(args[1]) in (int, float)) and not plain \
             and not kwargs and out is args[0]:
         return _shared_cleared(tracker, *shared[0])

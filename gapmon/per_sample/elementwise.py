@@ -83,3 +83,14 @@ def slope(name: str, args: Sequence, kwargs: dict, x: torch.Tensor, y: Any) -> t
         return fn(x, **dict(zip(names, extra)), **kwargs)
     except TypeError:  # a required number missing
         return None
+
+
+def extremum_slope(name: str, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+    """d maximum(x, other) / dx (or minimum's), of the broadcast shape, as torch's backward forms it: 1 where x is kept,
+    0 where `other` is, 1/2 on a tie (1 where either is NaN). None for any other op."""
+    if name not in ("maximum", "minimum"):
+        return None
+    x, other = x.detach(), other.detach()
+    loses = x < other if name == "maximum" else x > other
+    half = torch.full((), 0.5, dtype=torch.promote_types(x.dtype, other.dtype), device=x.device)
+    return torch.where(x == other, half, torch.ones_like(half)).masked_fill(loses, 0)

@@ -105,3 +105,43 @@ def test_functions_with_a_tensor_argument_have_no_slope():
     assert elementwise.slope("pow", (x, x), {}, x, x.pow(x)) is None
     assert elementwise.slope("cumsum", (x, 0), {}, x, x.cumsum(0)) is None
     assert elementwise.slope("exp", (x,), {}, x, x.exp().sum()) is None  # not of x's shape
+
+
+class DecayScan(nn.Module):
+    """RWKV's state update: a running maximum of each sample's keys and a learned (exponentiated) decay, the first step's
+    state a constant: `torch.maximum(state + decay, key)` with `state` = zeros_like(key) - 1e38, then batched."""
+
+    def __init__(self, d=6, which="maximum"):
+        super().__init__()
+        self.key, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+        self.time_decay = nn.Parameter(torch.randn(d) * 0.5)
+        self.which = which
+
+    def forward(self, x):  # [B, T, d]
+        keys = self.key(x)
+        decay = -torch.exp(self.time_decay)
+        big = 1e38 if self.which == "maximum" else -1e38
+        state = torch.zeros_like(keys[:, 0]) - big
+        for t in range(keys.shape[1]):
+            state = getattr(torch, self.which)(state + decay, keys[:, t])
+        return self.head(state)
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("which", ["maximum", "minimum"])
+def test_a_running_extremum_with_a_parameter_is_exact(which, bookkeeping):
+    x, y = _data(4)
+    model = DecayScan(which=which).double()
+    got, cov = norms_and_coverage(model, _loss, x[:, :, :6], y, strict=True, bookkeeping=bookkeeping)
+    assert "time_decay" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x[:, :, :6], y), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["maximum", "minimum"])
+def test_extremum_slopes_equal_autograds(name):
+    """Ties split the gradient in halves, a NaN on either side keeps it, as torch's backward does."""
+    x = torch.tensor([1.0, 2.0, 3.0, float("nan"), 1.0, -1.0], dtype=torch.float64)
+    other = torch.tensor([[2.0, 2.0, 1.0, 0.0, float("nan"), -1.0]] * 2, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(getattr(torch, name)(leaf, other).sum(), leaf)
+    torch.testing.assert_close(elementwise.extremum_slope(name, x, other).sum(0), want)
