@@ -18,6 +18,7 @@ An op without a rule never guesses: its outputs are lost. Tensors made from valu
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any, Callable, NamedTuple, Sequence
@@ -709,7 +710,7 @@ class UntracedInCompiledRegions(BatchTracker):
 
     def __init__(self, batch: int):
         super().__init__(batch)
-        self._untraced = _torch_compat.dynamo_disable(BatchTracker.__torch_function__)
+        self._untraced = _untraced_tracking()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if _is_compiling():
@@ -718,6 +719,12 @@ class UntracedInCompiledRegions(BatchTracker):
 
 
 _is_compiling, _tracked = torch.compiler.is_compiling, BatchTracker.__torch_function__
+
+
+@functools.cache
+def _untraced_tracking() -> Callable:
+    """BatchTracker's __torch_function__ run untraced by Dynamo (made once: a forward pass makes a tracker)."""
+    return _torch_compat.dynamo_disable(BatchTracker.__torch_function__)
 
 
 def batch_tracker(batch: int) -> BatchTracker:
