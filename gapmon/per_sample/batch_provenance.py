@@ -734,14 +734,16 @@ def batch_tracker(batch: int) -> BatchTracker:
 
 def _shared_mul(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,
                 plain: list, out: torch.Tensor) -> Any:
-    """out = t * x, t Shared (a layer scale; Swin V2's temperature per head) and x batched, of out's shape, on a dim or
-    merged with the rows after it (Swin's windows): t's owner reads each sample's gradient g ⊙ x (on_mul), and out's
-    status is returned; None when this is no such product."""
-    if (name not in _MULS or not hasattr(st.owner, "on_mul") or len(plain) != 1 or len(args) != 2 or kwargs
-            or out.shape != plain[0][0].shape or (_in_place(name) and t is args[0])):
+    """out = t * x (or maximum / minimum of them), t Shared (a layer scale; Swin V2's temperature per head) and x batched,
+    of out's shape, on a dim or merged with the rows after it (Swin's windows): t's owner reads each sample's gradient
+    g ⊙ x (on_mul), and out's status is returned; None when this is no such product."""
+    if (name not in _MULS and name not in ("maximum", "minimum") or not hasattr(st.owner, "on_mul") or len(plain) != 1
+            or len(args) != 2 or kwargs or out.shape != plain[0][0].shape or (_in_place(name) and t is args[0])):
         return None
+    # maximum / minimum (RWKV's decay): each sample's gradient is g times where t won (elementwise.extremum_slope)
+    factor = plain[0][0] if name in _MULS else elementwise.extremum_slope(name, t, plain[0][0])
     return _with_batched(tracker, name, args, kwargs, plain, out, st.owner,
-                         lambda dim, *inner: st.owner.on_mul(out, plain[0][0], dim, *inner))
+                         lambda dim, *inner: st.owner.on_mul(out, factor, dim, *inner))
 
 
 def _contraction_equation(name: str, args: Sequence, x: torch.Tensor, d: int, t: torch.Tensor,
@@ -834,8 +836,7 @@ def _shared_placed(tracker: BatchTracker, args: Sequence, kwargs: dict, out: tor
 def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, shared: list, plain: list,
                   out: Any) -> Any:
     """The ops that take Shared tensors where no add, product or contraction shows them: `torch.where` (a mask keeping
-    some of their elements), fused attention (one as its mask), F.linear with a weight and a bias, the maximum or
-    minimum of one and a batched tensor (RWKV's decay: each sample's gradient is g times where it won), an in-place
+    some of their elements), fused attention (one as its mask), F.linear with a weight and a bias, an in-place
     zero_ or fill_ of a view of one. out's status, or None when the op is none of these."""
     if not isinstance(out, torch.Tensor):
         return None
@@ -851,12 +852,6 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_addcmul(tracker, args, kwargs, shared, plain, out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
-    if name in ("maximum", "minimum") and len(shared) == 1 and len(plain) == 1 and len(args) == 2 and not kwargs \
-            and out.shape == plain[0][0].shape and hasattr(shared[0][1].owner, "on_mul"):
-        (t, st), other = shared[0], plain[0][0]
-        slope = elementwise.extremum_slope(name, t, other)
-        return _with_batched(tracker, name, args, kwargs, plain, out, st.owner,
-                             lambda dim, *inner: st.owner.on_mul(out, slope, dim, *inner))
     if (name == "zero_" or name == "fill_" and len(args) == 2 and type(args[1]) in (int, float)) and not plain \
             and not kwargs and out is args[0]:
         return _shared_cleared(tracker, *shared[0])
