@@ -65,10 +65,33 @@ _WITH_NUMBERS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor | Non
 }
 
 
+# x times or over a tensor c that no sample's gradient flows into (the caller knows: no status in the batch tracking)
+_PRODUCTS = {"mul", "__mul__", "__rmul__", "multiply"}
+_QUOTIENTS = {"div", "__truediv__", "true_divide", "divide"}
+
+
+def _factor_slope(name: str, args: Sequence, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """dy/dx for y = x * c, c * x or x / c, c a floating tensor that broadcasts to x's shape (DoRA's magnitude over its
+    detached weight norm): c, or 1 / c, of x's shape; None for anything else."""
+    if len(args) != 2 or x is not args[0] and x is not args[1] or not (
+            name in _PRODUCTS or name in _QUOTIENTS and args[0] is x):
+        return None
+    c = args[1] if args[0] is x else args[0]
+    if not isinstance(c, torch.Tensor) or not c.is_floating_point() or c is x:
+        return None
+    c = c.detach()
+    return torch.broadcast_to(c.reciprocal() if name in _QUOTIENTS else c, x.shape)
+
+
 def slope(name: str, args: Sequence, kwargs: dict, x: torch.Tensor, y: Any) -> torch.Tensor | None:
-    """f'(x) for y = name(x, *args[1:], **kwargs), an elementwise function of x (args[0]) of y's shape, detached; None
-    where `name` is no function listed here or its other arguments are not numbers."""
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not x.is_floating_point() or not args or args[0] is not x:
+    """f'(x) for y = name(x, *args[1:], **kwargs), an elementwise function of x (args[0]; either argument of a
+    product) of y's shape, detached; None where `name` is no function listed here or its other arguments are not
+    numbers (or, for a product or quotient, a tensor the batch does not flow into)."""
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not x.is_floating_point() or not args:
+        return None
+    if len(args) == 2 and not kwargs and isinstance(args[1] if args[0] is x else args[0], torch.Tensor):
+        return _factor_slope(name, args, x, y)
+    if args[0] is not x:
         return None
     x, y = x.detach(), y.detach()
     if name in _OF_ONE:

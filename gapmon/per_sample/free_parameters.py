@@ -37,8 +37,9 @@ def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, 
     and no rule covers (`ruled`: ids of the parameters a layer with a rule holds): a model's position table or class
     token, a layer scale (DINOv2's, a leaf module of its own), ConvNeXt V2's response normalisation, and the parameters
     of a subclass of a layer with a rule that overrides its forward (timm's LayerNorm, a LoRA Linear): followed through
-    whatever ops that forward runs, as any free parameter. Left out when the model is built: torch's own layers without
-    a rule (BatchNorm: its parameters go into one fused op), and an Embedding subclass that overrides forward (OPT's
+    whatever ops that forward runs, as any free parameter (a ParameterDict's or ParameterList's too: PEFT's LoRA on an
+    embedding). Left out when the model is built: torch's own layers without a rule (BatchNorm: its parameters go into
+    one fused op), and an Embedding subclass that overrides forward (OPT's
     position table, a scaled embedding): a table's per-sample gradients are too large to form, only its rule's sums
     by id keep them small."""
     found: dict[str, tuple[nn.Module, str]] = {}
@@ -47,7 +48,8 @@ def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, 
         leaf = next(module.children(), None) is None
         overrides = overrides_ruled_forward(module)
         if (overrides and isinstance(module, nn.Embedding)) or (
-                leaf and type(module).__module__.startswith("torch.nn.") and not overrides):
+                leaf and type(module).__module__.startswith("torch.nn.") and not overrides
+                and not isinstance(module, (nn.ParameterDict, nn.ParameterList))):
             continue
         for attr, p in module.named_parameters(recurse=False):
             if id(p) not in ruled and id(p) not in seen:

@@ -38,6 +38,18 @@ def rows_kept(tracking, args, kwargs, output: torch.Tensor | None) -> None:
         tracking.mark(output, dim)
 
 
+class NotFromBatch(str):
+    """Why a call is not per-sample when its input does not come from the batch (a constant the forward makes, an
+    unnamed model input): the call adds to its layer's gradients only through its output's gradient, so the layer is
+    refused once one arrives (SharedInputs.refuse_once_graded), not at the call. DoRA runs lora_A and lora_B on an
+    identity matrix to form the adapted weight's norm and detaches it: that call changes no gradient."""
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "NotFromBatch":
+        return cls(f"its input {list(t.shape)} does not come from the model's batched inputs (e.g. position ids shared "
+                   "by every sample); name per-sample model inputs in batch_inputs=")
+
+
 def _takes_as_it_is(rule: NormRule, status: int | Merged, want: int | None) -> bool:
     """Whether the rule takes its operand's batch where it is (the call then given with it on dim 0): a rule that
     moves the batch takes it on any dim (merged with rows too), one of merged rows (an RNN) merged where it wants it."""
@@ -102,8 +114,7 @@ class LayerHooks:
             elif isinstance(status, str):
                 found = (0, f"the batch dim of its input was lost at {status}")
             elif status is None:
-                found = (0, f"its input {list(t.shape)} does not come from the model's batched inputs (e.g. position "
-                            "ids shared by every sample); name per-sample model inputs in batch_inputs=")
+                found = (0, NotFromBatch.of(t))
             elif want is not None and status != want and not _takes_as_it_is(rule, status, want):
                 found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
             elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it
@@ -189,6 +200,9 @@ class LayerHooks:
             return None
         dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
         if not self.watch_params(index, mb, module, rule):  # frozen now: nothing to measure
+            return
+        if type(why) is NotFromBatch:
+            self.shared.refuse_once_graded(name, outputs, why)
             return
         if why is not None:
             self.coverage.skip(name, why)

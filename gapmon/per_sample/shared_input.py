@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import _torch_compat
 from .batch_provenance import Shared
 from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered
 from .micro_batch import LayerCalls
@@ -178,9 +179,23 @@ class SharedInputs:
 
         def refuse(why: str) -> None:
             mb.layers.pop(index, None)
-            self.refused.append((name, why))
+            self.refuse_later(name, why)
 
         hooks.state.tracking.mark(output, Shared(SharedCall(output, mb.batch, done, refuse)))
+
+    def refuse_once_graded(self, name: str, outputs: Any, why: str) -> None:
+        """A call of layer `name` whose input does not come from the batch: the layer is refused (at the next
+        flush_refused) once any of the call's outputs gets a gradient; if none does, the call added nothing (its output
+        detached, or unused) and the layer's other calls are measured as they are."""
+        graded: list[torch.Tensor] = []
+        _torch_compat.tree_map_tensors(graded.append, ((outputs,), {}))
+        for t in graded:
+            if t.requires_grad:
+                t.register_hook(lambda _, name=name, why=why: self.refuse_later(name, why))
+
+    def refuse_later(self, name: str, why: str) -> None:
+        """Layer `name` found in backward not to be per-sample: skipped at the next flush_refused."""
+        self.refused.append((name, why))
 
     def flush_refused(self) -> None:
         """Skips the layers found in backward not to be per-sample after all (coverage.skip warns, or raises under

@@ -1,8 +1,6 @@
 """PEFT's adapters on a transformers model, as their users attach them (`peft.get_peft_model`): per-sample norms of the
 trainable adapter parameters, exact against a float64 loop over the samples, with the plain API and under the Hugging
-Face Trainer; DoRA, whose weight norm runs the adapters on an identity matrix, refused by name."""
-import warnings
-
+Face Trainer; DoRA too, whose weight norm runs the adapters on an identity matrix."""
 import pytest
 import torch
 from test_trainers_real_path import HF_RTOL, SEQ, VOCAB, _hf, _hf_args, _llama, _lm_data, hf_own_loss_checks
@@ -60,28 +58,50 @@ def test_lora_adapters_are_exact(config, bookkeeping):
     torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
 
 
-def test_dora_is_refused_by_name():
-    """DoRA divides by the norm of the adapted weight, formed by running lora_A and lora_B on an identity matrix every
-    sample shares: those layers are left out, naming that input, and so is the magnitude vector (used in a division)."""
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+def test_dora_is_exact(bookkeeping):
+    """DoRA scales the adapted output by magnitude / ||W + BA|| (per output row), the norm formed by running lora_A and
+    lora_B on an identity matrix every sample shares and detached: that call adds nothing to their gradients, so it is
+    passed over, and the magnitude vector (divided by the detached norm, then multiplied with the batch) is followed
+    as a free parameter. Every adapter parameter is covered and exact (strict: nothing refused)."""
     transformers, peft = _hf(), _peft()
-    model = _adapted(transformers, peft, target_modules=["q_proj"], use_dora=True)
+    model = _adapted(transformers, peft, target_modules=["q_proj", "v_proj"], use_dora=True)
+    with torch.no_grad():  # magnitudes away from the weight norms they start at, so that the scale is not 1
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.0 + 0.5 * torch.rand(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
     ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", bookkeeping=bookkeeping, strict=True)
+    _loss(model, ids).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(cov["covered"]) == trainable and any("lora_magnitude_vector" in n for n in trainable)
+    torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
+
+
+def test_lora_on_the_embedding_covers_its_b_and_names_its_a():
+    """LoRA on the token embedding keeps its factors in ParameterDicts (no rule: free parameters, followed in the
+    forward): B, a product with the batch, is exact; A, a table looked up by id (F.embedding of a free parameter), is
+    left out by name."""
+    transformers, peft = _hf(), _peft()
+    model = _adapted(transformers, peft, target_modules=["embed_tokens", "q_proj"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_embedding_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    with pytest.warns(RuntimeWarning, match=r"lora_embedding_A.default' is not per-sample \(the model uses this "
+                                            r"parameter in embedding"):
         _loss(model, ids).backward()
-        psn.local_norms()
+        got = psn.local_norms()
     cov = psn.coverage()
     psn.close()
-    said = " ".join(str(w.message) for w in caught)
-    assert "lora_A.default' is not per-sample (its input [16, 16] does not come from the model's batched inputs" in said
-    assert "lora_magnitude_vector.default.weight' is not per-sample (the model uses this parameter in div" in said
-    assert not cov["covered"]
-    strict = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    with pytest.raises(RuntimeError, match="lora_A.default' is not per-sample"):  # in the forward pass, at its call
-        _loss(model, ids).backward()
-        strict.local_norms()
-    strict.close()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    left = {n for n in trainable if "lora_embedding_A" in n}
+    assert left and set(cov["covered"]) == trainable - left and any("lora_embedding_B" in n for n in cov["covered"])
+    torch.testing.assert_close(got, _loop(model, ids, set(cov["covered"])), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.slow

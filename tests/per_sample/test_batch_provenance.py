@@ -881,3 +881,57 @@ class RelativeAttentionBias(nn.Module):
 @BOOKKEEPING
 def test_a_relative_attention_bias_permuted_before_its_add_is_exact(bookkeeping):
     assert "rel.weight" in _strictly_exact(RelativeAttentionBias, 5, bookkeeping)["covered"]
+
+
+class ConstantQueries(nn.Module):
+    """A layer run on the batch and on a table every sample shares (fixed queries, as Perceiver's latents): when the
+    table's call gets a gradient, the sum of every sample's part, the layer is not per-sample; when its output is
+    detached (`graded=False`: DoRA's weight norm), that call adds nothing and the layer is measured as usual."""
+
+    def __init__(self, d=6, graded=True):
+        super().__init__()
+        self.proj, self.head, self.graded = nn.Linear(d, d), nn.Linear(d, 3), graded
+        self.register_buffer("table", torch.randn(4, d, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):  # [B, T, d]
+        keys = self.proj(self.table)  # [4, d]: no batch
+        keys = keys if self.graded else keys.detach()
+        h = self.proj(x)
+        return self.head((h @ keys.T).softmax(-1) @ keys + h).mean(1)
+
+
+@BOOKKEEPING
+def test_a_layer_call_on_a_shared_table_is_refused_when_its_output_gets_a_gradient(bookkeeping):
+    x, y = torch.randn(3, 5, 6, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    model = ConstantQueries().double()
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said at the call: its output may yet get no gradient
+        loss = _loss(model(x), y)
+    loss.backward()
+    with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its input \[4, 6\] does not come from "
+                                            r"the model's batched inputs"):
+        got = psn.local_norms()
+    cov = psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {"head.weight", "head.bias"}
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    strict = gapmon.PerSampleGradNorms(model, strict=True)
+    _loss(model(x), y).backward()  # not refused inside the forward or backward pass: when the norms are read
+    with pytest.raises(RuntimeError, match="layer 'proj' is not per-sample"):
+        strict.local_norms()
+    strict.close()
+
+
+@BOOKKEEPING
+def test_a_layer_call_on_a_shared_table_whose_output_is_detached_is_passed_over(bookkeeping):
+    x, y = torch.randn(3, 5, 6, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    model = ConstantQueries(graded=False).double()
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, strict=True)
+    _loss(model(x), y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    want = loop_per_sample_norms(model, _loss, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

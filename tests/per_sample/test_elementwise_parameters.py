@@ -145,3 +145,57 @@ def test_extremum_slopes_equal_autograds(name):
     leaf = x.clone().requires_grad_()
     (want,) = torch.autograd.grad(getattr(torch, name)(leaf, other).sum(), leaf)
     torch.testing.assert_close(elementwise.extremum_slope(name, x, other).sum(0), want)
+
+
+class WeightDecomposed(nn.Module):
+    """DoRA's shape of computation in plain torch: an adapter's output scaled per output row by magnitude / ||W + BA||,
+    the norm formed by running the adapter on an identity matrix and detached (a constant of the step); `how` picks
+    the product or quotient that meets the batch."""
+
+    def __init__(self, d=6, how="over"):
+        super().__init__()
+        self.base, self.a, self.b = nn.Linear(d, d), nn.Linear(d, 2, bias=False), nn.Linear(2, d, bias=False)
+        self.base.requires_grad_(False)
+        self.magnitude = nn.Parameter(torch.rand(d) + 0.5)
+        self.head, self.how = nn.Linear(d, 3), how
+
+    def forward(self, x):
+        eye = torch.eye(self.a.in_features, dtype=x.dtype)
+        norm = (self.base.weight + self.b(self.a(eye)).T).norm(dim=1).detach()
+        scale = {"over": lambda: self.magnitude / norm, "times": lambda: self.magnitude * norm,
+                 "times_left": lambda: norm * self.magnitude, "under": lambda: norm / self.magnitude}[self.how]()
+        out = (scale.view(1, 1, -1) - 1) * self.base(x) + scale * self.b(self.a(x))
+        return self.head(out.mean(1))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("how", ["over", "times", "times_left"])
+def test_a_parameter_times_or_over_a_constant_tensor_is_exact(how, bookkeeping):
+    """The layers run on the identity matrix (their output detached) are measured over their batched calls alone."""
+    x, y = _data(5)
+    model = WeightDecomposed(how=how).double()
+    got, cov = norms_and_coverage(model, _loss, x[:, :, :6], y, strict=True, bookkeeping=bookkeeping)
+    assert set(cov["covered"]) == {n for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x[:, :, :6], y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_constant_over_a_parameter_leaves_it_out_by_name():
+    x, y = _data(6)
+    model = WeightDecomposed(how="under").double()
+    with pytest.warns(RuntimeWarning, match=r"'magnitude' is not per-sample \(the model uses this parameter in div"):
+        got, cov = norms_and_coverage(model, _loss, x[:, :, :6], y)
+    assert "magnitude" in cov["uncovered"] and "a.weight" in cov["covered"]
+    want = loop_per_sample_norms(model, _loss, x[:, :, :6], y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name, left", [("mul", False), ("mul", True), ("div", False)])
+def test_factor_slopes_equal_autograds(name, left):
+    torch.manual_seed(4)
+    x, c = torch.rand(3, 4, dtype=torch.float64) + 0.1, torch.rand(4, dtype=torch.float64) + 0.1
+    args = (c, x) if left else (x, c)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(getattr(torch, name)(*((c, leaf) if left else (leaf, c))).sum(), leaf)
+    torch.testing.assert_close(elementwise.slope(name, args, {}, x, getattr(torch, name)(*args)), want,
+                               rtol=1e-12, atol=1e-12)
+    assert elementwise.slope("div", (c.expand(3, 4), x), {}, x, c / x) is None  # x the divisor: no slope here
