@@ -851,12 +851,29 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_affine_norm(tracker, name, args, kwargs, shared, plain, out)
     if name == "addcmul":
         return _shared_addcmul(tracker, args, kwargs, shared, plain, out)
+    if name == "embedding" and len(shared) == 1 and len(plain) == 1:
+        return _shared_table(args, kwargs, *shared[0], *plain[0], out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
     if (name == "zero_" or name == "fill_" and len(args) == 2 and type(args[1]) in (int, float)) and not plain \
             and not kwargs and out is args[0]:
         return _shared_cleared(tracker, *shared[0])
     return None
+
+
+def _shared_table(args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, ids: torch.Tensor, dim: Any,
+                  out: torch.Tensor) -> int | None:
+    """F.embedding(ids, t) of ids batched on `dim` and a Shared table t (PEFT's LoRA on an embedding looks its A up by
+    id): its owner keeps each sample's output gradient by id (looked_up), and out is batched where the ids are. None:
+    another signature, a max_norm (it renormalises the table in place), scale_grad_by_freq (the batch's counts of
+    each id scale every sample's gradient), or an owner that cannot take it."""
+    if ids is not args[0] or _arg(args, kwargs, 1, "weight") is not t or type(dim) is not int or not hasattr(
+            st.owner, "looked_up") or _arg(args, kwargs, 3, "max_norm") is not None or _arg(
+            args, kwargs, 5, "scale_grad_by_freq", False):
+        return None
+    padding = _arg(args, kwargs, 2, "padding_idx")
+    padding = -1 if padding is None else padding % t.shape[0]
+    return dim if st.owner.looked_up(t, out, ids, dim, padding) else None
 
 
 def _shared_cleared(tracker: BatchTracker, t: torch.Tensor, st: Shared) -> Shared | None:

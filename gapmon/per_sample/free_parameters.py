@@ -130,12 +130,12 @@ class FreeParameterNorms:
         with torch.no_grad():
             for mb in micro:
                 for name, uses in mb.free.items():
-                    if uses.per_sample is None or name in self.coverage.skipped or name not in self.coverage.free:
+                    if not uses.used() or name in self.coverage.skipped or name not in self.coverage.free:
                         continue
                     owner = self.coverage.free[name][0]
-                    g = uses.per_sample  # (float32 or float64: _per_sample widens 16-bit gradients)
-                    mb.add(g.square().sum(1), g.dtype, self.coverage.type_of(name, owner), name)
-                    self.checker.explain_gradient(uses.param, name, g.sum(0).reshape(uses.param.shape), uses.rounding)
+                    sq, total = uses.norm_sq_and_sum()  # (float32 or float64: 16-bit gradients are widened)
+                    mb.add(sq, sq.dtype, self.coverage.type_of(name, owner), name)
+                    self.checker.explain_gradient(uses.param, name, total, uses.rounding)
                 mb.free = {}
 
 
@@ -149,6 +149,7 @@ class ParameterUses:
         self.escaped: str | None = None
         self.param: torch.Tensor | None = None  # the object the forward uses (under FSDP2 the unsharded one)
         self.rounding = torch.float64  # the least precise dtype autograd formed a use's gradient in
+        self.rows: list[TableRows] = []  # lookups of the parameter as a table (F.embedding), by id
 
     def follow(self, p: torch.Tensor, tracker: Any, checker: Any, name: str) -> None:
         """Follows `p`, the object the forward pass uses now, in the batch tracking, its gradient watched by the
@@ -170,6 +171,79 @@ class ParameterUses:
         least precise of them)."""
         self.per_sample = g if self.per_sample is None else self.per_sample + g
         self.rounding = _coarser(self.rounding, rounding)
+
+    def add_rows(self, rows: "TableRows", rounding: torch.dtype) -> None:
+        """Adds one lookup's per-sample gradient of the parameter as a table, by id (kept so: see TableRows)."""
+        self.rows.append(rows)
+        self.rounding = _coarser(self.rounding, rounding)
+
+    def used(self) -> bool:
+        return self.per_sample is not None or bool(self.rows)
+
+    def norm_sq_and_sum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sample's squared norm [B] of the parameter's gradient and its sum over the samples (the parameter's
+        shape). Lookups alone (one table layout) by id, never forming a per-sample gradient; with other uses too, the
+        lookups' per-sample gradients are formed and added to theirs."""
+        numel, shape = self.param.numel(), self.param.shape
+        if self.rows and self.per_sample is None and all(r.same_table(self.rows[0]) for r in self.rows):
+            return TableRows.joined(self.rows).norm_sq_and_sum(numel, shape)
+        g = self.per_sample
+        for r in self.rows:
+            g = r.dense(numel) if g is None else g + r.dense(numel)
+        self.per_sample, self.rows = g, []
+        return g.square().sum(1), g.sum(0).reshape(shape)
+
+
+class TableRows:
+    """One lookup of a table t (a free parameter in some order: LoRA's A.T) by ids: each sample's output gradient rows
+    g [B, N, width] at ids [B, N] (`padding`: an id whose row gets no gradient, or -1), and where t's elements sit in the
+    parameter (`positions`, t's shape; None: in order; `holes`: some sit nowhere, as Piece's). Where t holds every
+    element of the parameter once (`permutation`), its per-sample gradients (B x its size) are not formed for the norm:
+    Σ over pairs of positions with equal ids of g_t·g_s (embedding_norm_sq), whatever the order."""
+
+    def __init__(self, ids: torch.Tensor, g: torch.Tensor, rows: int, padding: int, positions: torch.Tensor | None,
+                 holes: bool, permutation: bool):
+        self.ids, self.g, self.rows, self.padding = ids, g, rows, padding
+        self.positions, self.holes, self.permutation = positions, holes, permutation
+
+    def same_table(self, other: "TableRows") -> bool:
+        """Whether both looked up the same layout of the parameter, every element once (their ids index the same rows)."""
+        return self.permutation and other.permutation and self.padding == other.padding and self.rows == other.rows and (
+            self.positions is other.positions or self.positions is not None and other.positions is not None
+            and torch.equal(self.positions, other.positions))
+
+    @staticmethod
+    def joined(parts: list["TableRows"]) -> "TableRows":
+        """Lookups of one table as one (their positions side by side: the per-sample gradients add)."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        return TableRows(torch.cat([p.ids for p in parts], 1), torch.cat([p.g for p in parts], 1), first.rows,
+                         first.padding, first.positions, first.holes, first.permutation)
+
+    def _in_parameter_order(self, table: torch.Tensor, numel: int) -> torch.Tensor:
+        """[B, numel]: tables [B, rows, width] put where their elements sit in the parameter."""
+        flat = table.reshape(table.shape[0], -1)
+        return flat if self.positions is None else scattered(flat, self.positions, numel, self.holes)
+
+    def norm_sq_and_sum(self, numel: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-sample squared norms [B] (by id) and the gradient summed over the samples (the parameter's shape)."""
+        from ..stats import _backend
+
+        ids, g = self.ids.reshape(-1), self.g.reshape(-1, self.g.shape[-1])
+        if self.padding >= 0:
+            keep = ids != self.padding
+            ids, g = ids[keep], g[keep]
+        table = g.new_zeros(1, self.rows, g.shape[1]).index_add_(1, ids, g.unsqueeze(0))
+        return _backend.embedding_norm_sq(self.ids, self.g, self.padding), self._in_parameter_order(table, numel).reshape(shape)
+
+    def dense(self, numel: int) -> torch.Tensor:
+        """[B, numel]: each sample's gradient of the parameter, formed (the parameter has other uses as well, or the
+        table is not each of its elements once)."""
+        b, n, width = self.g.shape
+        ids = self.ids if self.padding < 0 else self.ids.masked_fill(self.ids == self.padding, self.rows)
+        table = self.g.new_zeros(b, self.rows + 1, width).scatter_add_(1, ids.unsqueeze(2).expand(b, n, width), self.g)
+        return self._in_parameter_order(table[:, :self.rows], numel)
 
 
 class Piece:
@@ -244,6 +318,29 @@ class Piece:
         every = self.positions if self.positions is not None else element_positions(self.base, t.device)
         holed = masked_positions(every, t, out, keep, self.uses.param.numel())
         return None if holed is None else self._like(tuple(out.shape), holed, holes=True)
+
+    def looked_up(self, t: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, dim: int, padding: int) -> bool:
+        """out = F.embedding(ids, t), t this piece, ids batched on `dim`: each sample's gradient of t is its rows of
+        out's gradient summed by id, kept so (TableRows). False: t is broadcast."""
+        if tuple(t.shape) != self.base or t.dim() != 2:
+            return False
+        if not out.requires_grad:
+            return True
+        numel = self.uses.param.numel()
+        permutation = self.positions is None or (not self.holes and self.positions.numel() == numel and bool(
+            torch.bincount(self.positions.reshape(-1), minlength=numel).eq(1).all()))
+        rows, batch, factor, rounding = t.shape[0], self.uses.batch, self.factor, self.rounding
+        positions, holes = self.positions, self.holes
+        ids = ids.detach().movedim(dim, 0).reshape(batch, -1)
+
+        def hook(g: torch.Tensor) -> None:
+            g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
+            g = g.movedim(dim, 0).reshape(batch, ids.shape[1], -1)
+            self.uses.add_rows(TableRows(ids, g * factor if factor != 1.0 else g, rows, padding, positions, holes,
+                                         permutation), _coarser(rounding, g.dtype))
+
+        out.register_hook(hook)
+        return True
 
     def placed(self, t: torch.Tensor, out: torch.Tensor, cat_dim: int, start: int) -> "Piece | None":
         """t (this piece, not broadcast) as rows [start, start + t.shape[cat_dim]) of `out` along `cat_dim`, whose other

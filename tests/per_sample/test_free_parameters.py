@@ -594,3 +594,87 @@ def test_a_bias_given_to_fused_attention_with_dropout_is_left_out_by_name():
                                             r"scaled_dot_product_attention"):
         got, cov = _norms(model, x, y)
     assert "bias" in cov["uncovered"] and "qkv.weight" in cov["covered"]
+
+
+class LookedUp(nn.Module):
+    """A table a model holds itself and looks up by id with F.embedding (PEFT's LoRA on an embedding: A.T by id, then
+    B), in one of several ways (`use`)."""
+
+    def __init__(self, use="plain", vocab=7, rank=3, d=5):
+        super().__init__()
+        self.use = use
+        self.a = nn.Parameter(torch.randn(rank, vocab) if use == "transposed" else torch.randn(vocab, rank))
+        self.b = nn.Linear(rank, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, ids):  # [B, T] (or [T, B] with use="sequence_first")
+        table = self.a.T if self.use == "transposed" else self.a
+        if self.use == "repeated_rows":  # rows picked twice: not the parameter once over
+            table = table[torch.tensor([0, 1, 1, 2, 3, 4, 5, 6, 6, 0])]
+        kwargs = {"padding_idx": 2} if self.use == "padding" else {}
+        kwargs = {"max_norm": 1.0} if self.use == "max_norm" else {"scale_grad_by_freq": True} if (
+            self.use == "by_freq") else kwargs
+        looked = F.embedding(ids, table, **kwargs)
+        if self.use == "and_added":  # another use as well: a row of the table added to every position
+            looked = looked + self.a[1]
+        h = self.b(looked)
+        if self.use == "twice":  # a second lookup of the same table: the per-sample gradients add
+            h = h + self.b(F.embedding(ids.flip(-1), table))
+        if self.use == "sequence_first":
+            h = h.transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+def _ids(use, seed=0):
+    ids = torch.randint(0, 7, (4, 6), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = ids[:, 1]  # an id twice in each sample
+    if use == "repeated_rows":
+        ids = torch.randint(0, 10, (4, 6), generator=torch.Generator().manual_seed(seed))
+    return ids.T.contiguous() if use == "sequence_first" else ids
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use", ["plain", "transposed", "padding", "twice", "and_added", "repeated_rows",
+                                 "sequence_first"])
+def test_a_table_looked_up_by_id_is_exact(use, bookkeeping, monkeypatch):
+    """Each sample's gradient of the table is its output gradient's rows summed by id. Looked up whole (every element
+    once, in any order) and used nowhere else, its per-sample gradients are never formed (the norms come by id)."""
+    from gapmon.per_sample import free_parameters
+
+    if use in ("plain", "transposed", "padding", "twice", "sequence_first"):
+        monkeypatch.setattr(free_parameters.TableRows, "dense", lambda *a: pytest.fail("per-sample tables formed"))
+    torch.manual_seed(1)
+    model = LookedUp(use).double()
+    ids, y = _ids(use), torch.randn(4, 2, dtype=torch.float64)
+    got, cov = norms_and_coverage(model, _loss, ids, y, strict=True, bookkeeping=bookkeeping,
+                                  batch_dim=1 if use == "sequence_first" else 0)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    if use == "sequence_first":
+        want = loop_per_sample_norms(_SampleFirst(model), _loss, ids.T.contiguous(), y)
+    else:
+        want = loop_per_sample_norms(model, _loss, ids, y)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class _SampleFirst(nn.Module):
+    """The sequence-first model fed one sample at a time as [B, T] ids (the loop's reference)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids.T)
+
+
+@pytest.mark.parametrize("use, op", [("max_norm", "embedding"), ("by_freq", "embedding")])
+def test_a_lookup_that_renormalises_or_counts_the_batch_is_left_out_by_name(use, op):
+    """max_norm rescales the table's rows in place; scale_grad_by_freq scales each sample's gradient by the whole
+    batch's counts of each id."""
+    model = LookedUp(use).double()
+    ids, y = _ids(use), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=rf"'a' is not per-sample \(the model uses this parameter in {op}"):
+        got, cov = norms_and_coverage(model, _loss, ids, y)
+    assert "a" in cov["uncovered"] and "b.weight" in cov["covered"]
+    want = loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
