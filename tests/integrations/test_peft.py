@@ -102,14 +102,15 @@ def test_lora_on_the_embedding_is_exact(bookkeeping):
 
 
 @pytest.mark.slow
-def test_lora_under_the_huggingface_trainer_gives_each_samples_own_norm(tmp_path):
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_lora_under_the_huggingface_trainer_gives_each_samples_own_norm(tmp_path, dora):
     """The Trainer with a PEFT model (only the adapters train), accumulating 2 micro-batches: the norms are those of
-    each sample's own mean token loss over the adapter parameters."""
+    each sample's own mean token loss over the adapter parameters (DoRA's magnitude vectors among them)."""
     transformers, peft = _hf(), _peft()
     from gapmon.integrations.huggingface import attach
 
     def make(transformers, seed=0):
-        return _adapted(transformers, peft, seed, target_modules=["q_proj", "v_proj", "down_proj"]), None
+        return _adapted(transformers, peft, seed, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=dora), None
 
     model, _ = make(transformers)
     args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
@@ -120,6 +121,7 @@ def test_lora_under_the_huggingface_trainer_gives_each_samples_own_norm(tmp_path
     trainer.train()
     cov = callback.monitor.per_sample.coverage()
     assert not cov["uncovered"] and any("lora_B" in n for n in cov["covered"])
+    assert not dora or any("lora_magnitude_vector" in n for n in cov["covered"])
     assert len(checks) == 2
     for got, want in checks:
         assert len(got) == 4
