@@ -384,7 +384,7 @@ class BatchTracker(TorchFunctionMode):
             args, kwargs = _positional_linear(args, kwargs)
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
-            first = t is args[0] or name in _MULS and len(args) == 2 and t is args[1]  # (a product either way round)
+            first = t is args[0] or (name in _MULS or name in _DIVS) and len(args) == 2 and t is args[1]  # (either way round)
             view = _shared_view(name, args, kwargs, t, st, out) if not plain and first else None
             if view is not None:
                 return view

@@ -3,7 +3,8 @@
 
 y = f(x) element by element: each sample's gradient of x is its gradient of y times f'(x) (the chain rule, exact),
 with f'(x) formed once in the forward pass from x and y, as autograd's own backward formula forms it. Only functions
-whose arguments beside x are numbers; anything else has no slope here and stays a use the batch tracking reports."""
+whose arguments beside x are numbers, and products and quotients with a tensor no sample's gradient flows into (DoRA's
+`magnitude / weight_norm.detach()`); anything else has no slope here and stays a use the batch tracking reports."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -62,6 +63,8 @@ _WITH_NUMBERS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor | Non
     "pow": (("exponent",), _power_slope),
     "__pow__": (("exponent",), _power_slope),
     "softplus": (("beta", "threshold"), _softplus_slope),
+    "__rdiv__": (("other",), lambda x, other: -other / (x * x) if type(other) in (int, float) else None),  # other / x
+    "__rtruediv__": (("other",), lambda x, other: -other / (x * x) if type(other) in (int, float) else None),
 }
 
 
@@ -71,14 +74,15 @@ _QUOTIENTS = {"div", "__truediv__", "true_divide", "divide"}
 
 
 def _factor_slope(name: str, args: Sequence, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """dy/dx for y = x * c, c * x or x / c, c a floating tensor that broadcasts to x's shape (DoRA's magnitude over its
-    detached weight norm): c, or 1 / c, of x's shape; None for anything else."""
-    if len(args) != 2 or x is not args[0] and x is not args[1] or not (
-            name in _PRODUCTS or name in _QUOTIENTS and args[0] is x):
+    """dy/dx for y = x * c, c * x, x / c or c / x, c a floating tensor that broadcasts to x's shape (DoRA's magnitude
+    over its detached weight norm): c, 1 / c or -y / x, of x's shape; None for anything else."""
+    if len(args) != 2 or x is not args[0] and x is not args[1] or not (name in _PRODUCTS or name in _QUOTIENTS):
         return None
     c = args[1] if args[0] is x else args[0]
     if not isinstance(c, torch.Tensor) or not c.is_floating_point() or c is x:
         return None
+    if name in _QUOTIENTS and args[1] is x:  # c / x: -c / x² = -y / x
+        return -(y.detach() / x.detach())
     c = c.detach()
     return torch.broadcast_to(c.reciprocal() if name in _QUOTIENTS else c, x.shape)
 

@@ -85,7 +85,8 @@ def test_a_function_without_a_slope_leaves_the_parameter_out_by_name():
     ("sqrt", (), {}), ("rsqrt", (), {}), ("square", (), {}), ("reciprocal", (), {}), ("relu", (), {}),
     ("abs", (), {}), ("clamp", (0.2, 1.1), {}), ("clamp", (), {"max": 0.9}), ("clip", (None, 0.7), {}),
     ("clamp_min", (0.5,), {}), ("clamp_max", (0.5,), {}), ("pow", (3,), {}), ("pow", (0,), {}),
-    ("__pow__", (-0.5,), {}), ("softplus", (), {"beta": 2.0}), ("softplus", (0.5, 0.3), {})])
+    ("__pow__", (-0.5,), {}), ("softplus", (), {"beta": 2.0}), ("softplus", (0.5, 0.3), {}), ("__rdiv__", (2.0,), {}),
+    ("__rtruediv__", (-3,), {})])
 def test_slopes_equal_autograds(name, args, kwargs):
     """Each slope against autograd's own derivative, on values that cross every bound and threshold (float64)."""
     torch.manual_seed(3)
@@ -163,13 +164,14 @@ class WeightDecomposed(nn.Module):
         eye = torch.eye(self.a.in_features, dtype=x.dtype)
         norm = (self.base.weight + self.b(self.a(eye)).T).norm(dim=1).detach()
         scale = {"over": lambda: self.magnitude / norm, "times": lambda: self.magnitude * norm,
-                 "times_left": lambda: norm * self.magnitude, "under": lambda: norm / self.magnitude}[self.how]()
+                 "times_left": lambda: norm * self.magnitude, "under": lambda: norm / self.magnitude,
+                 "number_under": lambda: 2.0 / self.magnitude, "pow": lambda: self.magnitude ** norm}[self.how]()
         out = (scale.view(1, 1, -1) - 1) * self.base(x) + scale * self.b(self.a(x))
         return self.head(out.mean(1))
 
 
 @BOOKKEEPING
-@pytest.mark.parametrize("how", ["over", "times", "times_left"])
+@pytest.mark.parametrize("how", ["over", "times", "times_left", "under", "number_under"])
 def test_a_parameter_times_or_over_a_constant_tensor_is_exact(how, bookkeeping):
     """The layers run on the identity matrix (their output detached) are measured over their batched calls alone."""
     x, y = _data(5)
@@ -179,17 +181,17 @@ def test_a_parameter_times_or_over_a_constant_tensor_is_exact(how, bookkeeping):
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x[:, :, :6], y), rtol=1e-10, atol=1e-12)
 
 
-def test_a_constant_over_a_parameter_leaves_it_out_by_name():
+def test_a_constant_tensor_power_of_a_parameter_leaves_it_out_by_name():
     x, y = _data(6)
-    model = WeightDecomposed(how="under").double()
-    with pytest.warns(RuntimeWarning, match=r"'magnitude' is not per-sample \(the model uses this parameter in div"):
+    model = WeightDecomposed(how="pow").double()
+    with pytest.warns(RuntimeWarning, match=r"'magnitude' is not per-sample \(the model uses this parameter in pow"):
         got, cov = norms_and_coverage(model, _loss, x[:, :, :6], y)
     assert "magnitude" in cov["uncovered"] and "a.weight" in cov["covered"]
     want = loop_per_sample_norms(model, _loss, x[:, :, :6], y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, left", [("mul", False), ("mul", True), ("div", False)])
+@pytest.mark.parametrize("name, left", [("mul", False), ("mul", True), ("div", False), ("div", True)])
 def test_factor_slopes_equal_autograds(name, left):
     torch.manual_seed(4)
     x, c = torch.rand(3, 4, dtype=torch.float64) + 0.1, torch.rand(4, dtype=torch.float64) + 0.1
@@ -198,4 +200,3 @@ def test_factor_slopes_equal_autograds(name, left):
     (want,) = torch.autograd.grad(getattr(torch, name)(*((c, leaf) if left else (leaf, c))).sum(), leaf)
     torch.testing.assert_close(elementwise.slope(name, args, {}, x, getattr(torch, name)(*args)), want,
                                rtol=1e-12, atol=1e-12)
-    assert elementwise.slope("div", (c.expand(3, 4), x), {}, x, c / x) is None  # x the divisor: no slope here
