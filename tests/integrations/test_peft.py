@@ -19,9 +19,22 @@ def _adapted(transformers, peft, seed: int = 0, **config):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_B" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return model
+
+
+def _assert_exact_over_the_adapters(model, bookkeeping: bool, named: str) -> None:
+    """gapmon's norms (strict: nothing refused) cover every trainable parameter, some of them `named`, and equal the
+    float64 loop's."""
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", bookkeeping=bookkeeping, strict=True)
+    _loss(model, ids).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(cov["covered"]) == trainable and any(named in n for n in trainable)
+    torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
 
 
 def _loss(model, ids):
@@ -48,14 +61,7 @@ def _loop(model, ids, covered):
 def test_lora_adapters_are_exact(config, bookkeeping):
     transformers, peft = _hf(), _peft()
     model = _adapted(transformers, peft, **config)
-    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", bookkeeping=bookkeeping, strict=True)
-    _loss(model, ids).backward()
-    got, cov = psn.local_norms(), psn.coverage()
-    psn.close()
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert set(cov["covered"]) == trainable and any("lora_A" in n for n in trainable)
-    torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
+    _assert_exact_over_the_adapters(model, bookkeeping, "lora_A")
 
 
 @pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
@@ -70,14 +76,7 @@ def test_dora_is_exact(bookkeeping):
         for name, p in model.named_parameters():
             if "lora_magnitude_vector" in name:
                 p.mul_(1.0 + 0.5 * torch.rand(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
-    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", bookkeeping=bookkeeping, strict=True)
-    _loss(model, ids).backward()
-    got, cov = psn.local_norms(), psn.coverage()
-    psn.close()
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert set(cov["covered"]) == trainable and any("lora_magnitude_vector" in n for n in trainable)
-    torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
+    _assert_exact_over_the_adapters(model, bookkeeping, "lora_magnitude_vector")
 
 
 @pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
@@ -87,18 +86,7 @@ def test_lora_on_the_embedding_is_exact(bookkeeping):
     batch."""
     transformers, peft = _hf(), _peft()
     model = _adapted(transformers, peft, target_modules=["embed_tokens", "q_proj"])
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_embedding_B" in name:
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
-    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(2))
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", bookkeeping=bookkeeping, strict=True)
-    _loss(model, ids).backward()
-    got, cov = psn.local_norms(), psn.coverage()
-    psn.close()
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert set(cov["covered"]) == trainable and any("lora_embedding_A" in n for n in trainable)
-    torch.testing.assert_close(got, _loop(model, ids, trainable), rtol=1e-10, atol=1e-12)
+    _assert_exact_over_the_adapters(model, bookkeeping, "lora_embedding_A")
 
 
 @pytest.mark.slow
