@@ -89,6 +89,44 @@ def test_lora_on_the_embedding_is_exact(bookkeeping):
     _assert_exact_over_the_adapters(model, bookkeeping, "lora_embedding_A")
 
 
+def _fsdp2_worker(rank: int, world: int):
+    import peft
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, VOCAB, (6, SEQ), generator=torch.Generator().manual_seed(5))
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.arange(6)[rank::world]
+    for config in (dict(target_modules=["q_proj", "v_proj"], use_dora=True),
+                   dict(target_modules=["embed_tokens", "q_proj"])):
+        reference, model = _adapted(transformers, peft, **config), _adapted(transformers, peft, **config)
+        for block in model.base_model.model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+        _loss(model, ids[local]).backward()
+        _, got = psn.global_norms(local)
+        covered = set(psn.coverage()["covered"])
+        psn.close()
+        trainable = {n for n, p in reference.named_parameters() if p.requires_grad}
+        assert covered == trainable
+        torch.testing.assert_close(got, _loop(reference, ids, trainable), rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, c=config: f"{c}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dora_and_lora_on_the_embedding_under_fsdp2_per_block():
+    """FSDP2 over each decoder block and the root (2 gloo processes, different samples per rank): DoRA (its adapters
+    run on an identity matrix inside a sharded block, its magnitude a free parameter unsharded by FSDP2's hooks) and
+    LoRA on the embedding (a ParameterDict's table looked up by id) give the float64 loop's norms, nothing refused."""
+    _hf(), _peft()
+    from helpers import run_distributed
+
+    run_distributed(_fsdp2_worker, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 def test_lora_under_the_huggingface_trainer_gives_each_samples_own_norm(tmp_path, dora):
