@@ -1259,14 +1259,19 @@ _SUM_KEEPING = {*_VIEWS, *_EXPANDS, *_COPIES, *_ORDER_KEEPING_VIEWS, *_SPLITS, *
 
 
 def after_batch_sum(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
-    """The status of an op on a sum over the batch (BatchSum). With an input still batched, merged or lost, that
-    input's (the batch is lost there, as for any reduction over it). Else: kept by a linear op (views, copies, sums,
+    """The status of an op on a sum over the batch (BatchSum). With an input still batched, merged or lost: a
+    BatchStatistic where a sum carries a gradient (its gradient back into the batch mixes the samples: a batch
+    centred by hand), else lost there, as for any reduction over it. Else: kept by a linear op (views, copies, sums,
     negation, adds, a product or a quotient in which one sum with a gradient is a factor or the dividend, `where`);
     a BatchStatistic for any other op of a sum that carries a gradient (a product of two such sums, `exp` or a power of
     one, a division by one), as a statistic of the batch that is no sum of per-sample terms."""
     sums = [(t, s) for t, s in inputs if type(s) is BatchSum]
-    others = [s for _, s in inputs if type(s) is not BatchSum and type(s) is not Shared]
+    others = [(t, s) for t, s in inputs if type(s) is not BatchSum and type(s) is not Shared]
     if others:
+        # x - x.mean(0): each sample's row gets every sample's gradient through the sum (not a constant that scales the
+        # loss: a count or a maximum of the batch without a gradient)
+        if any(t.requires_grad for t, _ in sums) and any(not isinstance(s, str) or t.requires_grad for t, s in others):
+            raise BatchStatistic(f"{name} of a sum over the batch, with a gradient, and the batch ({sums[0][1]})")
         raise Lost(f"{name} of a sum over the batch with the batch or its loss ({sums[0][1]})")
     live = [t for t, _ in sums if t.requires_grad]
     if name in _SUM_KEEPING or not live:

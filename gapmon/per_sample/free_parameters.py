@@ -558,6 +558,28 @@ class PieceSum:
             p.on_cat(out, t, cat_dim, start, dim)
 
 
+def joined_where_expanded(tracker: Any, args: tuple, batch: int) -> tuple | None:
+    """A covered layer's input x (args[0]) that is a free parameter expanded (or repeated) over the batch (Perceiver's latents,
+    BLIP-2's query tokens: `self.latents.expand(B, -1, -1)`): each sample's copy goes through the layer as that sample's
+    input, so it joins the batch there, on the one dim x was broadcast along that has the batch's size. Returned: the
+    layer's args with, in x's place, a view of x batched on that dim whose gradient (this layer's use alone: x's other uses
+    are followed as they are) gives the parameter each sample's gradient of its copy (on_add of the view to itself).
+    From there the tracking follows it as any batched tensor (an op mixing the copies refuses the norms). None: x is no
+    such piece, or that dim is not one."""
+    x = args[0] if args else None
+    status = tracker.status(x) if tracker is not None and isinstance(x, torch.Tensor) else None
+    if type(status) is not Shared or type(status.owner) is not Piece or len(status.owner.base) > x.dim():
+        return None
+    aligned = (1,) * (x.dim() - len(status.owner.base)) + status.owner.base
+    dims = [d for d in range(x.dim()) if aligned[d] == 1 and x.shape[d] == batch]
+    if len(dims) != 1:
+        return None
+    joined = x.view_as(x)
+    tracker.mark(joined, dims[0])
+    status.owner.on_add(joined, joined, dims[0], 1)
+    return (joined, *args[1:])
+
+
 def element_positions(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The flat positions of a tensor of `shape`'s elements, in its shape: what views and picks of it move."""
     return torch.arange(_numel(shape), device=device).reshape(shape)

@@ -15,6 +15,7 @@ from ..utils import first_tensor
 from . import shared_input, tied_embedding
 from .batch_provenance import Merged, Shared
 from .coverage import LayerCoverage
+from .free_parameters import joined_where_expanded
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
 from .rules import Call, NormRule, gradient_dtype
 from .use_check import UseChecker
@@ -133,14 +134,15 @@ class LayerHooks:
             self._note = _torch_compat.dynamo_disable(LayerHooks._note_params)
             self._follow = _torch_compat.dynamo_disable(LayerHooks._collecting_forward_hook)
 
-    def _pre_forward_hook(self, index: int, module: nn.Module, args) -> None:
+    def _pre_forward_hook(self, index: int, module: nn.Module, args) -> tuple | None:
         if self.state.collecting:  # (a skipped step: traced by Dynamo as nothing; traced, the rest runs untraced)
-            (self._note if torch.compiler.is_compiling() else LayerHooks._note_params)(self, index, module)
+            return (self._note if torch.compiler.is_compiling() else LayerHooks._note_params)(self, index, module, args)
 
-    def _note_params(self, index: int, module: nn.Module) -> None:
+    def _note_params(self, index: int, module: nn.Module, args: tuple) -> tuple | None:
         if self.state.micro and not _torch_compat.functorch_transforms_active():
             with _torch_compat.ModeSuspended(self.state.tracking):
                 self.state.micro[-1].used[index] = self.layers[index][2].params(module)
+                return joined_where_expanded(self.state.tracking, args, self.state.micro[-1].batch)
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         if not self.state.collecting:  # (as _pre_forward_hook)

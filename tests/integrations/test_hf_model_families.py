@@ -603,6 +603,53 @@ def test_llava_image_features_scattered_into_the_tokens_are_exact():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["blip2", "perceiver"])
+def test_learned_queries_run_through_layers_of_their_own_are_exact(family):
+    """BLIP-2's Q-Former (its query tokens expanded over the batch, then normalised and attending to each other before
+    they attend to the image features) trained with the vision tower and the language model frozen, as BLIP-2 trains;
+    Perceiver's latents (normalised and projected before cross-attending to the inputs). Each sample's copy joins the
+    batch at the first layer that takes it: every trainable parameter is covered (the queries too), exact against a
+    float64 loop (left out before: every layer before the queries met the batch)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    if family == "blip2":
+        vision = transformers.Blip2VisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                                num_attention_heads=2, image_size=16, patch_size=8)
+        qformer = transformers.Blip2QFormerConfig(
+            hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, encoder_hidden_size=16,
+            cross_attention_frequency=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=VOCAB,
+            max_position_embeddings=32)
+        text = transformers.OPTConfig(vocab_size=VOCAB + 2, hidden_size=16, ffn_dim=24, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=16,
+                                      dropout=0.0, attention_dropout=0.0)
+        model = transformers.Blip2ForConditionalGeneration(transformers.Blip2Config(
+            vision_config=vision.to_dict(), qformer_config=qformer.to_dict(), text_config=text.to_dict(),
+            num_query_tokens=4, image_token_index=VOCAB + 1)).double()
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(("qformer", "query_tokens", "language_projection")))
+        g = torch.Generator().manual_seed(1)
+        batch = dict(pixel_values=torch.randn(3, 3, 16, 16, generator=g, dtype=torch.float64),
+                     input_ids=torch.cat([torch.full((3, 4), VOCAB + 1), torch.randint(3, VOCAB, (3, 6), generator=g)], 1))
+        queries = "query_tokens"
+    else:
+        model = transformers.PerceiverForMaskedLM(transformers.PerceiverConfig(
+            vocab_size=VOCAB, d_model=16, d_latents=16, num_latents=4, num_blocks=1, num_self_attends_per_block=1,
+            num_self_attention_heads=2, num_cross_attention_heads=2, max_position_embeddings=SEQ,
+            attention_probs_dropout_prob=0.0)).double()
+        batch = dict(inputs=torch.randint(3, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(1)))
+        queries = "perceiver.embeddings.latents"
+
+    def loss_of(m, s):
+        return m(**{k: v[s] for k, v in batch.items()}).logits.double().square().sum()
+
+    got, want, cov, _ = _exact_norms(model, loss_of, 3, batch_inputs=tuple(batch))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    # (Perceiver's input embeddings are also read by its decoder's output layer, outside their module: left out)
+    left = {"perceiver.input_preprocessor.embeddings.weight"} if family == "perceiver" else set()
+    assert set(cov["covered"]) == trainable - left and queries in cov["covered"]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("loss", ["contrastive", "per sample"])
 def test_clip_contrastive_loss_is_refused_and_a_per_sample_one_exact(loss):
     """CLIP's own loss (return_loss=True) is a cross entropy over the similarities of every pair of samples, formed in

@@ -358,7 +358,7 @@ def test_a_loss_over_pairs_of_samples_is_refused(loss):
 
 class BatchStatistics(nn.Module):
     """A layer, then what the forward does with the whole batch (`how`), then a head: a batch norm written by hand
-    (x - mean) / std over the batch, a penalty on the batch mean added to each sample's output, a softmax along the
+    (x - mean) / std over the batch, the batch centred on its mean, a penalty on the batch mean added to each sample's output, a softmax along the
     batch; or what a loss inside the forward does that stays a sum of per-sample terms (a token sum divided by the
     batch's count of tokens, which has no gradient), or a maximum over the batch without a gradient."""
 
@@ -370,6 +370,8 @@ class BatchStatistics(nn.Module):
         h = torch.tanh(self.inp(x))
         if self.how == "batch norm":
             h = (h - h.mean(0)) / h.std(0)
+        elif self.how == "centred on the batch mean":  # linear, but each row's gradient goes to every sample's
+            h = h - h.mean(0)
         elif self.how == "softmax over the batch":
             h = h * h.softmax(0)
         elif self.how == "functional batch norm":  # the batch's statistics, in a module no BatchNorm hook sees
@@ -388,7 +390,7 @@ class BatchStatistics(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["batch norm", "softmax over the batch", "penalty on the batch mean",
-                                 "functional batch norm", "token count", "max without gradient",
+                                 "functional batch norm", "centred on the batch mean", "token count", "max without gradient",
                                  "functional batch norm, running statistics"])
 def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     """A loss that depends on a statistic of the whole batch other than through a sum of per-sample terms has no
@@ -400,7 +402,8 @@ def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", batch_inputs=(0, 1))
     model(x, y).backward()
-    if how in ("batch norm", "softmax over the batch", "penalty on the batch mean", "functional batch norm"):
+    if how in ("batch norm", "softmax over the batch", "penalty on the batch mean", "functional batch norm",
+               "centred on the batch mean"):
         with pytest.raises(RuntimeError, match=r"forms a statistic of the whole batch, and the loss depends on it"):
             psn.local_norms()
         psn.close()

@@ -678,3 +678,70 @@ def test_a_lookup_that_renormalises_or_counts_the_batch_is_left_out_by_name(use,
     assert "a" in cov["uncovered"] and "b.weight" in cov["covered"]
     want = loop_per_sample_norms(model, _loss, ids, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class LearnedQueries(nn.Module):
+    """Learned queries expanded over the batch and run through layers of their own before they meet the batch
+    (Perceiver's latents, BLIP-2's Q-Former query tokens): a LayerNorm and a projection on each sample's copy, then
+    attention over the sample's features. `how`: how the copies are made, or (mixed) an op that mixes them."""
+
+    def __init__(self, how="expand", d=6, n=3):
+        super().__init__()
+        self.how = how
+        self.queries = nn.Parameter(torch.randn(n, d))
+        self.norm, self.proj, self.kv = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):  # [B, T, d] (sequence-first [T, B, d] with how="sequence_first")
+        b = x.shape[1] if self.how == "sequence_first" else x.shape[0]
+        if self.how == "repeat":
+            q = self.queries.unsqueeze(0).repeat(b, 1, 1)
+        elif self.how == "sequence_first":  # [n, B, d]: the batch on dim 1, as the features'
+            q = self.queries.unsqueeze(1).expand(-1, b, -1)
+        else:
+            q = self.queries.expand(b, -1, -1)
+        if self.how == "also_added":  # the copies also added to the batch before the layers: both uses count, once each
+            x = torch.cat([x[:, :q.shape[1]] + q, x[:, q.shape[1]:]], 1)
+        q = self.proj(self.norm(q))
+        if self.how == "sequence_first":
+            q, x = q.transpose(0, 1), x.transpose(0, 1)
+        if self.how == "mixed":  # each sample's queries hold every sample's: not per-sample
+            q = q - q.mean(0, keepdim=True)
+        k = self.kv(x)
+        out = torch.softmax(q @ k.transpose(1, 2), -1) @ k
+        return self.head(out.mean(1))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("how", ["expand", "repeat", "sequence_first", "also_added"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_learned_queries_expanded_over_the_batch_are_exact(how, batch, bookkeeping):
+    """Each sample's copy of the queries joins the batch where a covered layer takes it: the layers on the copies are
+    per-sample, and so is the queries' parameter (its gradient of each copy)."""
+    torch.manual_seed(2)
+    model = LearnedQueries(how).double()
+    x, y = torch.randn(batch, 5, 6, dtype=torch.float64), torch.randn(batch, 2, dtype=torch.float64)
+    inputs = x.transpose(0, 1).contiguous() if how == "sequence_first" else x
+    got, cov = norms_and_coverage(model, _loss, inputs, y, strict=True, bookkeeping=bookkeeping,
+                                  batch_dim=1 if how == "sequence_first" else 0)
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    reference = _SampleFirstFeatures(model) if how == "sequence_first" else model
+    torch.testing.assert_close(got, loop_per_sample_norms(reference, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+class _SampleFirstFeatures(nn.Module):
+    """The sequence-first model fed [B, T, d] features (the loop's reference)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x.transpose(0, 1))
+
+
+def test_copies_of_learned_queries_mixed_across_the_batch_refuse_the_norms():
+    model = LearnedQueries("mixed").double()
+    x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="mix"):
+        norms_and_coverage(model, _loss, x, y)
