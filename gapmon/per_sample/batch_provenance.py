@@ -65,7 +65,7 @@ _DIM_DEFAULT = {"rot90": (0, 1), "topk": -1, "kthvalue": -1, "glu": -1, "normali
 _COMBINING_ALONG = {"cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax", "softmin", "normalize", "diff", "glu",
                     *(k for k in _ALONG_DIM if k.startswith("fft_"))}
 # Reductions over the batch that are no sum of per-sample terms and use every sample's value (min, max and their
-# kind pick one sample's: the batch is lost there).
+# kind pick one sample's for all: a statistic of the batch as well).
 _COMBINING_REDUCTIONS = {"std", "var", "std_mean", "var_mean", "norm", "vector_norm", "linalg_vector_norm",
                          "linalg_norm", "prod", "logsumexp"}
 _SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes", "unsafe_split", "unsafe_chunk"}
@@ -295,8 +295,10 @@ class BatchTracker(TorchFunctionMode):
             result = self.status_by_rules(name, args, kwargs, inputs, out)
         except Lost as why:
             result = why.status()
-            if isinstance(why, CrossSample) and one and out.requires_grad:
-                watch_cross_sample(self, out, why)
+            if isinstance(why, CrossSample):  # (each output with a gradient: torch.max(x, 0) gives values and indices)
+                for o in ((out,) if one else out if isinstance(out, (tuple, list)) else ()):
+                    if type(o) is torch.Tensor and o.requires_grad:
+                        watch_cross_sample(self, o, why)
         except Exception as error:  # a rule's own bug must never break the user's forward pass
             result = f"{name} (no batch rule could read it: {type(error).__name__})"
         if one:
@@ -612,7 +614,8 @@ def _reduction(name: str):
                 raise _Summed(f"{name} over the batch dim")
             if name in _COMBINING_REDUCTIONS:
                 raise BatchStatistic(f"{name} over the batch dim")
-            raise Lost(f"{name} over the batch dim (it picks among the samples)")
+            # one sample's value for every sample: with a gradient back, that sample's row gets every sample's
+            raise BatchStatistic(f"{name} over the batch dim (it picks among the samples)")
         keep = _arg(args, kwargs, 2 + shift, "keepdim", False) is True
         return d if keep else d - sum(1 for a in dims if a < d)
     return rule

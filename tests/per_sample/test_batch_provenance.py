@@ -372,6 +372,10 @@ class BatchStatistics(nn.Module):
             h = (h - h.mean(0)) / h.std(0)
         elif self.how == "centred on the batch mean":  # linear, but each row's gradient goes to every sample's
             h = h - h.mean(0)
+        elif self.how == "scaled by the batch's maximum":  # one sample's value for all (Nystromformer's pseudo-inverse)
+            h = h / h.abs().amax(0)
+        elif self.how == "less the batch's maximum":  # the same through torch.max's (values, indices)
+            h = h - torch.max(h, 0).values
         elif self.how == "softmax over the batch":
             h = h * h.softmax(0)
         elif self.how == "functional batch norm":  # the batch's statistics, in a module no BatchNorm hook sees
@@ -390,7 +394,8 @@ class BatchStatistics(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["batch norm", "softmax over the batch", "penalty on the batch mean",
-                                 "functional batch norm", "centred on the batch mean", "token count", "max without gradient",
+                                 "functional batch norm", "centred on the batch mean", "scaled by the batch's maximum",
+                                 "less the batch's maximum", "token count", "max without gradient",
                                  "functional batch norm, running statistics"])
 def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     """A loss that depends on a statistic of the whole batch other than through a sum of per-sample terms has no
@@ -403,7 +408,7 @@ def test_a_statistic_of_the_whole_batch_in_the_loss_is_refused(how):
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", batch_inputs=(0, 1))
     model(x, y).backward()
     if how in ("batch norm", "softmax over the batch", "penalty on the batch mean", "functional batch norm",
-               "centred on the batch mean"):
+               "centred on the batch mean", "scaled by the batch's maximum", "less the batch's maximum"):
         with pytest.raises(RuntimeError, match=r"forms a statistic of the whole batch, and the loss depends on it"):
             psn.local_norms()
         psn.close()
