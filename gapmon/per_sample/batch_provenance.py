@@ -294,11 +294,7 @@ class BatchTracker(TorchFunctionMode):
         try:
             result = self.status_by_rules(name, args, kwargs, inputs, out)
         except Lost as why:
-            result = why.status()
-            if isinstance(why, CrossSample):  # (each output with a gradient: torch.max(x, 0) gives values and indices)
-                for o in ((out,) if one else out if isinstance(out, (tuple, list)) else ()):
-                    if type(o) is torch.Tensor and o.requires_grad:
-                        watch_cross_sample(self, o, why)
+            result = lost_status(self, why, inputs, out)
         except Exception as error:  # a rule's own bug must never break the user's forward pass
             result = f"{name} (no batch rule could read it: {type(error).__name__})"
         if one:
@@ -344,6 +340,7 @@ class BatchTracker(TorchFunctionMode):
                 if not inputs:
                     return _expanded(self, name, args, out) if name in _EXPANDS else None
             return self._by_rule(name, args, kwargs, inputs, out)
+        inputs = watch_mixed_inputs(self, inputs)
         if any(type(st) is BatchSum for _, st in inputs):
             return after_batch_sum(self, name, args, kwargs, inputs, out)
         if any(type(st) is Shared for _, st in inputs):
@@ -1243,6 +1240,45 @@ def _split(tracker, args, kwargs, inputs, out) -> int:
     return d
 
 
+class MixedUnseen(str):
+    """A lost status: an op that mixes the samples (a CrossSample) ran with grad off over inputs that carry a graph, as
+    in a custom autograd.Function's forward, whose backward is its own and carries the mixing back. When a tensor of
+    this status carries a gradient again (the Function's output), it is watched there as the op's output would have
+    been (`why`); one that never does (a statistic taken under torch.no_grad) is a constant of the step."""
+
+    why: CrossSample
+
+
+def lost_status(tracker: BatchTracker, why: Lost, inputs: list, out: Any) -> str:
+    """The status of out where a rule raised `why`: a CrossSample's outputs with a gradient are watched (each output of
+    a tuple: torch.max(x, 0) gives values and indices); under no grad over inputs with a graph, MixedUnseen."""
+    status = why.status()
+    if not isinstance(why, CrossSample):
+        return status
+    for o in ((out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()):
+        if type(o) is torch.Tensor and o.requires_grad:
+            watch_cross_sample(tracker, o, why)
+    if not torch.is_grad_enabled() and any(t.requires_grad for t, _ in inputs):
+        status = MixedUnseen(status)
+        status.why = why
+    return status
+
+
+def watch_mixed_inputs(tracker: BatchTracker, inputs: list) -> list:
+    """`inputs`, a MixedUnseen status plain lost once grad is on: an output of a custom Function (its graph node the
+    Function's backward) is watched then as a CrossSample's output (once: its status plain lost from there); any other
+    tensor of that status got its gradient, if any, some other way (a statistic taken under torch.no_grad, then used as
+    a constant)."""
+    if not torch.is_grad_enabled() or not any(type(st) is MixedUnseen for _, st in inputs):
+        return inputs
+    for t, st in inputs:
+        if type(st) is MixedUnseen:
+            if t.requires_grad and isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
+                watch_cross_sample(tracker, t, st.why)
+            tracker.mark(t, str(st))
+    return [(t, str(st) if type(st) is MixedUnseen else st) for t, st in inputs]
+
+
 def watch_cross_sample(tracker: BatchTracker, out: torch.Tensor, why: CrossSample) -> None:
     """A hook on out, the product of two samples' tensors or a statistic of the batch: a gradient there that is not zero
     (one device sync, in that backward) means the loss depends on several samples at once, recorded in the tracker's
@@ -1273,7 +1309,9 @@ def after_batch_sum(tracker: BatchTracker, name: str, args: Sequence, kwargs: di
     if others:
         # x - x.mean(0): each sample's row gets every sample's gradient through the sum (not a constant that scales the
         # loss: a count or a maximum of the batch without a gradient)
-        if any(t.requires_grad for t, _ in sums) and any(not isinstance(s, str) or t.requires_grad for t, s in others):
+        live = any(t.requires_grad for t, _ in sums) or not torch.is_grad_enabled() and any(  # (a Function's forward)
+            t.requires_grad for t, _ in others)
+        if live and any(not isinstance(s, str) or t.requires_grad for t, s in others):
             raise BatchStatistic(f"{name} of a sum over the batch, with a gradient, and the batch ({sums[0][1]})")
         raise Lost(f"{name} of a sum over the batch with the batch or its loss ({sums[0][1]})")
     live = [t for t, _ in sums if t.requires_grad]

@@ -943,3 +943,85 @@ def test_a_layer_call_on_a_shared_table_whose_output_is_detached_is_passed_over(
     assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
     want = loop_per_sample_norms(model, _loss, x, y)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class _Centred(torch.autograd.Function):
+    """The batch centred on its mean inside a custom Function (its forward runs with grad off; its backward, its own,
+    carries every sample's gradient into each row)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.mean(0, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+class _Swish(torch.autograd.Function):
+    """A per-sample op with a backward of its own (a fused kernel's shape)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+class InsideFunctions(nn.Module):
+    """A layer, then `how`: a custom Function that mixes the samples, one that does not, or a statistic of the batch
+    taken under torch.no_grad and used as a constant; then a head."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.inp, self.head, self.how = nn.Linear(5, 6), nn.Linear(6, 3), how
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.how == "centring Function":
+            h = _Centred.apply(h)
+        elif self.how == "per-sample Function":
+            h = _Swish.apply(h)
+        else:
+            with torch.no_grad():
+                scale = h.abs().amax(0) + 1.0
+            h = h / scale
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["centring Function", "per-sample Function", "statistic without gradient"])
+def test_custom_functions_that_mix_the_samples_are_refused_and_others_exact(how):
+    """A custom autograd Function's forward runs with grad off, so its ops that mix the samples carry no gradient
+    there; its output does. Where such an op ran over inputs with a graph, the output is watched as the op's would
+    be: a gradient through it refuses the norms (the layer before it got every sample's gradient: its norms had no
+    meaning). A Function that keeps the samples apart, and a statistic under torch.no_grad used as a constant, stay
+    exact."""
+    torch.manual_seed(0)
+    model = InsideFunctions(how).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    ((model(x) - y) ** 2).sum().backward()
+    if how == "centring Function":
+        with pytest.raises(RuntimeError, match=r"forms a statistic of the whole batch.*sub of a sum over the batch"):
+            psn.local_norms()
+        psn.close()
+        return
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    if how == "per-sample Function":
+        assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+        _exact(got, loop_per_sample_norms(model, lambda o, t: ((o - t) ** 2).sum(), x, y))
+    else:  # the scale is the batch's, a constant of the step: each sample's term of this batch's loss (the head, after
+        # the batch was lost at the division, left out)
+        assert set(cov["covered"]) == {"inp.weight", "inp.bias"}
+        with torch.no_grad():
+            scale = model.inp(x).abs().amax(0) + 1.0
+        want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            (model.head(model.inp(x[i:i + 1]) / scale) - y[i:i + 1]).square().sum(), list(model.inp.parameters()))]).norm()
+            for i in range(4)])
+        _exact(got, want)
