@@ -120,7 +120,10 @@ class BatchStatistic(CrossSample):
 class BatchSum(str):
     """A status: a sum (or mean) over the batch of the samples' terms (a loss's reduction). Linear ops keep it: it is
     still a sum of per-sample terms (after_batch_sum); a nonlinear one of such a sum that carries a gradient is a
-    BatchStatistic."""
+    BatchStatistic. `graded`: summed with grad off from tensors that carry a graph (in a custom Function's forward,
+    whose backward carries the gradient the sum would have)."""
+
+    graded = False
 
 
 class _Summed(Lost):
@@ -1251,14 +1254,18 @@ class MixedUnseen(str):
 
 def lost_status(tracker: BatchTracker, why: Lost, inputs: list, out: Any) -> str:
     """The status of out where a rule raised `why`: a CrossSample's outputs with a gradient are watched (each output of
-    a tuple: torch.max(x, 0) gives values and indices); under no grad over inputs with a graph, MixedUnseen."""
+    a tuple: torch.max(x, 0) gives values and indices); under no grad over inputs with a graph, MixedUnseen (a sum
+    over the batch, `graded`)."""
     status = why.status()
+    graph_under_no_grad = not torch.is_grad_enabled() and any(t.requires_grad for t, _ in inputs)
+    if type(status) is BatchSum and graph_under_no_grad:
+        status.graded = True
     if not isinstance(why, CrossSample):
         return status
     for o in ((out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()):
         if type(o) is torch.Tensor and o.requires_grad:
             watch_cross_sample(tracker, o, why)
-    if not torch.is_grad_enabled() and any(t.requires_grad for t, _ in inputs):
+    if graph_under_no_grad:
         status = MixedUnseen(status)
         status.why = why
     return status
@@ -1309,8 +1316,7 @@ def after_batch_sum(tracker: BatchTracker, name: str, args: Sequence, kwargs: di
     if others:
         # x - x.mean(0): each sample's row gets every sample's gradient through the sum (not a constant that scales the
         # loss: a count or a maximum of the batch without a gradient)
-        live = any(t.requires_grad for t, _ in sums) or not torch.is_grad_enabled() and any(  # (a Function's forward)
-            t.requires_grad for t, _ in others)
+        live = any(t.requires_grad or s.graded for t, s in sums)  # (graded: summed in a Function's forward)
         if live and any(not isinstance(s, str) or t.requires_grad for t, s in others):
             raise BatchStatistic(f"{name} of a sum over the batch, with a gradient, and the batch ({sums[0][1]})")
         raise Lost(f"{name} of a sum over the batch with the batch or its loss ({sums[0][1]})")

@@ -973,6 +973,19 @@ class _Swish(torch.autograd.Function):
         return g * (s + x * s * (1 - s))
 
 
+class _OverCount(torch.autograd.Function):
+    """A per-sample op scaled by a count of the whole batch that carries no gradient (a token count)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.count = (x.abs() > 0).sum()
+        return x / ctx.count
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.count
+
+
 class InsideFunctions(nn.Module):
     """A layer, then `how`: a custom Function that mixes the samples, one that does not, or a statistic of the batch
     taken under torch.no_grad and used as a constant; then a head."""
@@ -987,6 +1000,8 @@ class InsideFunctions(nn.Module):
             h = _Centred.apply(h)
         elif self.how == "per-sample Function":
             h = _Swish.apply(h)
+        elif self.how == "Function over a count":
+            h = _OverCount.apply(h)
         else:
             with torch.no_grad():
                 scale = h.abs().amax(0) + 1.0
@@ -994,13 +1009,14 @@ class InsideFunctions(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("how", ["centring Function", "per-sample Function", "statistic without gradient"])
+@pytest.mark.parametrize("how", ["centring Function", "per-sample Function", "Function over a count",
+                                 "statistic without gradient"])
 def test_custom_functions_that_mix_the_samples_are_refused_and_others_exact(how):
     """A custom autograd Function's forward runs with grad off, so its ops that mix the samples carry no gradient
     there; its output does. Where such an op ran over inputs with a graph, the output is watched as the op's would
     be: a gradient through it refuses the norms (the layer before it got every sample's gradient: its norms had no
     meaning). A Function that keeps the samples apart, and a statistic under torch.no_grad used as a constant, stay
-    exact."""
+    exact (a count of the batch without a gradient is a constant there too)."""
     torch.manual_seed(0)
     model = InsideFunctions(how).double()
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
@@ -1020,7 +1036,8 @@ def test_custom_functions_that_mix_the_samples_are_refused_and_others_exact(how)
         # the batch was lost at the division, left out)
         assert set(cov["covered"]) == {"inp.weight", "inp.bias"}
         with torch.no_grad():
-            scale = model.inp(x).abs().amax(0) + 1.0
+            h = model.inp(x)
+            scale = (h.abs() > 0).sum() if how == "Function over a count" else h.abs().amax(0) + 1.0
         want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
             (model.head(model.inp(x[i:i + 1]) / scale) - y[i:i + 1]).square().sum(), list(model.inp.parameters()))]).norm()
             for i in range(4)])
