@@ -417,7 +417,7 @@ class BatchTracker(TorchFunctionMode):
             if type(d) is int and self._shared_cat(args, kwargs, out, d):
                 return d
         for _, st in shared:
-            st.owner.on_escape(name)
+            escape_once_graded(st.owner, name, out)
         return self.status_by_rules(name, args, kwargs, plain, out) if plain else None
 
     def _shared_cat(self, args: Sequence, kwargs: dict, out: torch.Tensor, d: int) -> bool:
@@ -877,6 +877,19 @@ def _shared_table(args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, ids
     padding = _arg(args, kwargs, 2, "padding_idx")
     padding = -1 if padding is None else padding % t.shape[0]
     return dim if st.owner.looked_up(t, out, ids, dim, padding) else None
+
+
+def escape_once_graded(owner: Any, name: str, out: Any) -> None:
+    """A use of a Shared tensor that no rule follows: its owner escapes (its parameter or layer left out, named) once
+    the op's output gets a gradient, since only through it does the use add to the gradient. An output without one in
+    a forward that records gradients adds nothing: DoRA's embedding adapters multiplied into a weight norm that is
+    detached. With grad off, or in place, at once (a custom Function's forward: its backward is its own)."""
+    outs = [o for o in ((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ())
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not torch.is_grad_enabled() or _in_place(name):
+        owner.on_escape(name)
+    for o in outs if torch.is_grad_enabled() and not _in_place(name) else ():
+        o.register_hook(lambda _, owner=owner, name=name: owner.on_escape(name))
 
 
 def _shared_cleared(tracker: BatchTracker, t: torch.Tensor, st: Shared) -> Shared | None:

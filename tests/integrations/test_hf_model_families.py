@@ -678,7 +678,9 @@ def test_clip_contrastive_loss_is_refused_and_a_per_sample_one_exact(loss):
         return (out.text_embeds * out.image_embeds).sum() + out.image_embeds.square().sum()
 
     got, want, cov, _ = _exact_norms(model, loss_of, 4, batch_inputs=tuple(batch))
-    assert set(cov["uncovered"]) == {"logit_scale"} and "text_projection.weight" in cov["covered"]
+    # logit_scale's one use, the similarities, gets no gradient from this loss: covered, its part zero (left out, named,
+    # before session 20: the use was refused in the forward, whatever came back through it)
+    assert not cov["uncovered"] and {"text_projection.weight", "logit_scale"} <= set(cov["covered"])
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 

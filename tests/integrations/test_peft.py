@@ -65,13 +65,16 @@ def test_lora_adapters_are_exact(config, bookkeeping):
 
 
 @pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
-def test_dora_is_exact(bookkeeping):
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["embed_tokens", "q_proj"]], ids=["projections", "embedding"])
+def test_dora_is_exact(bookkeeping, targets):
     """DoRA scales the adapted output by magnitude / ||W + BA|| (per output row), the norm formed by running lora_A and
     lora_B on an identity matrix every sample shares and detached: that call adds nothing to their gradients, so it is
     passed over, and the magnitude vector (divided by the detached norm, then multiplied with the batch) is followed
-    as a free parameter. Every adapter parameter is covered and exact (strict: nothing refused)."""
+    as a free parameter. On an embedding, its A and B (ParameterDict entries) are also multiplied together into that
+    norm, detached: a use no rule follows, which adds nothing since no gradient comes back through it. Every adapter
+    parameter is covered and exact (strict: nothing refused)."""
     transformers, peft = _hf(), _peft()
-    model = _adapted(transformers, peft, target_modules=["q_proj", "v_proj"], use_dora=True)
+    model = _adapted(transformers, peft, target_modules=targets, use_dora=True)
     with torch.no_grad():  # magnitudes away from the weight norms they start at, so that the scale is not 1
         for name, p in model.named_parameters():
             if "lora_magnitude_vector" in name:
