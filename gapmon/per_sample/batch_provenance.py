@@ -166,7 +166,7 @@ _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "u
                         "ravel"}
 _ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
          "__isub__": -1}
-_MULS = {"mul", "__mul__", "__rmul__", "multiply"}  # a free parameter scaling a batched tensor (free_parameters)
+_MULS = elementwise.PRODUCTS  # a free parameter scaling a batched tensor (free_parameters)
 
 
 # Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
@@ -879,16 +879,23 @@ def _shared_table(args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, ids
     return dim if st.owner.looked_up(t, out, ids, dim, padding) else None
 
 
+def graded_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of an op's or a layer's output (a tensor, or tuples, lists and dicts of them) that carry a gradient."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    parts = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [t for o in parts for t in graded_tensors(o)]
+
+
 def escape_once_graded(owner: Any, name: str, out: Any) -> None:
     """A use of a Shared tensor that no rule follows: its owner escapes (its parameter or layer left out, named) once
     the op's output gets a gradient, since only through it does the use add to the gradient. An output without one in
     a forward that records gradients adds nothing: DoRA's embedding adapters multiplied into a weight norm that is
     detached. With grad off, or in place, at once (a custom Function's forward: its backward is its own)."""
-    outs = [o for o in ((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ())
-            if isinstance(o, torch.Tensor) and o.requires_grad]
     if not torch.is_grad_enabled() or _in_place(name):
         owner.on_escape(name)
-    for o in outs if torch.is_grad_enabled() and not _in_place(name) else ():
+        return
+    for o in graded_tensors(out):
         o.register_hook(lambda _, owner=owner, name=name: owner.on_escape(name))
 
 
@@ -1087,7 +1094,7 @@ def _shared_view(name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: S
     return None if piece is None else Shared(piece)
 
 
-_DIVS = {"div", "__truediv__", "true_divide", "divide"}
+_DIVS = elementwise.QUOTIENTS
 
 
 def _shared_arithmetic(name: str, args: Sequence, kwargs: dict, shared: list, out: torch.Tensor) -> Shared | None:
@@ -1275,9 +1282,8 @@ def lost_status(tracker: BatchTracker, why: Lost, inputs: list, out: Any) -> str
         status.graded = True
     if not isinstance(why, CrossSample):
         return status
-    for o in ((out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ()):
-        if type(o) is torch.Tensor and o.requires_grad:
-            watch_cross_sample(tracker, o, why)
+    for o in graded_tensors(out):
+        watch_cross_sample(tracker, o, why)
     if graph_under_no_grad:
         status = MixedUnseen(status)
         status.why = why

@@ -38,6 +38,11 @@ def _softplus_slope(x: torch.Tensor, beta: Any = 1.0, threshold: Any = 20.0) -> 
     return torch.where(x * beta > threshold, torch.ones_like(x), torch.sigmoid(x * beta))
 
 
+def _over_slope(x: torch.Tensor, other: Any) -> torch.Tensor | None:
+    """d(other / x)/dx = -other / x², other a number."""
+    return -other / (x * x) if type(other) in (int, float) else None
+
+
 # f'(x) from x and y = f(x), for the functions of one tensor
 _OF_ONE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "exp": lambda x, y: y,
@@ -63,28 +68,28 @@ _WITH_NUMBERS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor | Non
     "pow": (("exponent",), _power_slope),
     "__pow__": (("exponent",), _power_slope),
     "softplus": (("beta", "threshold"), _softplus_slope),
-    "__rdiv__": (("other",), lambda x, other: -other / (x * x) if type(other) in (int, float) else None),  # other / x
-    "__rtruediv__": (("other",), lambda x, other: -other / (x * x) if type(other) in (int, float) else None),
+    "__rdiv__": (("other",), lambda x, other: _over_slope(x, other)),
+    "__rtruediv__": (("other",), lambda x, other: _over_slope(x, other)),
 }
 
 
 # x times or over a tensor c that no sample's gradient flows into (the caller knows: no status in the batch tracking)
-_PRODUCTS = {"mul", "__mul__", "__rmul__", "multiply"}
-_QUOTIENTS = {"div", "__truediv__", "true_divide", "divide"}
+PRODUCTS = {"mul", "__mul__", "__rmul__", "multiply"}
+QUOTIENTS = {"div", "__truediv__", "true_divide", "divide"}
 
 
 def _factor_slope(name: str, args: Sequence, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """dy/dx for y = x * c, c * x, x / c or c / x, c a floating tensor that broadcasts to x's shape (DoRA's magnitude
     over its detached weight norm): c, 1 / c or -y / x, of x's shape; None for anything else."""
-    if len(args) != 2 or x is not args[0] and x is not args[1] or not (name in _PRODUCTS or name in _QUOTIENTS):
+    if len(args) != 2 or x is not args[0] and x is not args[1] or not (name in PRODUCTS or name in QUOTIENTS):
         return None
     c = args[1] if args[0] is x else args[0]
     if not isinstance(c, torch.Tensor) or not c.is_floating_point() or c is x:
         return None
-    if name in _QUOTIENTS and args[1] is x:  # c / x: -c / x² = -y / x
+    if name in QUOTIENTS and args[1] is x:  # c / x: -c / x² = -y / x
         return -(y.detach() / x.detach())
     c = c.detach()
-    return torch.broadcast_to(c.reciprocal() if name in _QUOTIENTS else c, x.shape)
+    return torch.broadcast_to(c.reciprocal() if name in QUOTIENTS else c, x.shape)
 
 
 def slope(name: str, args: Sequence, kwargs: dict, x: torch.Tensor, y: Any) -> torch.Tensor | None:

@@ -185,7 +185,8 @@ class ParameterUses:
         shape). Lookups alone (one table layout) by id, never forming a per-sample gradient; with other uses too, the
         lookups' per-sample gradients are formed and added to theirs."""
         numel, shape = self.param.numel(), self.param.shape
-        if self.rows and self.per_sample is None and all(r.same_table(self.rows[0]) for r in self.rows):
+        if (self.rows and self.per_sample is None and all(r.same_table(self.rows[0]) for r in self.rows)
+                and self.rows[0].permutation(numel)):
             return TableRows.joined(self.rows).norm_sq_and_sum(numel, shape)
         g = self.per_sample
         for r in self.rows:
@@ -198,17 +199,23 @@ class TableRows:
     """One lookup of a table t (a free parameter in some order: LoRA's A.T) by ids: each sample's output gradient rows
     g [B, N, width] at ids [B, N] (`padding`: an id whose row gets no gradient, or -1), and where t's elements sit in the
     parameter (`positions`, t's shape; None: in order; `holes`: some sit nowhere, as Piece's). Where t holds every
-    element of the parameter once (`permutation`), its per-sample gradients (B x its size) are not formed for the norm:
+    element of the parameter once (permutation), its per-sample gradients (B x its size) are not formed for the norm:
     Σ over pairs of positions with equal ids of g_t·g_s (embedding_norm_sq), whatever the order."""
 
     def __init__(self, ids: torch.Tensor, g: torch.Tensor, rows: int, padding: int, positions: torch.Tensor | None,
-                 holes: bool, permutation: bool):
+                 holes: bool):
         self.ids, self.g, self.rows, self.padding = ids, g, rows, padding
-        self.positions, self.holes, self.permutation = positions, holes, permutation
+        self.positions, self.holes = positions, holes
+
+    def permutation(self, numel: int) -> bool:
+        """Whether the table holds each of the parameter's `numel` elements once (read when the norms are: one host
+        read, after backward, not in the forward pass)."""
+        return self.positions is None or (not self.holes and self.positions.numel() == numel and bool(
+            torch.bincount(self.positions.reshape(-1), minlength=numel).eq(1).all()))
 
     def same_table(self, other: "TableRows") -> bool:
-        """Whether both looked up the same layout of the parameter, every element once (their ids index the same rows)."""
-        return self.permutation and other.permutation and self.padding == other.padding and self.rows == other.rows and (
+        """Whether both looked up the same layout of the parameter (their ids index the same rows)."""
+        return self.padding == other.padding and self.rows == other.rows and (
             self.positions is other.positions or self.positions is not None and other.positions is not None
             and torch.equal(self.positions, other.positions))
 
@@ -219,7 +226,7 @@ class TableRows:
             return parts[0]
         first = parts[0]
         return TableRows(torch.cat([p.ids for p in parts], 1), torch.cat([p.g for p in parts], 1), first.rows,
-                         first.padding, first.positions, first.holes, first.permutation)
+                         first.padding, first.positions, first.holes)
 
     def _in_parameter_order(self, table: torch.Tensor, numel: int) -> torch.Tensor:
         """[B, numel]: tables [B, rows, width] put where their elements sit in the parameter."""
@@ -326,9 +333,6 @@ class Piece:
             return False
         if not out.requires_grad:
             return True
-        numel = self.uses.param.numel()
-        permutation = self.positions is None or (not self.holes and self.positions.numel() == numel and bool(
-            torch.bincount(self.positions.reshape(-1), minlength=numel).eq(1).all()))
         rows, batch, factor, rounding = t.shape[0], self.uses.batch, self.factor, self.rounding
         positions, holes = self.positions, self.holes
         ids = ids.detach().movedim(dim, 0).reshape(batch, -1)
@@ -336,8 +340,8 @@ class Piece:
         def hook(g: torch.Tensor) -> None:
             g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
             g = g.movedim(dim, 0).reshape(batch, ids.shape[1], -1)
-            self.uses.add_rows(TableRows(ids, g * factor if factor != 1.0 else g, rows, padding, positions, holes,
-                                         permutation), _coarser(rounding, g.dtype))
+            self.uses.add_rows(TableRows(ids, g * factor if factor != 1.0 else g, rows, padding, positions, holes),
+                               _coarser(rounding, g.dtype))
 
         out.register_hook(hook)
         return True

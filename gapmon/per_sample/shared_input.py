@@ -16,8 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _torch_compat
-from .batch_provenance import Shared
+from .batch_provenance import Shared, graded_tensors
 from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered
 from .micro_batch import LayerCalls
 from .rules import Call
@@ -187,11 +186,8 @@ class SharedInputs:
         """A call of layer `name` whose input does not come from the batch: the layer is refused (at the next
         flush_refused) once any of the call's outputs gets a gradient; if none does, the call added nothing (its output
         detached, or unused) and the layer's other calls are measured as they are."""
-        graded: list[torch.Tensor] = []
-        _torch_compat.tree_map_tensors(graded.append, ((outputs,), {}))
-        for t in graded:
-            if t.requires_grad:
-                t.register_hook(lambda _, name=name, why=why: self.refuse_later(name, why))
+        for t in graded_tensors(outputs):
+            t.register_hook(lambda _, name=name, why=why: self.refuse_later(name, why))
 
     def refuse_later(self, name: str, why: str) -> None:
         """Layer `name` found in backward not to be per-sample: skipped at the next flush_refused."""
