@@ -745,3 +745,35 @@ def test_copies_of_learned_queries_mixed_across_the_batch_refuse_the_norms():
     x, y = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="mix"):
         norms_and_coverage(model, _loss, x, y)
+
+
+class CumulativeScale(nn.Module):
+    """A parameter through an op no rule follows (cumsum), whose output is then changed in place (`how`), or detached
+    first: only a use whose output gets a gradient leaves the parameter out."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.scale = nn.Parameter(torch.rand(6) + 0.5)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        s = self.scale.cumsum(0)
+        if self.how == "detached, then in place":
+            s = s.detach()
+        if self.how != "as it is":
+            s.mul_(2)
+        return self.lin(x * s)
+
+
+@pytest.mark.parametrize("how", ["as it is", "in place", "detached, then in place"])
+def test_a_use_no_rule_follows_leaves_the_parameter_out_only_if_a_gradient_comes_back(how):
+    torch.manual_seed(3)
+    model = CumulativeScale(how).double()
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, cov = norms_and_coverage(model, _loss, x, y)
+    assert ("scale" in cov["covered"]) == (how == "detached, then in place")
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
