@@ -31,6 +31,13 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+def current_autograd_node() -> Any:
+    """The autograd node backward evaluates now (in a tensor hook: the hooked tensor's grad_fn), None where this torch
+    has no such call (callers then assume the worst)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
+
+
 def functorch_transforms_active() -> bool:
     """Whether the code runs under torch.func (vmap, grad): hooks then see batched tensors."""
     return torch._C._are_functorch_transforms_active()

@@ -38,11 +38,14 @@ _SAME = {"to", "real", "imag", "type", "type_as", "float", "double", "half", "bf
          "masked_fill", "masked_fill_", "where", "lerp", "clamp", "clip", "relu6", "hardtanh", "celu", "selu",
          "threshold", "rrelu", "softplus", "softsign", "tanhshrink", "hardswish", "hardsigmoid", "mish", "silu",
          "gelu", "elu", "leaky_relu", "logsigmoid", "prelu", "copy_", "zero_", "fill_", "normal_", "uniform_",
-         "bernoulli", "bernoulli_", "pin_memory", "coalesce", "retain_grad"}
+         "bernoulli", "bernoulli_", "pin_memory", "coalesce", "retain_grad", "as_tensor", "asarray"}
 # Made from shapes (and dtypes/devices) only: unbatched whatever their inputs.
 _SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
                "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "arange", "zeros", "ones", "empty",
                "full"}
+# Attributes that return a tensor the forward has already made (a view's base, a gradient): its status stays its own.
+_ACCESSORS = {"_base", "grad"}
+_PASSED = _SHAPE_ONLY | _ACCESSORS
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "ravel", "view_as", "reshape_as",
           "squeeze_", "unsqueeze_", "atleast_1d", "atleast_2d", "atleast_3d"}
 _EXPANDS = {"expand", "expand_as", "broadcast_to"}
@@ -50,11 +53,19 @@ _REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max"
                "logsumexp", "any", "all", "argmax", "argmin", "count_nonzero", "median", "nanmedian", "mode",
                "std_mean", "var_mean", "aminmax", "vector_norm", "linalg_vector_norm", "linalg_norm"}
 _ORD_FIRST = {"norm", "vector_norm", "linalg_vector_norm", "linalg_norm"}  # (x, p or ord, dim, keepdim)
+# Loss functions, each sample's term from its own rows: elementwise (None), per row over a class dim (cross entropy's
+# dim 1 of an input of 2+ dims, its last of 2 dims), or CTC's (log_probs [T, B, C]: the batch on dim 1).
+_LOSSES: dict[str, int | None] = {
+    "cross_entropy": 1, "nll_loss": 1, "multi_margin_loss": 1, "multilabel_margin_loss": 1,
+    "multilabel_soft_margin_loss": 1, "mse_loss": None, "l1_loss": None, "smooth_l1_loss": None, "huber_loss": None,
+    "binary_cross_entropy": None, "binary_cross_entropy_with_logits": None, "kl_div": None, "poisson_nll_loss": None,
+    "soft_margin_loss": None, "ctc_loss": None}
 # Same shape (or the dim's size changes in place), along one dim that must not be the batch's.
 _ALONG_DIM = {"cumsum": 1, "cumprod": 1, "cummax": 1, "cummin": 1, "logcumsumexp": 1, "softmax": 1,
               "log_softmax": 1, "softmin": 1, "sort": 1, "argsort": 1, "topk": 2, "kthvalue": 2, "glu": 1,
               "normalize": 2, "diff": 2, "index_select": 1, "narrow": 1, "unfold": 1, "gather": 1,
-              "take_along_dim": 2, "flip": (1, "dims"), "roll": (2, "dims"), "rot90": (2, "dims"),
+              "take_along_dim": 2, "scatter": 1, "scatter_": 1, "scatter_add": 1, "scatter_add_": 1,
+              "scatter_reduce": 1, "scatter_reduce_": 1, "flip": (1, "dims"), "roll": (2, "dims"), "rot90": (2, "dims"),
               **{f"fft_{k}": 2 for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft", "fft2", "ifft2", "rfft2",
                                          "irfft2", "fftn", "ifftn", "rfftn", "irfftn")}}
 _DIM_DEFAULT = {"rot90": (0, 1), "topk": -1, "kthvalue": -1, "glu": -1, "normalize": 1, "diff": -1, "sort": -1, "argsort": -1,
@@ -172,9 +183,9 @@ _MULS = elementwise.PRODUCTS  # a free parameter scaling a batched tensor (free_
 # Rules that act on each index of the batch dim on its own (or lose it): run on a merged batch as on a plain one at
 # its dim, the merge kept (their checks of the batch's size are the aligned/merged ones).
 _MERGED_ROW_WISE = {"linear", "addmm", "mm", "matmul", "__matmul__", "bmm", "baddbmm", "einsum", "layer_norm", "rms_norm",
-                    "scaled_dot_product_attention",
+                    "scaled_dot_product_attention", "unsqueeze", "unsqueeze_",
                     "transpose", "transpose_", "swapaxes", "swapdims", "t", "T", "mT", "mH", "adjoint", "permute",
-                    "movedim", "moveaxis", "__getitem__", "pad", *_REDUCTIONS, *_ALONG_DIM}
+                    "movedim", "moveaxis", "__getitem__", "pad", *_REDUCTIONS, *_ALONG_DIM, *_LOSSES}
 
 
 _POINTWISE: dict[str, bool] = {}
@@ -236,6 +247,9 @@ class BatchTracker(TorchFunctionMode):
         self.batch = batch
         self._status: dict[int, tuple[weakref.ref, int | str]] = {}  # id(tensor) -> (ref, status)
         self.mixing: dict | None = None  # where a CrossSample op's output got a gradient: the micro-batch's `mixing`
+        # Called (status, autograd node) where a gradient comes back through an op that lost the batch (watch_lost)
+        self.lost_gradient: Callable[[str, Any], None] | None = None
+        self.ruled_depth = 0  # covered layers and row-keeping blocks whose forward runs now: their rules own their ops
 
     # ------------------------------------------------------------------ statuses
     def mark(self, t: torch.Tensor, status: int | str | None) -> None:
@@ -269,7 +283,7 @@ class BatchTracker(TorchFunctionMode):
                 _NAMES[func] = name
             except TypeError:
                 pass
-        if name in _SHAPE_ONLY:
+        if name in _PASSED:
             return out
         one = type(out) is torch.Tensor
         if not one and name != "__setitem__" and not _has_tensor(out):  # x.shape, x.size(0), x.dim()
@@ -300,6 +314,7 @@ class BatchTracker(TorchFunctionMode):
             result = lost_status(self, why, inputs, out)
         except Exception as error:  # a rule's own bug must never break the user's forward pass
             result = f"{name} (no batch rule could read it: {type(error).__name__})"
+            watch_lost(self, result, inputs, out)
         if one:
             self.mark(out, result[0] if type(result) is list else result)
         else:
@@ -343,7 +358,9 @@ class BatchTracker(TorchFunctionMode):
                 if not inputs:
                     return _expanded(self, name, args, out) if name in _EXPANDS else None
             return self._by_rule(name, args, kwargs, inputs, out)
-        inputs = watch_mixed_inputs(self, inputs)
+        inputs = _without_constants(name, watch_mixed_inputs(self, inputs))
+        if all(type(st) is int for _, st in inputs):
+            return self._by_rule(name, args, kwargs, inputs, out)
         if any(type(st) is BatchSum for _, st in inputs):
             return after_batch_sum(self, name, args, kwargs, inputs, out)
         if any(type(st) is Shared for _, st in inputs):
@@ -360,9 +377,10 @@ class BatchTracker(TorchFunctionMode):
         if joined is not None:
             return joined
         if lost and name != "embedding_bag":  # 1-D bags: the ids' batch dim is the offsets', not theirs
+            watch_lost(self, lost[0], inputs, out)
             return lost[0]
         if any(type(st) is Merged for _, st in inputs):
-            return self.merged_status(name, args, kwargs, inputs, out)
+            return merged_status(self, name, args, kwargs, inputs, out)
         return self._by_rule(name, args, kwargs, inputs, out)
 
     def _by_rule(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
@@ -438,39 +456,6 @@ class BatchTracker(TorchFunctionMode):
             start += t.shape[cat_dim]
         return True
 
-    def merged_status(self, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
-        """An op with an input whose batch is merged with other dims (Merged): reshapes may split it out again,
-        row-wise ops keep it, every other op loses it."""
-        if name in _VIEWS and name not in ("unsqueeze", "unsqueeze_", "squeeze", "squeeze_"):
-            return _view(self, args, kwargs, inputs, out)
-        merges = {st for _, st in inputs}
-        if _RULES.get(name) is _recurrent:
-            return _merged_recurrent(self, args, inputs, out)
-        if len(merges) == 1 and name == "__setitem__":
-            return _merged_setitem(self, args, next(iter(merges)))
-        if len(merges) == 1 and name == "as_strided":
-            return _as_strided(self, args, kwargs, inputs, out, next(iter(merges)))
-        if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
-            return _merged_parts(self, name, args, kwargs, inputs, out, next(iter(merges)))
-        if len(merges) == 1 and (name in _CATS or name == "stack"):
-            return _merged_joined(self, name, args, kwargs, inputs, out, next(iter(merges)))
-        if len(merges) != 1 or not isinstance(out, torch.Tensor):
-            raise Lost(f"{name} of inputs whose batch is merged differently (or with a plain batch dim)")
-        merged = merges.pop()
-        if name in _MERGED_ROW_WISE or (_is_pointwise(name) and name not in _RULES):
-            plain = [(t, st.dim) for t, st in inputs]
-            if name in _MERGED_ROW_WISE:
-                d = _RULES[name](self, args, kwargs, plain, out)
-            else:
-                dims = {st.dim + out.dim() - t.dim() for t, st in inputs}
-                if len(dims) != 1:
-                    raise Lost(f"{name} of inputs whose merged batch is on different dims")
-                d = dims.pop()
-            if type(d) is not int or out.shape[d] != self.batch * merged.inner:
-                raise Lost(f"{name} of a merged batch (its rows do not stay its rows)")
-            return Merged(d, merged.inner)
-        raise Lost(f"{name} on the batch merged with other dims (no rule follows it there)")
-
     def input_dim(self, args: Sequence, inputs: list) -> int:
         """The batch dim of the op's first argument (which must be the batched one)."""
         for t, s in inputs:
@@ -487,6 +472,44 @@ class BatchTracker(TorchFunctionMode):
         if out.shape[d] != self.batch:
             raise Lost(f"{name} (broadcasts the batch)")
         return d
+
+
+def merged_status(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, inputs: list, out: Any) -> Any:
+    """An op with an input whose batch is merged with other dims (Merged): reshapes may split it out again,
+    row-wise ops keep it, every other op loses it."""
+    if name in _VIEWS and name not in ("unsqueeze", "unsqueeze_", "squeeze", "squeeze_"):
+        return _view(tracker, args, kwargs, inputs, out)
+    merges = {st for _, st in inputs}
+    if _RULES.get(name) is _recurrent:
+        return _merged_recurrent(tracker, args, inputs, out)
+    if len(merges) == 1 and name == "__setitem__":
+        return _merged_setitem(tracker, args, next(iter(merges)))
+    if len(merges) == 1 and name == "as_strided":
+        return _as_strided(tracker, args, kwargs, inputs, out, next(iter(merges)))
+    if len(merges) == 1 and (name in _MERGED_PARTS or name == "repeat_interleave"):
+        return _merged_parts(tracker, name, args, kwargs, inputs, out, next(iter(merges)))
+    if len(merges) == 1 and (name in _CATS or name == "stack"):
+        return _merged_joined(tracker, name, args, kwargs, inputs, out, next(iter(merges)))
+    one = isinstance(out, torch.Tensor)
+    first = out if one else next((o for o in out if isinstance(o, torch.Tensor)), None) \
+        if isinstance(out, (tuple, list)) else None  # (topk: values and indices)
+    if len(merges) != 1 or first is None:
+        raise Lost(f"{name} of inputs whose batch is merged differently (or with a plain batch dim)")
+    merged = merges.pop()
+    if name in _MERGED_ROW_WISE or (one and _is_pointwise(name) and name not in _RULES):
+        plain = [(t, st.dim) for t, st in inputs]
+        if name in _MERGED_ROW_WISE:
+            d = _RULES[name](tracker, args, kwargs, plain, out)
+        else:
+            dims = {st.dim + out.dim() - t.dim() for t, st in inputs}
+            if len(dims) != 1:
+                raise Lost(f"{name} of inputs whose merged batch is on different dims")
+            d = dims.pop()
+        each = d if type(d) is list else [d]
+        if any(type(k) is not int for k in each) or first.shape[each[0]] != tracker.batch * merged.inner:
+            raise Lost(f"{name} of a merged batch (its rows do not stay its rows)")
+        return [Merged(k, merged.inner) for k in each] if type(d) is list else Merged(d, merged.inner)
+    raise Lost(f"{name} on the batch merged with other dims (no rule follows it there)")
 
 
 def _expanded(tracker: BatchTracker, name: str, args: Sequence, out: torch.Tensor) -> int | None:
@@ -621,6 +644,30 @@ def _reduction(name: str):
     return rule
 
 
+def _loss(name: str):
+    def rule(tracker, args, kwargs, inputs, out) -> int:
+        """A loss over the batch: reduced (a 0-dim output: "mean", "sum", "batchmean") a sum of the samples' terms
+        (a count of the batch dividing it is a constant: BatchSum); unreduced, the batch where its input has it, less
+        the class dim. Its inputs (input and target) must have the batch on one dim, not the class dim (a softmax over
+        the samples: a statistic of the batch)."""
+        x = args[0] if args else next(iter(kwargs.values()))
+        dims = {s for _, s in inputs}
+        if len(dims) != 1:
+            raise Lost(f"{name} of inputs batched on different dims")
+        d = dims.pop()
+        classes = _LOSSES[name] if x.dim() > 1 else None
+        if name == "ctc_loss" and (x.dim() != 3 or d != 1):
+            raise Lost(f"{name} of log-probabilities [T, B, C] whose batch is not on dim 1")
+        if classes is not None and d == classes:
+            raise BatchStatistic(f"{name} over classes along the batch dim (a softmax over the samples)")
+        if out.dim() == 0:
+            raise _Summed(f"{name} over the batch")
+        if name == "ctc_loss":
+            return 0
+        return d if classes is None or d < classes else d - 1
+    return rule
+
+
 def _along_dim(name: str):
     def rule(tracker, args, kwargs, inputs, out) -> int:
         x = args[0]
@@ -697,7 +744,7 @@ def _with_batched(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
             return d
     elif type(plain[0][1]) is Merged and hasattr(owner, "sliced"):
         try:
-            merged = tracker.merged_status(name, args, kwargs, plain, out)
+            merged = merged_status(tracker, name, args, kwargs, plain, out)
         except Lost:
             return None  # (reported as an escape by the caller, then lost again)
         hand(merged.dim, merged.inner)
@@ -795,7 +842,7 @@ def _shared_contraction(tracker: BatchTracker, name: str, args: Sequence, t: tor
     if equation is None:
         return None
     try:
-        status = (tracker.merged_status if merged else tracker.status_by_rules)(name, args, {}, plain, out)
+        status = (functools.partial(merged_status, tracker) if merged else tracker.status_by_rules)(name, args, {}, plain, out)
     except Lost:
         return None  # (reported as an escape by the caller, then lost again)
     if type(status) not in (int, Merged):
@@ -1281,6 +1328,7 @@ def lost_status(tracker: BatchTracker, why: Lost, inputs: list, out: Any) -> str
     if type(status) is BatchSum and graph_under_no_grad:
         status.graded = True
     if not isinstance(why, CrossSample):
+        watch_lost(tracker, status, inputs, out)
         return status
     for o in graded_tensors(out):
         watch_cross_sample(tracker, o, why)
@@ -1303,6 +1351,44 @@ def watch_mixed_inputs(tracker: BatchTracker, inputs: list) -> list:
                 watch_cross_sample(tracker, t, st.why)
             tracker.mark(t, str(st))
     return [(t, str(st) if type(st) is MixedUnseen else st) for t, st in inputs]
+
+
+def _without_constants(name: str, inputs: list) -> list:
+    """A pointwise op's inputs without its constants of the step, with grad on, where it has a batched input (on a
+    plain dim, or merged): inputs whose batch was lost or summed over that carry no gradient (a statistic of the batch
+    taken under torch.no_grad or detached: `h / h.abs().amax(0).detach()`; a mask made from routing indices). No
+    gradient goes back through them, so the op keeps its batched inputs' rows: each sample's loss term, with that
+    constant in it. `inputs` itself where the op is not of that kind: a lost input with a gradient (the rows after the
+    op may hold several samples' values, and its gradient several samples' losses: lost, watch_lost), or grad off (in
+    a custom Function's forward, a tensor without a gradient may still carry one back through its backward)."""
+    if not torch.is_grad_enabled() or not _is_pointwise(name):
+        return inputs
+    held = [(t, s) for t, s in inputs if not isinstance(s, str)]
+    if not any(type(s) is int or type(s) is Merged for _, s in held) or len(held) == len(inputs) or any(
+            isinstance(s, str) and (t.requires_grad or getattr(s, "graded", False)) for t, s in inputs):
+        return inputs
+    return held
+
+
+def watch_lost(tracker: BatchTracker, status: str, inputs: list, out: Any) -> None:
+    """An op whose output lost the batch (`status`) while an input had it (no batch rule for the op, a reshape that
+    mixes the batch's rows with others, one sample's tensor broadcast over the others): a row of the gradient that comes
+    back through it may hold several samples' losses, and so may the per-sample gradients of everything before it. A hook
+    on each output with a gradient reports a non-zero one (one device sync, in that backward) to the tracker's
+    `lost_gradient` with the autograd node it reached, whose callee leaves out what lies before it. Not inside a
+    covered layer or a row-keeping block (ruled_depth: their rule owns their ops; one whose output stays lost is watched
+    as it returns), nor for one sample, a sum over the batch (BatchSum, a loss's reduction) or with grad off."""
+    report = tracker.lost_gradient
+    if (report is None or tracker.ruled_depth or tracker.batch < 2 or type(status) is BatchSum
+            or not torch.is_grad_enabled() or not any(type(st) is int or type(st) is Merged for _, st in inputs)):
+        return
+    for o in graded_tensors(out):
+        o.register_hook(functools.partial(_lost_gradient, report, str(status)))
+
+
+def _lost_gradient(report: Callable[[str, Any], None], status: str, g: torch.Tensor) -> None:
+    if g is not None and bool((g.detach() != 0).any()):  # (a NaN counts: it came back through the op too)
+        report(status, _torch_compat.current_autograd_node())
 
 
 def watch_cross_sample(tracker: BatchTracker, out: torch.Tensor, why: CrossSample) -> None:
@@ -1336,7 +1422,8 @@ def after_batch_sum(tracker: BatchTracker, name: str, args: Sequence, kwargs: di
         # x - x.mean(0): each sample's row gets every sample's gradient through the sum (not a constant that scales the
         # loss: a count or a maximum of the batch without a gradient)
         live = any(t.requires_grad or s.graded for t, s in sums)  # (graded: summed in a Function's forward)
-        if live and any(not isinstance(s, str) or t.requires_grad for t, s in others):
+        # (a lost tensor with a gradient added to it, a loss's term that mixes the samples: watched where it was lost)
+        if live and any(not isinstance(s, str) or t.requires_grad and name not in _ADDS for t, s in others):
             raise BatchStatistic(f"{name} of a sum over the batch, with a gradient, and the batch ({sums[0][1]})")
         raise Lost(f"{name} of a sum over the batch with the batch or its loss ({sums[0][1]})")
     live = [t for t, _ in sums if t.requires_grad]
@@ -1453,15 +1540,37 @@ def _stack(tracker, args, kwargs, inputs, out) -> int:
 
 
 def _getitem(tracker, args, kwargs, inputs, out) -> int:
-    """Basic indexing (ints, slices, None, ...); an index tensor only off the batch dim and alone."""
-    x, d = args[0], tracker.input_dim(args, inputs)
+    """Basic indexing (ints, slices, None, ...); an index tensor only off the batch dim and alone. An unbatched tensor
+    indexed by a batched one: _looked_up."""
+    x = args[0]
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if not any(t is x for t, _ in inputs):
+        return _looked_up(tracker, x, index, out)
+    d = tracker.input_dim(args, inputs)
     picked = _samples_picked_in_order(tracker, x, index, d, out)
     if picked is not None:
         return picked
     if any(isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         raise Lost("indexing with a batched index tensor")
     return _indexed_dim(x, index, d)
+
+
+def _looked_up(tracker, x: torch.Tensor, index: tuple, out: torch.Tensor) -> int:
+    """x[index] of an unbatched x (a table) by one integer index tensor batched on a plain dim, beside slices, None
+    and ints next to it (a position table's rows picked by each sample's ids: `pos[0, ids % n]`): the index tensor's
+    dims take the place of the dims it and those ints index, so row b of the result is sample b's."""
+    if any(isinstance(i, bool) or not (isinstance(i, (int, slice, torch.Tensor)) or i is None) for i in index):
+        raise Lost("indexing of an unbatched tensor by a batched index beside an Ellipsis or a mask")
+    tensors = [i for i in index if isinstance(i, torch.Tensor)]
+    picked = [k for k, i in enumerate(index) if isinstance(i, (int, torch.Tensor))]
+    s = tracker.status(tensors[0]) if len(tensors) == 1 else None
+    if type(s) is not int or tensors[0].dtype not in (torch.int64, torch.int32) \
+            or picked != list(range(picked[0], picked[-1] + 1)):
+        raise Lost("indexing of an unbatched tensor by batched indices (several index tensors, or ints apart from it)")
+    at = sum(1 for i in index[:picked[0]] if i is None or isinstance(i, slice))  # the result's dims before them
+    if tuple(out.shape[at:at + tensors[0].dim()]) != tuple(tensors[0].shape):
+        raise Lost("indexing of an unbatched tensor by a batched index (its result not laid out as the index)")
+    return at + s
 
 
 def _samples_picked_in_order(tracker, x: torch.Tensor, index: tuple, d: int, out: torch.Tensor) -> int | None:
@@ -1648,6 +1757,19 @@ def _linear(tracker, args, kwargs, inputs, out) -> int:
     return d
 
 
+def _bilinear(tracker, args, kwargs, inputs, out) -> int:
+    """bilinear(x1, x2, W, b): x1 and x2 share their leading dims, each row of the output the form of the same rows of
+    both; a batched weight or bias, or the batch on the features' dim, mixes the samples."""
+    x1, x2 = args[0], (args[1] if len(args) > 1 else kwargs.get("input2"))
+    dims = {s for t, s in inputs if t is x1 or t is x2}
+    if len(dims) != 1 or any(t is not x1 and t is not x2 for t, _ in inputs):
+        raise Lost("bilinear of a batched weight, or of inputs batched on different dims")
+    d = dims.pop()
+    if d == x1.dim() - 1:
+        raise Lost("bilinear over the batch dim (it mixes the samples)")
+    return d
+
+
 def _addmm(tracker, args, kwargs, inputs, out) -> int:
     """addmm(bias, x, W): rows of x are rows of the output; a batched bias or W mixes the samples."""
     x = args[1]
@@ -1763,14 +1885,14 @@ _RULES: dict[str, Callable] = {
     "repeat": _repeat, "tile": _repeat, "transpose": _transpose, "swapaxes": _transpose, "swapdims": _transpose,
     "transpose_": _transpose, "t": _t, "T": _t, "mT": _matrix_t, "mH": _matrix_t, "adjoint": _matrix_t,
     "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,
-    **{n: _reduction(n) for n in _REDUCTIONS}, **{n: _along_dim(n) for n in _ALONG_DIM},
+    **{n: _reduction(n) for n in _REDUCTIONS}, **{n: _along_dim(n) for n in _ALONG_DIM}, **{n: _loss(n) for n in _LOSSES},
     "select": _select, **{n: _split for n in _SPLITS}, "unbind": _unbind, "repeat_interleave": _repeat_interleave, "as_strided": _as_strided,
     "masked_scatter": _masked_scatter, "masked_scatter_": _masked_scatter,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "__getitem__": _getitem, "__setitem__": _setitem,
     "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _rmatmul, "mm": _matmul, "bmm": _matmul, "addmm": _addmm,
     "baddbmm": _baddbmm,
-    "einsum": _einsum, "linear": _linear, "embedding": _embedding, "embedding_bag": _embedding_bag,
+    "einsum": _einsum, "linear": _linear, "bilinear": _bilinear, "embedding": _embedding, "embedding_bag": _embedding_bag,
     **{n: _sample_leading(n) for n in _SAMPLE_LEADING}, "batch_norm": _batch_norm,
     "layer_norm": _last_dims_norm, "rms_norm": _last_dims_norm, "pad": _pad,
     "scaled_dot_product_attention": _attention, "multi_head_attention_forward": _mha, "one_hot": _one_hot,

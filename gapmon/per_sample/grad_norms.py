@@ -33,6 +33,7 @@ calls was seen while its parameters got gradients (used only functionally).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -48,6 +49,7 @@ from .free_parameters import FREE_UNSEEN, FreeParameterNorms
 from .functional_layers import FunctionalLinearUses
 from .gram import GradientProducts
 from .layer_hooks import LayerHooks
+from .lost_batch import refuse_upstream
 from .micro_batch import (
     Collection,
     MicroBatch,
@@ -196,6 +198,7 @@ class PerSampleGradNorms(GradientProducts):
             tracker.mark(t, self.batch_dim)
         mb = MicroBatch(batch, storages)
         tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
+        tracker.lost_gradient = functools.partial(refuse_upstream, self._layer_hooks, mb)
         self._free.follow(mb, tracker)
         self._state.stop_tracking()  # a forward pass that raised before its end hook could run
         self._state.tracking = tracker.__enter__()

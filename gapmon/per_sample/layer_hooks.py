@@ -13,9 +13,10 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import first_tensor
 from . import shared_input, tied_embedding
-from .batch_provenance import Merged, Shared
+from .batch_provenance import BatchTracker, Merged, Shared
 from .coverage import LayerCoverage
 from .free_parameters import joined_where_expanded
+from .lost_batch import enter_ruled, leave_ruled
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
 from .rules import Call, NormRule, gradient_dtype
 from .use_check import UseChecker
@@ -57,6 +58,46 @@ def _takes_as_it_is(rule: NormRule, status: int | Merged, want: int | None) -> b
     return (rule.moves_batch and want == 0) or (rule.merged_rows and type(status) is Merged and status.dim == want)
 
 
+def call_batch_dim(tracking: BatchTracker | None, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule,
+                   args: tuple, kwargs: dict) -> tuple[int, str | None]:
+    """(dim of layer `index`'s call's batch, None) or (0, why it is not per-sample), by the inputs' provenance in
+    `tracking` (None: outside the model's forward pass)."""
+    if tracking is None:  # outside the model's forward pass: activation checkpointing recomputes
+        seen = mb.provenance.get(index, set())
+        if len(seen) == 1:
+            return next(iter(seen))
+        return 0, ("its batch dim could not be followed: the layer ran outside the model's forward pass"
+                   if not seen else "its calls have their batch on different dims")
+    found = None
+    for t, want in rule.batch_operands(module, Call(tuple(args), dict(kwargs))):
+        if not isinstance(t, torch.Tensor):
+            continue
+        status = tracking.status(t)
+        if status is None and mb.batch == 1 and t.dim() and t.shape[0] == 1 and want in (0, None):
+            status = 0  # one sample: an input shared by every sample (position ids [1, T]) is that sample's
+        if type(status) is Shared:
+            found = (0, "its input is shared by every sample (a parameter of the model, or an embedding of ids every "
+                        "sample shares) and has not joined the batch yet: layers there are not followed")
+        elif type(status) is Merged and not _takes_as_it_is(rule, status, want):
+            found = (0, "its input has the batch merged with other dims (x.view(-1, d)): only a layer that works "
+                        "row by row follows it there")
+        elif want is None and status is not None:  # from the batch, on a dim the rule finds itself
+            found = found or (0, None)
+        elif isinstance(status, str):
+            found = (0, f"the batch dim of its input was lost at {status}")
+        elif status is None:
+            found = (0, NotFromBatch.of(t))
+        elif want is not None and status != want and not _takes_as_it_is(rule, status, want):
+            found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
+        elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it
+            found = (status if _takes_as_it_is(rule, status, want) else 0, None)
+        if found[1] is not None:
+            break
+    found = found or (0, None)
+    mb.provenance.setdefault(index, set()).add(found)
+    return found
+
+
 class LayerHooks:
     """The hooks on the covered `layers` ((name, module, rule) each). With `bookkeeping`, a Linear layer's
     output is replaced so that its weight gradient is formed from the per-sample gradients."""
@@ -81,50 +122,13 @@ class LayerHooks:
         self._handles += [m.register_forward_hook(functools.partial(self._forward_hook, i), with_kwargs=True,
                                                   prepend=bookkeeping)
                           for i, (_, m, _) in enumerate(layers)]
+        self._handles += [m.register_forward_pre_hook(self._enter_row_keeping) for _, m in coverage.row_keeping]
         self._handles += [m.register_forward_hook(self._rows_kept_hook, with_kwargs=True) for _, m in coverage.row_keeping]
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    def _batch_dim(self, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule, args: tuple,
-                   kwargs: dict) -> tuple[int, str | None]:
-        """(dim of the call's batch, None) or (0, why it is not per-sample), by the inputs' provenance."""
-        if self.state.tracking is None:  # outside the model's forward pass: activation checkpointing recomputes
-            seen = mb.provenance.get(index, set())
-            if len(seen) == 1:
-                return next(iter(seen))
-            return 0, ("its batch dim could not be followed: the layer ran outside the model's forward pass"
-                       if not seen else "its calls have their batch on different dims")
-        found = None
-        for t, want in rule.batch_operands(module, Call(tuple(args), dict(kwargs))):
-            if not isinstance(t, torch.Tensor):
-                continue
-            status = self.state.tracking.status(t)
-            if status is None and mb.batch == 1 and t.dim() and t.shape[0] == 1 and want in (0, None):
-                status = 0  # one sample: an input shared by every sample (position ids [1, T]) is that sample's
-            if type(status) is Shared:
-                found = (0, "its input is shared by every sample (a parameter of the model, or an embedding of ids every "
-                            "sample shares) and has not joined the batch yet: layers there are not followed")
-            elif type(status) is Merged and not _takes_as_it_is(rule, status, want):
-                found = (0, "its input has the batch merged with other dims (x.view(-1, d)): only a layer that works "
-                            "row by row follows it there")
-            elif want is None and status is not None:  # from the batch, on a dim the rule finds itself
-                found = found or (0, None)
-            elif isinstance(status, str):
-                found = (0, f"the batch dim of its input was lost at {status}")
-            elif status is None:
-                found = (0, NotFromBatch.of(t))
-            elif want is not None and status != want and not _takes_as_it_is(rule, status, want):
-                found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
-            elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it
-                found = (status if _takes_as_it_is(rule, status, want) else 0, None)
-            if found[1] is not None:
-                break
-        found = found or (0, None)
-        mb.provenance.setdefault(index, set()).add(found)
-        return found
 
     def keep_out_of_compiled_graphs(self) -> None:
         """Once Dynamo is loaded, the hooks' collecting parts run through torch.compiler.disable (see
@@ -139,6 +143,7 @@ class LayerHooks:
             return (self._note if torch.compiler.is_compiling() else LayerHooks._note_params)(self, index, module, args)
 
     def _note_params(self, index: int, module: nn.Module, args: tuple) -> tuple | None:
+        enter_ruled(self.state.tracking)
         if self.state.micro and not _torch_compat.functorch_transforms_active():
             with _torch_compat.ModeSuspended(self.state.tracking):
                 self.state.micro[-1].used[index] = self.layers[index][2].params(module)
@@ -160,6 +165,7 @@ class LayerHooks:
             tracking.mark(replaced, tracking.status(first_tensor(output)))
         elif tracking is not None and self.layers[index][2].moves_batch:
             rows_kept(tracking, args, kwargs, first_tensor(output))
+        leave_ruled(tracking, args, kwargs, output if replaced is None else replaced)
         return replaced
 
     def _rows_kept_hook(self, module: nn.Module, args, kwargs, output) -> None:
@@ -167,6 +173,11 @@ class LayerHooks:
         tracking = self.state.tracking
         if self.state.collecting and tracking is not None and not torch.compiler.is_compiling():
             rows_kept(tracking, args, kwargs, first_tensor(output))
+            leave_ruled(tracking, args, kwargs, output)
+
+    def _enter_row_keeping(self, module: nn.Module, args: tuple) -> None:
+        if self.state.collecting and not torch.compiler.is_compiling():
+            enter_ruled(self.state.tracking)
 
     def _follow_call(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         outputs = output
@@ -184,7 +195,7 @@ class LayerHooks:
                            if packed else "its output holds no tensor gapmon can follow")
             return
         if not output.requires_grad:  # reentrant checkpointing's no-grad pass: the provenance is needed later
-            self._batch_dim(index, self.state.micro[-1], module, self.layers[index][2], args, kwargs)
+            call_batch_dim(self.state.tracking, index, self.state.micro[-1], module, self.layers[index][2], args, kwargs)
             return
         name, _, rule = self.layers[index]
         mb = self.state.micro[-1]
@@ -200,7 +211,7 @@ class LayerHooks:
                 and not _torch_compat.in_backward() and not torch.compiler.is_compiling()):
             self.shared.follow(index, mb, module, rule, x, output)
             return None
-        dim, why = self._batch_dim(index, mb, module, rule, args, kwargs)
+        dim, why = call_batch_dim(self.state.tracking, index, mb, module, rule, args, kwargs)
         if not self.watch_params(index, mb, module, rule):  # frozen now: nothing to measure
             return
         if type(why) is NotFromBatch:

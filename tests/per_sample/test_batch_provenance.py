@@ -255,6 +255,62 @@ def test_tracker_follows_the_batch_through_common_ops():
         assert (isinstance(got, str) if want is str else got == want), (what, got)
 
 
+def test_tracker_follows_losses_lookups_and_row_wise_ops_on_merged_rows():
+    """A loss reduced over the batch is a sum of the samples' terms (BatchSum), unreduced it keeps the rows; a table
+    looked up by each sample's ids is that sample's; topk, scatter and unsqueeze keep rows merged with the batch; a
+    view's base keeps its own status."""
+    from gapmon.per_sample.batch_provenance import BatchSum, Merged
+
+    x, ids = torch.randn(B, T, 8, requires_grad=True), torch.randint(0, 8, (B, T))
+    table = torch.randn(1, 9, 4)
+    tracker = BatchTracker(B)
+    tracker.mark(x, 0)
+    tracker.mark(ids, 0)
+    with tracker:
+        rows, flat = x.reshape(B * T, 8), ids.reshape(-1)
+        view = x[:, :2]
+        cases = {
+            "cross entropy": (F.cross_entropy(rows, flat), BatchSum), "summed": (F.mse_loss(x, x.detach(), reduction="sum"), BatchSum),
+            "per token": (F.cross_entropy(rows, flat, reduction="none"), Merged(0, T)),
+            "classes on dim 1": (F.cross_entropy(x.transpose(1, 2), ids, reduction="none"), 0),
+            "classes along the batch": (F.cross_entropy(x.permute(1, 0, 2), torch.randint(0, B, (T, 8))), str),
+            "looked up": (table[0, ids % 9], 0), "looked up, a slice first": (table[:, ids.T], 2),
+            "topk values": (rows.topk(2, dim=-1)[0], Merged(0, T)), "topk indices": (rows.topk(2, dim=-1)[1], Merged(0, T)),
+            "scatter": (rows.scatter(1, flat[:, None], 0.0), Merged(0, T)), "scatter over B": (x.scatter(0, ids[:, :, None] % B, 0.0), str),
+            "unsqueeze merged": (rows.unsqueeze(-1), Merged(0, T)), "view's base": (view._base, 0),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else type(got) is BatchSum if want is BatchSum else got == want), (what, got)
+
+
+def test_a_loss_computed_in_the_forward_keeps_every_layer_covered_and_exact():
+    """A model that computes its loss itself (transformers' models given labels: cross entropy over flattened logits,
+    a sum over the tokens divided by their count) is a sum of the samples' terms: nothing after it mixes them."""
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin, self.head = nn.Embedding(11, 8), nn.Linear(8, 8), nn.Linear(8, 11)
+
+        def forward(self, ids, labels):
+            logits = self.head(torch.tanh(self.lin(self.emb(ids))))
+            return F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), reduction="sum") / labels.numel()
+
+    torch.manual_seed(0)
+    model = WithLoss().double()
+    ids, labels = torch.randint(0, 11, (B, T)), torch.randint(0, 11, (B, T))
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    model(ids, labels).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        F.cross_entropy(model.head(torch.tanh(model.lin(model.emb(ids[i:i + 1])))).reshape(-1, 11), labels[i].reshape(-1),
+                        reduction="sum") / labels.numel(), list(model.parameters()))]).norm() for i in range(B)])
+    _exact(got, want)
+
+
 def test_tracker_follows_masks_indexed_by_the_samples_in_order():
     """transformers builds its 4-D attention masks from the 2-D padding mask by `padding_mask[batch_idx, kv_idx]`,
     batch_idx = arange(B)[:, None, None, None]: row b of the result is sample b's (followed: it was lost, and with it
@@ -1032,13 +1088,16 @@ def test_custom_functions_that_mix_the_samples_are_refused_and_others_exact(how)
     if how == "per-sample Function":
         assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
         _exact(got, loop_per_sample_norms(model, lambda o, t: ((o - t) ** 2).sum(), x, y))
-    else:  # the scale is the batch's, a constant of the step: each sample's term of this batch's loss (the head, after
-        # the batch was lost at the division, left out)
-        assert set(cov["covered"]) == {"inp.weight", "inp.bias"}
+    else:  # the scale is the batch's, a constant of the step: each sample's term of this batch's loss. Inside a
+        # Function the batch is lost at the division (the head after it left out); a statistic taken under no_grad is
+        # a constant the division keeps the rows with (the head covered too)
+        inside = how == "Function over a count"
+        params = list(model.inp.parameters()) + ([] if inside else list(model.head.parameters()))
+        assert set(cov["covered"]) == {n for n, p in model.named_parameters() if any(p is q for q in params)}
         with torch.no_grad():
             h = model.inp(x)
-            scale = (h.abs() > 0).sum() if how == "Function over a count" else h.abs().amax(0) + 1.0
+            scale = (h.abs() > 0).sum() if inside else h.abs().amax(0) + 1.0
         want = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-            (model.head(model.inp(x[i:i + 1]) / scale) - y[i:i + 1]).square().sum(), list(model.inp.parameters()))]).norm()
+            (model.head(model.inp(x[i:i + 1]) / scale) - y[i:i + 1]).square().sum(), params)]).norm()
             for i in range(4)])
         _exact(got, want)

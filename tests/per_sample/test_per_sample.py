@@ -190,17 +190,18 @@ def test_a_tied_table_counts_under_one_layer_type():
 
 def test_a_tied_head_not_per_sample_leaves_out_its_embedding_too():
     """Half of a tied table's gradient has no norm of its own: both layers are excluded, the rest stays exact."""
-    class Pooled(_TiedLM):
+    class Reversed(_TiedLM):
         def forward(self, ids, second=None):
             h = torch.tanh(self.mix(self.emb(ids)))
-            return self.head(h - h.mean(0).detach())  # centred on the batch's mean (no gradient): the head's input mixes
+            return self.head(h.detach().flip(0)), h  # the head reads the samples in reverse order (no gradient back)
 
     torch.manual_seed(0)
-    model = Pooled().double()
+    model = Reversed().double()
     ids = torch.randint(0, 10, (3, 5))
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
     with pytest.warns(RuntimeWarning, match=r"'head' is not per-sample .* with \['emb'\]"):
-        _tied_loss(model, ids).backward()
+        logits, h = model(ids)
+        (F.cross_entropy(logits.reshape(-1, 10), ((ids + 1) % 10).reshape(-1), reduction="sum") + h.square().sum()).backward()
     got, cov = psn.local_norms(), psn.coverage()
     assert set(cov["covered"]) == {"mix.weight", "mix.bias"} and cov["skipped_layers"] == ["emb", "head"]
     assert got.shape == (3,) and torch.isfinite(got).all()
