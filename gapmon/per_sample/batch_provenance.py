@@ -1396,7 +1396,7 @@ def watch_cross_sample(tracker: BatchTracker, out: torch.Tensor, why: CrossSampl
     (one device sync, in that backward) means the loss depends on several samples at once, recorded in the tracker's
     `mixing`."""
     def hook(g: torch.Tensor) -> None:
-        if tracker.mixing is not None and bool(g.detach().abs().amax() > 0):
+        if tracker.mixing is not None and g is not None and bool(g.detach().abs().amax() > 0):
             tracker.mixing["the model's forward"] = why.mixing()
     out.register_hook(hook)
 

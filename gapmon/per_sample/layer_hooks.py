@@ -47,7 +47,11 @@ class NotFromBatch(str):
     identity matrix to form the adapted weight's norm and detaches it: that call changes no gradient."""
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "NotFromBatch":
+    def of(cls, t: torch.Tensor, batch: int) -> "NotFromBatch":
+        if batch > 1 and batch not in t.shape:  # the same for every sample: a table, or a transform of a parameter
+            return cls(f"its input {list(t.shape)} does not come from the model's batched inputs and has no dim of the "
+                       f"batch's size ({batch}): it is the same for every sample (a table of relative positions, a "
+                       "parameter's transform), and no rule follows a layer's per-sample gradients from there")
         return cls(f"its input {list(t.shape)} does not come from the model's batched inputs (e.g. position ids shared "
                    "by every sample); name per-sample model inputs in batch_inputs=")
 
@@ -86,7 +90,7 @@ def call_batch_dim(tracking: BatchTracker | None, index: int, mb: MicroBatch, mo
         elif isinstance(status, str):
             found = (0, f"the batch dim of its input was lost at {status}")
         elif status is None:
-            found = (0, NotFromBatch.of(t))
+            found = (0, NotFromBatch.of(t, mb.batch))
         elif want is not None and status != want and not _takes_as_it_is(rule, status, want):
             found = (0, f"its input {list(t.shape)} has the batch on dim {status}, not {want}")
         elif found is None:  # a rule that moves the batch takes it on any dim; the others where they want it

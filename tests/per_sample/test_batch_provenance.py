@@ -974,7 +974,8 @@ def test_a_layer_call_on_a_shared_table_is_refused_when_its_output_gets_a_gradie
         loss = _loss(model(x), y)
     loss.backward()
     with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its input \[4, 6\] does not come from "
-                                            r"the model's batched inputs"):
+                                            r"the model's batched inputs and has no dim of the batch's size \(3\): it "
+                                            r"is the same for every sample"):
         got = psn.local_norms()
     cov = psn.coverage()
     psn.close()
