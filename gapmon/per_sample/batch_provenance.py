@@ -408,6 +408,9 @@ class BatchTracker(TorchFunctionMode):
             view = _shared_view(name, args, kwargs, t, st, out) if not plain and first else None
             if view is not None:
                 return view
+            joined = _shared_repeated(self, name, args, t, st, out) if not plain and first else None
+            if joined is not None:
+                return joined
         if not plain and 0 < len(shared) <= 2 and isinstance(out, torch.Tensor):
             combined = _shared_arithmetic(name, args, kwargs, shared, out)
             if combined is not None:
@@ -1142,6 +1145,19 @@ def _shared_view(name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: S
 
 
 _DIVS = elementwise.QUOTIENTS
+
+
+def _shared_repeated(tracker: BatchTracker, name: str, args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor
+                     ) -> int | Merged | None:
+    """out = t.repeat(batch, 1, ...) of a shared layer output (or a view of it) whose owner reads it there (on_repeat):
+    one copy per sample along dim 0 (merged with t's own dim 0 when it is longer than one), each sample's gradient its
+    copy's. None for any other repeat."""
+    sizes = args[1:] if len(args) > 2 or not isinstance(args[1] if len(args) > 1 else None, (tuple, list)) else args[1]
+    if name not in ("repeat", "tile") or not hasattr(st.owner, "on_repeat") or len(sizes) != t.dim() or not t.dim() \
+            or list(sizes) != [tracker.batch, *([1] * (t.dim() - 1))] or tracker.batch < 2:
+        return None
+    st.owner.on_repeat(out, tuple(t.shape))
+    return Merged(0, t.shape[0]) if t.shape[0] > 1 else 0
 
 
 def _shared_arithmetic(name: str, args: Sequence, kwargs: dict, shared: list, out: torch.Tensor) -> Shared | None:

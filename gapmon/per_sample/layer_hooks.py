@@ -79,9 +79,10 @@ def call_batch_dim(tracking: BatchTracker | None, index: int, mb: MicroBatch, mo
         status = tracking.status(t)
         if status is None and mb.batch == 1 and t.dim() and t.shape[0] == 1 and want in (0, None):
             status = 0  # one sample: an input shared by every sample (position ids [1, T]) is that sample's
-        if type(status) is Shared:
-            found = (0, "its input is shared by every sample (a parameter of the model, or an embedding of ids every "
-                        "sample shares) and has not joined the batch yet: layers there are not followed")
+        if type(status) is Shared:  # (refused once the call's output gets a gradient, as any input off the batch)
+            found = (0, NotFromBatch("its input is shared by every sample (a parameter of the model, or an embedding of "
+                                     "ids every sample shares) and has not joined the batch yet: layers there are not "
+                                     "followed"))
         elif type(status) is Merged and not _takes_as_it_is(rule, status, want):
             found = (0, "its input has the batch merged with other dims (x.view(-1, d)): only a layer that works "
                         "row by row follows it there")

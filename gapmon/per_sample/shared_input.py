@@ -52,6 +52,14 @@ class SharedCall:
     def on_escape(self, what: str) -> None:
         self.escaped = self.escaped or what
 
+    def on_repeat(self, out: torch.Tensor, view_shape: tuple[int, ...], positions: torch.Tensor | None = None,
+                  holes: bool = False) -> None:
+        """The output (or a view of it of `view_shape`, its elements at `positions`) repeated over the batch along dim
+        0, out [batch · n, ...] (DeBERTa's position projections, repeated to meet the queries' batch merged with the
+        heads): sample b's gradient of it is rows [b·n, (b+1)·n) of out's."""
+        batch = self.batch
+        out.register_hook(lambda g: self._add(g.reshape(batch, *view_shape), 0, [], 1, positions, holes))
+
     def reshaped(self, out: torch.Tensor) -> "SharedView | None":
         """A view of the output with its elements in order (T5's relative attention bias, unsqueezed)."""
         return SharedView(self, element_positions(self.shape, out.device)).reshaped(out)
@@ -132,6 +140,9 @@ class SharedView:
     def on_escape(self, what: str) -> None:
         self.call.on_escape(what)
 
+    def on_repeat(self, out: torch.Tensor, view_shape: tuple[int, ...]) -> None:
+        self.call.on_repeat(out, view_shape, self.positions, self.holes)
+
     def reshaped(self, out: torch.Tensor) -> "SharedView | None":
         if out.numel() != self.positions.numel():
             return None
@@ -144,11 +155,15 @@ class SharedView:
 
 def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
     """Whether a call of a layer (its rule, its input x) takes the shared-input path: a rule that reads such calls,
-    an integer input nothing in the batch flows into.
+    and an input nothing in the batch flows into: integer ids (an embedding's), or rows of floats without a dim of the
+    batch's size (a Linear's: DeBERTa-v3's projections of its relative-position table).
     Whatever x is (an unnamed per-sample model input too), the output counts as shared only where it is broadcast
-    over the batch of what it is added to; anything else leaves the layer out."""
-    return (getattr(rule, "reads_shared_ids", False) and batch >= 1 and tracking is not None
-            and isinstance(x, torch.Tensor) and not x.is_floating_point() and tracking.status(x) is None)
+    over the batch of what it is added to, or repeated over the batch; anything else leaves the layer out."""
+    if batch < 1 or tracking is None or not isinstance(x, torch.Tensor) or tracking.status(x) is not None:
+        return False
+    if not x.is_floating_point():
+        return getattr(rule, "reads_shared_ids", False)
+    return getattr(rule, "reads_shared_rows", False) and batch > 1 and x.dim() >= 1 and batch not in x.shape
 
 
 class SharedInputs:
@@ -168,7 +183,10 @@ class SharedInputs:
         name = hooks.layers[index][0]
         if not hooks.watch_params(index, mb, module, rule):
             return
-        ids = x.detach().reshape(1, -1).expand(mb.batch, -1)
+        if x.is_floating_point():  # rows [..., d], the same for every sample
+            ids = x.detach().reshape(1, -1, x.shape[-1]).expand(mb.batch, -1, -1)
+        else:
+            ids = x.detach().reshape(1, -1).expand(mb.batch, -1)
         calls = mb.layers.setdefault(index, LayerCalls())
         calls.in_forward += 1
         at = calls.add(Call((ids,), {}), 0)
@@ -177,7 +195,8 @@ class SharedInputs:
             hooks.deliver(index, mb, at, g.reshape(mb.batch, ids.shape[1], -1))
 
         def refuse(why: str) -> None:
-            mb.layers.pop(index, None)
+            if len(calls.calls) == 1:  # (a layer with other calls too waits for their gradients: finished at the read)
+                mb.layers.pop(index, None)
             self.refuse_later(name, why)
 
         hooks.state.tracking.mark(output, Shared(SharedCall(output, mb.batch, done, refuse)))

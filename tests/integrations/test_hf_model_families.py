@@ -704,6 +704,36 @@ def test_xlnet_projections_contracted_by_einsum_are_exact():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("share_att_key", [True, False], ids=["deberta-v3 layout", "deberta-v2 layout"])
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+def test_deberta_projections_of_its_relative_positions_are_exact(share_att_key, bookkeeping):
+    """DeBERTa projects its relative-position table (every sample's) with the content query and key projections
+    (v3's share_att_key) or with projections of its own, repeats the result over the batch merged with the heads and
+    contracts it with each sample's queries and keys: each sample's gradient of those calls is its copy's, so the
+    projections are exact (v3: 33/44 covered before). The table itself and its LayerNorm, whose per-sample gradients
+    would have to be taken back through the projections, are left out, named."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, relative_attention=True,
+        position_buckets=8, pos_att_type=["p2c", "c2p"], share_att_key=share_att_key, norm_rel_ebd="layer_norm",
+        position_biased_input=False)).double()
+    ids = torch.randint(0, VOCAB, (3, SEQ))
+
+    def loss_of(m, s):
+        return F.cross_entropy(m(input_ids=ids[s]).logits.reshape(-1, VOCAB), ids[s].reshape(-1), reduction="sum")
+
+    got, want, cov, said = _exact_norms(model, loss_of, 3, bookkeeping=bookkeeping)
+    table = {"deberta.encoder.rel_embeddings.weight", "deberta.encoder.LayerNorm.weight", "deberta.encoder.LayerNorm.bias"}
+    assert set(cov["uncovered"]) == table, cov["uncovered_reasons"]
+    projections = {n for n, _ in model.named_parameters() if "query_proj" in n or "key_proj" in n}
+    assert len(projections) == (8 if share_att_key else 16) and projections <= set(cov["covered"])
+    assert any("'deberta.encoder.LayerNorm' is not per-sample (its input [16, 16] does not come from the model's "
+               "batched inputs and has no dim of the batch's size (3)" in m for m in said), said
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def _convnextv2(transformers):  # channels-first LayerNorms, global response normalisation (a leaf layer of its own)
     return transformers.ConvNextV2ForImageClassification(transformers.ConvNextV2Config(
         num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=16, num_labels=3,

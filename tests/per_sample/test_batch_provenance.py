@@ -973,9 +973,9 @@ def test_a_layer_call_on_a_shared_table_is_refused_when_its_output_gets_a_gradie
         warnings.simplefilter("error")  # nothing said at the call: its output may yet get no gradient
         loss = _loss(model(x), y)
     loss.backward()
-    with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its input \[4, 6\] does not come from "
-                                            r"the model's batched inputs and has no dim of the batch's size \(3\): it "
-                                            r"is the same for every sample"):
+    # (its call on the table is followed as one every sample shares, up to the matmul: no rule reads it there)
+    with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its output, shared by every sample, is "
+                                            r"used by matmul"):
         got = psn.local_norms()
     cov = psn.coverage()
     psn.close()
@@ -1102,3 +1102,57 @@ def test_custom_functions_that_mix_the_samples_are_refused_and_others_exact(how)
             (model.head(model.inp(x[i:i + 1]) / scale) - y[i:i + 1]).square().sum(), params)]).norm()
             for i in range(4)])
         _exact(got, want)
+
+
+class RelativeTable(nn.Module):
+    """DeBERTa's disentangled attention in small: the projection `proj` runs on the batch and on a table of positions
+    every sample shares, whose result is split into heads, repeated over the batch (merged with the heads) and
+    contracted with each sample's queries; with `extra`, the projected table is also summed into the output as it is
+    (a use no rule follows)."""
+
+    def __init__(self, extra=False, heads=2, d=8, span=5):
+        super().__init__()
+        self.proj, self.head, self.heads, self.extra = nn.Linear(d, d), nn.Linear(span, 3), heads, extra
+        self.register_buffer("table", torch.randn(1, span, d, generator=torch.Generator().manual_seed(1)))
+
+    def split(self, x):  # [n, L, d] -> [n·heads, L, d / heads]
+        n, length, d = x.shape
+        return x.view(n, length, self.heads, d // self.heads).permute(0, 2, 1, 3).reshape(-1, length, d // self.heads)
+
+    def forward(self, x):  # [B, T, d]
+        q = self.split(self.proj(x))  # [B·H, T, dh]
+        projected = self.split(self.proj(self.table))  # [H, span, dh]
+        pos = projected.repeat(x.shape[0], 1, 1)  # [B·H, span, dh]
+        scores = torch.bmm(q, pos.transpose(-1, -2))  # [B·H, T, span]
+        out = scores.view(x.shape[0], self.heads, *scores.shape[1:]).mean((1, 2))
+        if self.extra:
+            out = out + projected.sum()
+        return self.head(out)
+
+
+@BOOKKEEPING
+def test_a_layer_run_on_a_shared_table_repeated_over_the_batch_is_exact(bookkeeping):
+    torch.manual_seed(0)
+    model = RelativeTable().double()
+    x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, bookkeeping=bookkeeping, strict=True)
+    _loss(model(x), y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    _exact(got, loop_per_sample_norms(model, _loss, x, y))
+
+
+def test_a_shared_tables_projection_used_besides_its_repeat_is_left_out():
+    torch.manual_seed(0)
+    model = RelativeTable(extra=True).double()
+    x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model)
+    _loss(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its output, shared by every sample, is "
+                                            r"used by sum"):
+        got = psn.local_norms()
+    cov = psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {"head.weight", "head.bias"}
+    _exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))

@@ -127,6 +127,7 @@ def product_gram(a1: torch.Tensor, g1: torch.Tensor, a2: torch.Tensor, g2: torch
 @register_norm_rule_by_name("transformers.models.falcon.modeling_falcon.FalconLinear")  # input @ weight.T + bias
 class LinearRule(NormRule):
     moves_batch = True
+    reads_shared_rows = True  # a call on rows every sample shares: followed where they join the batch (shared_input)
 
     def positions(self, module, call, g, acc):
         a, b = call.arg(0, "input"), g.shape[0]
