@@ -964,6 +964,18 @@ class ConstantQueries(nn.Module):
         return self.head((h @ keys.T).softmax(-1) @ keys + h).mean(1)
 
 
+def _proj_left_out_and_the_head_exact(psn, model, x, y, used_by: str) -> None:
+    """After backward: the layer `proj`, whose output every sample shares, left out for its use by `used_by` (named
+    when the norms are read); the head exact against a float64 loop."""
+    with pytest.warns(RuntimeWarning, match=rf"layer 'proj' is not per-sample \(its output, shared by every sample, is "
+                                            rf"used by {used_by}"):
+        got = psn.local_norms()
+    cov = psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {"head.weight", "head.bias"}
+    _exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))
+
+
 @BOOKKEEPING
 def test_a_layer_call_on_a_shared_table_is_refused_when_its_output_gets_a_gradient(bookkeeping):
     x, y = torch.randn(3, 5, 6, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
@@ -974,14 +986,7 @@ def test_a_layer_call_on_a_shared_table_is_refused_when_its_output_gets_a_gradie
         loss = _loss(model(x), y)
     loss.backward()
     # (its call on the table is followed as one every sample shares, up to the matmul: no rule reads it there)
-    with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its output, shared by every sample, is "
-                                            r"used by matmul"):
-        got = psn.local_norms()
-    cov = psn.coverage()
-    psn.close()
-    assert set(cov["covered"]) == {"head.weight", "head.bias"}
-    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    _proj_left_out_and_the_head_exact(psn, model, x, y, "matmul")
     strict = gapmon.PerSampleGradNorms(model, strict=True)
     _loss(model(x), y).backward()  # not refused inside the forward or backward pass: when the norms are read
     with pytest.raises(RuntimeError, match="layer 'proj' is not per-sample"):
@@ -1149,10 +1154,4 @@ def test_a_shared_tables_projection_used_besides_its_repeat_is_left_out():
     x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
     psn = gapmon.PerSampleGradNorms(model)
     _loss(model(x), y).backward()
-    with pytest.warns(RuntimeWarning, match=r"layer 'proj' is not per-sample \(its output, shared by every sample, is "
-                                            r"used by sum"):
-        got = psn.local_norms()
-    cov = psn.coverage()
-    psn.close()
-    assert set(cov["covered"]) == {"head.weight", "head.bias"}
-    _exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))
+    _proj_left_out_and_the_head_exact(psn, model, x, y, "sum")
