@@ -671,10 +671,20 @@ def _loss(name: str):
     return rule
 
 
+_SCATTERS = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"}
+
+
 def _along_dim(name: str):
     def rule(tracker, args, kwargs, inputs, out) -> int:
         x = args[0]
-        d = tracker.input_dim(args, inputs)
+        if name in _SCATTERS and not any(t is x for t, _ in inputs) and isinstance(out, torch.Tensor):
+            # into a tensor the batch does not flow into (zeros of the batch's shape), by each sample's index and values
+            dims = {s for _, s in inputs}
+            d = dims.pop() if len(dims) == 1 else None
+            if type(d) is not int or d >= x.dim() or x.shape[d] != tracker.batch:
+                raise Lost(f"{name} of batched values into a tensor without the batch")
+        else:
+            d = tracker.input_dim(args, inputs)
         index, keyword = _ALONG_DIM[name] if isinstance(_ALONG_DIM[name], tuple) else (_ALONG_DIM[name], "dim")
         dim = _dims(_arg(args, kwargs, index, keyword, _DIM_DEFAULT.get(name)), x.dim())
         if dim is None:

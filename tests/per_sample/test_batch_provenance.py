@@ -277,6 +277,8 @@ def test_tracker_follows_losses_lookups_and_row_wise_ops_on_merged_rows():
             "looked up": (table[0, ids % 9], 0), "looked up, a slice first": (table[:, ids.T], 2),
             "topk values": (rows.topk(2, dim=-1)[0], Merged(0, T)), "topk indices": (rows.topk(2, dim=-1)[1], Merged(0, T)),
             "scatter": (rows.scatter(1, flat[:, None], 0.0), Merged(0, T)), "scatter over B": (x.scatter(0, ids[:, :, None] % B, 0.0), str),
+            "scatter into zeros": (torch.zeros(B, T, 9).scatter(2, ids[:, :, None], x[:, :, :1]), 0),
+            "scatter into zeros over B": (torch.zeros(B, T, 9).scatter(0, ids[:, :, None] % B, x[:, :, :1]), str),
             "unsqueeze merged": (rows.unsqueeze(-1), Merged(0, T)), "view's base": (view._base, 0),
         }
     for what, (t, want) in cases.items():
