@@ -1162,9 +1162,10 @@ def _shared_repeated(tracker: BatchTracker, name: str, args: Sequence, t: torch.
     """out = t.repeat(batch, 1, ...) of a shared layer output (or a view of it) whose owner reads it there (on_repeat):
     one copy per sample along dim 0 (merged with t's own dim 0 when it is longer than one), each sample's gradient its
     copy's. None for any other repeat."""
-    sizes = args[1:] if len(args) > 2 or not isinstance(args[1] if len(args) > 1 else None, (tuple, list)) else args[1]
-    if name not in ("repeat", "tile") or not hasattr(st.owner, "on_repeat") or len(sizes) != t.dim() or not t.dim() \
-            or list(sizes) != [tracker.batch, *([1] * (t.dim() - 1))] or tracker.batch < 2:
+    if name not in ("repeat", "tile") or not hasattr(st.owner, "on_repeat") or tracker.batch < 2 or not t.dim():
+        return None
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]  # (repeat(B, 1), tile((B, 1)))
+    if list(sizes) != [tracker.batch, *([1] * (t.dim() - 1))]:
         return None
     st.owner.on_repeat(out, tuple(t.shape))
     return Merged(0, t.shape[0]) if t.shape[0] > 1 else 0

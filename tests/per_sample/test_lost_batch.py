@@ -160,3 +160,26 @@ def test_the_walk_finds_the_parameters_a_node_reaches():
     assert {id(a.weight), id(a.bias)} <= leaves and not ({id(b.weight), id(b.bias)} & leaves)
     assert {id(b.weight), id(a.weight)} <= upstream_leaves(out.grad_fn)
     assert upstream_leaves(None) is None
+
+
+class ChangedInPlace(nn.Module):
+    """The output of an op that lost the batch changed in place before its use (`y = h.roll(1, 0); y.mul_(2)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.roll(1, 0)
+        y.mul_(2.0)
+        return self.b(h + y)
+
+
+def test_an_op_that_lost_the_batch_changed_in_place_still_leaves_out_what_it_reaches():
+    torch.manual_seed(5)
+    model = ChangedInPlace().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"'a' is not per-sample \(a gradient comes back to it through roll"):
+        got, cov = norms_and_coverage(model, _sq, x, y)
+    assert not cov["covered"] and got.shape == (5,) and not got.any()
