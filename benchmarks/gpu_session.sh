@@ -3,6 +3,7 @@
 # (10 minutes a command, a bare machine unless the last call ended < 30 s before, at most 8 files back
 # from $OUT per call). Logs and JSON results go to OUT_DIR.
 #
+#   bash benchmarks/gpu_session.sh OUT_DIR solo                         (a 15-minute device budget, one call: see below)
 #   bash benchmarks/gpu_session.sh OUT_DIR quick1|quick2                (a 15-minute device budget: see below)
 #   bash benchmarks/gpu_session.sh OUT_DIR call1|call2|call3|call4     (a 30-minute budget: one device call each)
 #   bash benchmarks/gpu_session.sh OUT_DIR PHASE ...                  (phases by name)
@@ -17,6 +18,12 @@
 #     -I csrc benchmarks/cuda/kernel_bench.cu csrc/cuda/{stats,numerics,block}_cuda.cu -o .gpu-build/gapmon_kernel_bench
 # A machine stays warm 30 s after a call: the next call made at once skips the start, and the extension built in
 # gapmon/ is still there (run its phases without "reuse"). Give it back (give_back) when no call follows at once.
+#   solo    build tests ncu quickmonitor quickpersample quicksuite   one call of 560 s at most (a deadline: each phase's
+#                                   limit is cut to what is left, the phases before the suite leave it 280 s): the
+#                                   extension, the CUDA tests, ncu, the step costs and the whole suite, last (14
+#                                   workers, one thread each: 12 workers of 16 threads each on 16 cores reached 56% in
+#                                   370 s on the H200). Files back: session.log build.log suite.log persample-gpt2.json provenance.json
+#                                   profile.json monitor.json ncu.txt (no .so: no call follows that could reuse it).
 #   quick1  build tests suspects quicknumerics quickstats ncu   limits 120 + 90 + 60 + 75 + 45 + 90 = 480 s (and
 #                                   90 s more where kernel_bench must be built there; ncu took 37 s on the H200): the extension
 #                                   (ptxas registers in the log; no separate register check), the CUDA tests (every
@@ -65,10 +72,14 @@
 # Afterwards copy each X.json to benchmarks/results/X-<gpu>.json (stats-h100.json, monitor-h100.json, ...) and commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_session.sh OUT_DIR quick1|quick2|quick3|call1|call2|call3|call4|PHASE ...}
+out=${1:?usage: gpu_session.sh OUT_DIR solo|quick1|quick2|quick3|call1|call2|call3|call4|PHASE ...}
 shift
 quick=0  # the calls of a 15-minute budget: shorter limits, fewer sizes
+deadline=""  # seconds since the epoch by which the call must end (solo): every phase's limit is cut to fit it
+reserve=0  # seconds before the deadline that the phases before the suite leave to it
 case "${1:-}" in
+  solo) phases="build tests ncu quickmonitor quickpersample quicksuite" ; quick=1 ; solo=1
+        deadline=$(( $(date +%s) + ${GAPMON_CALL_LIMIT:-560} )) ; reserve=${GAPMON_SUITE_RESERVE:-280} ;;
   call1) phases="build tests demo" ;;
   call2) phases="reuse stats ncu" ;;
   call3) phases="reuse monitor persample numerics" ;;
@@ -76,7 +87,7 @@ case "${1:-}" in
   quick1) phases="build tests suspects quicknumerics quickstats ncu" ; quick=1 ;;
   quick2) phases="reuse quickmonitor quickpersample" ; quick=1 ;;
   quick3) phases="reuse suspects quicksuite" ; quick=1 ;;
-  "") echo "name a call (quick1..quick3, call1..call4) or phases: build reuse tests demo stats quickstats ncu monitor" \
+  "") echo "name a call (solo, quick1..quick3, call1..call4) or phases: build reuse tests demo stats quickstats ncu monitor" \
         "quickmonitor persample quickpersample numerics quicknumerics suite suspects quicksuite variants" >&2
       exit 2 ;;
   *) phases="$*" ;;
@@ -90,14 +101,26 @@ py=${PYTHON:-python3}
 section() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 # run LIMIT CMD...: the command under a time limit, so that a hang cannot eat the call; in a dry run,
 # the command is printed instead.
+# Under a deadline the limit is cut to the seconds left less the reserve (a dry run spends each limit whole on a
+# clock of its own, kept in a file: run is often a pipeline's subshell).
+dry_clock=$(mktemp)
+trap 'rm -f "$dry_clock"' EXIT
+date +%s >"$dry_clock"
+now() { if [ "$dry" = 1 ]; then cat "$dry_clock"; else date +%s; fi; }
 run() {
   local limit=$1
   shift
+  if [ -n "$deadline" ]; then
+    local left=$(( deadline - $(now) - reserve ))
+    (( left < limit )) && limit=$left
+    (( limit < 1 )) && limit=1
+  fi
   if [ "$dry" = 1 ]; then
     echo "+ timeout $limit $*" >>"$log"
+    echo $(( $(now) + limit )) >"$dry_clock"
     return 0
   fi
-  timeout "$limit" "$@"
+  timeout ${timeout_options:-} "$limit" "$@"
 }
 
 section "machine (phases: $phases)"
@@ -130,7 +153,7 @@ if want build; then
   fi
   grep -E "registers|spill" "$out/build.log" | tail -20 | tee -a "$log"  # ptxas -v: registers and spills per kernel
   # back to this machine, gzipped (the .so is ~24 MB, over the 16 MB a file back may weigh): carry it in later calls
-  [ "$dry" = 1 ] || for so in gapmon/_C*.so; do gzip -c "$so" >"$out/$(basename "$so").gz"; done
+  [ "$dry" = 1 ] || [ "${solo:-0}" = 1 ] || for so in gapmon/_C*.so; do gzip -c "$so" >"$out/$(basename "$so").gz"; done
   [ "$quick" = 1 ] || run 60 $py tests/cpp/check_kernels.py "$nvcc_bin" . 2>&1 | tee -a "$log"
 fi
 
@@ -262,10 +285,15 @@ fi
 
 
 if want quicksuite; then
-  section "whole test suite, 8 workers (quick)"
-  # -v: each test's verdict is in suite.log as it ends, also when the limit cuts the run
+  workers=${GAPMON_SUITE_WORKERS:-$([ "${solo:-0}" = 1 ] && echo 14 || echo 8)}
+  section "whole test suite, $workers workers of one thread each (quick)"
+  # -v: each test's verdict is in suite.log as it ends, also when the limit cuts the run; the limit sends SIGINT
+  # first, so that pytest prints the tracebacks of the failures so far. One thread per worker: torch's default (a
+  # thread per core in every worker) oversubscribed the cores many times over.
   # GAPMON_SUITE_LIMIT / GAPMON_SUITE_WORKERS: to fit what device time is left (16 cores there)
-  run ${GAPMON_SUITE_LIMIT:-420} $py -m pytest -v -n ${GAPMON_SUITE_WORKERS:-8} -p no:cacheprovider tests >"$out/suite.log" 2>&1
+  reserve=0
+  timeout_options="-s INT -k 20" run "${GAPMON_SUITE_LIMIT:-420}" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $py -m pytest -v -n "$workers" \
+    -p no:cacheprovider --tb=short --durations=25 tests >"$out/suite.log" 2>&1
   tests_rc=$?
   grep -E "FAILED|ERROR" "$out/suite.log" | head -40 | tee -a "$log"
   tail -3 "$out/suite.log" | tee -a "$log"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CALLS = ("quick1", "quick2", "quick3", "call1", "call2", "call3", "call4", "variants")
+CALLS = ("solo", "quick1", "quick2", "quick3", "call1", "call2", "call3", "call4", "variants")
 
 
 def _dry_run(tmp_path, call):
@@ -34,7 +34,7 @@ def test_each_call_fits_a_device_call(tmp_path, call):
     files = {"session.log"}
     for command in commands:
         files |= {Path(arg).name for arg in command if arg.startswith(str(out))}
-    if "build" in text and "setup.py" in text:
+    if "build" in text and "setup.py" in text and call != "solo":  # solo brings no .so back
         files |= {"build.log", "_C.so.gz"}
     assert len(files) <= 8, files
     for command in commands:
