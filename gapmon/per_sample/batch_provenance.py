@@ -916,6 +916,8 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_addcmul(tracker, args, kwargs, shared, plain, out)
     if name == "embedding" and len(shared) == 1 and len(plain) == 1:
         return _shared_table(args, kwargs, *shared[0], *plain[0], out)
+    if name == "embedding" and len(shared) == 1 and not plain:
+        return _shared_table_by_rows(tracker, args, kwargs, *shared[0], out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
     if (name == "zero_" or name == "fill_" and len(args) == 2 and type(args[1]) in (int, float)) and not plain \
@@ -937,6 +939,21 @@ def _shared_table(args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, ids
     padding = _arg(args, kwargs, 2, "padding_idx")
     padding = -1 if padding is None else padding % t.shape[0]
     return dim if st.owner.looked_up(t, out, ids, dim, padding) else None
+
+
+def _shared_table_by_rows(tracker: BatchTracker, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,
+                          out: torch.Tensor) -> Shared | None:
+    """F.embedding(ids, t) of a Shared table t by ids no sample's data flows into (BART's positions,
+    `arange(T).expand(B, -1)` or [1, T]): out is followed (row_lookup.RowLookup). None: float ids, another signature,
+    max_norm or scale_grad_by_freq (as _shared_table), or an owner that cannot take it."""
+    ids = args[0] if args else None
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or tracker.batch < 1 \
+            or _arg(args, kwargs, 1, "weight") is not t or not hasattr(st.owner, "looked_up_rows") \
+            or _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq", False):
+        return None
+    padding = _arg(args, kwargs, 2, "padding_idx")
+    rows = st.owner.looked_up_rows(t, out, ids, -1 if padding is None else padding % t.shape[0])
+    return None if rows is None else Shared(rows)
 
 
 def graded_tensors(out: Any) -> list[torch.Tensor]:

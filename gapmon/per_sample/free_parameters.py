@@ -23,9 +23,10 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .batch_provenance import Shared
+from .row_lookup import RowLookup
 from .rules.base import overrides_ruled_forward, why_no_rule
 
-# The most elements of per-sample gradients a contraction of a free parameter forms at once (batch · numel).
+# The most elements of a free parameter's per-sample gradients formed at once (batch · numel): a contraction's, a use's.
 _MAX_FORMED = 1 << 26
 # Why a free parameter is left out when the use check finds a gradient no followed use explains.
 FREE_UNSEEN = ("it got a gradient where no use of it was followed: outside the forward pass, or in one run without "
@@ -38,18 +39,15 @@ def free_parameters(model: nn.Module, ruled: set[int], clean_name) -> dict[str, 
     token, a layer scale (DINOv2's, a leaf module of its own), ConvNeXt V2's response normalisation, and the parameters
     of a subclass of a layer with a rule that overrides its forward (timm's LayerNorm, a LoRA Linear): followed through
     whatever ops that forward runs, as any free parameter (a ParameterDict's or ParameterList's too: PEFT's LoRA on an
-    embedding). Left out when the model is built: torch's own layers without a rule (BatchNorm: its parameters go into
-    one fused op), and an Embedding subclass that overrides forward (OPT's
-    position table, a scaled embedding): a table's per-sample gradients are too large to form, only its rule's sums
-    by id keep them small."""
+    embedding; an Embedding subclass's table, looked up by id: OPT's and BART's learned positions). Left out when the
+    model is built: torch's own layers without a rule (BatchNorm: its parameters go into one fused op)."""
     found: dict[str, tuple[nn.Module, str]] = {}
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         leaf = next(module.children(), None) is None
         overrides = overrides_ruled_forward(module)
-        if (overrides and isinstance(module, nn.Embedding)) or (
-                leaf and type(module).__module__.startswith("torch.nn.") and not overrides
-                and not isinstance(module, (nn.ParameterDict, nn.ParameterList))):
+        if leaf and type(module).__module__.startswith("torch.nn.") and not overrides and not isinstance(
+                module, (nn.ParameterDict, nn.ParameterList)):
             continue
         for attr, p in module.named_parameters(recurse=False):
             if id(p) not in ruled and id(p) not in seen:
@@ -302,8 +300,11 @@ class Piece:
     def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "Piece | None":
         """`out = t[index]` of a tensor that is not broadcast, by ints, slices, None, Ellipsis and index tensors every
         sample shares (Swin's `table[relative_position_index]`): the elements at the indexed positions, an element
-        picked twice twice (its gradients add where they are scattered back). None: another index, or a broadcast
-        tensor."""
+        picked twice twice (its gradients add where they are scattered back); a table indexed by ids with a row per
+        sample is a lookup (looked_up_rows). None: another index, or a broadcast tensor."""
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32) and index.dim() >= 2 \
+                and index.shape[0] == self.uses.batch:  # a row of ids per sample (Whisper's table[position_ids])
+            return self.looked_up_rows(t, out, index, -1)
         parts = index if isinstance(index, tuple) else (index,)
         if not all(i is None or i is Ellipsis or isinstance(i, (slice, torch.Tensor)) or type(i) is int for i in parts):
             return None
@@ -333,18 +334,27 @@ class Piece:
             return False
         if not out.requires_grad:
             return True
-        rows, batch, factor, rounding = t.shape[0], self.uses.batch, self.factor, self.rounding
-        positions, holes = self.positions, self.holes
+        batch = self.uses.batch
         ids = ids.detach().movedim(dim, 0).reshape(batch, -1)
-
-        def hook(g: torch.Tensor) -> None:
-            g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
-            g = g.movedim(dim, 0).reshape(batch, ids.shape[1], -1)
-            self.uses.add_rows(TableRows(ids, g * factor if factor != 1.0 else g, rows, padding, positions, holes),
-                               _coarser(rounding, g.dtype))
-
-        out.register_hook(hook)
+        out.register_hook(lambda g: self.add_table_rows(ids, g.movedim(dim, 0), padding))
         return True
+
+    def looked_up_rows(self, t: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, padding: int) -> Any:
+        """out = F.embedding(ids, t), t this piece, ids no sample's data flows into: followed by a RowLookup (None: t
+        is broadcast)."""
+        if tuple(t.shape) != self.base or t.dim() != 2:
+            return None
+        return RowLookup(self, ids, padding)
+
+    def add_table_rows(self, ids: torch.Tensor, g: torch.Tensor, padding: int, sign: int = 1) -> None:
+        """Adds one lookup of this piece (a table) by ids [B, N]: g, the batch first, holds each sample's gradient of
+        the looked-up rows (kept by id: TableRows), read from a gradient of g's dtype."""
+        rounding = _coarser(self.rounding, g.dtype)
+        g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
+        g = g.reshape(ids.shape[0], ids.shape[1], -1)
+        factor = self.factor * sign
+        self.uses.add_rows(TableRows(ids, g * factor if factor != 1.0 else g, self.base[0], padding, self.positions,
+                                     self.holes), rounding)
 
     def placed(self, t: torch.Tensor, out: torch.Tensor, cat_dim: int, start: int) -> "Piece | None":
         """t (this piece, not broadcast) as rows [start, start + t.shape[cat_dim]) of `out` along `cat_dim`, whose other
@@ -367,11 +377,16 @@ class Piece:
 
     def add_per_sample(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
-        from a gradient of dtype `rounding`)."""
+        from a gradient of dtype `rounding`). Left out, named, where the parameter's per-sample gradients would be
+        more than _MAX_FORMED elements (a slice of a large table: only lookups by id keep them small)."""
+        numel = self.uses.param.numel()
+        if self.uses.batch * numel > _MAX_FORMED:
+            self.on_escape(f"a use whose per-sample gradients (batch x {numel}) are more than {_MAX_FORMED} elements")
+            return
         if self.factor != 1.0:
             g = g * self.factor
         if self.positions is not None:
-            g = scattered(g, self.positions, self.uses.param.numel(), self.holes)
+            g = scattered(g, self.positions, numel, self.holes)
         self.uses.add(g, _coarser(self.rounding, rounding))
 
     def _broadcast(self, shape: torch.Size, dim: int, inner: int = 1) -> list[int] | None:

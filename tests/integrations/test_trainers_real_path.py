@@ -265,7 +265,7 @@ def test_huggingface_per_sample_norms_follow_an_encoder_decoder_into_its_decoder
         trainer.train()
     assert not [str(w.message) for w in caught if "not per-sample" in str(w.message)]
     uncovered = set(callback.monitor.per_sample.coverage()["uncovered"])
-    assert uncovered == {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
+    assert not uncovered  # the learned position tables too, by id (row_lookup)
     assert len(checks) == 2
     for got, want in checks:
         assert len(got) == 4

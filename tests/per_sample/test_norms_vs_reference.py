@@ -110,7 +110,9 @@ class _no_warning:
 
 
 @BOOKKEEPING
-def test_scaled_embedding_subclass_is_left_out_and_named(bookkeeping):
+def test_scaled_embedding_subclass_is_followed_by_id_and_exact(bookkeeping):
+    """An Embedding subclass with a forward of its own (a lookup, then a scale) has no rule: its table is followed as
+    a model's own parameter, looked up by the batch's ids (kept by id), and exact."""
     torch.manual_seed(0)
 
     class Model(nn.Module):
@@ -124,10 +126,10 @@ def test_scaled_embedding_subclass_is_left_out_and_named(bookkeeping):
 
     model = Model().double()
     ids, y = torch.randint(0, 11, (5, 4)), torch.randn(5, 4, 3, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match="ScaledEmbedding subclasses Embedding but overrides forward"):
+    with _no_warning():
         got, want, cov = _norms(model, ids, y, bookkeeping)
     _assert_exact(got, want)
-    assert "tok.weight" in cov["uncovered"] and "head.weight" in cov["covered"]
+    assert not cov["uncovered"] and {"tok.weight", "head.weight"} <= set(cov["covered"])
 
 
 @BOOKKEEPING
