@@ -38,7 +38,9 @@ _SAME = {"to", "real", "imag", "type", "type_as", "float", "double", "half", "bf
          "masked_fill", "masked_fill_", "where", "lerp", "clamp", "clip", "relu6", "hardtanh", "celu", "selu",
          "threshold", "rrelu", "softplus", "softsign", "tanhshrink", "hardswish", "hardsigmoid", "mish", "silu",
          "gelu", "elu", "leaky_relu", "logsigmoid", "prelu", "copy_", "zero_", "fill_", "normal_", "uniform_",
-         "bernoulli", "bernoulli_", "pin_memory", "coalesce", "retain_grad", "as_tensor", "asarray"}
+         "bernoulli", "bernoulli_", "pin_memory", "coalesce", "retain_grad", "as_tensor", "asarray",
+         # in-place forms of pointwise ops that aten does not tag pointwise
+         "abs_", "copysign_", "eq_", "gcd_", "ge_", "gt_", "heaviside_", "lcm_", "le_", "lt_", "ne_"}
 # Made from shapes (and dtypes/devices) only: unbatched whatever their inputs.
 _SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
                "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "arange", "zeros", "ones", "empty",
@@ -204,13 +206,20 @@ def _is_pointwise(name: str) -> bool:
 
 
 _NAMES: dict = {}  # function -> its op name, looked up once per function
+# torch's aliases, which aten does not tag pointwise, by the op they name (ConvBERT multiplies by `torch.multiply`)
+_ALIASES = {alias + suffix: op + suffix for alias, op in (
+    ("multiply", "mul"), ("subtract", "sub"), ("divide", "div"), ("true_divide", "div"), ("absolute", "abs"),
+    ("arccos", "acos"), ("arccosh", "acosh"), ("arcsin", "asin"), ("arcsinh", "asinh"), ("arctan", "atan"),
+    ("arctan2", "atan2"), ("arctanh", "atanh"), ("clip", "clamp"), ("fix", "trunc"), ("greater", "gt"),
+    ("greater_equal", "ge"), ("less", "lt"), ("less_equal", "le"), ("not_equal", "ne"), ("negative", "neg"),
+    ("special_expit", "sigmoid")) for suffix in ("", "_")}
 
 
 def _op_name(func: Callable) -> str:
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a Tensor property: x.T, x.mT, x.data
         name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
+    return _ALIASES.get(name, name)
 
 
 def _arg(args: Sequence, kwargs: dict, index: int, name: str, default: Any = None) -> Any:

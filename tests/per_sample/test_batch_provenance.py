@@ -255,6 +255,46 @@ def test_tracker_follows_the_batch_through_common_ops():
         assert (isinstance(got, str) if want is str else got == want), (what, got)
 
 
+def test_torchs_aliases_are_followed_as_the_ops_they_name():
+    """torch.multiply, subtract, divide, clip, absolute, arctan2, greater, ... (aten tags none of them pointwise): the
+    status of the op they name, each in place too; in-place forms aten does not tag (abs_, gt_, copysign_) too."""
+    x, c = torch.randn(B, T, 8), torch.rand(T, 8) + 0.5
+    tracker = BatchTracker(B)
+    tracker.mark(x, 0)
+    with tracker:
+        outs = [torch.multiply(x, c), torch.subtract(c, x, alpha=2), torch.divide(x, c), torch.true_divide(c, x),
+                torch.clip(x, -1, 1), torch.absolute(x), torch.arctan2(x, c), torch.greater(x, c), torch.negative(x),
+                torch.fix(x), torch.special.expit(x), torch.arctan(x), torch.less_equal(c, x), torch.not_equal(x, c)]
+        for op in ("multiply_", "subtract_", "divide_", "clip_", "absolute_", "arctan_", "abs_", "gt_", "copysign_"):
+            y = x.clone()
+            outs.append(getattr(y, op)(*((c,) if op in ("multiply_", "subtract_", "divide_", "gt_", "copysign_") else
+                                           (-1, 1) if op == "clip_" else ())))
+    assert [tracker.status(t) for t in outs] == [0] * len(outs)
+
+
+@BOOKKEEPING
+def test_a_model_that_multiplies_by_torch_multiply_is_exact(bookkeeping):
+    """ConvBERT gates its attention with `torch.multiply`: every layer before it was left out (no rule for the alias)."""
+    torch.manual_seed(0)
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(5, 6), nn.Linear(5, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = torch.multiply(self.a(x), torch.sigmoid(self.b(x)))
+            return self.head(torch.subtract(torch.divide(h, 2.0), torch.clip(h, -0.1, 0.1)))
+
+    model = Gated().double()
+    x, y = torch.randn(B, T, 5, dtype=torch.float64), torch.randn(B, T, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = _run(model, (x,), y, bookkeeping)
+    assert not cov["uncovered"], cov["uncovered_reasons"]
+    _exact(got, _reference(model, x, y, cov))
+
+
 def test_tracker_follows_losses_lookups_and_row_wise_ops_on_merged_rows():
     """A loss reduced over the batch is a sum of the samples' terms (BatchSum), unreduced it keeps the rows; a table
     looked up by each sample's ids is that sample's; topk, scatter and unsqueeze keep rows merged with the batch; a
