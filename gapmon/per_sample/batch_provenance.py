@@ -173,7 +173,7 @@ _COPIES = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "cont
 _REARRANGES: dict[str, Callable] = {
     "permute": lambda t, *dims: t.permute(*dims), "transpose": torch.transpose, "swapaxes": torch.transpose,
     "swapdims": torch.transpose, "movedim": torch.movedim, "moveaxis": torch.movedim, "t": torch.t,
-    "flip": torch.flip, "T": lambda t: t.permute(*reversed(range(t.dim()))), "mT": lambda t: t.transpose(-2, -1)}
+    "flip": lambda t, *dims: t.flip(*dims), "T": lambda t: t.permute(*reversed(range(t.dim()))), "mT": lambda t: t.transpose(-2, -1)}
 # Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
 _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
                         "ravel"}
@@ -1630,27 +1630,36 @@ def _samples_picked_in_order(tracker, x: torch.Tensor, index: tuple, d: int, out
     """Where the batch lands in x[i_0, ..., i_k] of integer index tensors, the one on the batch dim d counting the
     samples in order along one of its dims, the others shared by every sample or batched along that same dim
     (Hugging Face's masks: `padding_mask[batch_idx, kv_idx]` with batch_idx = arange(B)[:, None, None, None]; CLIP's
-    end-of-text pick `h[arange(B), ids.argmax(-1)]`): there row b of the result is sample b's. None where the index is
-    not of that kind (its values are read: one device sync)."""
+    end-of-text pick `h[arange(B), ids.argmax(-1)]`; whole slices between them too, Longformer's global tokens
+    `g[batch_idx, :, local_idx]`): there row b of the result is sample b's. None where the index is not of that kind
+    (its values are read: one device sync)."""
     batch = tracker.batch
-    if (not 0 < len(index) <= x.dim() or d >= len(index) or tracker.status(index[d]) is not None or not all(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32) for i in index)):
+    if (not 0 < len(index) <= x.dim() or d >= len(index) or not isinstance(index[d], torch.Tensor)
+            or tracker.status(index[d]) is not None or not all(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32)
+                or isinstance(i, slice) and i == slice(None) for i in index)):
         return None
     counting = index[d]
     varying = [k for k, n in enumerate(counting.shape) if n != 1]
     if counting.dim() == 0 or len(varying) > 1 or (varying and counting.shape[varying[0]] != batch) \
             or (not varying and batch != 1):
         return None
+    tensors = [k for k, i in enumerate(index) if isinstance(i, torch.Tensor)]
     try:
-        shape = torch.broadcast_shapes(*(i.shape for i in index))
+        shape = torch.broadcast_shapes(*(index[k].shape for k in tensors))
     except RuntimeError:
         return None
-    if tuple(out.shape) != (*shape, *x.shape[len(index):]):
+    # torch puts the index tensors' dims where they stand when they are adjacent, else first
+    lead = tensors[0] if tensors == list(range(tensors[0], tensors[-1] + 1)) else 0
+    sliced = [x.shape[k] for k in range(len(index)) if k not in tensors]
+    if tuple(out.shape) != (*sliced[:lead], *shape, *sliced[lead:], *x.shape[len(index):]):
         return None
-    at = len(shape) - counting.dim() + (varying[0] if varying else counting.dim() - 1)
+    at = lead + len(shape) - counting.dim() + (varying[0] if varying else counting.dim() - 1)
     for i in index:
+        if not isinstance(i, torch.Tensor):
+            continue
         s = tracker.status(i)
-        if s is not None and (type(s) is not int or len(shape) - i.dim() + s != at):
+        if s is not None and (type(s) is not int or lead + len(shape) - i.dim() + s != at):
             return None  # an index batched along another dim than the samples are counted on
     if not torch.equal(counting.reshape(-1), torch.arange(batch, device=counting.device, dtype=counting.dtype)):
         return None
@@ -1724,7 +1733,32 @@ def _setitem(tracker, args, kwargs, inputs, out) -> Any:
             isinstance(i, torch.Tensor) and tracker.status(i) is not None for i in index):
         return lost
     d = _written_dim(x, index, value, sv, sx, tracker.batch)
+    if d is None:
+        d = _samples_written_in_order(x, index, value, sv, sx, tracker.batch)
     return lost if d is None else d
+
+
+def _samples_written_in_order(x: torch.Tensor, index: tuple, value: torch.Tensor, sv: int, sx: int | None,
+                              rows: int) -> int | None:
+    """x[i_0, ..., i_k] = value by integer index tensors no sample's data flows into, value laid out as x[index] with its
+    `rows` samples on dim sv among the index's dims: the dim d of x (x's own batch dim sx, or one of x's first k + 1 of
+    `rows` size when x is fresh) whose index names, for every element written, the sample its value is from
+    (Longformer's global tokens: `g[local_idx, batch_idx] = h[pos_idx, batch_idx]`), so sample b's values land in x's
+    slice b along d. None where there is none (the index's values are read: one device sync)."""
+    if not 0 < len(index) <= x.dim() or not all(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32) for i in index):
+        return None
+    try:
+        shape = torch.broadcast_shapes(*(i.shape for i in index))
+    except RuntimeError:
+        return None
+    if sv >= len(shape) or shape[sv] != rows or tuple(value.shape) != (*shape, *x.shape[len(index):]):
+        return None
+    sample = torch.arange(rows, device=index[0].device).reshape([-1 if k == sv else 1 for k in range(len(shape))])
+    for d in [sx] if sx is not None else [k for k in range(len(index)) if x.shape[k] == rows]:
+        if d < len(index) and torch.equal(index[d].expand(shape), sample.to(index[d].dtype).expand(shape)):
+            return d
+    return None
 
 
 def _written_dim(x: torch.Tensor, index: tuple, value: torch.Tensor, sv: int, sx: int | None, rows: int) -> int | None:

@@ -62,6 +62,21 @@ def _takes_as_it_is(rule: NormRule, status: int | Merged, want: int | None) -> b
     return (rule.moves_batch and want == 0) or (rule.merged_rows and type(status) is Merged and status.dim == want)
 
 
+def hook_output_gradient(output: torch.Tensor, args: tuple, hook) -> None:
+    """Registers hook(g) for the gradient of a layer's output. Where the output is a view of a whole tensor the call
+    made, laid out alike (F.linear's output for a 3-D input is a view of its 2-D product), on that tensor: a hook on a
+    view is dropped when the view is changed in place (Longformer's `q /= sqrt(d)` on its query projection), one on
+    the tensor it views still gets the gradient from before the change."""
+    base = _torch_compat.view_base(output)
+    if (base is None or _torch_compat.view_base(base) is not None or base.grad_fn is None
+            or base.numel() != output.numel() or base.data_ptr() != output.data_ptr()
+            or not (base.is_contiguous() and output.is_contiguous()) or any(base is a for a in args)):
+        output.register_hook(hook)
+        return
+    shape = output.shape
+    base.register_hook(lambda g: hook(g.reshape(shape)))
+
+
 def call_batch_dim(tracking: BatchTracker | None, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule,
                    args: tuple, kwargs: dict) -> tuple[int, str | None]:
     """(dim of layer `index`'s call's batch, None) or (0, why it is not per-sample), by the inputs' provenance in
@@ -248,7 +263,7 @@ class LayerHooks:
                 return replaced
         graded = rule.graded_outputs(module, outputs)
         if len(graded) == 1:
-            output.register_hook(functools.partial(self._backward_hook, index, mb, at))
+            hook_output_gradient(output, args, functools.partial(self._backward_hook, index, mb, at))
             return None
         # Several outputs carry the loss (an RNN's sequence and its final states): one hook gets all their
         # gradients at once (None for an output the loss does not use).

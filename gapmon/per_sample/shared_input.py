@@ -28,14 +28,22 @@ _RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.b
 class SharedCall:
     """One call of a layer whose input every sample shares: gathers its output's per-sample gradient from the
     sums it is added to, checks it against the output's own gradient, then hands it to `done(g)` ([B, *output
-    shape without its broadcast batch dim]) or reports why not to `refuse(why)`."""
+    shape without its broadcast batch dim]) or reports why not to `refuse(why)`.
+
+    Ids with a row per sample (`rows`: dim 0 of the batch's size; the all-zero token types SqueezeBERT, MobileBERT,
+    Longformer and LayoutLM make when none are given) may be each sample's own instead (a run of that sample alone
+    makes that one row): where the output is added to a tensor batched on the dim its rows sit on, the sum's gradient
+    there is sample b's gradient of row b (`mode` "rows"). Which way the output is used decides; both ways in one call
+    leave the layer out."""
 
     def __init__(self, output: torch.Tensor, batch: int, done: Callable[[torch.Tensor], None],
-                 refuse: Callable[[str], None]):
+                 refuse: Callable[[str], None], rows: bool = False):
         self.batch, self.done, self.refuse = batch, done, refuse
         self.shape = tuple(output.shape)
         self.per_sample: torch.Tensor | None = None
         self.escaped: str | None = None
+        self.rows = rows
+        self.mode: str | None = None  # "rows" or "broadcast", once a use says which
         output.register_hook(self._whole)
 
     def on_add(self, total: torch.Tensor, output: torch.Tensor, dim: int, sign: int,
@@ -43,11 +51,25 @@ class SharedCall:
         """`output` (a copy of the call's output, or a view of it whose elements sit at `positions` of the output) was
         added (sign 1) or subtracted (-1) to a tensor batched on `dim` giving `total`: the gradient of `total`, summed
         over the dims `output` was broadcast along, is sample b's gradient of the output at index b of `dim`."""
+        lead = total.dim() - output.dim()
+        if self.rows and positions is None and dim == lead and tuple(total.shape[lead:]) == tuple(output.shape):
+            if self._used_as("rows"):  # each row on its sample's (the dims before the rows: broadcast, summed)
+                total.register_hook(lambda g: self._add(g, dim, list(range(lead)), sign, None))
+            return
         broadcast = broadcast_dims(tuple(total.shape), tuple(output.shape), dim)
         if broadcast is None:
             self.on_escape("an add that does not broadcast it over the batch")
             return
-        total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions, holes))
+        if self._used_as("broadcast"):
+            total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions, holes))
+
+    def _used_as(self, mode: str) -> bool:
+        """Notes a use of the output as one row per sample or as every sample's; False (escaped) after the other."""
+        if self.mode not in (None, mode):
+            self.on_escape("uses as each sample's own rows and as every sample's")
+            return False
+        self.mode = mode
+        return True
 
     def on_escape(self, what: str) -> None:
         self.escaped = self.escaped or what
@@ -58,6 +80,8 @@ class SharedCall:
         0, out [batch · n, ...] (DeBERTa's position projections, repeated to meet the queries' batch merged with the
         heads): sample b's gradient of it is rows [b·n, (b+1)·n) of out's."""
         batch = self.batch
+        if not self._used_as("broadcast"):
+            return
         out.register_hook(lambda g: self._add(g.reshape(batch, *view_shape), 0, [], 1, positions, holes))
 
     def reshaped(self, out: torch.Tensor) -> "SharedView | None":
@@ -85,6 +109,8 @@ class SharedCall:
         if broadcast is None or tuple(other.shape) != tuple(out.shape):
             self.on_escape("a product that does not broadcast it over the batch")
             return
+        if not self._used_as("broadcast"):
+            return
         other = other.detach()
         out.register_hook(lambda g: self._add(g * other, dim, broadcast, 1, positions, holes))
 
@@ -110,7 +136,7 @@ class SharedCall:
             self.refuse("its output, shared by every sample, got a gradient without being added to a batched tensor")
             return
         whole = g.detach().reshape(-1).to(self.per_sample.dtype)
-        summed = self.per_sample.sum(0)
+        summed = self._explained()
         rtol = _RTOL.get(g.dtype, 1e-5)
         finite = whole[torch.isfinite(whole)]  # (a NaN or inf gradient is the model's own: compared as it is)
         scale = float(finite.abs().max()) if finite.numel() else 0.0
@@ -118,6 +144,12 @@ class SharedCall:
             self.refuse("its output, shared by every sample, has a use besides its adds to batched tensors")
             return
         self.done(self.per_sample)
+
+
+    def _explained(self) -> torch.Tensor:
+        """What the output's own gradient must be, flat: the per-sample gradients summed over the samples, or (rows)
+        each sample's gradient of its own row, row by row."""
+        return self.per_sample.reshape(-1) if self.mode == "rows" else self.per_sample.sum(0)
 
 
 class SharedView:
@@ -183,6 +215,8 @@ class SharedInputs:
         name = hooks.layers[index][0]
         if not hooks.watch_params(index, mb, module, rule):
             return
+        # ids with a row per sample may be each sample's own (token types the model makes: zeros of the batch's shape)
+        rows = not x.is_floating_point() and mb.batch > 1 and x.dim() >= 1 and x.shape[0] == mb.batch
         if x.is_floating_point():  # rows [..., d], the same for every sample
             ids = x.detach().reshape(1, -1, x.shape[-1]).expand(mb.batch, -1, -1)
         else:
@@ -192,14 +226,17 @@ class SharedInputs:
         at = calls.add(Call((ids,), {}), 0)
 
         def done(g: torch.Tensor) -> None:
-            hooks.deliver(index, mb, at, g.reshape(mb.batch, ids.shape[1], -1))
+            if call.mode == "rows":
+                calls.calls[at] = Call((x.detach().reshape(mb.batch, -1),), {})
+            hooks.deliver(index, mb, at, g.reshape(mb.batch, calls.calls[at].args[0].shape[1], -1))
 
         def refuse(why: str) -> None:
             if len(calls.calls) == 1:  # (a layer with other calls too waits for their gradients: finished at the read)
                 mb.layers.pop(index, None)
             self.refuse_later(name, why)
 
-        hooks.state.tracking.mark(output, Shared(SharedCall(output, mb.batch, done, refuse)))
+        call = SharedCall(output, mb.batch, done, refuse, rows)
+        hooks.state.tracking.mark(output, Shared(call))
 
     def refuse_once_graded(self, name: str, outputs: Any, why: str) -> None:
         """A call of layer `name` whose input does not come from the batch: the layer is refused (at the next

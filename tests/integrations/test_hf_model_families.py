@@ -746,24 +746,52 @@ def _dinov2(transformers):  # layer scale: a leaf layer whose parameter multipli
         layerscale_value=0.5)), "pixels"
 
 
-def _mobilebert(transformers):  # its head reads the word embeddings by matmul; the model makes its token types
+def _mobilebert(transformers):  # its head reads the word embeddings by matmul; the model makes its token types (zeros)
     return transformers.MobileBertForMaskedLM(transformers.MobileBertConfig(
         vocab_size=VOCAB, hidden_size=16, embedding_size=8, intermediate_size=24, num_hidden_layers=1,
         num_attention_heads=2, intra_bottleneck_size=8, true_hidden_size=8, max_position_embeddings=32,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), "ids"
 
 
+_BERT_LIKE = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                  max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _squeezebert(transformers):  # makes its token types (zeros of the batch's shape)
+    return transformers.SqueezeBertForMaskedLM(transformers.SqueezeBertConfig(
+        **_BERT_LIKE, embedding_size=16, q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1,
+        intermediate_groups=1, output_groups=1)), "ids"
+
+
+def _layoutlm(transformers):  # makes its token types and its boxes (zeros), looks one box table up twice
+    return transformers.LayoutLMForMaskedLM(transformers.LayoutLMConfig(**_BERT_LIKE)), "ids"
+
+
+def _convbert(transformers):  # gates its span-based convolution with torch.multiply
+    return transformers.ConvBertForMaskedLM(transformers.ConvBertConfig(**_BERT_LIKE, embedding_size=16)), "ids"
+
+
+def _longformer(transformers):  # global attention on its first token: rows picked and written back per sample,
+    # its query projection divided in place; makes its token types
+    return transformers.LongformerForSequenceClassification(transformers.LongformerConfig(
+        **_BERT_LIKE, attention_window=4, pad_token_id=1, num_labels=2)), "ids"
+
+
 @pytest.mark.parametrize("family, left_out", [
     ("convnextv2", set()), ("dinov2", set()),
     ("mobilebert", {"mobilebert.embeddings.word_embeddings.weight", "cls.predictions.bias",
-                    "cls.predictions.dense.weight", "mobilebert.embeddings.token_type_embeddings.weight"})])
+                    "cls.predictions.dense.weight"}),
+    ("squeezebert", set()), ("layoutlm", set()), ("convbert", set()), ("longformer", set())])
 def test_more_families_are_exact_or_leave_out_by_name(family, left_out):
-    """Families whose layers took this session's rules: ConvNeXt V2 and DINOv2 whole; MobileBERT without the word
+    """Families whose layers took later sessions' rules: ConvNeXt V2 and DINOv2 whole; MobileBERT without the word
     embeddings its head also reads by matmul (the use check leaves them, and what they added, out: every norm was
-    refused) and the token types it makes itself."""
+    refused); SqueezeBERT, LayoutLM and MobileBERT with the token types (and boxes) they make, ConvBERT, Longformer's
+    global attention: whole (session 22)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
-    model, kind = {"convnextv2": _convnextv2, "dinov2": _dinov2, "mobilebert": _mobilebert}[family](transformers)
+    makers = {"convnextv2": _convnextv2, "dinov2": _dinov2, "mobilebert": _mobilebert, "squeezebert": _squeezebert,
+              "layoutlm": _layoutlm, "convbert": _convbert, "longformer": _longformer}
+    model, kind = makers[family](transformers)
     model = model.double()
     if family == "dinov2":
         model.embeddings.mask_token.requires_grad_(False)  # (used only with masked patches: no gradient here)

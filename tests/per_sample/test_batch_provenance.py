@@ -378,6 +378,67 @@ def test_tracker_follows_masks_indexed_by_the_samples_in_order():
         assert (isinstance(got, str) if want is str else got == want), (what, got)
 
 
+def test_tracker_follows_rows_picked_and_written_back_by_the_samples_in_order():
+    """Longformer's global tokens: `h[pos_idx, batch_idx]` picks one row per sample, `g[local_idx, batch_idx] = rows`
+    writes them into a fresh tensor, `out[batch_idx, :, local_idx]` picks them again across a whole slice: each
+    sample's row in its own place (followed: the write lost the batch, and with it every layer of Longformer's
+    classifier); an index that writes the samples out of order, or rows laid out unlike the index, loses it."""
+    h = torch.randn(T, B, 8)  # sequence first, as Longformer's attention
+    out = torch.randn(B, 2, 3, 4)
+    tracker = BatchTracker(B)
+    tracker.mark(h, 1)
+    tracker.mark(out, 0)
+    samples, positions, slots = torch.arange(B), torch.randint(0, T, (B,)), torch.zeros(B, dtype=torch.long)
+    with tracker:
+        rows = h[positions, samples]
+        written = h.new_zeros(1, B, 8)
+        written[slots, samples] = rows
+        reversed_ = h.new_zeros(1, B, 8)
+        reversed_[slots, samples.flip(0)] = rows
+        kept = h.new_zeros(T, B, 8)  # rows written back into a batched tensor on its batch dim
+        kept[positions, samples] = rows
+        cases = {
+            "picked": (rows, 0), "written": (written, 1), "written reversed": (reversed_, str), "written back": (kept, 1),
+            "picked across a slice": (out[samples, :, slots], 0),
+            "picked across a slice, reversed": (out[samples.flip(0), :, slots], str),
+        }
+    for what, (t, want) in cases.items():
+        got = tracker.status(t)
+        assert (isinstance(got, str) if want is str else got == want), (what, got)
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("change", ["divided", "scaled", "added", "read first"])
+def test_a_layer_output_changed_in_place_is_exact(change, bookkeeping):
+    """F.linear's output for a 3-D input is a view of its 2-D product, and a hook on a view is dropped when the view is
+    changed in place (Longformer's `q /= sqrt(d)`): the layer was left out as if its forward had never run."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            before = h * 1.5 if change == "read first" else 0.0
+            if change in ("divided", "read first"):
+                h /= 2.0
+            elif change == "scaled":
+                h.mul_(torch.linspace(0.5, 2.0, 6, dtype=h.dtype))
+            else:
+                h.add_(1.0)
+            return self.b(torch.tanh(h) + before)
+
+    model = Model().double()
+    x, y = torch.randn(B, T, 5, dtype=torch.float64), torch.randn(B, T, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = _run(model, (x,), y, bookkeeping)
+    assert not cov["uncovered"], cov["uncovered_reasons"]
+    _exact(got, _reference(model, x, y, cov))
+
+
 def test_tracker_follows_samples_unbound_then_joined_and_scattered():
     """LLaVA's image features: `list(features)` unbinds the batch (each tensor one sample's), `torch.cat(..., 0)` joins
     them in order (the batch merged with the patches again), `embeds.masked_scatter(image_mask, features)` puts them
@@ -618,6 +679,74 @@ def test_a_recurrent_layer_with_an_initial_state_from_the_batch_is_exact(batch):
     assert len(cov["covered"]) == 12
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class _TokenTypes(nn.Module):
+    """Token types the model makes when none are given (SqueezeBERT's, MobileBERT's, LayoutLM's: zeros of the batch's
+    shape, no sample's data in them), looked up by an Embedding; LayoutLM's box embeddings look one table up twice.
+    `use`: how the looked-up rows join the batch."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.tok, self.types, self.head = nn.Embedding(11, 4), nn.Embedding(3, 4), nn.Linear(4, 3)
+        self.use = use
+
+    def forward(self, ids):
+        types = torch.zeros(ids.shape, dtype=torch.long)
+        h = self.tok(ids)
+        if self.use == "added":
+            h = h + self.types(types)
+        elif self.use == "twice":  # two lookups of one table, both added
+            h = h + self.types(types) - self.types(types + 1)
+        elif self.use == "added first":  # the rows first, the batch added to them
+            h = self.types(types) + h
+        else:  # flipped: each sample's rows moved to another sample's
+            h = h + self.types(types).flip(0)
+        return self.head(torch.tanh(h))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use", ["added", "twice", "added first"])
+def test_token_types_the_model_makes_are_exact(use, bookkeeping):
+    torch.manual_seed(0)
+    model = _TokenTypes(use).double()
+    ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = _run(model, (ids,), y, bookkeeping)
+    assert "types.weight" in cov["covered"] and not cov["uncovered"], cov["uncovered_reasons"]
+    _exact(got, _reference(model, ids, y, cov))
+
+
+def test_token_types_moved_between_samples_are_left_out_named():
+    torch.manual_seed(0)
+    model = _TokenTypes("flipped").double()
+    ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="layer 'types' is not per-sample"):
+        got, cov = _run(model, (ids,), y, False)
+    assert "types.weight" in cov["uncovered"] and {"tok.weight", "head.weight"} <= set(cov["covered"])
+    _exact(got, _reference(model, ids, y, cov))
+
+
+@pytest.mark.parametrize("dims", [1, (1,), [1, 2]], ids=["int", "tuple", "list"])
+def test_shared_positions_flipped_are_exact(dims):
+    """`p.flip(1)` of a shared output (the method takes an int; torch.flip wants a sequence): its elements followed
+    to where they sit (an int raised TypeError inside the tracking, and every layer it reached was left out)."""
+    class Flipped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(T, 4), nn.Linear(4, 3)
+
+        def forward(self, ids):
+            flipped = self.pos(torch.arange(ids.shape[1])[None]).flip(*(dims if isinstance(dims, tuple) else (dims,)))
+            return self.head(torch.tanh(self.tok(ids) + flipped))
+
+    torch.manual_seed(0)
+    model = Flipped().double()
+    ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
+    got, cov = _run(model, (ids,), y, False, strict=True)
+    assert "pos.weight" in cov["covered"]
+    _exact(got, _reference(model, ids, y, cov))
 
 
 class _Positions(nn.Module):
