@@ -1172,8 +1172,11 @@ def _shared_view(name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: S
         piece = owner.sliced(t, args[1], out)
     elif name in _REARRANGES and hasattr(owner, "rearranged"):
         piece = owner.rearranged(t, out, lambda positions: _REARRANGES[name](positions, *args[1:]))
-    elif (name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out)) and hasattr(owner, "scaled"):
-        piece = owner.scaled(out, 1.0)
+    elif name in _EXPANDS or name in ("repeat", "tile") and _repeats_only_ones(t, out):
+        if hasattr(owner, "scaled"):
+            piece = owner.scaled(out, 1.0)
+        elif hasattr(owner, "expanded"):  # a shared layer output's (shared_input)
+            piece = owner.expanded(out)
     elif hasattr(owner, "mapped") and not _in_place(name):
         slope = elementwise.slope(name, args, kwargs, t, out)
         piece = None if slope is None else owner.mapped(t, out, slope)

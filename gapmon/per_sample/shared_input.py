@@ -92,6 +92,10 @@ class SharedCall:
         """A permutation of the output's elements (T5's `bias.permute(2, 0, 1)`)."""
         return SharedView(self, element_positions(self.shape, t.device)).rearranged(t, out, how)
 
+    def expanded(self, out: torch.Tensor) -> "SharedView | None":
+        """An expansion of the output (see SharedView.expanded)."""
+        return SharedView(self, element_positions(self.shape, out.device)).expanded(out)
+
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         """The output times `other`, batched on `dim` and of out's shape (see multiplied)."""
         self.multiplied(out, self.shape, other, dim)
@@ -160,7 +164,8 @@ class SharedView:
         self.call, self.positions, self.holes = call, positions, holes  # (holes: free_parameters.masked_positions)
 
     def on_add(self, total: torch.Tensor, view: torch.Tensor, dim: int, sign: int) -> None:
-        self.call.on_add(total, view, dim, sign, self.positions, self.holes)
+        # (the positions' shape, not the view's: an expanded view's positions keep size 1 where it was expanded)
+        self.call.on_add(total, self.positions, dim, sign, self.positions, self.holes)
 
     def on_mul(self, out: torch.Tensor, other: torch.Tensor, dim: int) -> None:
         self.call.multiplied(out, tuple(self.positions.shape), other, dim, self.positions, self.holes)
@@ -173,7 +178,19 @@ class SharedView:
         self.call.on_escape(what)
 
     def on_repeat(self, out: torch.Tensor, view_shape: tuple[int, ...]) -> None:
+        if tuple(view_shape) != tuple(self.positions.shape):
+            self.on_escape("a repeat of an expansion")
+            return
         self.call.on_repeat(out, view_shape, self.positions, self.holes)
+
+    def expanded(self, out: torch.Tensor) -> "SharedView | None":
+        """An expansion of the view to out's shape (MPNet's relative position bias, expanded over the batch before it is
+        added to the scores): the same elements, their positions kept with size 1 along the dims they are copied
+        along, so that where it is added to the batch each sample's copy's gradient is that sample's."""
+        base = (1,) * (out.dim() - self.positions.dim()) + tuple(self.positions.shape)
+        if any(b != o and b != 1 for b, o in zip(base, out.shape)):
+            return None
+        return SharedView(self.call, self.positions.reshape(base), self.holes)
 
     def reshaped(self, out: torch.Tensor) -> "SharedView | None":
         if out.numel() != self.positions.numel():

@@ -749,6 +749,46 @@ def test_shared_positions_flipped_are_exact(dims):
     _exact(got, _reference(model, ids, y, cov))
 
 
+class _ExpandedPositions(nn.Module):
+    """MPNet's way: the shared positions' output (permuted, unsqueezed) expanded over the batch, made contiguous, then
+    added; `reshaped`: the expansion flattened with the batch before the add (not followed)."""
+
+    def __init__(self, reshaped=False):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(11, 4), nn.Embedding(T, 4), nn.Linear(4, 3)
+        self.reshaped = reshaped
+
+    def forward(self, ids):
+        b, t = ids.shape
+        p = self.pos(torch.arange(t)).permute(1, 0).t().unsqueeze(0).expand(b, -1, -1).contiguous()
+        h = self.tok(ids)
+        if self.reshaped:
+            h = (h.reshape(b * t, 4) + p.reshape(b * t, 4)).view(b, t, 4)
+        else:
+            h = h + p
+        return self.head(torch.tanh(h))
+
+
+@BOOKKEEPING
+def test_shared_positions_expanded_over_the_batch_are_exact(bookkeeping):
+    torch.manual_seed(0)
+    model = _ExpandedPositions().double()
+    ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
+    got, cov = _run(model, (ids,), y, bookkeeping, strict=True)
+    assert "pos.weight" in cov["covered"]
+    _exact(got, _reference(model, ids, y, cov))
+
+
+def test_shared_positions_expanded_then_merged_with_the_batch_are_left_out_named():
+    torch.manual_seed(0)
+    model = _ExpandedPositions(reshaped=True).double()
+    ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="layer 'pos' is not per-sample"):
+        got, cov = _run(model, (ids,), y, False)
+    assert "pos.weight" in cov["uncovered"] and {"tok.weight", "head.weight"} <= set(cov["covered"])
+    _exact(got, _reference(model, ids, y, cov))
+
+
 class _Positions(nn.Module):
     """Token embeddings plus position embeddings of ids [1, T] every sample shares (GPT-2's wpe, BERT's), added (or
     added in place, or subtracted) to the batch; `extra` uses the position output once more."""
