@@ -18,10 +18,11 @@ class RowLookup:
     (batch_provenance.Shared)."""
 
     def __init__(self, piece, ids: torch.Tensor, padding: int):
-        batch = piece.uses.batch
-        self.piece, self.padding = piece, padding
-        self.per_row = ids.dim() >= 1 and ids.shape[0] == batch  # a row of ids per sample, on the output's dim 0
-        self.ids = ids.detach().reshape(batch, -1) if self.per_row else ids.detach().reshape(1, -1).expand(batch, -1)
+        self.piece, self.padding, self.ids = piece, padding, ids.detach()
+        # ids of a row per sample (on the output's dim 0) may be each sample's own or every sample's (positions [T] with
+        # T equal to the batch's size): the first use says which ("rows" or "broadcast"), a use the other way escapes
+        self.rows = ids.dim() >= 1 and ids.shape[0] == piece.uses.batch
+        self.mode: str | None = None
 
     def on_escape(self, what: str) -> None:
         self.piece.on_escape(what)
@@ -35,18 +36,22 @@ class RowLookup:
         rows on the batch's dim (ids per sample), or broadcast over it (ids every sample's), its other dims whole."""
         lead = total.dim() - t.dim()
         trailing = tuple(total.shape[lead:])
-        if self.per_row:
-            fits = dim == lead and trailing == tuple(t.shape)
-        elif dim < lead:
-            fits = trailing == tuple(t.shape)
+        if self.rows and dim == lead and trailing == tuple(t.shape):
+            mode = "rows"
+        elif dim < lead and trailing == tuple(t.shape) or (
+                dim == lead and t.shape[0] == 1 and trailing[1:] == tuple(t.shape[1:])):
+            mode = "broadcast"
         else:
-            fits = dim == lead and t.shape[0] == 1 and trailing[1:] == tuple(t.shape[1:])
-        if inner != 1 or not fits:
-            self.on_escape("an add that neither puts each of its rows on its sample's nor broadcasts it over the batch")
+            mode = None
+        if inner != 1 or mode is None or self.mode not in (None, mode):
+            self.on_escape("an add that neither puts each of its rows on its sample's nor broadcasts it over the batch"
+                           if mode is None else "uses as each sample's own rows and as every sample's")
             return
+        self.mode = mode
         if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
             return
-        ids, padding, piece = self.ids, self.padding, self.piece
+        batch, padding, piece = self.piece.uses.batch, self.padding, self.piece
+        ids = self.ids.reshape(batch, -1) if mode == "rows" else self.ids.reshape(1, -1).expand(batch, -1)
         summed = tuple(k for k in range(max(lead, dim + 1)) if k != dim)  # the dims t was broadcast along, but the batch's
 
         def hook(g: torch.Tensor) -> None:

@@ -79,6 +79,15 @@ def test_a_position_subclass_is_followed_by_id_and_exact(how, batch, bookkeeping
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["one_dim", "expanded"])
+def test_positions_as_long_as_the_batch_are_read_by_their_use(how):
+    """Positions [T] with T equal to the batch's size look like a row per sample: broadcast over the batch where they
+    are added, they are every sample's (one_dim); a row per sample added row by row, each sample's (expanded)."""
+    got, want, cov, warned = _run(how, False, batch=T)
+    assert "pos.weight" in cov["covered"] and not warned, warned
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_the_padding_row_and_unused_rows_get_nothing():
     """The norms are of the rows the ids reach, but the padding id's: a loop over the samples agrees only so."""
     got, want, cov, _ = _run("padded", False)
