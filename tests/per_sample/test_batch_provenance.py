@@ -60,6 +60,16 @@ def _exact(got, want):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def _whole_and_exact(model, x, y, bookkeeping):
+    """No warning, every parameter covered, the norms exact against the float64 loop; the coverage."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = _run(model, (x,), y, bookkeeping)
+    assert not cov["uncovered"], cov["uncovered_reasons"]
+    _exact(got, _reference(model, x, y, cov))
+    return cov
+
+
 class TransposedLinear(nn.Module):
     """A layer fed sequence-first activations: lin(x.transpose(0, 1))."""
 
@@ -288,11 +298,7 @@ def test_a_model_that_multiplies_by_torch_multiply_is_exact(bookkeeping):
 
     model = Gated().double()
     x, y = torch.randn(B, T, 5, dtype=torch.float64), torch.randn(B, T, 3, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        got, cov = _run(model, (x,), y, bookkeeping)
-    assert not cov["uncovered"], cov["uncovered_reasons"]
-    _exact(got, _reference(model, x, y, cov))
+    _whole_and_exact(model, x, y, bookkeeping)
 
 
 def test_tracker_follows_losses_lookups_and_row_wise_ops_on_merged_rows():
@@ -432,11 +438,7 @@ def test_a_layer_output_changed_in_place_is_exact(change, bookkeeping):
 
     model = Model().double()
     x, y = torch.randn(B, T, 5, dtype=torch.float64), torch.randn(B, T, 3, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        got, cov = _run(model, (x,), y, bookkeeping)
-    assert not cov["uncovered"], cov["uncovered_reasons"]
-    _exact(got, _reference(model, x, y, cov))
+    _whole_and_exact(model, x, y, bookkeeping)
 
 
 def test_tracker_follows_samples_unbound_then_joined_and_scattered():
@@ -711,11 +713,7 @@ def test_token_types_the_model_makes_are_exact(use, bookkeeping):
     torch.manual_seed(0)
     model = _TokenTypes(use).double()
     ids, y = torch.randint(0, 11, (B, T)), torch.randn(B, T, 3, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        got, cov = _run(model, (ids,), y, bookkeeping)
-    assert "types.weight" in cov["covered"] and not cov["uncovered"], cov["uncovered_reasons"]
-    _exact(got, _reference(model, ids, y, cov))
+    assert "types.weight" in _whole_and_exact(model, ids, y, bookkeeping)["covered"]
 
 
 def test_token_types_moved_between_samples_are_left_out_named():
