@@ -808,11 +808,14 @@ def batch_tracker(batch: int) -> BatchTracker:
 def _shared_mul(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,
                 plain: list, out: torch.Tensor) -> Any:
     """out = t * x (or maximum / minimum of them), t Shared (a layer scale; Swin V2's temperature per head) and x batched,
-    of out's shape, on a dim or merged with the rows after it (Swin's windows): t's owner reads each sample's gradient
+    of out's shape (or, for a free parameter's product, broadcast to it), on a dim or merged with the rows after it
+    (Swin's windows): t's owner reads each sample's gradient
     g ⊙ x (on_mul), and out's status is returned; None when this is no such product."""
     if (name not in _MULS and name not in ("maximum", "minimum") or not hasattr(st.owner, "on_mul") or len(plain) != 1
-            or len(args) != 2 or kwargs or out.shape != plain[0][0].shape or (_in_place(name) and t is args[0])):
+            or len(args) != 2 or kwargs or (_in_place(name) and t is args[0])):
         return None
+    if out.shape != plain[0][0].shape and (name not in _MULS or getattr(st.owner, "base", None) is None):
+        return None  # x broadcast too (Mamba's `A[None, :, None, :] * dt[..., None]`): a free parameter's pieces only
     # maximum / minimum (RWKV's decay): each sample's gradient is g times where t won (elementwise.extremum_slope)
     factor = plain[0][0] if name in _MULS else elementwise.extremum_slope(name, t, plain[0][0])
     return _with_batched(tracker, name, args, kwargs, plain, out, st.owner,
@@ -822,9 +825,15 @@ def _shared_mul(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict, 
 def _contraction_equation(name: str, args: Sequence, x: torch.Tensor, d: int, t: torch.Tensor,
                           merged: bool = False) -> str | None:
     """The einsum equation of each sample's gradient of t from (x, the output's gradient) where the op contracts x,
-    batched on its dim d, with t: F.linear(x, t) (t [p, q]), x @ t (t [q, p]), a two-operand einsum. `merged`: x's dim
+    batched on its dim d, with t: F.linear(x, t) (t [p, q]), x @ t (t [q, p]), t @ x, a two-operand einsum. `merged`: x's dim
     d holds the batch merged with the rows after it, split in two dims (d, d + 1) when the equation is used (a MoE
     router's F.linear over [B·T, d]). None otherwise."""
+    if name in ("matmul", "__matmul__") and len(args) == 2 and args[0] is t and args[1] is x and not merged:
+        # t @ x, t [p, q] on the left (Mamba's `dt_proj.weight @ dt`): x [..., q, l] batched on a leading dim
+        if t.dim() != 2 or x.dim() < 3 or not 0 <= d < x.dim() - 2:
+            return None
+        lead = "abcdefghijk"[:x.dim() - 2]
+        return f"{lead}ql,{lead}pl->{lead[d]}pq"
     if name in ("linear", "matmul", "__matmul__"):
         if args[0] is not x or len(args) < 2 or args[1] is not t or t.dim() != 2 or not 0 <= d < x.dim() - 1:
             return None

@@ -777,3 +777,32 @@ def test_a_use_no_rule_follows_leaves_the_parameter_out_only_if_a_gradient_comes
     assert ("scale" in cov["covered"]) == (how == "detached, then in place")
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class SelectiveScan(nn.Module):
+    """Mamba's reference scan, its parameters used by the block itself: `dt_proj.weight @ dt` (a Linear's weight on the
+    left of a matmul), `A[None, :, None, :] * dt[..., None]` (a parameter times a batched tensor, both broadcast)."""
+
+    def __init__(self, d=5, n=3, r=2):
+        super().__init__()
+        self.inp, self.dt_proj, self.head = nn.Linear(4, r), nn.Linear(r, d), nn.Linear(d * n, 3)
+        self.A_log = nn.Parameter(torch.randn(d, n) * 0.3)
+
+    def forward(self, x):
+        dt = self.inp(x).transpose(1, 2)  # [B, r, L]
+        dt = F.softplus(self.dt_proj.weight @ dt + self.dt_proj.bias[:, None])  # [B, d, L]
+        decay = torch.exp(-torch.exp(self.A_log)[None, :, None, :] * dt[:, :, :, None])  # [B, d, L, n]
+        return self.head(decay.cumsum(2).transpose(1, 2).flatten(2))
+
+
+@BOOKKEEPING
+def test_a_weight_on_the_left_of_a_matmul_and_a_broadcast_product_are_exact(bookkeeping):
+    torch.manual_seed(0)
+    model = SelectiveScan().double()
+    x, y = torch.randn(4, 6, 4, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = _norms(model, x, y, bookkeeping=bookkeeping)
+    assert not cov["uncovered"], cov["uncovered_reasons"]
+    want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
