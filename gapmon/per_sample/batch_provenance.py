@@ -936,6 +936,8 @@ def _shared_in_op(tracker: BatchTracker, name: str, args: Sequence, kwargs: dict
         return _shared_table(args, kwargs, *shared[0], *plain[0], out)
     if name == "embedding" and len(shared) == 1 and not plain:
         return _shared_table_by_rows(tracker, args, kwargs, *shared[0], out)
+    if name in ("conv1d", "conv2d"):
+        return _shared_conv(name, args, kwargs, shared, plain, out)
     if len(shared) == 2:
         return _shared_linear_with_bias(tracker, name, args, kwargs, shared, plain, out)
     if (name == "zero_" or name == "fill_" and len(args) == 2 and type(args[1]) in (int, float)) and not plain \
@@ -957,6 +959,30 @@ def _shared_table(args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, ids
     padding = _arg(args, kwargs, 2, "padding_idx")
     padding = -1 if padding is None else padding % t.shape[0]
     return dim if st.owner.looked_up(t, out, ids, dim, padding) else None
+
+
+def _shared_conv(name: str, args: Sequence, kwargs: dict, shared: list, plain: list, out: torch.Tensor) -> int | None:
+    """F.conv1d / F.conv2d(x, W, b, stride, padding, dilation, groups) of x batched on dim 0 with W (and b, when it
+    has a gradient) Shared and whole (a covered Conv's weights passed by its parent: Mamba's causal convolution): W's
+    owner gets each sample's weight gradient (on_conv), b's its output gradient summed over the positions (on_bias);
+    out is batched on dim 0. None for any other call (padding given as a string among them)."""
+    x = _arg(args, kwargs, 0, "input")
+    w, b = _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    stride, padding, dilation, groups = (_arg(args, kwargs, i, key, default) for i, key, default in (
+        (3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1)))
+    owners = {id(t): st.owner for t, st in shared}
+    w_owner, b_owner = owners.get(id(w)), owners.get(id(b)) if b is not None else None
+    if (len(plain) != 1 or plain[0][0] is not x or plain[0][1] != 0 or type(plain[0][1]) is not int
+            or x.dim() != (3 if name == "conv1d" else 4) or isinstance(padding, str) or type(groups) is not int
+            or w_owner is None or not hasattr(w_owner, "on_conv") or getattr(w_owner, "base", None) != tuple(w.shape)
+            or len(shared) != 1 + (b_owner is not None) or (b is not None and b_owner is None and b.requires_grad)
+            or (b_owner is not None and (not hasattr(b_owner, "on_bias")
+                                         or getattr(b_owner, "base", None) != tuple(b.shape)))):
+        return None
+    w_owner.on_conv(out, x, stride, padding, dilation, groups)
+    if b_owner is not None:
+        b_owner.on_bias(out)
+    return 0
 
 
 def _shared_table_by_rows(tracker: BatchTracker, args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared,

@@ -466,6 +466,40 @@ class Piece:
 
         self._on_product(out, other, per_sample)
 
+    def on_conv(self, out: torch.Tensor, x: torch.Tensor, stride: Any, padding: Any, dilation: Any, groups: int) -> None:
+        """This piece, whole, the weight of `F.conv1d/conv2d(x, piece, ...)` of x batched on dim 0 (Mamba's causal
+        depthwise convolution, its Conv1d's weight passed by its parent): each sample's gradient, every sample's at once
+        as the weight gradient of one convolution of batch · groups groups, formed whole (none where batch · numel
+        exceeds _MAX_FORMED elements: left out, named)."""
+        if self.uses.batch * _numel(self.base) > _MAX_FORMED:
+            self.on_escape(f"a convolution, its per-sample gradients more than {_MAX_FORMED} elements")
+            return
+        batch, shape, ran_in = self.uses.batch, self.base, out.dtype
+        weight_grad = torch.nn.grad.conv1d_weight if x.dim() == 3 else torch.nn.grad.conv2d_weight
+
+        def per_sample(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            if ran_in in (torch.float16, torch.bfloat16):  # autocast ran the convolution on x cast to it
+                x = x.to(ran_in)
+            wide = torch.promote_types(torch.promote_types(g.dtype, x.dtype), torch.float32)
+            xs = x.to(wide).reshape(1, batch * x.shape[1], *x.shape[2:])
+            gs = g.detach().to(wide).reshape(1, batch * g.shape[1], *g.shape[2:])
+            grads = weight_grad(xs, (batch * shape[0], *shape[1:]), gs, stride, padding, dilation, batch * groups)
+            return grads.reshape(batch, -1)
+
+        self._on_product(out, x, per_sample)
+
+    def on_bias(self, out: torch.Tensor) -> None:
+        """This piece, whole, the bias of a convolution whose output `out` is batched on dim 0 (its channels on dim 1):
+        each sample's gradient is its output gradient summed over the positions."""
+        if not out.requires_grad:
+            return
+
+        def hook(g: torch.Tensor) -> None:
+            g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
+            self.add_per_sample(g.sum(tuple(range(2, g.dim()))) if g.dim() > 2 else g, g.dtype)
+
+        out.register_hook(hook)
+
     def _on_product(self, out: torch.Tensor, other: torch.Tensor,
                     per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """A hook on out's gradient g adds per_sample(g, other) ([batch, numel]) to this piece's uses. `other` is read in

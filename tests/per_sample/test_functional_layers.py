@@ -151,3 +151,57 @@ def test_a_layer_called_once_then_used_through_its_parameters_is_left_out_by_nam
     assert cov["skipped_layers"] == ["proj"]
     want = loop_per_sample_norms(model, _loss, x, y, params={"head.weight", "head.bias"})
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class CausalConv(nn.Module):
+    """Mamba's reference path: its Conv1d's weight, viewed [channels, width], passed to F.conv1d as a depthwise causal
+    convolution (`F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=channels)[..., :L]`); `padding` as
+    a string ("same"), which is not followed."""
+
+    def __init__(self, padding=None):
+        super().__init__()
+        self.inp, self.conv, self.head = nn.Linear(4, 6), nn.Conv1d(6, 6, 3, groups=6, padding=2), nn.Linear(6, 3)
+        self.padding = padding
+
+    def forward(self, x):  # [B, L, 4]
+        h = self.inp(x).transpose(1, 2)
+        w = self.conv.weight.view(6, 3)
+        padding = self.padding if self.padding is not None else 2
+        h = F.conv1d(h, w.unsqueeze(1), self.conv.bias, padding=padding, groups=6)[..., :x.shape[1]]
+        return self.head(F.silu(h).transpose(1, 2))
+
+
+class StridedConv2d(nn.Module):
+    """A Conv2d's weight and bias passed to F.conv2d with its own stride, padding, dilation and groups."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, groups=2), nn.Linear(6 * 3 * 3, 3)
+
+    def forward(self, x):  # [B, 4, 6, 6]
+        h = F.conv2d(x, self.conv.weight, self.conv.bias, stride=2, padding=1, dilation=1, groups=2)
+        return self.head(torch.tanh(h).flatten(1))[:, None, :]
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("make, shape", [(CausalConv, (4, 7, 4)), (StridedConv2d, (4, 4, 6, 6))])
+def test_a_convolution_used_only_through_its_parameters_is_exact(make, shape, bookkeeping):
+    torch.manual_seed(0)
+    model = make().double()
+    x, y = torch.randn(*shape, dtype=torch.float64), torch.randn(shape[0], *((7, 3) if make is CausalConv else (1, 3)),
+                                                                  dtype=torch.float64)
+    got, cov = norms_and_coverage(model, _loss, x, y, bookkeeping=bookkeeping, strict=True)
+    assert {"conv.weight", "conv.bias"} <= set(cov["covered"])
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_a_convolution_with_padding_named_by_a_string_is_left_out_by_name():
+    torch.manual_seed(0)
+    model = CausalConv(padding="same").double()
+    x, y = torch.randn(4, 7, 4, dtype=torch.float64), torch.randn(4, 7, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="layer 'conv' is not per-sample"):
+        got, cov = norms_and_coverage(model, _loss, x, y)
+    assert "conv.weight" in cov["uncovered"] and "inp.weight" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
