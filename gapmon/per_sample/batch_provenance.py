@@ -424,6 +424,10 @@ class BatchTracker(TorchFunctionMode):
             combined = _shared_arithmetic(name, args, kwargs, shared, out)
             if combined is not None:
                 return combined
+        if not plain and len(shared) == 1 and name == "einsum" and isinstance(out, torch.Tensor):
+            mapped = _shared_constant_contraction(args, *shared[0], out)
+            if mapped is not None:
+                return mapped
         if len(shared) == 1 and isinstance(out, torch.Tensor):
             t, st = shared[0]
             added = _shared_add(self, name, args, kwargs, t, st, plain, out)
@@ -959,6 +963,30 @@ def _shared_table(args: Sequence, kwargs: dict, t: torch.Tensor, st: Shared, ids
     padding = _arg(args, kwargs, 2, "padding_idx")
     padding = -1 if padding is None else padding % t.shape[0]
     return dim if st.owner.looked_up(t, out, ids, dim, padding) else None
+
+
+def _shared_constant_contraction(args: Sequence, t: torch.Tensor, st: Shared, out: torch.Tensor) -> Shared | None:
+    """out = einsum(equation, a, b) of a Shared t (a free parameter's piece) and a constant (no batch, no gradient:
+    Funnel's relative positions mapped by its r_kernel): out is followed as a linear map of t (Piece.contracted_with),
+    each of its per-sample gradients taken back to t by einsum(const, g). None for any other einsum."""
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    equation = args[0].replace(" ", "") if isinstance(args[0], str) else ""
+    if len(operands) != 2 or "->" not in equation or "..." in equation or not hasattr(st.owner, "contracted_with"):
+        return None
+    (spec_a, spec_b), rhs = equation.split("->")[0].split(","), equation.split("->")[1]
+    if operands[0] is t and isinstance(operands[1], torch.Tensor) and not operands[1].requires_grad:
+        spec_t, spec_c, const = spec_a, spec_b, operands[1]
+    elif operands[1] is t and isinstance(operands[0], torch.Tensor) and not operands[0].requires_grad:
+        spec_t, spec_c, const = spec_b, spec_a, operands[0]
+    else:
+        return None
+    letters = set(spec_t) | set(spec_c) | set(rhs)
+    batch = next((c for c in "ZYXWVUTSRQ" if c not in letters), None)
+    if batch is None or any(len(set(spec)) != len(spec) for spec in (spec_t, spec_c, rhs)) \
+            or not set(spec_t) <= set(spec_c) | set(rhs):
+        return None
+    piece = st.owner.contracted_with(t, out, const, f"{spec_c},{batch}{rhs}->{batch}{spec_t}")
+    return None if piece is None else Shared(piece)
 
 
 def _shared_conv(name: str, args: Sequence, kwargs: dict, shared: list, plain: list, out: torch.Tensor) -> int | None:

@@ -23,6 +23,7 @@ import torch.nn as nn
 from .. import _torch_compat
 from ..utils import is_dtensor
 from .batch_provenance import Shared
+from .grad_hooks import hook_gradient
 from .row_lookup import RowLookup
 from .rules.base import overrides_ruled_forward, why_no_rule
 
@@ -375,6 +376,15 @@ class Piece:
             return None
         return Piece(MappedUses(self, out, slope), tuple(out.shape))
 
+    def contracted_with(self, t: torch.Tensor, out: torch.Tensor, const: torch.Tensor, back: str) -> "Piece | None":
+        """out = einsum(..., t, const) of this piece (not broadcast) and a constant (Funnel's `einsum("td,dnh->tnh", r,
+        r_kernel)` over its relative positions): out is followed as a parameter of its own whose per-sample gradients
+        reach this piece through `back` (einsum of the constant and one sample's gradient of out: the chain rule of a
+        linear map, exact). None: a broadcast piece."""
+        if tuple(t.shape) != self.base:
+            return None
+        return Piece(ContractedUses(self, out, const.detach(), back), tuple(out.shape))
+
     def add_per_sample(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         """Adds one use's per-sample gradient, [batch, numel of base], where its elements sit in the parameter (read
         from a gradient of dtype `rounding`). Left out, named, where the parameter's per-sample gradients would be
@@ -498,7 +508,7 @@ class Piece:
             g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
             self.add_per_sample(g.sum(tuple(range(2, g.dim()))) if g.dim() > 2 else g, g.dtype)
 
-        out.register_hook(hook)
+        hook_gradient(out, hook)
 
     def _on_product(self, out: torch.Tensor, other: torch.Tensor,
                     per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -517,7 +527,7 @@ class Piece:
             self.add_per_sample(per_sample(g, other),
                                 _coarser(rounding, out_dtype) if out_dtype.is_floating_point else rounding)
 
-        out.register_hook(hook)
+        hook_gradient(out, hook, (other,))
 
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         """t (this piece, expanded over the batch on `dim`) is rows [start, start + t.shape[cat_dim]) of `out` along
@@ -547,6 +557,23 @@ class MappedUses:
 
     def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         self.piece.add_per_sample(g * self.slope, _coarser(rounding, self.slope.dtype))
+
+
+class ContractedUses:
+    """The uses of y = einsum(x, c), x a piece of a free parameter and c a constant (see Piece.contracted_with): y is
+    followed as a parameter of its own, each of its per-sample gradients reaching x through `back`."""
+
+    def __init__(self, piece: Piece, out: torch.Tensor, const: torch.Tensor, back: str):
+        self.piece, self.param, self.batch = piece, out, piece.uses.batch
+        self.const, self.back, self.shape = const, back, tuple(out.shape)
+
+    def on_escape(self, what: str) -> None:
+        self.piece.on_escape(what)
+
+    def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+        wide = torch.promote_types(g.dtype, self.const.dtype)
+        g = torch.einsum(self.back, self.const.to(wide), g.to(wide).reshape(self.batch, *self.shape))
+        self.piece.add_per_sample(g.reshape(self.batch, -1), _coarser(rounding, self.const.dtype))
 
 
 class PieceSum:

@@ -16,6 +16,7 @@ from . import shared_input, tied_embedding
 from .batch_provenance import BatchTracker, Merged, Shared
 from .coverage import LayerCoverage
 from .free_parameters import joined_where_expanded
+from .grad_hooks import hook_gradient
 from .lost_batch import enter_ruled, leave_ruled
 from .micro_batch import Collection, LayerCalls, MicroBatch, batch_first, sample_first
 from .rules import Call, NormRule, gradient_dtype
@@ -60,21 +61,6 @@ def _takes_as_it_is(rule: NormRule, status: int | Merged, want: int | None) -> b
     """Whether the rule takes its operand's batch where it is (the call then given with it on dim 0): a rule that
     moves the batch takes it on any dim (merged with rows too), one of merged rows (an RNN) merged where it wants it."""
     return (rule.moves_batch and want == 0) or (rule.merged_rows and type(status) is Merged and status.dim == want)
-
-
-def hook_output_gradient(output: torch.Tensor, args: tuple, hook) -> None:
-    """Registers hook(g) for the gradient of a layer's output. Where the output is a view of a whole tensor the call
-    made, laid out alike (F.linear's output for a 3-D input is a view of its 2-D product), on that tensor: a hook on a
-    view is dropped when the view is changed in place (Longformer's `q /= sqrt(d)` on its query projection), one on
-    the tensor it views still gets the gradient from before the change."""
-    base = _torch_compat.view_base(output)
-    if (base is None or _torch_compat.view_base(base) is not None or base.grad_fn is None
-            or base.numel() != output.numel() or base.data_ptr() != output.data_ptr()
-            or not (base.is_contiguous() and output.is_contiguous()) or any(base is a for a in args)):
-        output.register_hook(hook)
-        return
-    shape = output.shape
-    base.register_hook(lambda g: hook(g.reshape(shape)))
 
 
 def call_batch_dim(tracking: BatchTracker | None, index: int, mb: MicroBatch, module: nn.Module, rule: NormRule,
@@ -263,7 +249,7 @@ class LayerHooks:
                 return replaced
         graded = rule.graded_outputs(module, outputs)
         if len(graded) == 1:
-            hook_output_gradient(output, args, functools.partial(self._backward_hook, index, mb, at))
+            hook_gradient(output, functools.partial(self._backward_hook, index, mb, at), tuple(args))
             return None
         # Several outputs carry the loss (an RNN's sequence and its final states): one hook gets all their
         # gradients at once (None for an output the loss does not use).

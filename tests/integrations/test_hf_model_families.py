@@ -770,6 +770,12 @@ def _mpnet(transformers):  # its relative position bias, expanded over the batch
     return transformers.MPNetForMaskedLM(transformers.MPNetConfig(**_BERT_LIKE)), "ids"
 
 
+def _funnel(transformers):  # its relative positions mapped by its own r_kernel, then masked in place
+    return transformers.FunnelForMaskedLM(transformers.FunnelConfig(
+        vocab_size=VOCAB, d_model=16, n_head=2, d_head=8, d_inner=24, block_sizes=[1, 1], num_decoder_layers=1,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)), "ids"
+
+
 def _longformer(transformers):  # global attention on its first token: rows picked and written back per sample,
     # its query projection divided in place; makes its token types
     return transformers.LongformerForSequenceClassification(transformers.LongformerConfig(
@@ -780,16 +786,18 @@ def _longformer(transformers):  # global attention on its first token: rows pick
     ("convnextv2", set()), ("dinov2", set()),
     ("mobilebert", {"mobilebert.embeddings.word_embeddings.weight", "cls.predictions.bias",
                     "cls.predictions.dense.weight"}),
-    ("squeezebert", set()), ("layoutlm", set()), ("convbert", set()), ("longformer", set()), ("mpnet", set())])
+    ("squeezebert", set()), ("layoutlm", set()), ("convbert", set()), ("longformer", set()), ("mpnet", set()),
+    ("funnel", set())])
 def test_more_families_are_exact_or_leave_out_by_name(family, left_out):
     """Families whose layers took later sessions' rules: ConvNeXt V2 and DINOv2 whole; MobileBERT without the word
     embeddings its head also reads by matmul (the use check leaves them, and what they added, out: every norm was
     refused); SqueezeBERT, LayoutLM and MobileBERT with the token types (and boxes) they make, ConvBERT, Longformer's
-    global attention, MPNet's expanded relative position bias: whole (session 22)."""
+    global attention, MPNet's expanded relative position bias, Funnel's r_kernel: whole (session 22)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
     torch.manual_seed(0)
     makers = {"convnextv2": _convnextv2, "dinov2": _dinov2, "mobilebert": _mobilebert, "squeezebert": _squeezebert,
-              "layoutlm": _layoutlm, "convbert": _convbert, "longformer": _longformer, "mpnet": _mpnet}
+              "layoutlm": _layoutlm, "convbert": _convbert, "longformer": _longformer, "mpnet": _mpnet,
+              "funnel": _funnel}
     model, kind = makers[family](transformers)
     model = model.double()
     if family == "dinov2":

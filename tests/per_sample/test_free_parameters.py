@@ -806,3 +806,37 @@ def test_a_weight_on_the_left_of_a_matmul_and_a_broadcast_product_are_exact(book
     assert not cov["uncovered"], cov["uncovered_reasons"]
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class RelativeKernel(nn.Module):
+    """Funnel's relative attention: its own kernel maps a table of relative positions every sample shares
+    (`einsum("td,dnh->tnh", r, r_kernel)`), the result is contracted with the batch's queries, and a view of that is
+    masked in place (`positional_attn *= cls_mask`: torch drops the hooks of a view changed in place)."""
+
+    def __init__(self, masked):
+        super().__init__()
+        self.q, self.head = nn.Linear(4, 6), nn.Linear(5, 3)
+        self.r_kernel = nn.Parameter(torch.randn(4, 2, 3) * 0.3)
+        self.register_buffer("r", torch.randn(5, 4))
+        self.masked = masked
+
+    def forward(self, x):  # [B, L, 4]
+        q = self.q(x).unflatten(-1, (2, 3))  # [B, L, n, h]
+        scores = torch.einsum("binh,tnh->bnit", q, torch.einsum("td,dnh->tnh", self.r, self.r_kernel))[..., :5]
+        if self.masked:
+            scores *= torch.linspace(0.0, 1.0, 5, dtype=scores.dtype)
+        return self.head(torch.tanh(scores).reshape(scores.shape[0], -1, 5))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_parameter_mapped_by_a_constant_table_then_contracted_with_the_batch_is_exact(masked, bookkeeping):
+    torch.manual_seed(0)
+    model = RelativeKernel(masked).double()
+    x, y = torch.randn(4, 6, 4, dtype=torch.float64), torch.randn(4, 12, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = _norms(model, x, y, bookkeeping=bookkeeping)
+    assert not cov["uncovered"], cov["uncovered_reasons"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
