@@ -13,7 +13,26 @@ from __future__ import annotations
 import torch
 
 
-class RowLookup:
+class ModeByFirstUse:
+    """An output whose ids hold a row per sample may be each sample's own rows or every sample's (positions [T] with T
+    equal to the batch's size): the first use says which (`mode` "rows" or "broadcast"), a use the other way escapes.
+    For RowLookup and shared_input.SharedCall, which define `mode` and `on_escape`."""
+
+    mode: str | None
+
+    def on_escape(self, what: str) -> None:
+        raise NotImplementedError
+
+    def _used_as(self, mode: str) -> bool:
+        """Notes a use as `mode`; False (escaped) after a use the other way."""
+        if self.mode not in (None, mode):
+            self.on_escape("uses as each sample's own rows and as every sample's")
+            return False
+        self.mode = mode
+        return True
+
+
+class RowLookup(ModeByFirstUse):
     """The output of `F.embedding(ids, t)` (or `t[ids]`), t a free parameter's Piece, ids no sample's data flows into
     (batch_provenance.Shared)."""
 
@@ -43,11 +62,11 @@ class RowLookup:
             mode = "broadcast"
         else:
             mode = None
-        if inner != 1 or mode is None or self.mode not in (None, mode):
-            self.on_escape("an add that neither puts each of its rows on its sample's nor broadcasts it over the batch"
-                           if mode is None else "uses as each sample's own rows and as every sample's")
+        if inner != 1 or mode is None:
+            self.on_escape("an add that neither puts each of its rows on its sample's nor broadcasts it over the batch")
             return
-        self.mode = mode
+        if not self._used_as(mode):
+            return
         if not total.requires_grad:  # a forward pass without grad (reentrant checkpointing): the use check decides
             return
         batch, padding, piece = self.piece.uses.batch, self.padding, self.piece

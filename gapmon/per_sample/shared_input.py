@@ -19,13 +19,14 @@ import torch
 from .batch_provenance import Shared, graded_tensors
 from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered
 from .micro_batch import LayerCalls
+from .row_lookup import ModeByFirstUse
 from .rules import Call
 
 # Relative agreement of the output's gradient with the per-sample gradients summed (their rounding, by dtype).
 _RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
-class SharedCall:
+class SharedCall(ModeByFirstUse):
     """One call of a layer whose input every sample shares: gathers its output's per-sample gradient from the
     sums it is added to, checks it against the output's own gradient, then hands it to `done(g)` ([B, *output
     shape without its broadcast batch dim]) or reports why not to `refuse(why)`.
@@ -62,14 +63,6 @@ class SharedCall:
             return
         if self._used_as("broadcast"):
             total.register_hook(lambda g: self._add(g, dim, broadcast, sign, positions, holes))
-
-    def _used_as(self, mode: str) -> bool:
-        """Notes a use of the output as one row per sample or as every sample's; False (escaped) after the other."""
-        if self.mode not in (None, mode):
-            self.on_escape("uses as each sample's own rows and as every sample's")
-            return False
-        self.mode = mode
-        return True
 
     def on_escape(self, what: str) -> None:
         self.escaped = self.escaped or what
