@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 # (source, kernel name, instantiations, register budget): each kernel's __launch_bounds__.
 KERNELS = (
@@ -126,12 +127,16 @@ def element_loops_with_local_memory(cuobjdump: str, cubin: str) -> list[str]:
     return bad
 
 
-def check_source(nvcc: str, source: str, kernel: str, instantiations: int, max_registers: int, cuobjdump: str | None,
-                 tmp: str) -> list[str]:
+ARCHS = ("sm_80", "sm_90")
+
+
+def check_source(source: str, kernel: str, instantiations: int, max_registers: int, cuobjdump: str | None,
+                 compiled: dict[str, tuple[str, str]]) -> list[str]:
+    """The budgets of one source's kernels, from its compiled {arch: (ptxas log, cubin)}."""
     failures = []
-    for arch in ("sm_80", "sm_90"):
-        cubin = os.path.join(tmp, f"{arch}.cubin")
-        props = function_properties(compile_verbose(nvcc, source, arch, cubin))
+    for arch in ARCHS:
+        log, cubin = compiled[arch]
+        props = function_properties(log)
         kernels = {n: p for n, p in props.items() if re.search(rf"\d{kernel}[IE]", n)}
         if len(kernels) != instantiations:
             failures.append(f"{arch}: expected {instantiations} {kernel} instantiation(s), found {list(kernels)}")
@@ -153,9 +158,14 @@ def main() -> None:
     failures = []
     cuobjdump = find_cuobjdump(nvcc)
     with tempfile.TemporaryDirectory() as tmp:
+        # Every (source, arch) compiled at once, as many at a time as there are cores (each takes ~20 s).
+        jobs = {(source, arch): (os.path.join(root, "csrc", "cuda", source), os.path.join(tmp, f"{source}.{arch}.cubin"))
+                for source, *_ in KERNELS for arch in ARCHS}
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            logs = {key: pool.submit(compile_verbose, nvcc, path, key[1], cubin) for key, (path, cubin) in jobs.items()}
         for source, kernel, instantiations, max_registers in KERNELS:
-            path = os.path.join(root, "csrc", "cuda", source)
-            failures += check_source(nvcc, path, kernel, instantiations, max_registers, cuobjdump, tmp)
+            compiled = {arch: (logs[source, arch].result(), jobs[source, arch][1]) for arch in ARCHS}
+            failures += check_source(source, kernel, instantiations, max_registers, cuobjdump, compiled)
     if cuobjdump:
         print(f"element loops checked for local memory with {cuobjdump}")
     else:

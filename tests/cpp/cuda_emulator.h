@@ -1,8 +1,9 @@
 // A small host emulator of the CUDA execution model, so that ctest runs the real kernel source
 // (csrc/cuda/stats_cuda.cu compiled as C++ with GAPMON_CUDA_EMULATION) without a GPU.
 //
-// The threads of a block are cooperative fibers (ucontext) on one OS thread, switched at every
-// barrier. Blocks run in order on one OS thread by default; with a schedule seed
+// The threads of a block are cooperative fibers on one OS thread, switched at every barrier (on x86-64 by a
+// six-register stack switch: ucontext's swapcontext makes two system calls per switch, which took 85% of the
+// emulated tests' time; elsewhere by ucontext). Blocks run in order on one OS thread by default; with a schedule seed
 // (gapmon_emu::set_schedule(seed)) they run in a shuffled order, several at once on worker OS
 // threads (so blocks really interleave), and the fibers of each block are resumed in a shuffled
 // order at every barrier round: a result that depends on which block or thread runs first shows
@@ -30,7 +31,9 @@
 // Before the index macros below: CUDA's headers use these names for parameters.
 #include <cuda_runtime.h>  // cudaError_t, cudaStream_t, dim3, uint4 (declarations only: no runtime needed)
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -45,7 +48,72 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+// gapmon_emu_switch(&from_sp, to_sp): saves the callee-saved registers on the current stack, stores its pointer in
+// *from_sp, loads to_sp and restores what was saved there (a new fiber's stack holds its entry as the return
+// address). Weak, in a COMDAT group: every translation unit that includes this header emits the same one.
+asm(R"(
+  .pushsection .text.gapmon_emu_switch,"axG",@progbits,gapmon_emu_switch,comdat
+  .weak gapmon_emu_switch
+  .hidden gapmon_emu_switch
+  .type gapmon_emu_switch,@function
+gapmon_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size gapmon_emu_switch, .-gapmon_emu_switch
+  .popsection
+)");
+extern "C" void gapmon_emu_switch(void** from_sp, void* to_sp);
+#endif
+
 namespace gapmon_emu {
+
+// Where a fiber (or the scheduler) stopped, and how to switch between two such places.
+#if defined(__x86_64__)
+struct Context {
+  void* sp = nullptr;
+};
+
+inline void switch_context(Context& from, Context& to) { gapmon_emu_switch(&from.sp, to.sp); }
+
+// A fiber that starts entry() on `stack`: the six registers' slots, then entry as the return address, then a slot
+// for entry's own (never used) return address, so that entry starts with the stack aligned as after a call.
+inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+  auto top = reinterpret_cast<uintptr_t>(stack.data() + stack.size()) & ~uintptr_t{15};
+  auto* slots = reinterpret_cast<void**>(top) - 8;
+  for (int i = 0; i < 6; ++i) slots[i] = nullptr;
+  slots[6] = reinterpret_cast<void*>(entry);
+  slots[7] = nullptr;
+  c.sp = slots;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack.data();
+  c.uc.uc_stack.ss_size = stack.size();
+  c.uc.uc_link = nullptr;  // entry never returns: it switches to the scheduler
+  makecontext(&c.uc, entry, 0);
+}
+#endif
 
 inline dim3 grid_dim, block_dim;                   // set before a launch's blocks start
 inline thread_local dim3 block_idx, thread_idx;    // of the block and fiber running on this OS thread
@@ -65,10 +133,10 @@ inline void set_schedule(unsigned seed) {
 struct Block {
   static constexpr size_t kStackBytes = 64 * 1024;
   int threads = 0;
-  std::vector<ucontext_t> contexts;
+  std::vector<Context> contexts;
   std::vector<std::vector<char>> stacks;
   std::vector<char> finished;
-  ucontext_t scheduler;
+  Context scheduler;
   int current = 0;
   // Barriers: arrivals and generation, for the block and for each warp.
   int block_arrived = 0;
@@ -84,7 +152,7 @@ struct Block {
 
 inline thread_local Block* running = nullptr;
 
-inline void yield() { swapcontext(&running->contexts[running->current], &running->scheduler); }
+inline void yield() { switch_context(running->contexts[running->current], running->scheduler); }
 
 inline int thread_id() { return running->current; }
 
@@ -127,29 +195,25 @@ inline void lanes_barrier(unsigned mask) {
   while (b.lanes_barriers[{warp, mask}].second == mine) yield();
 }
 
-// Resumes thread t until it waits at a barrier or returns. Not inlined: swapcontext returns like
+// Resumes thread t until it waits at a barrier or returns. Not inlined: under ucontext, swapcontext returns like
 // setjmp, so the caller's loop variables stay out of the function that calls it.
 [[gnu::noinline]] inline void resume(Block& b, int t) {
   b.current = t;
   thread_idx = dim3(t, 0, 0);
-  swapcontext(&b.scheduler, &b.contexts[t]);
+  switch_context(b.scheduler, b.contexts[t]);
 }
 
-inline void fiber_entry() {
+// A fiber's whole life: the kernel body, then back to the scheduler for good (a finished fiber is never resumed).
+[[noreturn]] inline void fiber_entry() {
   running->body();
   running->finished[running->current] = 1;
   ++running->progress;
-  // Returning resumes uc_link: the scheduler.
+  switch_context(running->contexts[running->current], running->scheduler);
+  std::terminate();
 }
 
-// Sets thread t up to start the kernel body on its own stack (getcontext, too, returns like setjmp).
-[[gnu::noinline]] inline void prepare(Block& b, int t) {
-  getcontext(&b.contexts[t]);
-  b.contexts[t].uc_stack.ss_sp = b.stacks[t].data();
-  b.contexts[t].uc_stack.ss_size = b.stacks[t].size();
-  b.contexts[t].uc_link = &b.scheduler;
-  makecontext(&b.contexts[t], fiber_entry, 0);
-}
+// Sets thread t up to start the kernel body on its own stack.
+[[gnu::noinline]] inline void prepare(Block& b, int t) { make_context(b.contexts[t], b.stacks[t], fiber_entry); }
 
 // Runs block `bx` of the current launch on `b`'s fibers; `rng` (if any) shuffles the order in
 // which waiting fibers are resumed in every round.
