@@ -31,6 +31,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# --quick scales every timing's minimum duration by this (a check that the script runs, as the tests do).
+TIME_SCALE = 1.0
+
+
 def timeit(fn, device: str, min_time: float = 0.5, max_reps: int = 200) -> float:
     """Seconds per call of `fn(i)` (i counts calls, for rotating inputs), after warm-up.
 
@@ -38,6 +42,7 @@ def timeit(fn, device: str, min_time: float = 0.5, max_reps: int = 200) -> float
     of a shared machine, whose memory bandwidth varies by tens of percent between runs.
     CUDA: the median over repetitions of a run of back-to-back calls timed with CUDA events, so
     that launches overlap as in a training loop. Every method of a case is timed the same way."""
+    min_time *= TIME_SCALE
     if device == "cuda":
         return _cuda_time(fn, min_time)
     fn(0)
@@ -165,9 +170,9 @@ def seed_baseline(x: torch.Tensor):
     return x.abs().max(), torch.var_mean(x)
 
 
-def gpt2_small_shapes() -> list[tuple[int, ...]]:
-    """Parameter shapes of GPT-2 small (124M parameters, 148 tensors)."""
-    d, v, ctx, layers = 768, 50257, 1024, 12
+def gpt2_small_shapes(divisor: int = 1) -> list[tuple[int, ...]]:
+    """Parameter shapes of GPT-2 small (124M parameters, 148 tensors); each size divided by `divisor` (--quick)."""
+    d, v, ctx, layers = 768 // divisor, 50257 // divisor, 1024 // divisor, 12
     shapes: list[tuple[int, ...]] = [(v, d), (ctx, d)]
     for _ in range(layers):
         shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
@@ -467,7 +472,13 @@ def main() -> None:
     parser.add_argument("--cases", default="stats,host,multi,instance,numerics,blocks",
                         help="comma-separated subset of stats,host,multi,instance,numerics,blocks")
     parser.add_argument("--numerics-sizes", default="18,22,26", help="powers of two for the numerics cases")
+    parser.add_argument("--quick", action="store_true",
+                        help="short timings and GPT-2 small's and the instance case's sizes / 16: checks that every "
+                             "case runs (the tests), its numbers are not the ones to report")
     args = parser.parse_args()
+    global TIME_SCALE
+    divisor = 16 if args.quick else 1
+    TIME_SCALE = 0.05 if args.quick else 1.0
     if gapmon.backend() == "torch":
         raise SystemExit("gapmon._C is not built: nothing to benchmark (pip install --no-build-isolation -e .)")
     device = args.device
@@ -482,13 +493,14 @@ def main() -> None:
     if "host" in cases:
         bench_host_cost(device, rows)
     if "multi" in cases:
-        bench_multi(device, "GPT-2 small", gpt2_small_shapes(), rows)
+        bench_multi(device, "GPT-2 small" + (f" (sizes / {divisor})" if divisor > 1 else ""), gpt2_small_shapes(divisor),
+                    rows)
         if device == "cuda" and not args.skip_llama:
             bench_multi(device, "LLaMA 1B", llama_1b_shapes(), rows, torch.bfloat16)
     if "instance" in cases:
-        bench_instance(device, (64, 2**20), rows)
+        bench_instance(device, (64, 2**20 // divisor), rows)
         if device == "cuda":
-            bench_instance(device, (64, 2**20), rows, torch.bfloat16)
+            bench_instance(device, (64, 2**20 // divisor), rows, torch.bfloat16)
             for dtype in (torch.float32, torch.bfloat16):
                 bench_instance(device, (8192, 4096), rows, dtype)
     if "numerics" in cases:

@@ -35,9 +35,9 @@ def test_bench_monitor_reports_floor_and_targets(tmp_path):
 
 
 def test_bench_stats_reports_targets(tmp_path):
-    result = _run("bench_stats.py", "--sizes", "10", "--numerics-sizes", "10", out=tmp_path / "stats.json")
+    result = _run("bench_stats.py", "--sizes", "10", "--numerics-sizes", "10", "--quick", out=tmp_path / "stats.json")
     cases = {r["case"] for r in result["results"]}
-    assert {"tensor_stats", "host cost of one call", "multi_tensor_stats GPT-2 small", "numerics_states"} <= cases
+    assert {"tensor_stats", "host cost of one call", "multi_tensor_stats GPT-2 small (sizes / 16)", "numerics_states"} <= cases
     numerics = next(r for r in result["results"] if r["case"] == "numerics_states")
     assert numerics["gapmon_s"] > 0 and numerics["reference_s"] > 0 and numerics["on_over_off"] > 0
     hook = next(r for r in result["results"] if r["case"] == "activation hook with numerics")
