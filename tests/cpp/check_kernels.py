@@ -1,7 +1,7 @@
-"""Checks the register budget of the CUDA kernels without a GPU (run by ctest).
+"""Compiles every CUDA kernel source and checks the kernels' register budget, without a GPU (run by ctest).
 
-Compiles csrc/cuda/stats_cuda.cu, csrc/cuda/numerics_cuda.cu and csrc/cuda/block_cuda.cu with ``nvcc -Xptxas
--v`` for sm_80 and sm_90 and checks that:
+Compiles every csrc/cuda/*.cu with ``nvcc -Xptxas -v`` for sm_80 and sm_90, warnings as errors (the build's only
+compile of them: CMake does not compile them again), and checks that:
 
 - the statistics kernels use at most 64 registers, so 4 blocks of 256 threads are resident per SM,
   the statistics-and-numerics kernel (plain, and fused with the block formats) at most 128 (2 blocks),
@@ -47,8 +47,8 @@ MAX_FUSED_LOCAL_PER_INSTRUCTION = 1 / 200
 
 
 def compile_verbose(nvcc: str, source: str, arch: str, out: str) -> str:
-    cmd = [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O3", f"-arch={arch}", "-Xptxas", "-v", "-cubin",
-           "-o", out, source]
+    cmd = [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O3", "-Werror=all-warnings", f"-arch={arch}", "-Xptxas",
+           "-v", "-cubin", "-o", out, source]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"nvcc failed for {arch}:\n{done.stderr}")
@@ -159,10 +159,17 @@ def main() -> None:
     cuobjdump = find_cuobjdump(nvcc)
     with tempfile.TemporaryDirectory() as tmp:
         # Every (source, arch) compiled at once, as many at a time as there are cores (each takes ~20 s).
+        sources = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+        missing = {source for source, *_ in KERNELS} - set(sources)
+        if missing:
+            sys.exit(f"kernel sources not found: {sorted(missing)}")
         jobs = {(source, arch): (os.path.join(root, "csrc", "cuda", source), os.path.join(tmp, f"{source}.{arch}.cubin"))
-                for source, *_ in KERNELS for arch in ARCHS}
+                for source in sources for arch in ARCHS}
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             logs = {key: pool.submit(compile_verbose, nvcc, path, key[1], cubin) for key, (path, cubin) in jobs.items()}
+        for key in jobs:
+            logs[key].result()  # every source compiles (nvcc's errors name the line)
+        print(f"compiled {', '.join(sources)} for {' and '.join(ARCHS)}, warnings as errors")
         for source, kernel, instantiations, max_registers in KERNELS:
             compiled = {arch: (logs[source, arch].result(), jobs[source, arch][1]) for arch in ARCHS}
             failures += check_source(source, kernel, instantiations, max_registers, cuobjdump, compiled)

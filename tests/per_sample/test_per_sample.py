@@ -457,6 +457,27 @@ def test_linear_grad_sketch_equals_the_float64_gradients_times_the_probe(dtype):
             torch.ops.gapmon.linear_grad_sketch(torch.ones(2, 7), torch.ones(3, 4), torch.ones(7), None)
 
 
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_add_sketch_adds_the_gradient_as_rows_times_the_probe(grad_dtype):
+    """The use check's sketch of a gradient of any rank (a 0-dim scale, a bias, a weight, a 4-D kernel): acc += its
+    [rows, -1] matrix times the probe, in the accumulator's dtype, as float64 gives it; added to what acc held."""
+    from gapmon.per_sample.rules import add_sketch
+
+    gen = torch.Generator().manual_seed(4)
+    for acc_dtype in (torch.float32, torch.float64):
+        tol = 1e-12 if acc_dtype == grad_dtype == torch.float64 else 1e-5
+        for shape in ((), (5,), (1,), (5, 3), (4, 2, 3, 3)):
+            grad = torch.randn(shape, generator=gen, dtype=torch.float64).to(grad_dtype)
+            rows = shape[0] if shape else 1
+            r = torch.randn(grad.numel() // rows, generator=gen, dtype=acc_dtype)
+            held = torch.randn(rows, generator=gen, dtype=acc_dtype)
+            acc = held.clone()
+            add_sketch(acc, grad, r)
+            assert acc.dtype == acc_dtype and acc.shape == (rows,)
+            want = held.double() + grad.double().reshape(rows, -1) @ r.double()
+            torch.testing.assert_close(acc.double(), want, rtol=tol, atol=tol)
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_products_sum_in_float32(dtype):
     """16-bit operands give float32 norms equal to the float64 products of the same 16-bit values:

@@ -359,8 +359,12 @@ def sketch(grad: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def add_sketch(acc: torch.Tensor, grad: torch.Tensor, r: torch.Tensor) -> None:
     """acc += sketch(grad, r), summed in acc's dtype (the probe's): one matrix-vector op into the accumulator."""
-    rows = grad.shape[0] if grad.dim() else 1
-    matrix = grad.reshape(rows, -1)
+    # No view where none is needed (every op costs host time; on a GPU that is what a step waits for): a matrix as it
+    # is, and a vector (a bias, its probe of one value) times that value.
+    if grad.dim() == 1 and r.shape[0] == 1:
+        acc.addcmul_(grad if grad.dtype == acc.dtype else grad.to(acc.dtype), r)
+        return
+    matrix = grad if grad.dim() == 2 else grad.reshape(grad.shape[0] if grad.dim() else 1, -1)
     acc.addmv_(matrix if matrix.dtype == acc.dtype else matrix.to(acc.dtype), r)
 
 
