@@ -1000,7 +1000,7 @@ def _shared_conv(name: str, args: Sequence, kwargs: dict, shared: list, plain: l
         (3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1)))
     owners = {id(t): st.owner for t, st in shared}
     w_owner, b_owner = owners.get(id(w)), owners.get(id(b)) if b is not None else None
-    if (len(plain) != 1 or plain[0][0] is not x or plain[0][1] != 0 or type(plain[0][1]) is not int
+    if (len(plain) != 1 or plain[0][0] is not x or type(plain[0][1]) is not int or plain[0][1] != 0
             or x.dim() != (3 if name == "conv1d" else 4) or isinstance(padding, str) or type(groups) is not int
             or w_owner is None or not hasattr(w_owner, "on_conv") or getattr(w_owner, "base", None) != tuple(w.shape)
             or len(shared) != 1 + (b_owner is not None) or (b is not None and b_owner is None and b.requires_grad)

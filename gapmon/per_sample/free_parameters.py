@@ -505,8 +505,9 @@ class Piece:
             return
 
         def hook(g: torch.Tensor) -> None:
-            g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
-            self.add_per_sample(g.sum(tuple(range(2, g.dim()))) if g.dim() > 2 else g, g.dtype)
+            rounding = g.dtype  # a 16-bit gradient (autocast) is summed in float32, its rounding allowed for
+            g = g.detach() if rounding in (torch.float32, torch.float64) else g.detach().float()
+            self.add_per_sample(g.sum(tuple(range(2, g.dim()))) if g.dim() > 2 else g, rounding)
 
         hook_gradient(out, hook)
 

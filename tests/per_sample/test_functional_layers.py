@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import loop_per_sample_norms, norms_and_coverage
+from helpers import Autocast, loop_per_sample_norms, norms_and_coverage
 
 import gapmon
 
@@ -194,6 +194,31 @@ def test_a_convolution_used_only_through_its_parameters_is_exact(make, shape, bo
     assert {"conv.weight", "conv.bias"} <= set(cov["covered"])
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
                                rtol=1e-10, atol=1e-12)
+
+
+class DepthwiseConv(nn.Module):
+    """A depthwise causal convolution of the input itself, its Conv1d's weight and bias passed to F.conv1d."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv1d(4, 4, 3, groups=4, padding=2), nn.Linear(4, 2)
+
+    def forward(self, x):  # [B, L, 4]
+        h = F.conv1d(x.transpose(1, 2), self.conv.weight, self.conv.bias, padding=2, groups=4)[..., :x.shape[1]]
+        return self.head(h.transpose(1, 2))
+
+
+def test_a_convolution_used_through_its_parameters_under_bf16_autocast_is_not_refused():
+    """Under bf16 autocast F.conv1d's output, and so its bias's gradient, is bf16: each sample's bias gradient (its
+    output gradient summed over the positions, in float32) differs from autograd's bf16 sum by bf16's rounding, which
+    the use check allows (it took float32's tolerance and refused the layer). Close to a float64 loop, to bf16's
+    rounding."""
+    torch.manual_seed(0)
+    model = DepthwiseConv()
+    x, y = 3 * torch.randn(6, 16, 4), torch.randn(6, 16, 2)
+    got, cov = norms_and_coverage(Autocast(model, "cpu"), _loss, x, y, strict=True)
+    assert {"model.conv.weight", "model.conv.bias"} <= set(cov["covered"]) and not cov["uncovered"]
+    torch.testing.assert_close(got.double(), loop_per_sample_norms(model, _loss, x, y), rtol=5e-2, atol=0)
 
 
 def test_a_convolution_with_padding_named_by_a_string_is_left_out_by_name():
