@@ -117,10 +117,27 @@ class LayerCoverage:
         order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
         self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]
                            for name, others in self.ties.items() if name in order}
+        self._added: set[str] = set()  # layers added at run time (add_layer): their parameters are another layer's
         self.warned: set[str] = set()  # uncovered parameters already warned about
         self.skipped: set[str] = set()  # layers found not to be per-sample at run time
         self.checked_state: tuple | None = None  # what warn_uncovered last looked at
         self._types: tuple[tuple, dict[str, str]] | None = None  # (what it was computed for, layer_types())
+
+    def add_layer(self, name: str, module: nn.Module, rule: NormRule) -> int:
+        """Adds a layer found at run time (an embedding's table used as a head by its model: functional_head) whose
+        parameters are a covered layer's; returns its index."""
+        self.layers.append((name, module, rule))
+        self._added.add(name)
+        return len(self.layers) - 1
+
+    def tie(self, names: list[str]) -> None:
+        """Layers found at run time to share one table exactly (an embedding and its table used as a head)."""
+        for name in names:
+            self.ties[name] = tuple(n for n in names if n != name)
+        order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
+        first = min((order[n] for n in names), key=lambda im: im[0])[1]
+        self._tie_first.update({name: first for name in names})
+        self._types = None
 
     def skip(self, name: str, why: str) -> None:
         """Leaves layer `name` out of the norms from now on (with a warning; strict: RuntimeError), and the layer
@@ -180,6 +197,8 @@ class LayerCoverage:
     def _covered_parameters(self, param_names: dict[int, str]):
         """(parameter name, layer name, layer, parameter) of every parameter a covered layer's rule is about."""
         for name, module, rule in self.layers:
+            if name in self._added:
+                continue
             attrs = None  # by attribute, when the object is not a named one: under FSDP2 the module holds sharded or
             for p in rule.params(module):  # unsharded parameter objects by turns
                 full = param_names.get(id(p))

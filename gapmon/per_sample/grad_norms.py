@@ -46,6 +46,7 @@ from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import batch_tracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
 from .free_parameters import FREE_UNSEEN, FreeParameterNorms
+from .functional_head import FunctionalHeads
 from .functional_layers import FunctionalLinearUses
 from .gram import GradientProducts
 from .layer_hooks import LayerHooks
@@ -121,6 +122,8 @@ class PerSampleGradNorms(GradientProducts):
         self.keep_out_of_compiled_graphs()
         self._root = model.register_forward_pre_hook(self._new_micro_batch, with_kwargs=True)
         self._mixing.watch_routing(model, clean_name)  # a MoE's load-balancing loss (after the root's hook)
+        # An embedding's table used as a head's weight by the model's forward (F.linear(h, wte.weight)): tied to it then
+        self._heads = FunctionalHeads(self._layer_hooks) if not config.gram else None
         functional = FunctionalLinearUses(self._coverage, self._checker, self._state) if not config.gram else None
         self._free = FreeParameterNorms(self._coverage, self._checker, self._state, functional)  # after the root's hook
         self._root_end = model.register_forward_hook(self._end_forward, always_call=True)
@@ -374,6 +377,8 @@ class PerSampleGradNorms(GradientProducts):
         self._mixing.close()
         self._layer_hooks.close()
         self._free.close()
+        if self._heads is not None:
+            self._heads.close()
         self._checker.close()
         self._state.stop_tracking()
         self.reset()

@@ -174,6 +174,12 @@ class LayerHooks:
         leave_ruled(tracking, args, kwargs, output if replaced is None else replaced)
         return replaced
 
+    def record_call(self, index: int, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        """A call of layer `index` that the model makes without calling its module (an embedding's table used as a head:
+        functional_head), inside the forward pass being followed: recorded as the layer's forward hooks record one."""
+        self._note_params(index, module, args)
+        self._collecting_forward_hook(index, module, args, {}, output)
+
     def _rows_kept_hook(self, module: nn.Module, args, kwargs, output) -> None:
         """A block whose output rows are its input rows' alone (a rule's keeps_rows_only: a mixture of experts)."""
         tracking = self.state.tracking

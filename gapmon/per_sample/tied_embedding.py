@@ -48,6 +48,12 @@ class TiedTables:
             if name in index_of and all(o in index_of for o in others):
                 self.members[index_of[name]] = tuple(sorted(index_of[n] for n in (name, *others)))
 
+    def tie(self, indices: list[int]) -> None:
+        """Layers found at run time to share one table (an embedding and its table used as a head: functional_head)."""
+        group = tuple(sorted(indices))
+        for index in group:
+            self.members[index] = group
+
     def __contains__(self, index: int) -> bool:
         return index in self.members
 

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import run_distributed, seeded_gpt, vmap_per_sample_norms
 
 import gapmon
@@ -184,6 +185,36 @@ def _tied_worker(rank: int, world: int):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
                 model.zero_grad()
             psn.close()
+
+    # The same tie made in the forward (the original OLMo's F.linear(h, wte.weight)): the table followed from the
+    # embedding's forward, where FSDP2 has unsharded it (functional_head).
+    def functional_head():
+        model = _model()
+        del model.head
+
+        def forward(idx):
+            b, t = idx.shape
+            h = model.tok(idx) + model.pos(torch.arange(t).expand(b, t))
+            for block in model.blocks:
+                h = block(h)
+            return F.linear(model.norm(h), model.tok.weight)
+
+        model.forward = forward
+        return model
+
+    want = vmap_per_sample_norms(functional_head(), lm_loss, x, y)
+    for units, bookkeeping, micro in (("each block", False, 2), ("root only", True, 1)):
+        model = functional_head()
+        if units == "each block":
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+        psn = gapmon.PerSampleGradNorms(model, strict=True, bookkeeping=bookkeeping)
+        _, got = _accumulated_global_norms(model, psn, x, y, local, micro)
+        assert "tok.weight" in psn.coverage()["covered"] and not psn.coverage()["skipped_layers"]
+        case = f"functional head, {units}, bookkeeping={bookkeeping}, {micro} micro-batches"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
+        psn.close()
 
     # A vision transformer's own class token and position embedding (free_parameters) under FSDP2: FSDP2 swaps in
     # their unsharded objects for the forward of the module that holds them, a unit of its own or the root.
