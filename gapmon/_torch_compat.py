@@ -71,6 +71,11 @@ def own_parameters(module: nn.Module) -> list[nn.Parameter]:
     return own
 
 
+def forward_pre_hooks(module: nn.Module) -> list:
+    """The module's forward pre-hooks (torch's hook-based weight_norm is one), in order."""
+    return list(module._forward_pre_hooks.values())
+
+
 def module_registries(module: nn.Module) -> tuple[dict, dict]:
     """The module's own parameter and child registries (`_parameters`, `_modules`: what named_parameters() walks),
     read without named_parameters()'s generators."""

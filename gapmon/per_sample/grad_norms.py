@@ -15,8 +15,8 @@ whose batch was lost on the way (a reduction over it, an op without a rule), or 
 take (Linear, LayerNorm and Embedding take any: sequence-first activations are exact) is not
 per-sample: it is excluded, with a warning naming it and why (strict=True raises). Parameters of layers
 without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
-subclasses that do not override forward, and only for the parameters its math is about (no
-weight_norm, no parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
+subclasses that do not override forward, and only for the parameters its math is about (a weight_norm'd Linear or
+convolution taken back through its normalisation; no other parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
 out_proj, which it never calls). An embedding's table tied to a Linear head (tie_word_embeddings) is exact,
 with the cross term of the two parts (tied_embedding); other parameters shared by several modules are left out,
 named; one module reused under several names is fine. Every layer a rule holds for is watched, frozen or

@@ -652,3 +652,65 @@ def test_recurrent_cells_looped_on_cuda_are_exact(kind):
         grads = torch.autograd.grad(model(x[i:i + 1]).sum(), list(model.parameters()))
         want.append(torch.stack([g.square().sum() for g in grads]).sum().sqrt())
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
+
+
+def test_a_table_used_as_the_head_on_cuda_is_exact_and_kept_under_bf16_autocast():
+    """The functional tied head (functional_head) on CUDA tensors: float64 exact against a loop; under bf16 autocast
+    the use check keeps the table (bf16's tolerance) and the norms match the loop within bf16's rounding."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from helpers import loop_per_sample_norms
+
+    class HeadByTable(nn.Module):
+        def __init__(self, transposed: bool):
+            super().__init__()
+            self.wte, self.mix, self.transposed = nn.Embedding(13, 6), nn.Linear(6, 6), transposed
+
+        def forward(self, ids):
+            h = torch.tanh(self.mix(self.wte(ids)))
+            return h @ self.wte.weight.T if self.transposed else F.linear(h, self.wte.weight)
+
+    def lm_loss(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, 13), targets.reshape(-1), reduction="sum")
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 13, (4, 7), device="cuda")
+    targets = (ids * 3 + 1) % 13
+    for transposed in (False, True):
+        model = HeadByTable(transposed).double().cuda()
+        psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+        lm_loss(model(ids), targets).backward()
+        got = psn.local_norms()
+        psn.close()
+        torch.testing.assert_close(got, loop_per_sample_norms(model, lm_loss, ids, targets), rtol=1e-10, atol=1e-12)
+    model = HeadByTable(False).cuda()
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(ids)
+    lm_loss(logits.float(), targets).backward()
+    got = psn.local_norms()
+    assert not psn.coverage()["skipped_layers"]
+    psn.close()
+    torch.testing.assert_close(got.double(), loop_per_sample_norms(model, lm_loss, ids, targets), rtol=5e-2, atol=1e-3)
+
+
+def test_weight_normalised_layers_on_cuda_are_exact():
+    """weight_norm'd Linear (dim=0) and grouped Conv1d (dim=2, wav2vec 2's) on CUDA: float64 exact against a loop."""
+    import torch.nn as nn
+    from helpers import loop_per_sample_norms
+
+    torch.manual_seed(0)
+
+    def loss(out, y):
+        return ((out - y) ** 2).sum()
+
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 8, 3, padding=1, groups=2), dim=2)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(8 * 10, 6),
+                          nn.utils.parametrizations.weight_norm(nn.Linear(6, 3))).double().cuda()
+    x, y = torch.randn(5, 4, 10, dtype=torch.float64, device="cuda"), torch.randn(5, 3, dtype=torch.float64, device="cuda")
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    loss(model(x), y).backward()
+    got = psn.local_norms()
+    assert not psn.coverage()["uncovered"]
+    psn.close()
+    torch.testing.assert_close(got, loop_per_sample_norms(model, loss, x, y), rtol=1e-10, atol=1e-12)

@@ -85,7 +85,25 @@ def register_norm_rule_by_test(test: Callable[[type], bool]) -> Callable[[type],
 def rule_for(module: nn.Module) -> "NormRule | None":
     """The rule registered for `module`'s type (or its qualified name); for a subclass of a registered type, that
     type's rule only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
-    scaled Embedding). None when no rule holds."""
+    scaled Embedding), as a rule wrapper may change it for this module (weight_norm: a weight-normalised Linear's
+    rule taken back through the normalisation). None when no rule holds."""
+    rule = _rule_of_type(module)
+    for wrap in _RULE_WRAPPERS:
+        rule = wrap(rule, module)
+    return rule
+
+
+# fn(rule of the module's type or None, module) -> the module's rule: rules of reparametrised layers (weight_norm)
+_RULE_WRAPPERS: list[Callable[["NormRule | None", nn.Module], "NormRule | None"]] = []
+
+
+def register_rule_wrapper(wrap: Callable[["NormRule | None", nn.Module], "NormRule | None"]) -> Callable:
+    """Registers wrap(rule, module) -> rule, applied by rule_for to every module's rule (a reparametrised weight's)."""
+    _RULE_WRAPPERS.append(wrap)
+    return wrap
+
+
+def _rule_of_type(module: nn.Module) -> "NormRule | None":
     kind = type(module)
     if kind in _RULES:
         return _RULES[kind]

@@ -1,0 +1,193 @@
+"""Weight-normalised Linear and convolution layers (gapmon/per_sample/rules/weight_norm.py): exact against a float64
+per-sample loop, for torch's parametrization and its older hook-based weight_norm, every `dim`, with and without a bias,
+frozen parts, several calls and micro-batches; wav2vec 2's positional convolution whole."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import loop_per_sample_norms
+
+import gapmon
+from gapmon.per_sample.rules import WeightNormedRule, rule_for
+from gapmon.per_sample.rules.weight_norm import weight_norm_grads
+
+
+def _weight_norm(module, dim, old):
+    if old:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return nn.utils.weight_norm(module, dim=dim)
+    return nn.utils.parametrizations.weight_norm(module, dim=dim)
+
+
+def _loss(out, y):
+    return ((out - y) ** 2).sum()
+
+
+def _norms(model, x, y, **kwargs):
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True, **kwargs)
+    _loss(model(x), y).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    model.zero_grad()
+    return got, cov
+
+
+def test_the_closed_form_is_autograds():
+    """dg and dv of W = g v / ||v|| for a batch of gradients of W equal torch.autograd's, one gradient at a time."""
+    torch.manual_seed(0)
+    for dim in (0, 1, 2, -1):
+        v = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(*(1 if i != dim else n for i, n in enumerate(v.shape)), dtype=torch.float64,
+                        requires_grad=True) if dim != -1 else torch.randn((), dtype=torch.float64, requires_grad=True)
+        d = torch.randn(6, *v.shape, dtype=torch.float64)
+        dg, dv = weight_norm_grads(d, g.detach(), v.detach(), dim)
+        for i in range(6):
+            want_g, want_v = torch.autograd.grad(torch._weight_norm(v, g, dim), (g, v), d[i])
+            torch.testing.assert_close(dg[i], want_g, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(dv[i], want_v, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["parametrization", "hook-based"])
+@pytest.mark.parametrize("dim", [0, 1, None])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("seq", [1, 6, 40], ids=["T=1", "T=6", "T=40"])
+def test_a_weight_normalised_linear_is_exact(old, dim, bias, seq):
+    torch.manual_seed(0)
+    layer = _weight_norm(nn.Linear(5, 7, bias=bias), dim, old)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), layer).double()
+    assert isinstance(rule_for(layer), WeightNormedRule)
+    x, y = torch.randn(3, seq, 4, dtype=torch.float64), torch.randn(3, seq, 7, dtype=torch.float64)
+    got, cov = _norms(model, x, y)
+    assert not cov["uncovered"] and not cov["skipped_layers"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["parametrization", "hook-based"])
+@pytest.mark.parametrize("conv, shape, dim, groups", [
+    (nn.Conv1d, (3, 4, 20), 2, 2),  # wav2vec 2's positional convolution: dim=2, grouped
+    (nn.Conv1d, (3, 4, 20), 0, 1),
+    (nn.Conv2d, (3, 4, 6, 6), 0, 4),
+    (nn.Conv2d, (3, 4, 6, 6), 1, 1),
+])
+def test_a_weight_normalised_convolution_is_exact(old, conv, shape, dim, groups):
+    torch.manual_seed(0)
+    layer = _weight_norm(conv(4, 8, 3, padding=1, groups=groups), dim, old)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    model(x)  # (the lazy layer's shape)
+    y = torch.randn(shape[0], 2, dtype=torch.float64)
+    got, cov = _norms(model, x, y)
+    assert not cov["uncovered"] and not cov["skipped_layers"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_frozen_parts_two_calls_micro_batches_and_book_keeping():
+    """g frozen (v trains), the layer called twice a forward, two micro-batches, book-keeping on (the layer keeps
+    autograd's backward): exact; coverage() names g as not trainable and v as covered."""
+    torch.manual_seed(0)
+    layer = nn.utils.parametrizations.weight_norm(nn.Linear(5, 5))
+    layer.parametrizations.weight.original0.requires_grad_(False)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), layer).double()
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model
+
+        def forward(self, x):
+            h = self.body(x)
+            return layer(torch.tanh(h))
+
+    twice = Twice()
+    x, y = torch.randn(5, 4, 3, dtype=torch.float64), torch.randn(5, 4, 5, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(twice, loss_reduction="sum", strict=True, bookkeeping=True)
+    for part in (slice(0, 2), slice(2, 5)):
+        _loss(twice(x[part]), y[part]).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert "body.2.parametrizations.weight.original1" in cov["covered"]
+    assert "body.2.parametrizations.weight.original0" not in cov["covered"] and not cov["uncovered"]
+    want = torch.cat([loop_per_sample_norms(twice, _loss, x[part], y[part]) for part in (slice(0, 2), slice(2, 5))])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_under_bf16_autocast_the_use_check_keeps_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.utils.parametrizations.weight_norm(nn.Linear(16, 4)))
+    x, y = torch.randn(4, 10, 8), torch.randn(4, 10, 4)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    _loss(out.float(), y).backward()
+    got = psn.local_norms()
+    assert not psn.coverage()["skipped_layers"]
+    psn.close()
+    torch.testing.assert_close(got.double(), loop_per_sample_norms(model, _loss, x, y), rtol=5e-2, atol=1e-3)
+
+
+def test_other_parametrizations_are_still_left_out_by_name():
+    """An orthogonal parametrization (or weight_norm stacked with another) is no weight_norm: left out, named."""
+    layer = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 2))
+    assert not isinstance(rule_for(layer), WeightNormedRule)
+    with pytest.warns(RuntimeWarning, match="computed from other parameters"):
+        psn = gapmon.PerSampleGradNorms(model)
+    assert set(psn.coverage()["covered"]) == {"2.weight", "2.bias"}
+    psn.close()
+
+
+def test_wav2vec2_is_whole_and_exact():
+    """wav2vec 2's positional convolution (weight_norm over dim 2, 16 groups in the real model) was the one layer it
+    left out: now every trainable parameter is covered, exact against a float64 loop."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24, conv_dim=(8, 8),
+        conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+        mask_time_prob=0.0, feat_extract_norm="layer", do_stable_layer_norm=True)
+    model = transformers.Wav2Vec2Model(config).double().train()
+    audio = torch.randn(3, 200, dtype=torch.float64)
+
+    def loss_of(m, x):
+        return m(x).last_hidden_state.square().sum()
+
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    loss_of(model, audio).backward()
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert not cov["uncovered"] and not cov["skipped_layers"]
+    assert any("pos_conv_embed.conv.parametrizations.weight.original1" in n for n in cov["covered"])
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    want = []
+    for i in range(3):
+        grads = torch.autograd.grad(loss_of(model, audio[i:i + 1]), [p for n, p in model.named_parameters() if n in names],
+                                    allow_unused=True)
+        want.append(torch.sqrt(sum(g.square().sum() for g in grads if g is not None)))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-9, atol=1e-12)
+
+
+def test_the_weight_normalised_layer_is_not_followed_as_a_functional_linear():
+    """F.linear(x, layer.weight) beside the layer's own call: the use check refuses it as for any layer (no silent
+    number)."""
+    layer = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x) + F.linear(x, self.layer.weight)
+
+    model = Twice().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    _loss(model(x), torch.zeros(3, 4, dtype=torch.float64)).backward()
+    with pytest.raises(RuntimeError, match="layer"):
+        psn.local_norms()
+    psn.close()
