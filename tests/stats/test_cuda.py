@@ -695,11 +695,17 @@ def test_a_table_used_as_the_head_on_cuda_is_exact_and_kept_under_bf16_autocast(
 
 
 def test_weight_normalised_layers_on_cuda_are_exact():
-    """weight_norm'd Linear (dim=0) and grouped Conv1d (dim=2, wav2vec 2's) on CUDA: float64 exact against a loop."""
+    """weight_norm'd Linear (dim=0) and grouped Conv1d (dim=2, wav2vec 2's) on CUDA: float64 exact against a loop,
+    with the norm torch's fused kernel forms (single-precision square roots: the exact one was 2e-8 off)."""
     import torch.nn as nn
     from helpers import loop_per_sample_norms
 
+    from gapmon.per_sample.rules.weight_norm import torch_norms
+
     torch.manual_seed(0)
+    v = torch.randn(7, 5, dtype=torch.float64, device="cuda")
+    g = torch.rand(7, 1, dtype=torch.float64, device="cuda") + 0.5
+    torch.testing.assert_close(g * v / torch_norms(g, v, 0), torch._weight_norm(v, g, 0), rtol=1e-14, atol=0)
 
     def loss(out, y):
         return ((out - y) ** 2).sum()

@@ -45,11 +45,24 @@ def _normalised_dims(v: torch.Tensor, dim: int) -> tuple[int, ...]:
     return tuple(range(v.dim())) if dim == -1 else tuple(d for d in range(v.dim()) if d != dim)
 
 
-def weight_norm_grads(d: torch.Tensor, g: torch.Tensor, v: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_norms(g: torch.Tensor, v: torch.Tensor, dim: int) -> torch.Tensor:
+    """||v|| (g's shape) as torch's weight_norm forms it: its fused kernel's for the first or last dim (on CUDA a
+    single-precision square root, float64 too: 2e-8 relative from the exact norm, which the float64 use check saw on
+    an H200), the composite norm_except_dim otherwise. The per-sample gradients then use the norm autograd's do."""
+    with torch.no_grad():
+        if v.dim() > 1 and dim in (0, v.dim() - 1) and torch.float16 not in (v.dtype, g.dtype):
+            return torch._weight_norm_interface(v, g, dim)[1].reshape(g.shape)
+        return torch.norm_except_dim(v, 2, dim).reshape(g.shape) if dim != -1 else v.norm().reshape(g.shape)
+
+
+def weight_norm_grads(d: torch.Tensor, g: torch.Tensor, v: torch.Tensor, dim: int,
+                      norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient of g, gradient of v) of W = g v / ||v|| from the gradients d [B, *W.shape] of W (B of them at once):
-    dg = Σ d ⊙ v̂ over the normalised dims, dv = (g / ||v||)(d - dg v̂)."""
+    dg = Σ d ⊙ v̂ over the normalised dims, dv = (g / ||v||)(d - dg v̂). `norm`: ||v|| as the forward formed it
+    (torch_norms; default: exact)."""
     over = _normalised_dims(v, dim)
-    norm = v.square().sum(over, keepdim=True).sqrt()
+    norm = v.square().sum(over, keepdim=True).sqrt() if norm is None else norm.to(v.dtype).reshape(
+        [v.shape[i] if i not in over else 1 for i in range(v.dim())])
     unit = v / norm
     dg = (d * unit).sum(tuple(i + 1 for i in over), keepdim=True)  # [B, 1.., size of dim, 1..]
     dv = (g.reshape(norm.shape) / norm) * (d - dg * unit)
@@ -110,7 +123,8 @@ class WeightNormedRule(NormRule):
             if p is bias:
                 out.append((p, grads))
             elif p.shape == weight_shape:
-                dg, dv = weight_norm_grads(grads, g.detach().double(), v.detach().double(), dim)
+                norm = torch_norms(g.detach(), v.detach(), dim)
+                dg, dv = weight_norm_grads(grads, g.detach().double(), v.detach().double(), dim, norm)
                 out += [(q, d) for q, d in ((g, dg), (v, dv)) if trainable(q)]
         return out
 
