@@ -71,6 +71,12 @@ def own_parameters(module: nn.Module) -> list[nn.Parameter]:
     return own
 
 
+def fused_weight_norms(v: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
+    """The norms torch's fused weight_norm kernel forms for W = g v / ||v|| over every dim but `dim` (0 or the last),
+    shaped as its own output (g's): what its backward uses."""
+    return torch._weight_norm_interface(v, g, dim)[1]
+
+
 def forward_pre_hooks(module: nn.Module) -> list:
     """The module's forward pre-hooks (torch's hook-based weight_norm is one), in order."""
     return list(module._forward_pre_hooks.values())

@@ -51,7 +51,7 @@ def torch_norms(g: torch.Tensor, v: torch.Tensor, dim: int) -> torch.Tensor:
     an H200), the composite norm_except_dim otherwise. The per-sample gradients then use the norm autograd's do."""
     with torch.no_grad():
         if v.dim() > 1 and dim in (0, v.dim() - 1) and torch.float16 not in (v.dtype, g.dtype):
-            return torch._weight_norm_interface(v, g, dim)[1].reshape(g.shape)
+            return _torch_compat.fused_weight_norms(v, g, dim).reshape(g.shape)
         return torch.norm_except_dim(v, 2, dim).reshape(g.shape) if dim != -1 else v.norm().reshape(g.shape)
 
 
