@@ -209,6 +209,21 @@ def norms_and_coverage(model: torch.nn.Module, loss_fn, x, y, **kwargs) -> tuple
         psn.close()
 
 
+def assert_kept_under_bf16_autocast(model: torch.nn.Module, loss_fn, x, y, device: str = "cpu") -> None:
+    """One summed-loss step of `model` run under bf16 autocast with strict per-sample norms: no layer is left out (the
+    use check allows bf16's rounding), and the norms match a float64 loop within it."""
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    try:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = model(x)
+        loss_fn(out.float(), y).backward()
+        got = psn.local_norms()
+        assert not psn.coverage()["skipped_layers"]
+    finally:
+        psn.close()
+    torch.testing.assert_close(got.double(), loop_per_sample_norms(model, loss_fn, x, y), rtol=5e-2, atol=1e-3)
+
+
 class Autocast(torch.nn.Module):
     """Runs the wrapped model under bf16 autocast on `device_type`, as a training loop's
     `with torch.autocast(...)` around the forward pass does."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import loop_per_sample_norms
+from helpers import assert_kept_under_bf16_autocast, loop_per_sample_norms
 
 import gapmon
 
@@ -56,11 +56,9 @@ def _batch(batch=4, length=7):
     return ids, (ids * 3 + 1) % VOCAB
 
 
-@pytest.mark.parametrize("bookkeeping", [False, True], ids=["norms", "bookkeeping"])
-@pytest.mark.parametrize("head", sorted(HEADS))
-def test_a_table_used_as_the_head_in_the_forward_is_exact(head, bookkeeping):
-    torch.manual_seed(0)
-    model = FunctionalHeadLM(head).double()
+def _assert_whole_and_exact(model: nn.Module, bookkeeping: bool = False) -> gapmon.PerSampleGradNorms:
+    """Strict norms of one summed-loss step of a float64 model: every parameter covered (the table too), none left
+    out, equal to a float64 loop. Returns the (closed) norms object."""
     ids, targets = _batch()
     psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True, bookkeeping=bookkeeping)
     lm_loss(model(ids), targets).backward()
@@ -68,6 +66,14 @@ def test_a_table_used_as_the_head_in_the_forward_is_exact(head, bookkeeping):
     psn.close()
     assert "wte.weight" in cov["covered"] and cov["uncovered_numel"] == 0 and not cov["skipped_layers"]
     torch.testing.assert_close(got, loop_per_sample_norms(model, lm_loss, ids, targets), rtol=1e-10, atol=1e-12)
+    return psn
+
+
+@pytest.mark.parametrize("bookkeeping", [False, True], ids=["norms", "bookkeeping"])
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_a_table_used_as_the_head_in_the_forward_is_exact(head, bookkeeping):
+    torch.manual_seed(0)
+    _assert_whole_and_exact(FunctionalHeadLM(head).double(), bookkeeping)
 
 
 def test_micro_batches_mean_reduction_and_several_steps():
@@ -102,16 +108,7 @@ def test_autocast_bf16_is_not_refused():
     """Under bf16 autocast the head's product runs in bf16: the norms match a float64 loop within bf16's rounding,
     and the use check (bf16's tolerance) keeps the table."""
     torch.manual_seed(0)
-    model = FunctionalHeadLM("F.linear")
-    ids, targets = _batch()
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(ids)
-    lm_loss(logits.float(), targets).backward()
-    got = psn.local_norms()
-    assert not psn.coverage()["skipped_layers"]
-    psn.close()
-    torch.testing.assert_close(got.double(), loop_per_sample_norms(model, lm_loss, ids, targets), rtol=5e-2, atol=1e-3)
+    assert_kept_under_bf16_autocast(FunctionalHeadLM("F.linear"), lm_loss, *_batch())
 
 
 def test_no_head_use_leaves_the_embedding_as_it_was():
@@ -126,14 +123,8 @@ def test_no_head_use_leaves_the_embedding_as_it_was():
             return self.out(self.norm(h + self.block(h)))
 
     torch.manual_seed(0)
-    model = NoHead().double()
-    ids, targets = _batch()
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    lm_loss(model(ids), targets).backward()
-    got = psn.local_norms()
+    psn = _assert_whole_and_exact(NoHead().double())
     assert not psn._layer_hooks.tied.members
-    psn.close()
-    torch.testing.assert_close(got, loop_per_sample_norms(model, lm_loss, ids, targets), rtol=1e-10, atol=1e-12)
 
 
 def test_a_statistic_of_the_table_without_grad_is_not_a_use():
@@ -146,14 +137,7 @@ def test_a_statistic_of_the_table_without_grad_is_not_a_use():
             return super().forward(ids) / scale
 
     torch.manual_seed(0)
-    model = Scaled().double()
-    ids, targets = _batch()
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    lm_loss(model(ids), targets).backward()
-    got = psn.local_norms()
-    assert not psn.coverage()["skipped_layers"]
-    psn.close()
-    torch.testing.assert_close(got, loop_per_sample_norms(model, lm_loss, ids, targets), rtol=1e-10, atol=1e-12)
+    _assert_whole_and_exact(Scaled().double())
 
 
 class _OtherUse(FunctionalHeadLM):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import loop_per_sample_norms
+from helpers import assert_kept_under_bf16_autocast, loop_per_sample_norms
 
 import gapmon
 from gapmon.per_sample.rules import WeightNormedRule, rule_for
@@ -118,15 +118,7 @@ def test_frozen_parts_two_calls_micro_batches_and_book_keeping():
 def test_under_bf16_autocast_the_use_check_keeps_it():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.utils.parametrizations.weight_norm(nn.Linear(16, 4)))
-    x, y = torch.randn(4, 10, 8), torch.randn(4, 10, 4)
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x)
-    _loss(out.float(), y).backward()
-    got = psn.local_norms()
-    assert not psn.coverage()["skipped_layers"]
-    psn.close()
-    torch.testing.assert_close(got.double(), loop_per_sample_norms(model, _loss, x, y), rtol=5e-2, atol=1e-3)
+    assert_kept_under_bf16_autocast(model, _loss, torch.randn(4, 10, 8), torch.randn(4, 10, 4))
 
 
 def test_other_parametrizations_are_still_left_out_by_name():
