@@ -241,14 +241,14 @@ def test_per_sample_rules_are_one_family_per_file_and_registered():
     files = {p.stem for p in (PACKAGE / "per_sample" / "rules").glob("*.py")} - {"__init__", "base"}
     assert files == {m.__name__.rsplit(".", 1)[1] for m in rules.RULE_MODULES} == {
         "linear", "conv", "conv_transpose", "embedding", "normalization", "attention", "recurrent", "activation",
-        "mixture_of_experts", "weight_norm"}
+        "mixture_of_experts", "reparametrized"}
     registered = {m.__name__: set() for m in rules.RULE_MODULES}
     for layer, rule in base.registered_rules().items():
         module = type(rule).__module__
         assert module in registered, f"{layer.__name__}'s rule {type(rule).__name__} lives outside the rules package"
         registered[module].add(type(rule).__name__)
-    # (weight_norm registers no type: it takes Linear's and the convolutions' rules back through the normalisation)
-    assert all(found for module, found in registered.items() if not module.endswith(".weight_norm")), registered
+    # (reparametrized registers no type: it takes Linear's and the convolutions' rules back through the normalisation)
+    assert all(found for module, found in registered.items() if not module.endswith(".reparametrized")), registered
     for hooks in ("grad_norms.py", "layer_hooks.py"):
         text = (PACKAGE / "per_sample" / hooks).read_text()
         for word in ("nn.Linear", "bookkeeping.", "use_ghost", "nn.Embedding", "nn.LayerNorm"):

@@ -14,17 +14,18 @@ where its output joins the batch (shared_input). A layer whose input does not co
 whose batch was lost on the way (a reduction over it, an op without a rule), or sits on a dim the layer's rule cannot
 take (Linear, LayerNorm and Embedding take any: sequence-first activations are exact) is not
 per-sample: it is excluded, with a warning naming it and why (strict=True raises). Parameters of layers
-without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for
-subclasses that do not override forward, and only for the parameters its math is about (a weight_norm'd Linear or
-convolution taken back through its normalisation; no other parametrization). A rule may cover its module's submodules (nn.MultiheadAttention's
-out_proj, which it never calls). An embedding's table tied to a Linear head (tie_word_embeddings) is exact,
-with the cross term of the two parts (tied_embedding); other parameters shared by several modules are left out,
-named; one module reused under several names is fine. Every layer a rule holds for is watched, frozen or
-not: coverage follows requires_grad at each step. A layer that mixes the samples of a batch
-(BatchNorm using batch statistics) leaves no layer with per-sample gradients: norms are refused.
+without a rule are reported by coverage() as uncovered. A rule holds for its layer type and for subclasses that do
+not override forward, and only for the parameters its math is about (a weight_norm'd or spectral_norm'd Linear or
+convolution taken back through its normalisation; no other parametrization). A rule may cover its module's
+submodules (nn.MultiheadAttention's out_proj, which it never calls). An embedding's table tied to a Linear head
+(tie_word_embeddings, or F.linear(h, table) in the forward: functional_head) is exact, with the cross term of the
+two parts (tied_embedding); other parameters shared by several modules are left out, named; one module reused under
+several names is fine. Every layer a rule holds for is watched, frozen or not: coverage follows requires_grad at
+each step. A layer that mixes the samples of a batch (BatchNorm using batch statistics) leaves no layer with
+per-sample gradients: norms are refused.
 
-Uses of a parameter outside its layer's forward (`F.linear(h, self.tok.weight)`, a layer's weight
-read by another module): a hook on every covered parameter sketches the gradient autograd
+Uses of a parameter outside its layer's forward (`F.linear(x, self.a.weight)` beside a call of the layer, a layer's
+weight read by another module): a hook on every covered parameter sketches the gradient autograd
 accumulates for it, and each rule sketches the sum of the per-sample gradients it saw (the same
 random probe, NormRule.grad_sketch). When the two differ by more than the gradient's rounding
 (USE_CHECK_RTOL) the parameter got contributions no rule saw: its layer (and the layers tied to it) is left out of

@@ -1,4 +1,4 @@
-"""Uses of a covered parameter outside its layer's forward (`F.linear(h, self.tok.weight)`, a layer's weight
+"""Uses of a covered parameter outside its layer's forward (`F.linear(x, self.a.weight)` beside a call of the layer, a layer's weight
 read by another module): a hook on every covered parameter sketches the gradient autograd accumulates for
 it, and each rule sketches the sum of the per-sample gradients it saw (the same random probe,
 NormRule.grad_sketch). Norms are refused when the two differ by more than the gradient's rounding
@@ -334,7 +334,7 @@ class UseChecker:
         """{layer: (why, whether a rule saw part of it)} of the layers whose parameters got gradient contributions no
         rule saw, to be left out of the norms (PerSampleGradNorms skips them and takes back what they added;
         strict=True refuses): a parameter used
-        outside its layer's forward as well as in it (F.linear(h, self.tok.weight) beside the embedding, a layer's
+        outside its layer's forward as well as in it (F.linear(x, self.a.weight) beside a call of the layer, a layer's
         weight read by another module), whose per-sample norms would be wrong, or a layer whose parameters got
         gradients while no call of it was seen (used only functionally: F.linear(x, layer.weight), a fused kernel
         taking the weights), which added nothing.
@@ -370,7 +370,7 @@ class UseChecker:
                 else:
                     unseen.setdefault(c.layer, []).append(c.name)
         why = {layer: (f"the gradient of {', '.join(names)} has contributions that no per-sample rule saw: the "
-                       "parameter is used outside its layer's forward as well (e.g. F.linear(h, self.tok.weight), or a "
+                       "parameter is used outside its layer's forward as well (e.g. F.linear(x, self.a.weight), or a "
                        "layer's weight read by another module), so its per-sample norms would be wrong. Call the layer "
                        "itself (tie weights by sharing the module), or freeze the parameter", True)
                for layer, names in partly.items()}

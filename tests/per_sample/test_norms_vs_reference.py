@@ -75,7 +75,7 @@ def _mlp(first: nn.Module) -> nn.Module:
 @BOOKKEEPING
 @pytest.mark.parametrize("make, covered", [
     (lambda: LoRALinear(5, 6), True),  # its parameters followed through its own forward's ops (free_parameters)
-    (lambda: torch.nn.utils.weight_norm(nn.Linear(5, 6)), True),  # its g and v through the normalisation (weight_norm)
+    (lambda: torch.nn.utils.weight_norm(nn.Linear(5, 6)), True),  # its g and v through the normalisation (rules/reparametrized.py)
     (lambda: torch.nn.utils.parametrizations.orthogonal(nn.Linear(6, 6)), False),
     (lambda: PlainSubclass(5, 6), True),
 ], ids=["lora-subclass", "weight_norm", "parametrization", "plain-subclass"])

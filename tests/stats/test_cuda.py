@@ -692,7 +692,7 @@ def test_weight_normalised_layers_on_cuda_are_exact():
     import torch.nn as nn
     from helpers import loop_per_sample_norms
 
-    from gapmon.per_sample.rules.weight_norm import torch_norms
+    from gapmon.per_sample.rules.reparametrized import torch_norms
 
     torch.manual_seed(0)
     v = torch.randn(7, 5, dtype=torch.float64, device="cuda")

@@ -4,7 +4,7 @@ A rule turns one call of a layer into per-sample squared norms of its trainable 
 (gapmon.per_sample.rules.base says how). Register a rule for your own layer type with
 ``register_norm_rule(MyLayer)(MyRule)``.
 """
-from . import activation, attention, conv, conv_transpose, embedding, linear, mixture_of_experts, recurrent, weight_norm
+from . import activation, attention, conv, conv_transpose, embedding, linear, mixture_of_experts, recurrent, reparametrized
 from . import normalization as norms
 from .activation import PReLURule
 from .attention import MultiheadAttentionRule
@@ -36,10 +36,10 @@ from .normalization import (
     T5LayerNormRule,
 )
 from .recurrent import RecurrentCellRule, RecurrentRule
-from .weight_norm import WeightNormedRule
+from .reparametrized import ReparametrizedRule
 
 RULE_MODULES = (linear, conv, conv_transpose, embedding, norms, attention, recurrent, activation, mixture_of_experts,
-                weight_norm)
+                reparametrized)
 
 __all__ = [
     "Call", "NormRule", "Sketch", "gradient_dtype",
@@ -48,6 +48,6 @@ __all__ = [
     "EmbeddingRule",
     "ScaledEmbeddingRule", "NumberScaledEmbeddingRule", "EmbeddingBagRule", "LastDimsNormRule", "HFRMSNormRule", "HFFloat32RMSNormRule",
     "HFGemmaRMSNormRule", "OLMoCoreNormRule", "T5LayerNormRule", "GroupNormRule", "InstanceNormRule", "MultiheadAttentionRule", "RecurrentRule",
-    "RecurrentCellRule", "BilinearRule", "PReLURule", "WeightNormedRule",
+    "RecurrentCellRule", "BilinearRule", "PReLURule", "ReparametrizedRule",
     "product_norm_sq", "use_ghost", "RULE_MODULES",
 ]

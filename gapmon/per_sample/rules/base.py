@@ -85,15 +85,15 @@ def register_norm_rule_by_test(test: Callable[[type], bool]) -> Callable[[type],
 def rule_for(module: nn.Module) -> "NormRule | None":
     """The rule registered for `module`'s type (or its qualified name); for a subclass of a registered type, that
     type's rule only if the subclass does not override `forward` (else its math may differ: a LoRA Linear, a
-    scaled Embedding), as a rule wrapper may change it for this module (weight_norm: a weight-normalised Linear's
-    rule taken back through the normalisation). None when no rule holds."""
+    scaled Embedding), as a rule wrapper may change it for this module (reparametrized: a weight_norm'd or spectral_norm'd
+    Linear's rule taken back to its parameters). None when no rule holds."""
     rule = _rule_of_type(module)
     for wrap in _RULE_WRAPPERS:
         rule = wrap(rule, module)
     return rule
 
 
-# fn(rule of the module's type or None, module) -> the module's rule: rules of reparametrised layers (weight_norm)
+# fn(rule of the module's type or None, module) -> the module's rule: rules of reparametrised layers (reparametrized)
 _RULE_WRAPPERS: list[Callable[["NormRule | None", nn.Module], "NormRule | None"]] = []
 
 

@@ -1,6 +1,7 @@
-"""Weight-normalised Linear and convolution layers (gapmon/per_sample/rules/weight_norm.py): exact against a float64
-per-sample loop, for torch's parametrization and its older hook-based weight_norm, every `dim`, with and without a bias,
-frozen parts, several calls and micro-batches; wav2vec 2's positional convolution whole."""
+"""Reparametrised Linear and convolution layers (gapmon/per_sample/rules/reparametrized.py), weight_norm and
+spectral_norm: exact against a float64 per-sample loop, for torch's parametrizations and their older hook-based forms,
+every `dim`, with and without a bias, frozen parts, several calls and micro-batches; wav2vec 2's positional
+convolution whole."""
 
 import warnings
 
@@ -11,8 +12,8 @@ import torch.nn.functional as F
 from helpers import assert_kept_under_bf16_autocast, loop_per_sample_norms
 
 import gapmon
-from gapmon.per_sample.rules import WeightNormedRule, rule_for
-from gapmon.per_sample.rules.weight_norm import weight_norm_grads
+from gapmon.per_sample.rules import ReparametrizedRule, rule_for
+from gapmon.per_sample.rules.reparametrized import spectral_norm_grads, weight_norm_grads
 
 
 def _weight_norm(module, dim, old):
@@ -59,7 +60,7 @@ def test_a_weight_normalised_linear_is_exact(old, dim, bias, seq):
     torch.manual_seed(0)
     layer = _weight_norm(nn.Linear(5, 7, bias=bias), dim, old)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), layer).double()
-    assert isinstance(rule_for(layer), WeightNormedRule)
+    assert isinstance(rule_for(layer), ReparametrizedRule)
     x, y = torch.randn(3, seq, 4, dtype=torch.float64), torch.randn(3, seq, 7, dtype=torch.float64)
     got, cov = _norms(model, x, y)
     assert not cov["uncovered"] and not cov["skipped_layers"]
@@ -125,7 +126,7 @@ def test_other_parametrizations_are_still_left_out_by_name():
     """An orthogonal parametrization (or weight_norm stacked with another) is no weight_norm: left out, named."""
     layer = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
     model = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 2))
-    assert not isinstance(rule_for(layer), WeightNormedRule)
+    assert not isinstance(rule_for(layer), ReparametrizedRule)
     with pytest.warns(RuntimeWarning, match="computed from other parameters"):
         psn = gapmon.PerSampleGradNorms(model)
     assert set(psn.coverage()["covered"]) == {"2.weight", "2.bias"}
@@ -183,3 +184,72 @@ def test_the_weight_normalised_layer_is_not_followed_as_a_functional_linear():
     with pytest.raises(RuntimeError, match="layer"):
         psn.local_norms()
     psn.close()
+
+
+def _spectral_norm(module, dim, old):
+    kwargs = {} if dim is None else {"dim": dim}
+    if old:
+        return nn.utils.spectral_norm(module, **kwargs)
+    return nn.utils.parametrizations.spectral_norm(module, **kwargs)
+
+
+def test_the_spectral_closed_form_is_autograds():
+    """dW₀ of W = W₀ / uᵀ M v (u, v constants) for a batch of gradients of W equals torch.autograd's, for a weight
+    normalised along its first and its second dim."""
+    torch.manual_seed(0)
+    for dim in (0, 1, 2):
+        w0 = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+        order = (dim, *(i for i in range(3) if i != dim))
+        rows, cols = w0.shape[dim], w0.numel() // w0.shape[dim]
+        u = torch.nn.functional.normalize(torch.randn(rows, dtype=torch.float64), dim=0)
+        v = torch.nn.functional.normalize(torch.randn(cols, dtype=torch.float64), dim=0)
+        w = w0 / torch.vdot(u, torch.mv(w0.permute(order).flatten(1), v))
+        d = torch.randn(6, *w0.shape, dtype=torch.float64)
+        got = spectral_norm_grads(d, w0.detach(), u, v, dim)
+        for i in range(6):
+            (want,) = torch.autograd.grad(w, w0, d[i], retain_graph=True)
+            torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["parametrization", "hook-based"])
+@pytest.mark.parametrize("make, shape, dim", [
+    (lambda: nn.Linear(5, 7), (3, 6, 5), None),
+    (lambda: nn.Linear(5, 7, bias=False), (3, 5), None),
+    (lambda: nn.Conv2d(5, 6, 3, padding=1, groups=1), (3, 5, 6, 6), None),
+    (lambda: nn.Conv1d(5, 6, 3, padding=1), (3, 5, 8), 1),
+], ids=["linear", "linear-2d-no-bias", "conv2d", "conv1d-dim1"])
+def test_a_spectrally_normalised_layer_is_exact(old, make, shape, dim):
+    """A discriminator's layers in training mode (the power iteration runs in the forward): exact against a float64
+    loop that uses the same u and v (run in eval mode after the step, as the step left them)."""
+    torch.manual_seed(0)
+    layer = _spectral_norm(make(), dim, old)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    model.eval()(x)  # (the lazy layer's shape, without a power iteration)
+    model.train()
+    assert isinstance(rule_for(layer), ReparametrizedRule)
+    y = torch.randn(shape[0], 2, dtype=torch.float64)
+    got, cov = _norms(model, x, y)
+    assert not cov["uncovered"] and not cov["skipped_layers"]
+    model.eval()
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_monitoring_leaves_the_power_iteration_and_the_gradients_as_they_are():
+    """Reading a parametrised weight forms it again, and spectral_norm's power iteration runs at each read in training
+    mode: gapmon never reads it, so a monitored step leaves u, v and every gradient as an unmonitored one does."""
+    import copy
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(5, 6)), nn.Tanh(), nn.Linear(6, 2)).double()
+    watched = copy.deepcopy(plain)
+    x, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.randn(4, 3, 2, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(watched, loss_reduction="sum", strict=True)
+    for model in (plain, watched):
+        _loss(model(x), y).backward()
+    psn.local_norms()
+    psn.close()
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffer, watched.get_buffer(name)), name
+    for (name, p), q in zip(plain.named_parameters(), watched.parameters()):
+        assert torch.equal(p.grad, q.grad), name
