@@ -37,6 +37,21 @@ def _norms(model, x, y, **kwargs):
     return got, cov
 
 
+def _assert_exact_in_a_model(layer, shape):
+    """`layer` followed by a head, one summed-loss step in training mode: every parameter covered and its norms equal
+    to a float64 loop run in eval mode after the step (a spectral_norm'd layer's u and v as the step left them)."""
+    assert isinstance(rule_for(layer), ReparametrizedRule)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    model.eval()(x)  # (the lazy layer's shape, without a power iteration)
+    model.train()
+    y = torch.randn(shape[0], 2, dtype=torch.float64)
+    got, cov = _norms(model, x, y)
+    assert not cov["uncovered"] and not cov["skipped_layers"]
+    model.eval()
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
 def test_the_closed_form_is_autograds():
     """dg and dv of W = g v / ||v|| for a batch of gradients of W equal torch.autograd's, one gradient at a time."""
     torch.manual_seed(0)
@@ -76,14 +91,7 @@ def test_a_weight_normalised_linear_is_exact(old, dim, bias, seq):
 ])
 def test_a_weight_normalised_convolution_is_exact(old, conv, shape, dim, groups):
     torch.manual_seed(0)
-    layer = _weight_norm(conv(4, 8, 3, padding=1, groups=groups), dim, old)
-    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
-    x = torch.randn(*shape, dtype=torch.float64)
-    model(x)  # (the lazy layer's shape)
-    y = torch.randn(shape[0], 2, dtype=torch.float64)
-    got, cov = _norms(model, x, y)
-    assert not cov["uncovered"] and not cov["skipped_layers"]
-    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+    _assert_exact_in_a_model(_weight_norm(conv(4, 8, 3, padding=1, groups=groups), dim, old), shape)
 
 
 def test_frozen_parts_two_calls_micro_batches_and_book_keeping():
@@ -222,17 +230,7 @@ def test_a_spectrally_normalised_layer_is_exact(old, make, shape, dim):
     """A discriminator's layers in training mode (the power iteration runs in the forward): exact against a float64
     loop that uses the same u and v (run in eval mode after the step, as the step left them)."""
     torch.manual_seed(0)
-    layer = _spectral_norm(make(), dim, old)
-    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
-    x = torch.randn(*shape, dtype=torch.float64)
-    model.eval()(x)  # (the lazy layer's shape, without a power iteration)
-    model.train()
-    assert isinstance(rule_for(layer), ReparametrizedRule)
-    y = torch.randn(shape[0], 2, dtype=torch.float64)
-    got, cov = _norms(model, x, y)
-    assert not cov["uncovered"] and not cov["skipped_layers"]
-    model.eval()
-    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+    _assert_exact_in_a_model(_spectral_norm(make(), dim, old), shape)
 
 
 def test_monitoring_leaves_the_power_iteration_and_the_gradients_as_they_are():
@@ -253,3 +251,17 @@ def test_monitoring_leaves_the_power_iteration_and_the_gradients_as_they_are():
         assert torch.equal(buffer, watched.get_buffer(name)), name
     for (name, p), q in zip(plain.named_parameters(), watched.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("conv, shape, groups", [
+    (nn.ConvTranspose1d, (3, 4, 7), 1),  # HiFi-GAN's upsampling: weight_norm(ConvTranspose1d(..., stride, padding))
+    (nn.ConvTranspose1d, (3, 4, 7), 2),
+    (nn.ConvTranspose2d, (3, 4, 5, 5), 1),
+])
+def test_a_reparametrised_transposed_convolution_is_exact(norm, conv, shape, groups):
+    torch.manual_seed(0)
+    layer = conv(4, 6, 4, stride=2, padding=1, groups=groups)
+    layer = (nn.utils.parametrizations.weight_norm(layer) if norm == "weight_norm"
+             else nn.utils.parametrizations.spectral_norm(layer))  # (spectral_norm's dim 1 for a transposed one)
+    _assert_exact_in_a_model(layer, shape)

@@ -1,6 +1,7 @@
-"""Linear and convolution layers whose weight is reparametrised, W = f(θ), by torch's weight_norm or spectral_norm (as
-parametrizations, `torch.nn.utils.parametrizations`, or in their older hook-based forms): wav2vec 2's and HuBERT's
-positional convolution (weight_norm over dim 2), GAN discriminators and critics (spectral_norm).
+"""Linear and (transposed) convolution layers whose weight is reparametrised, W = f(θ), by torch's weight_norm or
+spectral_norm (as parametrizations, `torch.nn.utils.parametrizations`, or in their older hook-based forms): wav2vec 2's
+and HuBERT's positional convolution (weight_norm over dim 2), HiFi-GAN's upsampling (weight_norm'd transposed
+convolutions), GAN discriminators and critics (spectral_norm).
 
 Each sample's gradient D of W is formed by the layer's own rule (per_sample_grads, float64) and taken back to θ in
 closed form, as autograd does for the whole batch:
@@ -15,7 +16,7 @@ The bias is the layer's own. Not book-kept. Per-sample gradients of W are formed
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -71,48 +72,42 @@ def spectral_norm_grads(d: torch.Tensor, original: torch.Tensor, u: torch.Tensor
     return (d - (inner / sigma) * outer) / sigma
 
 
-class WeightNorm(NamedTuple):
+class Reparametrization:
+    """How W is formed from the parameters θ (`params`): W's shape, and each θ's gradients from W's (`back`)."""
+
+    def __init__(self, params: tuple[torch.Tensor, ...], shape: torch.Size, dim: int):
+        self.params, self.shape, self.dim = params, shape, dim
+
+    def back(self, d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(θ, its gradients [B, *θ.shape]) of each trainable θ from the gradients d [B, *W.shape] of W."""
+        raise NotImplementedError
+
+
+class WeightNorm(Reparametrization):
     """W = g v / ||v||, the norm over every dim but `dim`."""
 
-    g: torch.Tensor
-    v: torch.Tensor
-    dim: int
+    def __init__(self, g: torch.Tensor, v: torch.Tensor, dim: int):
+        super().__init__((g, v), v.shape, dim)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.v.shape
-
-    def params(self) -> tuple[torch.Tensor, ...]:
-        return self.g, self.v
-
-    def back(self, d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        g, v = self.g.detach(), self.v.detach()
+    def back(self, d):
+        g, v = (p.detach() for p in self.params)
         dg, dv = weight_norm_grads(d, g.double(), v.double(), self.dim, torch_norms(g, v, self.dim))
-        return [(q, grads) for q, grads in ((self.g, dg), (self.v, dv)) if trainable(q)]
+        return [(q, grads) for q, grads in zip(self.params, (dg, dv)) if trainable(q)]
 
 
-class SpectralNorm(NamedTuple):
+class SpectralNorm(Reparametrization):
     """W = W₀ / σ, σ the largest singular value of W₀ (as a matrix along `dim`) by power iteration: u, v."""
 
-    original: torch.Tensor
-    u: torch.Tensor
-    v: torch.Tensor
-    dim: int
+    def __init__(self, original: torch.Tensor, u: torch.Tensor, v: torch.Tensor, dim: int):
+        super().__init__((original,), original.shape, dim)
+        self.u, self.v = u, v
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.original.shape
-
-    def params(self) -> tuple[torch.Tensor, ...]:
-        return (self.original,)
-
-    def back(self, d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not trainable(self.original):
-            return []
-        return [(self.original, spectral_norm_grads(d, self.original, self.u, self.v, self.dim))]
+    def back(self, d):
+        (original,) = self.params
+        return [(original, spectral_norm_grads(d, original, self.u, self.v, self.dim))] if trainable(original) else []
 
 
-def reparametrization_of(module: nn.Module) -> WeightNorm | SpectralNorm | None:
+def reparametrization_of(module: nn.Module) -> Reparametrization | None:
     """How `module.weight` is formed where it is one weight_norm or spectral_norm of a weight of 2 dims or more and
     nothing else (a parametrization of the weight alone, or the hook-based form); None otherwise."""
     parametrizations = getattr(module, "parametrizations", None)
@@ -176,7 +171,7 @@ class ReparametrizedRule(NormRule):
 
     def params(self, module):
         found = reparametrization_of(module)
-        return [p for p in (*(found.params() if found is not None else ()), getattr(module, "bias", None))
+        return [p for p in (*(found.params if found is not None else ()), getattr(module, "bias", None))
                 if trainable(p)]
 
     def per_sample_grads(self, module, pos, batch):
@@ -195,11 +190,14 @@ class ReparametrizedRule(NormRule):
         return out
 
     def _batch(self, module, pos) -> int:
-        """Samples in a call's positions: a convolution's hold each sample's groups as rows of their own."""
+        """Samples in a call's positions: a convolution's hold each sample's groups as rows of their own (a transposed
+        convolution's last one, its output gradient, does not)."""
         from .conv import ConvRule
+        from .conv_transpose import ConvTransposeRule
 
         rows = pos[-1].shape[0]
-        return rows // module.groups if isinstance(self.inner, ConvRule) else rows
+        grouped = isinstance(self.inner, ConvRule) and not isinstance(self.inner, ConvTransposeRule)
+        return rows // module.groups if grouped else rows
 
     def norm_sq_and_grads(self, module, pos):
         grads = pos[-1]
@@ -224,9 +222,10 @@ def reparametrized(rule: NormRule | None, module: nn.Module) -> NormRule | None:
     """The rule of `module`: `rule` (its type's), or, where its weight is reparametrised (weight_norm, spectral_norm)
     and its type's rule forms per-sample weight gradients (Linear's, a convolution's), that rule taken back to θ."""
     from .conv import ConvRule
+    from .conv_transpose import ConvTransposeRule
     from .linear import LinearRule
 
-    if rule is None or type(rule) not in (LinearRule, ConvRule) or reparametrization_of(module) is None:
+    if rule is None or type(rule) not in (LinearRule, ConvRule, ConvTransposeRule) or reparametrization_of(module) is None:
         return rule
     wrapped = _WRAPPED.get(type(rule))
     if wrapped is None:
