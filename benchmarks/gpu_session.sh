@@ -24,6 +24,9 @@
 #                                   workers, one thread each: 12 workers of 16 threads each on 16 cores reached 56% in
 #                                   370 s on the H200). Files back: session.log build.log suite.log persample-gpt2.json provenance.json
 #                                   profile.json monitor.json ncu.txt (no .so: no call follows that could reuse it).
+#                                   Measured on an H200 (2026-11-28): 461 s in all (the suite 217 s, every test
+#                                   passed), ~35 s of start; 404 s of device time were left, enough for a short call
+#                                   (build 60 s + the tests it needs) on a fresh machine.
 #   quick1  build tests suspects quicknumerics quickstats ncu   limits 120 + 90 + 60 + 75 + 45 + 90 = 480 s (and
 #                                   90 s more where kernel_bench must be built there; ncu took 37 s on the H200): the extension
 #                                   (ptxas registers in the log; no separate register check), the CUDA tests (every
