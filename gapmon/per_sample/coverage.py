@@ -64,11 +64,6 @@ class LayerCoverage:
         self.strict = strict
         ties = tied_parameters(model)
         groups = {key: _tie_group(owners) for key, owners in ties.items()}
-        # Layers sharing a table exactly (tied_embedding): each member -> the others; other ties are not covered.
-        self.ties: dict[str, tuple[str, ...]] = {}
-        for group in groups.values():
-            for name in group or ():
-                self.ties[name] = tuple(n for n in group if n != name)
         untied = {id(m): (names[key], [n or "<root>" for n, _ in owners]) for key, owners in ties.items()
                   if groups[key] is None for _, m in owners}
         # Parameters a layer without a rule uses as its base type would (an Embedding subclass that overrides forward,
@@ -114,14 +109,17 @@ class LayerCoverage:
         # Parameters a module with submodules uses itself (free_parameters): covered where each use is one the batch
         # tracking follows (found at run time, as a layer's provenance is); their "layer" is the parameter's name.
         self.free = free_parameters(model, ruled, clean_name) if follow_free else {}
-        order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
-        self._tie_first = {name: min((order[n] for n in (name, *others) if n in order), key=lambda im: im[0])[1]
-                           for name, others in self.ties.items() if name in order}
         self._added: set[str] = set()  # layers added at run time (add_layer): their parameters are another layer's
         self.warned: set[str] = set()  # uncovered parameters already warned about
         self.skipped: set[str] = set()  # layers found not to be per-sample at run time
         self.checked_state: tuple | None = None  # what warn_uncovered last looked at
         self._types: tuple[tuple, dict[str, str]] | None = None  # (what it was computed for, layer_types())
+        # Layers sharing a table exactly (tied_embedding): each member -> the others; other ties are not covered.
+        self.ties: dict[str, tuple[str, ...]] = {}
+        self._tie_first: dict[str, nn.Module] = {}  # a member -> the group's first covered layer (type_of)
+        for group in groups.values():
+            if group:
+                self.tie(group)
 
     def add_layer(self, name: str, module: nn.Module, rule: NormRule) -> int:
         """Adds a layer found at run time (an embedding's table used as a head by its model: functional_head) whose
@@ -131,12 +129,15 @@ class LayerCoverage:
         return len(self.layers) - 1
 
     def tie(self, names: list[str]) -> None:
-        """Layers found at run time to share one table exactly (an embedding and its table used as a head)."""
+        """Layers that share one table exactly (found by their modules, or at run time: an embedding and its table used
+        as a head): each member's partners, and the group's first covered layer, whose type every part counts under."""
         for name in names:
             self.ties[name] = tuple(n for n in names if n != name)
         order = {name: (i, module) for i, (name, module, _) in enumerate(self.layers)}
-        first = min((order[n] for n in names), key=lambda im: im[0])[1]
-        self._tie_first.update({name: first for name in names})
+        covered = [order[n] for n in names if n in order]
+        if covered:
+            first = min(covered, key=lambda im: im[0])[1]
+            self._tie_first.update({name: first for name in names if name in order})
         self._types = None
 
     def skip(self, name: str, why: str) -> None:

@@ -32,9 +32,6 @@ class TableAsHead(nn.Module):
         super().__init__()
         self._parameters = _torch_compat.module_registries(embedding)[0]  # one table, two layers
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(h, self.weight)
-
 
 def linear_form(equation: str, transposed: bool) -> bool:
     """Whether a per-sample gradient equation `x,g->bt` (the tracking's, batch_provenance._contraction_equation) is a
@@ -54,13 +51,11 @@ def _transposed_view(t: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 class HeadUse:
-    """The owner of an embedding's table's Shared status: the table (`transposed`: its transpose), cast on the way to
-    dtypes as coarse as `rounding`. A contraction of it in the Linear layout is the head's call; any other use
-    leaves the table out."""
+    """The owner of an embedding's table's Shared status: the table (`transposed`: its transpose), of shape `shape`. A
+    contraction of it in the Linear layout is the head's call; any other use leaves the table out."""
 
-    def __init__(self, heads: "FunctionalHeads", index: int, table: torch.Tensor, transposed: bool = False):
-        self.heads, self.index, self.table, self.transposed = heads, index, table, transposed
-        shape = tuple(table.shape)
+    def __init__(self, heads: "FunctionalHeads", index: int, shape: tuple[int, ...], transposed: bool = False):
+        self.heads, self.index, self.shape, self.transposed = heads, index, shape, transposed
         self.base = shape[::-1] if transposed else shape  # (the tracking matches it against the operand's shape)
 
     def copied(self, out: torch.Tensor) -> "HeadUse":
@@ -69,7 +64,7 @@ class HeadUse:
 
     def rearranged(self, t: torch.Tensor, out: torch.Tensor, how: Any) -> "HeadUse | None":
         """A transpose of the whole table; None (not followed) for any other rearrangement."""
-        return HeadUse(self.heads, self.index, self.table, not self.transposed) if _transposed_view(t, out) else None
+        return HeadUse(self.heads, self.index, self.shape, not self.transposed) if _transposed_view(t, out) else None
 
     def on_contract(self, out: torch.Tensor, x: torch.Tensor, equation: str, merged: Any = None) -> None:
         """out = the table contracted with x, batched: the head's call when it is x's last dim against the table's
@@ -132,7 +127,7 @@ class FunctionalHeads:
         if (tracking is None or self.coverage.layers[index][0] in self.coverage.skipped
                 or not isinstance(table, torch.Tensor) or not table.requires_grad or is_dtensor(table)):
             return
-        tracking.mark(table, Shared(HeadUse(self, index, table)))
+        tracking.mark(table, Shared(HeadUse(self, index, tuple(table.shape))))
 
     def follow_head(self, index: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = F.linear(x, table of layer `index`) in the forward pass: a call of the table's head layer."""
