@@ -76,9 +76,13 @@ def _mlp(first: nn.Module) -> nn.Module:
 @pytest.mark.parametrize("make, covered", [
     (lambda: LoRALinear(5, 6), True),  # its parameters followed through its own forward's ops (free_parameters)
     (lambda: torch.nn.utils.weight_norm(nn.Linear(5, 6)), True),  # its g and v through the normalisation (rules/reparametrized.py)
-    (lambda: torch.nn.utils.parametrizations.orthogonal(nn.Linear(6, 6)), False),
+    # through the chain by a vector-Jacobian product (rules/reparametrized.py's Chain)
+    (lambda: torch.nn.utils.parametrizations.orthogonal(nn.Linear(6, 6)), True),
+    # spectral_norm in a chain: its power iteration would form another W if run again
+    (lambda: torch.nn.utils.parametrizations.spectral_norm(torch.nn.utils.parametrizations.orthogonal(nn.Linear(6, 6))),
+     False),
     (lambda: PlainSubclass(5, 6), True),
-], ids=["lora-subclass", "weight_norm", "parametrization", "plain-subclass"])
+], ids=["lora-subclass", "weight_norm", "parametrization", "spectral-norm-in-a-chain", "plain-subclass"])
 def test_a_rule_applies_only_where_its_math_holds(make, covered, bookkeeping):
     torch.manual_seed(1)
     first = make()

@@ -1,7 +1,7 @@
-"""Reparametrised Linear and convolution layers (gapmon/per_sample/rules/reparametrized.py), weight_norm and
-spectral_norm: exact against a float64 per-sample loop, for torch's parametrizations and their older hook-based forms,
-every `dim`, with and without a bias, frozen parts, several calls and micro-batches; wav2vec 2's positional
-convolution whole."""
+"""Reparametrised Linear and convolution layers (gapmon/per_sample/rules/reparametrized.py), weight_norm,
+spectral_norm, orthogonal and chains of parametrizations: exact against a float64 per-sample loop, for torch's
+parametrizations and their older hook-based forms, every `dim`, with and without a bias, frozen parts, several calls
+and micro-batches; wav2vec 2's positional convolution whole."""
 
 import warnings
 
@@ -124,19 +124,84 @@ def test_frozen_parts_two_calls_micro_batches_and_book_keeping():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_under_bf16_autocast_the_use_check_keeps_it():
+@pytest.mark.parametrize("parametrization", ["weight_norm", "orthogonal"])
+def test_under_bf16_autocast_the_use_check_keeps_it(parametrization):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.utils.parametrizations.weight_norm(nn.Linear(16, 4)))
+    wrap = getattr(nn.utils.parametrizations, parametrization)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), wrap(nn.Linear(16, 4)))
     assert_kept_under_bf16_autocast(model, _loss, torch.randn(4, 10, 8), torch.randn(4, 10, 4))
 
 
-def test_other_parametrizations_are_still_left_out_by_name():
-    """An orthogonal parametrization (or weight_norm stacked with another) is no weight_norm: left out, named."""
-    layer = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
-    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 2))
-    assert not isinstance(rule_for(layer), ReparametrizedRule)
+@pytest.mark.parametrize("orthogonal_map", ["matrix_exp", "cayley", "householder"])
+@pytest.mark.parametrize("layer", ["linear", "wide linear", "conv1d"])
+def test_orthogonal_parametrizations_are_exact(orthogonal_map, layer):
+    """torch's orthogonal parametrization (no closed form here: each sample's gradient taken back through the chain by
+    a vector-Jacobian product), every map, tall and wide weights, a convolution."""
+    torch.manual_seed(0)
+    if layer == "conv1d":
+        module, shape = nn.Conv1d(3, 4, 2), (3, 3, 6)  # a weight [4, 3, 2]: householder needs its rows <= its columns
+        if orthogonal_map == "householder":
+            module, shape = nn.Conv1d(2, 3, 2), (3, 2, 6)
+    else:
+        module, shape = (nn.Linear(4, 3), (3, 5, 4)) if layer == "linear" else (nn.Linear(3, 5), (3, 5, 3))
+    _assert_exact_in_a_model(nn.utils.parametrizations.orthogonal(module, orthogonal_map=orthogonal_map), shape)
+
+
+class _Scaled(nn.Module):
+    """A user's parametrization with a buffer it reads and one it counts its forwards in."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(1.5, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, w):
+        self.calls += 1
+        return torch.tanh(w) * self.scale
+
+
+def test_chains_of_parametrizations_are_exact_and_their_buffers_left_alone():
+    """weight_norm stacked with a user's parametrization (two originals into the chain, a buffer it updates at each
+    forward): exact, and the chain formed again for the per-sample gradients leaves the model's buffers as they were."""
+    torch.manual_seed(0)
+    layer = nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+    nn.utils.parametrize.register_parametrization(layer, "weight", _Scaled())
+    counter = layer.parametrizations["weight"][1].calls
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 2, dtype=torch.float64)
+    before = counter.item()
+    got, cov = _norms(model, x, y)
+    assert counter.item() == before + 1  # the model's one forward
+    assert not cov["uncovered"] and not cov["skipped_layers"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+class _Noisy(nn.Module):
+    """A parametrization that forms another W at each forward."""
+
+    def forward(self, w):
+        return w * (1 + 1e-3 * torch.randn_like(w))
+
+
+def test_a_chain_that_forms_another_weight_is_caught_and_spectral_norm_in_a_chain_left_out():
+    """Formed again, a random chain's W is not the forward's: the use check finds the sums differ and leaves the layer
+    out (strict refuses) rather than give its norms. A chain with spectral_norm in it (its power iteration moves u and
+    v at each forward) is not formed again: left out by name."""
+    torch.manual_seed(0)
+    noisy = nn.utils.parametrize.register_parametrization(nn.Linear(4, 3), "weight", _Noisy())
+    model = nn.Sequential(noisy, nn.Tanh(), nn.Linear(3, 2)).double()
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 2, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    with pytest.warns(RuntimeWarning, match="contributions that no per-sample rule saw"):
+        _loss(model(x), y).backward()
+        psn.local_norms()
+    assert psn.coverage()["skipped_layers"] == ["0"]
+    psn.close()
+
+    stacked = nn.utils.parametrizations.spectral_norm(nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)))
+    assert not isinstance(rule_for(stacked), ReparametrizedRule)
     with pytest.warns(RuntimeWarning, match="computed from other parameters"):
-        psn = gapmon.PerSampleGradNorms(model)
+        psn = gapmon.PerSampleGradNorms(nn.Sequential(stacked, nn.Tanh(), nn.Linear(4, 2)))
     assert set(psn.coverage()["covered"]) == {"2.weight", "2.bias"}
     psn.close()
 

@@ -11,10 +11,17 @@ closed form, as autograd does for the whole batch:
   gradient through them): dW₀ = (D - (⟨D, W₀⟩ / σ) u vᵀ) / σ, u vᵀ laid out as W₀. u and v are read in backward: a
   forward in between that runs the power iteration again (a second call in training mode) changes them, and the use
   check then finds the sums differ from autograd's and leaves the layer out.
+- any other chain of parametrizations of the weight (orthogonal, weight_norm stacked with another, a user's own): the
+  chain formed again in float64 from its originals (its buffers copied, so a chain that updates them leaves the
+  model's alone) and each sample's D taken back through it by a vector-Jacobian product, batched over the samples.
+  A chain with spectral_norm in it is left out (its power iteration moves u and v at each forward: formed again, it
+  would not be the forward's W); a chain that forms another W when formed again (a random one) is caught by the use
+  check.
 The bias is the layer's own. Not book-kept. Per-sample gradients of W are formed (batch × W's elements).
 """
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,8 +82,13 @@ def spectral_norm_grads(d: torch.Tensor, original: torch.Tensor, u: torch.Tensor
 class Reparametrization:
     """How W is formed from the parameters θ (`params`): W's shape, and each θ's gradients from W's (`back`)."""
 
-    def __init__(self, params: tuple[torch.Tensor, ...], shape: torch.Size, dim: int):
-        self.params, self.shape, self.dim = params, shape, dim
+    def __init__(self, params: tuple[torch.Tensor, ...], shape: torch.Size | None, dim: int):
+        self.params, self._shape, self.dim = params, shape, dim
+
+    @property
+    def shape(self) -> torch.Size:
+        """W's shape."""
+        return self._shape
 
     def back(self, d: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(θ, its gradients [B, *θ.shape]) of each trainable θ from the gradients d [B, *W.shape] of W."""
@@ -107,21 +119,63 @@ class SpectralNorm(Reparametrization):
         return [(original, spectral_norm_grads(d, original, self.u, self.v, self.dim))] if trainable(original) else []
 
 
+class Chain(Reparametrization):
+    """W = f(θ₀, θ₁, ...) by a chain of parametrizations (torch.nn.utils.parametrize) without a closed form here: each
+    θ's per-sample gradients by a vector-Jacobian product of f, formed again in float64, batched over the samples."""
+
+    def __init__(self, chain: nn.Module):
+        names = ["original"] if chain.is_tensor else [f"original{i}" for i in range(chain.ntensors)]
+        super().__init__(tuple(getattr(chain, n) for n in names), None, -1)
+        self.chain, self.names = chain, names
+        self._formed: tuple | None = None
+
+    def _form(self) -> tuple:
+        """(W in float64, the float64 originals it was formed from, with autograd's graph): the chain run on float64
+        copies of its originals and of its buffers (a chain that updates a buffer updates the copy)."""
+        if self._formed is None:
+            originals = [p.detach().double().requires_grad_(trainable(p)) for p in self.params]
+            buffers = {n: b.detach().double() if b.is_floating_point() else b.detach().clone()
+                       for n, b in self.chain.named_buffers() if b is not None}
+            with torch.enable_grad():
+                formed = torch.func.functional_call(self.chain, {**dict(zip(self.names, originals)), **buffers}, ())
+            self._formed = (formed, originals)
+        return self._formed
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._form()[0].shape
+
+    def back(self, d):
+        formed, originals = self._form()
+        pairs = [(p, o) for p, o in zip(self.params, originals) if trainable(p)]
+        if not pairs:
+            return []
+        with warnings.catch_warnings():  # a batching rule torch lacks falls back to a loop over the samples: slower, exact
+            warnings.filterwarnings("ignore", message=".*performance drop.*")
+            grads = torch.autograd.grad(formed, [o for _, o in pairs], d.double(), is_grads_batched=True,
+                                        allow_unused=True)
+        return [(p, d.new_zeros(d.shape[0], *o.shape, dtype=torch.float64) if g is None else g)
+                for (p, o), g in zip(pairs, grads)]
+
+
 def reparametrization_of(module: nn.Module) -> Reparametrization | None:
-    """How `module.weight` is formed where it is one weight_norm or spectral_norm of a weight of 2 dims or more and
-    nothing else (a parametrization of the weight alone, or the hook-based form); None otherwise."""
+    """How `module.weight` is formed where it is reparametrised and nothing else is: one weight_norm or spectral_norm of
+    a weight of 2 dims or more (a parametrization, or the hook-based form), or another chain of parametrizations of the
+    weight without spectral_norm (Chain); None otherwise."""
     parametrizations = getattr(module, "parametrizations", None)
     if parametrizations is not None:
         from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 
         chain = parametrizations["weight"] if set(parametrizations.keys()) == {"weight"} else None
-        if chain is None or len(chain) != 1:
+        if chain is None:
             return None
-        if type(chain[0]) is _WeightNorm:
+        if len(chain) == 1 and type(chain[0]) is _WeightNorm:
             return WeightNorm(chain.original0, chain.original1, chain[0].dim)
-        if type(chain[0]) is _SpectralNorm and chain.original.dim() > 1:
+        if len(chain) == 1 and type(chain[0]) is _SpectralNorm and chain.original.dim() > 1:
             return SpectralNorm(chain.original, chain[0].get_buffer("_u"), chain[0].get_buffer("_v"), chain[0].dim)
-        return None
+        if any(isinstance(m, _SpectralNorm) for m in chain):  # its power iteration: formed again, another W
+            return None
+        return Chain(chain)
     from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
     from torch.nn.utils.weight_norm import WeightNorm as WeightNormHook
 
