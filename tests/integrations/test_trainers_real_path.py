@@ -197,6 +197,38 @@ def test_huggingface_per_sample_norms_with_a_padding_collator(tmp_path, attentio
         assert got == pytest.approx(want, rel=HF_RTOL)
 
 
+@pytest.mark.parametrize("family, reentrant, bookkeeping", [("llama", True, False), ("llama", False, True),
+                                                          ("gpt2-tied", True, True), ("gpt2-tied", False, False)])
+def test_huggingface_per_sample_norms_under_the_trainers_activation_checkpointing(tmp_path, family, reentrant,
+                                                                                 bookkeeping):
+    """The Trainer's own activation checkpointing (reentrant: the blocks run without grad and again in backward;
+    non-reentrant: recomputed in backward) under accumulation: every parameter covered, each sample's own loss."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    data = _lm_data(12)
+    make = {"llama": _llama, "gpt2-tied": _gpt2}[family]
+    model, _ = make(transformers)
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    prefix = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    args = _hf_args(transformers, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+                    max_grad_norm=0.0, learning_rate=1e-2,
+                    **{prefix: True, f"{prefix}_kwargs": {"use_reentrant": reentrant}})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        callback = attach(trainer, interval=1, per_sample_grad_norms=True, bookkeeping=bookkeeping)
+    checks = hf_own_loss_checks(transformers, trainer, model, callback, make)
+    trainer.train()
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    coverage = callback.monitor.per_sample.coverage()
+    assert not coverage["uncovered"] and not coverage["skipped_layers"], coverage["uncovered_reasons"]
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 4
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
 @pytest.mark.slow
 def test_huggingface_per_sample_norms_with_bookkeeping_under_accumulation(tmp_path):
     """Book-keeping under the real Trainer with gradient accumulation: the weight gradients gapmon forms reach the

@@ -87,8 +87,8 @@ def test_fsdp2_and_ddp_global_norms():
 def _granularity_worker(rank: int, world: int):
     """FSDP2 at every granularity users wrap at (each Linear, each block, the root only), resharding
     after forward or not, HSDP, DDP, two micro-batches with the loss divided by 2 (declared with
-    set_loss_weights), and GAPMonitor with interval=2: never a false refusal, always the float64
-    norms of each sample's own loss."""
+    set_loss_weights), GAPMonitor with interval=2, and a model built as large ones are (meta device, activation
+    checkpointing, bf16 parameters): never a false refusal, always the float64 norms of each sample's own loss."""
     import warnings
 
     import torch.nn as nn
@@ -148,6 +148,33 @@ def _granularity_worker(rank: int, world: int):
             assert metrics == {}
         model.zero_grad()
     mon.close()
+
+    # Built as torchtitan and OLMo-core build large models: on the meta device, each block wrapped for activation
+    # checkpointing, FSDP2 with bf16 parameters and float32 reduction, then `to_empty` and the weights loaded from a
+    # full state dict. No refusal, with and without book-keeping; the norms within bf16's rounding of the float64 ones.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    full_state = _model().state_dict()
+    for bookkeeping in (False, True):
+        with torch.device("meta"):
+            model = _model()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+            fully_shard(model.blocks[i], mesh=mesh, mp_policy=policy)
+        model = fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
+        psn = gapmon.PerSampleGradNorms(model, strict=True, bookkeeping=bookkeeping)
+        for micro in (1, 2):
+            got_ids, got = _accumulated_global_norms(model, psn, x, y, local_ids, micro)
+            case = f"meta init, checkpointed blocks, bf16 parameters, bookkeeping={bookkeeping}, {micro} micro-batches"
+            assert got_ids.tolist() == list(range(GLOBAL)), case
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4, msg=lambda m, c=case: f"{c}: {m}")
+            model.zero_grad()
+        psn.close()
 
 
 def test_no_false_refusal_at_any_fsdp2_granularity():
