@@ -259,6 +259,10 @@ class BatchTracker(TorchFunctionMode):
         # Called (status, autograd node) where a gradient comes back through an op that lost the batch (watch_lost)
         self.lost_gradient: Callable[[str, Any], None] | None = None
         self.ruled_depth = 0  # covered layers and row-keeping blocks whose forward runs now: their rules own their ops
+        # (batch, func, args, kwargs, [(tensor, Shared)], output) -> the Shared status of an op's output whose inputs are
+        # all unbatched and no rule follows (followed_through), or None: the followed inputs are left out then
+        self.followed_through: Callable[..., Shared | None] | None = None
+        self.func: Callable | None = None  # the op whose rules run now (the general rules' path only)
 
     # ------------------------------------------------------------------ statuses
     def mark(self, t: torch.Tensor, status: int | str | None) -> None:
@@ -317,6 +321,7 @@ class BatchTracker(TorchFunctionMode):
             if kept is not None:
                 status[id(out)] = (weakref.ref(out), kept)
                 return out
+        self.func = func
         try:
             result = self.status_by_rules(name, args, kwargs, inputs, out)
         except Lost as why:
@@ -450,6 +455,10 @@ class BatchTracker(TorchFunctionMode):
                 d = None  # (the escape below, then the same Lost again)
             if type(d) is int and self._shared_cat(args, kwargs, out, d):
                 return d
+        if not plain and self.followed_through is not None:  # the same for every sample: autograd's graph takes it back
+            through = self.followed_through(self.batch, self.func, args, kwargs, shared, out)
+            if through is not None:
+                return through
         for _, st in shared:
             escape_once_graded(st.owner, name, out)
         return self.status_by_rules(name, args, kwargs, plain, out) if plain else None

@@ -169,12 +169,12 @@ class ParameterUses:
         """Adds one use's per-sample gradient, read from a gradient of dtype `rounding` (the use check allows for the
         least precise of them)."""
         self.per_sample = g if self.per_sample is None else self.per_sample + g
-        self.rounding = _coarser(self.rounding, rounding)
+        self.rounding = coarser(self.rounding, rounding)
 
     def add_rows(self, rows: "TableRows", rounding: torch.dtype) -> None:
         """Adds one lookup's per-sample gradient of the parameter as a table, by id (kept so: see TableRows)."""
         self.rows.append(rows)
-        self.rounding = _coarser(self.rounding, rounding)
+        self.rounding = coarser(self.rounding, rounding)
 
     def used(self) -> bool:
         return self.per_sample is not None or bool(self.rows)
@@ -272,7 +272,7 @@ class Piece:
 
     def copied(self, out: torch.Tensor) -> "Piece":
         """A copy or cast: the same elements, its gradient rounded to out's dtype on the way back."""
-        rounding = _coarser(self.rounding, out.dtype) if out.is_floating_point() else self.rounding
+        rounding = coarser(self.rounding, out.dtype) if out.is_floating_point() else self.rounding
         return self if rounding == self.rounding else Piece(self.uses, self.base, self.positions, self.factor, rounding,
                                                             self.holes)
 
@@ -350,7 +350,7 @@ class Piece:
     def add_table_rows(self, ids: torch.Tensor, g: torch.Tensor, padding: int, sign: int = 1) -> None:
         """Adds one lookup of this piece (a table) by ids [B, N]: g, the batch first, holds each sample's gradient of
         the looked-up rows (kept by id: TableRows), read from a gradient of g's dtype."""
-        rounding = _coarser(self.rounding, g.dtype)
+        rounding = coarser(self.rounding, g.dtype)
         g = g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()
         g = g.reshape(ids.shape[0], ids.shape[1], -1)
         factor = self.factor * sign
@@ -397,7 +397,16 @@ class Piece:
             g = g * self.factor
         if self.positions is not None:
             g = scattered(g, self.positions, numel, self.holes)
-        self.uses.add(g, _coarser(self.rounding, rounding))
+        self.uses.add(g, coarser(self.rounding, rounding))
+
+    def take_per_sample(self, t: torch.Tensor, g: torch.Tensor, rounding: torch.dtype) -> None:
+        """g [batch, *t.shape]: each sample's gradient of t, this piece (followed_through: taken back from an op no rule
+        follows)."""
+        flat = sum_to(g.detach(), self.base)
+        if flat is None:
+            self.on_escape("an op whose per-sample gradients do not fit the parameter's layout")
+            return
+        self.add_per_sample(flat, rounding)
 
     def _broadcast(self, shape: torch.Size, dim: int, inner: int = 1) -> list[int] | None:
         """broadcast_dims of this piece in a result of `shape` (Swin's windows: `inner` rows of each sample on dim)."""
@@ -526,7 +535,7 @@ class Piece:
                 return
             rounding = torch.promote_types(g.dtype, other.dtype)
             self.add_per_sample(per_sample(g, other),
-                                _coarser(rounding, out_dtype) if out_dtype.is_floating_point else rounding)
+                                coarser(rounding, out_dtype) if out_dtype.is_floating_point else rounding)
 
         hook_gradient(out, hook, (other,))
 
@@ -557,7 +566,7 @@ class MappedUses:
         self.piece.on_escape(what)
 
     def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
-        self.piece.add_per_sample(g * self.slope, _coarser(rounding, self.slope.dtype))
+        self.piece.add_per_sample(g * self.slope, coarser(rounding, self.slope.dtype))
 
 
 class ContractedUses:
@@ -574,7 +583,7 @@ class ContractedUses:
     def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         wide = torch.promote_types(g.dtype, self.const.dtype)
         g = torch.einsum(self.back, self.const.to(wide), g.to(wide).reshape(self.batch, *self.shape))
-        self.piece.add_per_sample(g.reshape(self.batch, -1), _coarser(rounding, self.const.dtype))
+        self.piece.add_per_sample(g.reshape(self.batch, -1), coarser(rounding, self.const.dtype))
 
 
 class PieceSum:
@@ -633,6 +642,10 @@ class PieceSum:
                     merged: tuple[int, int] | None = None) -> None:
         for p in self.pieces:
             p.on_contract(out, other, equation, merged)
+
+    def take_per_sample(self, t: torch.Tensor, g: torch.Tensor, rounding: torch.dtype) -> None:
+        for p in self.pieces:
+            p.take_per_sample(t, g, rounding)
 
     def on_cat(self, out: torch.Tensor, t: torch.Tensor, cat_dim: int, start: int, dim: int) -> None:
         for p in self.pieces:
@@ -713,9 +726,25 @@ def masked_positions(positions: torch.Tensor, t: torch.Tensor, out: torch.Tensor
     return torch.where(keep.to(positions.device), positions.expand(shape), numel)
 
 
-def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+def coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """The less precise of two floating dtypes (the one whose rounding the use check must allow)."""
     return b if torch.finfo(b).eps > torch.finfo(a).eps else a
+
+
+def sum_to(g: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """g [batch, *t's shape], each sample's gradient of a tensor t, as [batch, numel of `shape`]: reshaped where the two
+    hold as many elements, else summed over the dims of t along which a tensor of `shape` (aligned to t's rank) was
+    broadcast. None: neither."""
+    batch, full = g.shape[0], tuple(g.shape[1:])
+    if _numel(full) == _numel(shape):
+        return g.reshape(batch, -1)
+    if len(shape) > len(full):
+        return None
+    aligned = (1,) * (len(full) - len(shape)) + tuple(shape)
+    if any(a not in (1, f) for a, f in zip(aligned, full)):
+        return None
+    dims = [k + 1 for k, (a, f) in enumerate(zip(aligned, full)) if a == 1 and f != 1]
+    return (g.sum(dims) if dims else g).reshape(batch, -1)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .batch_provenance import Shared, graded_tensors
-from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered
+from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered, sum_to
 from .micro_batch import LayerCalls
 from .row_lookup import ModeByFirstUse
 from .rules import Call
@@ -111,6 +111,17 @@ class SharedCall(ModeByFirstUse):
         other = other.detach()
         out.register_hook(lambda g: self._add(g * other, dim, broadcast, 1, positions, holes))
 
+    def take_per_sample(self, t: torch.Tensor, g: torch.Tensor, rounding: torch.dtype,
+                        positions: torch.Tensor | None = None, holes: bool = False) -> None:
+        """g [batch, *t.shape]: each sample's gradient of t, the output or a copy of it (or a view whose elements sit at
+        `positions`), taken back from an op no rule follows (followed_through)."""
+        flat = sum_to(g.detach(), self.shape if positions is None else tuple(positions.shape))
+        if flat is None:
+            self.on_escape("an op whose per-sample gradients do not fit the output's layout")
+            return
+        if self._used_as("broadcast"):
+            self._add(flat, 0, [], 1, positions, holes)
+
     def _add(self, g: torch.Tensor, dim: int, broadcast: list[int], sign: int, positions: torch.Tensor | None,
              holes: bool = False) -> None:
         g = g.detach()
@@ -170,6 +181,9 @@ class SharedView:
     def on_escape(self, what: str) -> None:
         self.call.on_escape(what)
 
+    def take_per_sample(self, t: torch.Tensor, g: torch.Tensor, rounding: torch.dtype) -> None:
+        self.call.take_per_sample(t, g, rounding, self.positions, self.holes)
+
     def on_repeat(self, out: torch.Tensor, view_shape: tuple[int, ...]) -> None:
         if tuple(view_shape) != tuple(self.positions.shape):
             self.on_escape("a repeat of an expansion")
@@ -198,14 +212,31 @@ class SharedView:
 def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
     """Whether a call of a layer (its rule, its input x) takes the shared-input path: a rule that reads such calls,
     and an input nothing in the batch flows into: integer ids (an embedding's), or rows of floats without a dim of the
-    batch's size (a Linear's: DeBERTa-v3's projections of its relative-position table).
+    batch's size (a Linear's: DeBERTa-v3's projections of its relative-position table), or a followed tensor every
+    sample shares (batch_provenance.Shared) whose owner takes per-sample gradients back (take_per_sample).
     Whatever x is (an unnamed per-sample model input too), the output counts as shared only where it is broadcast
     over the batch of what it is added to, or repeated over the batch; anything else leaves the layer out."""
-    if batch < 1 or tracking is None or not isinstance(x, torch.Tensor) or tracking.status(x) is not None:
+    if batch < 1 or tracking is None or not isinstance(x, torch.Tensor):
         return False
+    status = tracking.status(x)
+    if status is not None:  # a followed tensor every sample shares (Swin V2's position MLP after its first layer)
+        return (type(status) is Shared and hasattr(status.owner, "take_per_sample") and x.is_floating_point()
+                and getattr(rule, "reads_shared_rows", False) and x.dim() >= 1)
     if not x.is_floating_point():
         return getattr(rule, "reads_shared_ids", False)
     return getattr(rule, "reads_shared_rows", False) and batch > 1 and x.dim() >= 1 and batch not in x.shape
+
+
+def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, weight: Any) -> None:
+    """Each sample's gradient of x, the input of a Linear call on rows every sample shares (x followed itself: owner),
+    from each sample's gradient g [batch, *output shape] of the call's output: g W, in float64 where either is. The
+    weight as the forward used it: under FSDP2 its storage may be freed (resharded) by now, and x's owner is left out
+    then, named."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.untyped_storage().size() == 0:
+        owner.on_escape("a Linear whose weight is not at hand in backward (resharded) to take the gradient back through")
+        return
+    wide = torch.promote_types(torch.promote_types(g.dtype, weight.dtype), torch.float32)
+    owner.take_per_sample(x, (g.to(wide) @ weight.detach().to(wide)).reshape(g.shape[0], *x.shape), g.dtype)
 
 
 class SharedInputs:
@@ -235,10 +266,16 @@ class SharedInputs:
         calls.in_forward += 1
         at = calls.add(Call((ids,), {}), 0)
 
+        upstream = hooks.state.tracking.status(x)
+        upstream = upstream.owner if type(upstream) is Shared else None
+        weight = getattr(module, "weight", None) if upstream is not None else None
+
         def done(g: torch.Tensor) -> None:
             if call.mode == "rows":
                 calls.calls[at] = Call((x.detach().reshape(mb.batch, -1),), {})
             hooks.deliver(index, mb, at, g.reshape(mb.batch, calls.calls[at].args[0].shape[1], -1))
+            if upstream is not None:  # x is followed too: each sample's gradient of it, g W, goes back to its owner
+                take_back(upstream, x, g.reshape(mb.batch, *output.shape), weight)
 
         def refuse(why: str) -> None:
             if len(calls.calls) == 1:  # (a layer with other calls too waits for their gradients: finished at the read)

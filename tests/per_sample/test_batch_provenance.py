@@ -805,9 +805,11 @@ class _Positions(nn.Module):
         else:
             h = h - p
         if self.extra == "scaled":
-            h = h + 0.5 * p  # a use that is not a plain add
+            h = h + 0.5 * p  # a use that is not a plain add (followed through its vector-Jacobian product)
         elif self.extra == "pooled":
-            h = h + p.mean()  # a use that reduces it
+            h = h + p.mean()  # a use that reduces it (the same)
+        elif self.extra == "atan2":
+            h = h + torch.atan2(h, p)  # where it meets the batch, an op no rule reads
         return self.head(torch.tanh(h))
 
 
@@ -862,11 +864,22 @@ def test_shared_position_ids_recomputed_by_activation_checkpointing_are_exact():
 
 
 @pytest.mark.parametrize("extra", ["scaled", "pooled"])
-def test_a_shared_output_used_besides_its_add_is_left_out(extra):
-    """Another use of the shared output than an add to the batch: its per-sample gradient cannot be read, so the
-    layer is left out by name (the rest exact)."""
+def test_a_shared_output_scaled_or_reduced_before_another_add_is_exact(extra):
+    """`0.5 * p`, `p.mean()`: ops of the shared output alone, followed through their vector-Jacobian products to where
+    they are added to the batch (followed_through)."""
     torch.manual_seed(0)
     model = _Positions("add", extra).double()
+    ids, y = torch.randint(0, 11, (3, 6)), torch.randn(3, 6, 3, dtype=torch.float64)
+    got, cov = _run(model, (ids,), y, False, strict=True)
+    assert "pos.weight" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, ids, y), rtol=1e-10, atol=1e-12)
+
+
+def test_a_shared_output_used_besides_its_add_is_left_out():
+    """The shared output meets the batch in an op no rule reads (atan2): its per-sample gradient cannot be read, so the
+    layer is left out by name (the rest exact)."""
+    torch.manual_seed(0)
+    model = _Positions("add", "atan2").double()
     ids, y = torch.randint(0, 11, (3, 6)), torch.randn(3, 6, 3, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="'pos' is not per-sample .*shared by every sample"):
         got, cov = _run(model, (ids,), y, False)
@@ -889,12 +902,12 @@ def test_a_shared_output_that_stops_being_added_mid_step_is_left_out():
             _loss(model(ids), y).backward()
 
     psn = gapmon.PerSampleGradNorms(model, strict=True)
-    step(psn, (None, "scaled"))
+    step(psn, (None, "atan2"))
     with pytest.raises(RuntimeError, match="'pos' is not per-sample"):
         psn.local_norms()
     psn.close()
     psn = gapmon.PerSampleGradNorms(model)
-    step(psn, (None, "scaled"))
+    step(psn, (None, "atan2"))
     with pytest.warns(RuntimeWarning, match="'pos' is not per-sample"):
         got = psn.local_norms()
     step(psn, (None,))  # the next step: still left out
@@ -902,7 +915,7 @@ def test_a_shared_output_that_stops_being_added_mid_step_is_left_out():
     psn.close()
     assert "pos.weight" not in covered
     want = []
-    for extra in (None, "scaled"):
+    for extra in (None, "atan2"):
         model.extra = extra
         want.append(loop_per_sample_norms(model, _loss, ids, y, params=covered))
     _exact(got, torch.cat(want))
@@ -981,15 +994,17 @@ class SharedThroughALayer(nn.Module):
 
 @pytest.mark.parametrize("shared", ["position embedding", "parameter"])
 @BOOKKEEPING
-def test_a_shared_tensor_run_through_a_layer_before_it_joins_the_batch_is_left_out(shared, bookkeeping):
-    """That layer (and what feeds it) is left out by name; the forward pass and the other layers' norms are as
-    they were (gapmon raised TypeError inside the user's forward pass here)."""
+def test_a_shared_tensor_run_through_a_layer_before_it_joins_the_batch_is_exact(shared, bookkeeping):
+    """The layer's call is followed as one every sample shares (its output joins the batch in the add), and each
+    sample's gradient of its input, g W, goes back to what made it (the embedding's call, the parameter). (They were
+    left out by name; gapmon raised TypeError inside the user's forward pass here before that.)"""
     torch.manual_seed(0)
     model = SharedThroughALayer(shared).double()
     x, y = torch.randn(B, 7, 6, dtype=torch.float64), torch.randn(B, 7, 6, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match="'proj' is not per-sample .*has not joined the batch"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         got, cov = _run(model, (x,), y, bookkeeping)
-    assert set(cov["covered"]) == {"inp.weight", "inp.bias"}
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
     _exact(got, _reference(model, x, y, cov))
 
 
@@ -1321,8 +1336,7 @@ def test_custom_functions_that_mix_the_samples_are_refused_and_others_exact(how)
 class RelativeTable(nn.Module):
     """DeBERTa's disentangled attention in small: the projection `proj` runs on the batch and on a table of positions
     every sample shares, whose result is split into heads, repeated over the batch (merged with the heads) and
-    contracted with each sample's queries; with `extra`, the projected table is also summed into the output as it is
-    (a use no rule follows)."""
+    contracted with each sample's queries; with `extra`, the projected table is also summed and added to the output."""
 
     def __init__(self, extra=False, heads=2, d=8, span=5):
         super().__init__()
@@ -1357,10 +1371,16 @@ def test_a_layer_run_on_a_shared_table_repeated_over_the_batch_is_exact(bookkeep
     _exact(got, loop_per_sample_norms(model, _loss, x, y))
 
 
-def test_a_shared_tables_projection_used_besides_its_repeat_is_left_out():
+def test_a_shared_tables_projection_also_summed_into_the_output_is_exact():
+    """`out + projected.sum()`: the sum, of unbatched tensors only, is followed through its own vector-Jacobian product
+    (followed_through) to where it is added to the batch; each sample's gradient reaches the projection's call on the
+    table as its repeat's does."""
     torch.manual_seed(0)
     model = RelativeTable(extra=True).double()
     x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
-    psn = gapmon.PerSampleGradNorms(model)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
     _loss(model(x), y).backward()
-    _proj_left_out_and_the_head_exact(psn, model, x, y, "sum")
+    got, cov = psn.local_norms(), psn.coverage()
+    psn.close()
+    assert set(cov["covered"]) == {n for n, _ in model.named_parameters()}
+    _exact(got, loop_per_sample_norms(model, _loss, x, y))

@@ -214,34 +214,38 @@ def test_coverage_follows_requires_grad_at_each_step(bookkeeping):
 
 
 class _Scale(nn.Module):
-    """A leaf layer without a rule: its parameter multiplies the batch (followed: free_parameters), or its cumulative sum
-    does (left out, named)."""
+    """A leaf layer without a rule: its parameter multiplies the batch (followed: free_parameters), its cumulative sum
+    does (followed through the sum's vector-Jacobian product: followed_through), or it meets the batch in atan2 (left
+    out, named)."""
 
-    def __init__(self, cumsum: bool):
+    def __init__(self, use: str):
         super().__init__()
-        self.s, self.cumsum = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False), cumsum
+        self.s, self.use = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False), use
 
     def forward(self, x):
-        return x * (self.s.cumsum(0) if self.cumsum else self.s)
+        if self.use == "atan2":
+            return torch.atan2(x, self.s)
+        return x * (self.s.cumsum(0) if self.use == "cumsum" else self.s)
 
 
-@pytest.mark.parametrize("cumsum", [False, True], ids=["multiplied", "cumsum"])
-def test_unfreezing_a_parameter_no_rule_covers_is_followed_or_warned_at_the_next_step(cumsum):
+@pytest.mark.parametrize("use", ["multiplied", "cumsum", "atan2"])
+def test_unfreezing_a_parameter_no_rule_covers_is_followed_or_warned_at_the_next_step(use):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 3), _Scale(cumsum)).double()
+    model = nn.Sequential(nn.Linear(5, 3), _Scale(use)).double()
     x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     psn = gapmon.PerSampleGradNorms(model)
     model[1].s.requires_grad_(True)
     _loss(model(x), y).backward()
-    if cumsum:
-        with pytest.warns(RuntimeWarning, match=r"layer '1.s' is not per-sample \(the model uses this parameter in cumsum"):
+    left_out = use == "atan2"
+    if left_out:
+        with pytest.warns(RuntimeWarning, match=r"layer '1.s' is not per-sample \(the model uses this parameter in atan2"):
             got = psn.local_norms()
     else:
         with _no_warning():
             got = psn.local_norms()
     cov = psn.coverage()
-    assert set(cov["uncovered"]) == ({"1.s"} if cumsum else set())
-    assert set(cov["covered"]) == {"0.weight", "0.bias"} | (set() if cumsum else {"1.s"})
+    assert set(cov["uncovered"]) == ({"1.s"} if left_out else set())
+    assert set(cov["covered"]) == {"0.weight", "0.bias"} | (set() if left_out else {"1.s"})
     _assert_exact(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])))
     psn.close()
 

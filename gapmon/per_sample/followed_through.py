@@ -1,0 +1,108 @@
+"""Per-sample gradients through any computation every sample shares.
+
+A followed tensor that no sample's data flows into (a piece of a free parameter, a shared layer call's output: both
+batch_provenance.Shared) may go through ops no rule of its own follows before it meets the batch: BEiT interpolates its
+relative position table (bilinear), Swin V2 maps a table of coordinates through an MLP and a sigmoid, a model
+normalises its parameters or multiplies them together. Every input of such an op is unbatched, so its output y is the
+same for every sample: y is followed as a parameter of its own (ThroughUses), and where it meets the batch the rules
+that read each sample's gradient of a parameter read y's. Each of those per-sample gradients is then taken back to
+the op's followed inputs by a vector-Jacobian product of the op, formed again from its recorded arguments
+(`torch.func.vjp`, batched over the samples with `torch.vmap`): exact, whatever the op.
+
+Formed again, not through autograd's graph of the forward: a gradient asked of that graph for a tensor runs the hooks
+on it (the use check's on a parameter, a shared call's own check on its output), with batched gradients. An argument
+changed in place between the op and backward, or an op that draws random numbers (dropout on a shared tensor), would
+form another y: the first is found (version counters) and leaves the inputs out, named; the second gives sums that
+differ from autograd's, which the use check (or a shared call's own check) refuses.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .. import _torch_compat
+from .batch_provenance import Shared
+from .free_parameters import Piece, coarser
+
+# The most elements of per-sample gradients one product forms (batch · numel of an input or of the output).
+_MAX_FORMED = 1 << 26
+
+
+class ThroughUses:
+    """The uses of y = func(*args, **kwargs), any differentiable op of followed unbatched tensors (`parents`: (owner,
+    tensor) each) and constants: y followed as a parameter of its own (Piece), its per-sample gradients taken back to
+    each parent."""
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, parents: list[tuple[Any, torch.Tensor]],
+                 out: torch.Tensor, batch: int):
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.parents, self.param, self.batch = parents, out, batch
+        self.tensors = _torch_compat.tensor_leaves((args, kwargs))
+        self.versions = [_torch_compat.version_counter(t) for t in self.tensors]
+
+    def on_escape(self, what: str) -> None:
+        for owner, _ in self.parents:
+            owner.on_escape(what)
+
+    def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+        """Takes one use's per-sample gradients of y, [batch, numel], back to the parents."""
+        if any(_torch_compat.version_counter(t) != v for t, v in zip(self.tensors, self.versions)):
+            self.on_escape(f"{_name(self.func)} of a tensor changed in place afterwards")
+            return
+        out = self.param
+        cotangents = g.reshape(self.batch, *out.shape).to(out.dtype)
+        inputs = [x for _, x in self.parents]
+        ids = [id(x) for x in inputs]
+        args, kwargs = _torch_compat.tree_map_tensors(torch.Tensor.detach, (self.args, self.kwargs))
+        # (every tensor detached, in order: the parents' places found by position among the leaves)
+        places = [i for i, t in enumerate(self.tensors) if id(t) in ids]
+
+        def formed(*primals: torch.Tensor) -> torch.Tensor:
+            leaves = list(_torch_compat.tensor_leaves((args, kwargs)))
+            for i, x in zip(places, primals):
+                leaves[i] = x
+            replaced = iter(leaves)
+            a, k = _torch_compat.tree_map_tensors(lambda _: next(replaced), (args, kwargs))
+            return self.func(*a, **k)
+
+        primals = [leaf for i, leaf in enumerate(_torch_compat.tensor_leaves((args, kwargs))) if i in places]
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*performance drop.*")  # no batching rule: a loop, exact
+            _, vjp = torch.func.vjp(formed, *primals)
+            grads = torch.vmap(vjp)(cotangents)
+        by_id: dict[int, torch.Tensor] = {}  # (a tensor passed twice, x @ x: its two gradients added)
+        for i, gx in zip(places, grads):
+            key = id(self.tensors[i])
+            by_id[key] = gx if key not in by_id else by_id[key] + gx
+        for owner, x in self.parents:
+            owner.take_per_sample(x, by_id[id(x)], coarser(rounding, out.dtype))
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shared: list[tuple[torch.Tensor, Shared]],
+                     out: Any) -> Shared | None:
+    """The status of `out` = func(*args, **kwargs), an op whose followed inputs are `shared` ((tensor, Shared) each) and
+    whose other inputs are all unbatched: followed as a parameter of its own (ThroughUses), or None where it cannot be (an
+    in-place op, an output that is not one tensor with a gradient, an input whose owner cannot take per-sample
+    gradients or that does not require one, per-sample gradients too large to form): the caller leaves it out then."""
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point():
+        return None
+    name = _name(func)
+    if not torch.is_grad_enabled() or name.endswith("_") and not name.startswith("__") or name.startswith("__i"):
+        return None
+    if any(not hasattr(st.owner, "take_per_sample") or not t.requires_grad for t, st in shared):
+        return None
+    if batch * max([out.numel()] + [t.numel() for t, _ in shared]) > _MAX_FORMED:
+        return None
+    parents, seen = [], set()
+    for t, st in shared:
+        if id(t) not in seen:  # (x * x: one input, its gradient taken once)
+            seen.add(id(t))
+            parents.append((st.owner, t))
+    return Shared(Piece(ThroughUses(func, args, kwargs, parents, out, batch), tuple(out.shape)))
+

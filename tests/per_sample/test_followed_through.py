@@ -1,0 +1,207 @@
+"""Computations every sample shares, between a model's own parameters (or a layer's call on a shared input) and where
+they meet the batch (gapmon.per_sample.followed_through): each op of unbatched tensors only is followed through its
+own vector-Jacobian product, and a Linear run on such a tensor through g W. Exact against a float64 loop, with and
+without book-keeping: Swin V2's continuous position bias (an MLP over a table of coordinates, gathered per pair of
+positions, 16·sigmoid, added to the scores of windows merged with the batch), BEiT's interpolated relative position
+table, a parameter normalised, multiplied by itself or summed before its use; a use that changes such a tensor in place
+is left out by name, and one formed again differently (a random op) is refused by the checks."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import assert_kept_under_bf16_autocast, loop_per_sample_norms, norms_and_coverage
+
+import gapmon
+
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
+
+
+def _loss(out, t):
+    return ((out - t) ** 2).flatten(1).sum(1).sum()
+
+
+def _exact_and_whole(model, x, y, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got, cov = norms_and_coverage(model, _loss, x, y, strict=True, **kwargs)
+    assert not cov["uncovered"] and not cov["skipped_layers"], cov["uncovered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+    return cov
+
+
+class ContinuousPositionBias(nn.Module):
+    """Window attention with Swin V2's continuous position bias, over 2 windows of 3 × 3 tokens per image: the bias
+    MLP (Linear, ReLU, Linear) runs on a log-spaced table of relative coordinates (a buffer), its output is gathered by
+    a relative position index every sample shares, permuted, squashed (16·sigmoid) and added to the scores of windows
+    merged with the batch ([B·windows, heads, N, N]); a learned temperature as Swin V2's."""
+
+    def __init__(self, d=8, heads=2, window=3, hidden=16):
+        super().__init__()
+        self.d, self.heads, self.window = d, heads, window
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, heads, bias=False))
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
+        span = torch.arange(-(window - 1), window, dtype=torch.float32)
+        table = torch.stack(torch.meshgrid(span, span, indexing="ij"), -1) / (window - 1) * 8  # [2w-1, 2w-1, 2]
+        self.register_buffer("table", (torch.sign(table) * torch.log2(table.abs() + 1) / math.log2(8)).unsqueeze(0))
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+        self.register_buffer("index", (rel[..., 0] * (2 * window - 1) + rel[..., 1]).reshape(-1))
+
+    def forward(self, x):  # x [B, 2 windows · N, d]
+        b, n = x.shape[0], self.window ** 2
+        windows = x.view(b, 2, n, self.d).reshape(b * 2, n, self.d)
+        q, k, v = self.qkv(windows).view(b * 2, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        scores = scores * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        bias = self.cpb_mlp(self.table).view(-1, self.heads)[self.index].view(n, n, -1).permute(2, 0, 1).contiguous()
+        scores = scores + 16 * torch.sigmoid(bias).unsqueeze(0)
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, 2 * n, self.d)
+        return self.out(out).mean(1)
+
+
+@BOOKKEEPING
+def test_swin_v2s_continuous_position_bias_is_exact(bookkeeping):
+    """Every parameter covered: the bias MLP's two Linear layers (the first on the table, the second on its ReLU, a
+    followed tensor) and the temperature, exact."""
+    torch.manual_seed(0)
+    model = ContinuousPositionBias().double()
+    x, y = torch.randn(3, 18, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    cov = _exact_and_whole(model, x, y, bookkeeping=bookkeeping)
+    assert {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"} <= set(cov["covered"])
+
+
+def test_swin_v2s_continuous_position_bias_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = ContinuousPositionBias()
+    assert_kept_under_bf16_autocast(model, _loss, torch.randn(3, 18, 8), torch.randn(3, 8))
+
+
+class InterpolatedTable(nn.Module):
+    """BEiT's relative position table for another input size: a learned table [heads, 3, 3] interpolated (bilinear) to
+    [heads, 5, 5], flattened and added to every sample's scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, 2, 3, 3) * 0.5)
+        self.qk, self.head = nn.Linear(4, 8), nn.Linear(25, 3)
+
+    def forward(self, x):  # x [B, 5, 4]
+        q, k = self.qk(x).view(x.shape[0], 5, 2, 4).permute(0, 2, 1, 3).chunk(2, dim=-1)
+        bias = F.interpolate(self.table, size=(5, 5), mode="bilinear", align_corners=False)  # [1, heads, 5, 5]
+        scores = q @ k.transpose(-1, -2) + bias
+        return self.head(scores.softmax(-1).flatten(2).mean(1))
+
+
+@BOOKKEEPING
+def test_an_interpolated_relative_position_table_is_exact(bookkeeping):
+    torch.manual_seed(1)
+    model = InterpolatedTable().double()
+    _exact_and_whole(model, torch.randn(4, 5, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64),
+                     bookkeeping=bookkeeping)
+
+
+class SharedMath(nn.Module):
+    """A parameter through ops of unbatched tensors only before it meets the batch (`use`)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.p = nn.Parameter(torch.randn(6, 6) * 0.4)
+        self.lin, self.head = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):  # x [B, T, 5]
+        h = self.lin(x)
+        if self.use == "gram":  # the parameter times itself: both inputs followed, their gradients added
+            h = h @ (self.p @ self.p.T)
+        elif self.use == "normalised":
+            h = h * F.layer_norm(self.p.sum(0), (6,))
+        elif self.use == "softmax":
+            h = h + self.p.softmax(-1).mean(0)
+        elif self.use == "matrix_exp":
+            h = h @ torch.linalg.matrix_exp(self.p - self.p.T)
+        return self.head(torch.tanh(h)).mean(1)
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use", ["gram", "normalised", "softmax", "matrix_exp"])
+def test_a_parameter_through_unbatched_ops_is_exact(use, bookkeeping):
+    torch.manual_seed(2)
+    model = SharedMath(use).double()
+    _exact_and_whole(model, torch.randn(4, 3, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64),
+                     bookkeeping=bookkeeping)
+
+
+def test_micro_batches_give_each_samples_own_norm():
+    """Two micro-batches (of 3 samples and of 1) accumulated in one step: each sample's own loss's norm."""
+    torch.manual_seed(3)
+    model = ContinuousPositionBias().double()
+    x, y = torch.randn(4, 18, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    for part in (slice(0, 3), slice(3, 4)):
+        _loss(model(x[part]), y[part]).backward()
+    got = psn.local_norms()
+    psn.close()
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+class ChangedInPlace(nn.Module):
+    """A tensor made from the parameter alone, changed in place before its use (or the parameter itself changed in
+    place after the op that read it): no longer what the op made."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+        self.p = nn.Parameter(torch.randn(6) * 0.4 + 1)
+        self.lin = nn.Linear(6, 3)
+        self.register_buffer("scale", torch.ones(6))
+
+    def forward(self, x):
+        s = torch.lerp(self.p, self.scale, 0.25) if self.where == "buffer" else self.p.cumsum(0)
+        if self.where == "output":
+            s.mul_(2)
+        out = self.lin(x * s)
+        if self.where == "buffer":
+            with torch.no_grad():  # an input of the op that made s, written afterwards (autograd saved none): its
+                self.scale.mul_(2).div_(2)  # values are back, but only its version counter is seen
+        return out
+
+
+@pytest.mark.parametrize("where", ["output", "buffer"])
+def test_a_shared_tensor_changed_in_place_is_left_out_by_name(where):
+    torch.manual_seed(4)
+    model = ChangedInPlace(where).double()
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"'p' is not per-sample"):
+        got, cov = norms_and_coverage(model, _loss, x, y)
+    assert "p" in cov["uncovered"] and {"lin.weight", "lin.bias"} <= set(cov["covered"])
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
+
+
+class RandomShared(nn.Module):
+    """Dropout on a tensor every sample shares (one mask for every sample): formed again for the vector-Jacobian
+    product, it draws another mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(6) * 0.4 + 1)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x * torch.tanh(F.dropout(self.p, 0.5, training=True)))
+
+
+def test_a_shared_tensor_formed_again_differently_is_refused_not_wrong():
+    torch.manual_seed(5)
+    model = RandomShared().double()
+    x, y = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    _loss(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match=r"'p' is not per-sample"):
+        psn.local_norms()
+    assert "p" in psn.coverage()["uncovered"]
+    psn.close()
