@@ -177,6 +177,7 @@ _REARRANGES: dict[str, Callable] = {
 # Views that keep a tensor's elements in order (a free parameter's reshapes stay followed: free_parameters)
 _ORDER_KEEPING_VIEWS = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
                         "ravel"}
+_SHAPED_AS = {"view_as", "reshape_as", "expand_as", "type_as"}  # ops that read only the shape or dtype of their second
 _ADDS = {"add": 1, "__add__": 1, "__radd__": 1, "sub": -1, "__sub__": -1, "add_": 1, "__iadd__": 1, "sub_": -1,
          "__isub__": -1}
 _MULS = elementwise.PRODUCTS  # a free parameter scaling a batched tensor (free_parameters)
@@ -414,6 +415,8 @@ class BatchTracker(TorchFunctionMode):
         the shared output unbatched."""
         shared = [(t, st) for t, st in inputs if type(st) is Shared]
         plain = [(t, st) for t, st in inputs if type(st) is not Shared]
+        if len(shared) == 2 and shared[0][0] is shared[1][0] and name in _SHAPED_AS:  # x.view_as(x): FSDP2's inputs
+            shared = shared[:1]
         if name == "linear" and kwargs:
             args, kwargs = _positional_linear(args, kwargs)
         if len(shared) == 1 and isinstance(out, torch.Tensor):

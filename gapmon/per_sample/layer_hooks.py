@@ -152,8 +152,11 @@ class LayerHooks:
         enter_ruled(self.state.tracking)
         if self.state.micro and not _torch_compat.functorch_transforms_active():
             with _torch_compat.ModeSuspended(self.state.tracking):
-                self.state.micro[-1].used[index] = self.layers[index][2].params(module)
-                return joined_where_expanded(self.state.tracking, args, self.state.micro[-1].batch)
+                mb, rule = self.state.micro[-1], self.layers[index][2]
+                mb.used[index] = rule.params(module)
+                if shared_input.on_followed_rows(rule, self.state.tracking, args):
+                    mb.shared_weights[index] = module.weight.detach().clone()
+                return joined_where_expanded(self.state.tracking, args, mb.batch)
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:
         if not self.state.collecting:  # (as _pre_forward_hook)

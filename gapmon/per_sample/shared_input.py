@@ -227,13 +227,21 @@ def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
     return getattr(rule, "reads_shared_rows", False) and batch > 1 and x.dim() >= 1 and batch not in x.shape
 
 
-def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, weight: Any) -> None:
+def on_followed_rows(rule: Any, tracking: Any, args: tuple) -> bool:
+    """Whether a layer call (its rule, its args) is a Linear's on a followed tensor every sample shares: its input's
+    gradient goes back through its weight (take_back), of which the pre-forward hook keeps a copy."""
+    x = args[0] if args else None
+    return (getattr(rule, "reads_shared_rows", False) and getattr(rule, "inner", None) is None  # (not reparametrised:
+            and tracking is not None and isinstance(x, torch.Tensor)  # reading its weight forms it again)
+            and type(tracking.status(x)) is Shared and x.is_floating_point())
+
+
+def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None) -> None:
     """Each sample's gradient of x, the input of a Linear call on rows every sample shares (x followed itself: owner),
-    from each sample's gradient g [batch, *output shape] of the call's output: g W, in float64 where either is. The
-    weight as the forward used it: under FSDP2 its storage may be freed (resharded) by now, and x's owner is left out
-    then, named."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.untyped_storage().size() == 0:
-        owner.on_escape("a Linear whose weight is not at hand in backward (resharded) to take the gradient back through")
+    from each sample's gradient g [batch, *output shape] of the call's output: g W (W a copy of the weight the forward
+    used; None or not a matrix: x's owner is left out, named)."""
+    if weight is None or weight.dim() != 2:
+        owner.on_escape("a layer without a matrix weight to take its input's gradient back through")
         return
     wide = torch.promote_types(torch.promote_types(g.dtype, weight.dtype), torch.float32)
     owner.take_per_sample(x, (g.to(wide) @ weight.detach().to(wide)).reshape(g.shape[0], *x.shape), g.dtype)
@@ -268,7 +276,7 @@ class SharedInputs:
 
         upstream = hooks.state.tracking.status(x)
         upstream = upstream.owner if type(upstream) is Shared else None
-        weight = getattr(module, "weight", None) if upstream is not None else None
+        weight = mb.shared_weights.pop(index, None)
 
         def done(g: torch.Tensor) -> None:
             if call.mode == "rows":

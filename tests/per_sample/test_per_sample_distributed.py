@@ -288,6 +288,37 @@ def _tied_worker(rank: int, world: int):
     _loss(model(xs[local]), ys[local]).backward()
     torch.testing.assert_close(psn.global_norms(local)[1], torch.stack(want), rtol=1e-4, atol=1e-6)
     psn.close()
+    # Swin V2's continuous position bias (followed_through): its MLP's second Linear runs on a followed tensor every
+    # sample shares, its input's gradient taken back through a copy of the unsharded weight its forward used.
+    from test_followed_through import ContinuousPositionBias
+
+    class TwoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([ContinuousPositionBias() for _ in range(2)])
+
+        def forward(self, x):
+            return self.blocks[0](x) + self.blocks[1](x)
+
+    torch.manual_seed(2)
+    blocks = TwoBlocks().double()
+    xs, ys = torch.randn(GLOBAL, 18, 8, dtype=torch.float64), torch.randn(GLOBAL, 8, dtype=torch.float64)
+    want = []
+    for i in range(GLOBAL):
+        grads = torch.autograd.grad(_loss(blocks(xs[i:i + 1]), ys[i:i + 1]), list(blocks.parameters()))
+        want.append(torch.cat([g.reshape(-1) for g in grads]).norm())
+    for units in ("each Linear", "each block"):
+        model = copy.deepcopy(blocks)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) if units == "each Linear" else isinstance(m, ContinuousPositionBias):
+                fully_shard(m, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+        psn = gapmon.PerSampleGradNorms(model, strict=True, loss_reduction="sum")
+        _loss(model(xs[local]), ys[local]).backward()
+        assert not psn.coverage()["uncovered"]
+        torch.testing.assert_close(psn.global_norms(local)[1], torch.stack(want), rtol=1e-10, atol=1e-12,
+                                   msg=lambda m, u=units: f"{u}: {m}")
+        psn.close()
 
 
 def test_a_tied_embedding_and_head_under_fsdp2():
