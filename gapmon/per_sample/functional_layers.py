@@ -1,9 +1,10 @@
-"""Linear and convolution layers whose parent passes their parameters to an op itself, never calling the layer:
-torchvision's Swin (`F.linear(x, self.qkv.weight, self.qkv.bias)` in `shifted_window_attention`), timm's BEiT and EVA
-(`F.linear(x, self.qkv.weight, qkv_bias)`), Mamba's reference path (`dt_proj.weight @ dt`; its Conv1d's weight in
-`F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=channels)`).
+"""Linear, convolution and embedding layers whose parent passes their parameters to an op itself, never calling the
+layer: torchvision's Swin (`F.linear(x, self.qkv.weight, self.qkv.bias)` in `shifted_window_attention`), timm's BEiT
+and EVA (`F.linear(x, self.qkv.weight, qkv_bias)`), Mamba's reference path (`dt_proj.weight @ dt`; its Conv1d's weight
+in `F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=channels)`), DeBERTa's relative-position table
+(`self.rel_embeddings.weight`, normalised by a LayerNorm and projected: followed_through).
 
-Each covered nn.Linear's and nn.Conv1d/2d's weight and bias are followed in every collected forward pass as free parameters are
+Each covered nn.Linear's, nn.Conv1d/2d's and nn.Embedding's weight and bias are followed in every collected forward pass as free parameters are
 (free_parameters.ParameterUses), until the layer's own forward first runs, where its rule takes them over. A
 micro-batch that never called the layer takes the per-sample gradients those uses read as the layer's norms, or
 leaves the layer out, named, when one of them is a use the tracking cannot follow. In one that also called it, the
@@ -22,18 +23,19 @@ import torch.nn as nn
 from ..utils import is_dtensor
 from .batch_provenance import Shared
 from .free_parameters import ParameterUses
-from .rules import ConvRule, LinearRule
+from .rules import ConvRule, EmbeddingRule, LinearRule
 
 
 class FunctionalLinearUses:
-    """The uses outside their own forward of the covered nn.Linear and convolution layers' parameters (a LayerCoverage's
-    layers whose rule is Linear's or Conv's, their parameters not tied to another layer's)."""
+    """The uses outside their own forward of the covered nn.Linear, convolution and embedding layers' parameters (a
+    LayerCoverage's layers whose rule is Linear's, Conv's or Embedding's, their parameters not tied to another
+    layer's)."""
 
     def __init__(self, coverage: Any, checker: Any, state: Any):
         self.coverage, self.checker, self.state = coverage, checker, state
         self.layers: dict[int, tuple[str, nn.Module]] = {}  # layer index -> (name, module)
         for index, (name, module, rule) in enumerate(coverage.layers):
-            if type(rule) in (LinearRule, ConvRule) and name not in coverage.ties:
+            if type(rule) in (LinearRule, ConvRule, EmbeddingRule) and name not in coverage.ties:
                 self.layers[index] = (name, module)
         # id(module) -> its parameters followed in the micro-batch now, until the layer's own forward first runs
         self._marks: dict[int, list[torch.Tensor]] = {}

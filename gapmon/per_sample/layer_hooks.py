@@ -155,7 +155,7 @@ class LayerHooks:
                 mb, rule = self.state.micro[-1], self.layers[index][2]
                 mb.used[index] = rule.params(module)
                 if shared_input.on_followed_rows(rule, self.state.tracking, args):
-                    mb.shared_weights[index] = module.weight.detach().clone()
+                    mb.shared_forms[index] = shared_input.functional_form(module)
                 return joined_where_expanded(self.state.tracking, args, mb.batch)
 
     def _forward_hook(self, index: int, module: nn.Module, args, kwargs, output) -> torch.Tensor | None:

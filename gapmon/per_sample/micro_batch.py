@@ -70,9 +70,9 @@ class MicroBatch:
     provenance: dict[int, set[tuple[int, str | None]]] = field(default_factory=dict)  # layer -> (batch dim, why not)
     weights: torch.Tensor | None = None  # float64 [batch]: the loss is sum_i weights[i] * loss_i (set_loss_weights)
     used: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> the parameters its forward used
-    # layer -> a copy of the weight its call on a followed shared tensor used (read before the forward: under FSDP2 the
-    # unsharded weight, freed once the forward ends), for that call's input gradient (shared_input.take_back)
-    shared_weights: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layer -> its functional form (shared_input.functional_form) for its call on a followed tensor every sample shares,
+    # made before the forward (under FSDP2 from the unsharded parameters), for the call's input gradient (take_back)
+    shared_forms: dict[int, Any] = field(default_factory=dict)
     positions: dict[int, tuple] = field(default_factory=dict)  # layer -> its calls' positions (kept for gram())
     position_versions: dict[int, tuple] = field(default_factory=dict)  # their in-place versions when kept
     tied: dict[Any, Any] = field(default_factory=dict)  # tie group -> what its members left (tied_embedding)

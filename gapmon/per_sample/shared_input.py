@@ -15,6 +15,7 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from .batch_provenance import Shared, graded_tensors
 from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered, sum_to
@@ -228,23 +229,44 @@ def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
 
 
 def on_followed_rows(rule: Any, tracking: Any, args: tuple) -> bool:
-    """Whether a layer call (its rule, its args) is a Linear's on a followed tensor every sample shares: its input's
-    gradient goes back through its weight (take_back), of which the pre-forward hook keeps a copy."""
+    """Whether a layer call (its rule, its args) is one on a followed tensor every sample shares whose input gradient
+    goes back to that tensor's owner (take_back): the pre-forward hook keeps the layer's functional form then."""
     x = args[0] if args else None
-    return (getattr(rule, "reads_shared_rows", False) and getattr(rule, "inner", None) is None  # (not reparametrised:
-            and tracking is not None and isinstance(x, torch.Tensor)  # reading its weight forms it again)
+    return (getattr(rule, "reads_shared_rows", False) and tracking is not None and isinstance(x, torch.Tensor)
             and type(tracking.status(x)) is Shared and x.is_floating_point())
 
 
-def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None) -> None:
-    """Each sample's gradient of x, the input of a Linear call on rows every sample shares (x followed itself: owner),
-    from each sample's gradient g [batch, *output shape] of the call's output: g W (W a copy of the weight the forward
-    used; None or not a matrix: x's owner is left out, named)."""
-    if weight is None or weight.dim() != 2:
-        owner.on_escape("a layer without a matrix weight to take its input's gradient back through")
+def functional_form(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`module` as a function of its input, with copies of its parameters as they are now (before its forward: under
+    FSDP2 the unsharded ones, freed when it ends), in the input's dtype; None for a layer without one here (a
+    reparametrised weight, formed at each read; a subclass's own forward)."""
+    def kind(base: type) -> bool:  # the layer or a subclass with its forward (FSDP2's FSDPLinear)
+        return isinstance(module, base) and type(module).forward is base.forward
+
+    copies = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False)}
+    if kind(torch.nn.Linear) and "weight" in copies and set(copies) <= {"weight", "bias"}:
+        return lambda x: F.linear(x, *(copies[n].to(x.dtype) if n in copies else None for n in ("weight", "bias")))
+    if kind(torch.nn.LayerNorm):
+        return lambda x: F.layer_norm(x, module.normalized_shape, *(copies[n].to(x.dtype) if n in copies else None
+                                                                    for n in ("weight", "bias")), module.eps)
+    if kind(torch.nn.RMSNorm):
+        weight = copies.get("weight")
+        return lambda x: F.rms_norm(x, module.normalized_shape, None if weight is None else weight.to(x.dtype), module.eps)
+    return None
+
+
+def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, form: Callable | None) -> None:
+    """Each sample's gradient of x, the input of a layer call on rows every sample shares (x followed itself: owner),
+    from each sample's gradient g [batch, *output shape] of the call's output: the vector-Jacobian product of the
+    layer's functional form (its parameters' copies), batched over the samples, in float32 or wider. None: the layer
+    has none here, and x's owner is left out, named."""
+    if form is None:
+        owner.on_escape("a layer whose input's gradient gapmon cannot take back to what made it")
         return
-    wide = torch.promote_types(torch.promote_types(g.dtype, weight.dtype), torch.float32)
-    owner.take_per_sample(x, (g.to(wide) @ weight.detach().to(wide)).reshape(g.shape[0], *x.shape), g.dtype)
+    wide = torch.promote_types(torch.promote_types(g.dtype, x.dtype), torch.float32)
+    _, vjp = torch.func.vjp(form, x.detach().to(wide))
+    (dx,) = torch.vmap(vjp)(g.to(wide))
+    owner.take_per_sample(x, dx, g.dtype)
 
 
 class SharedInputs:
@@ -276,14 +298,14 @@ class SharedInputs:
 
         upstream = hooks.state.tracking.status(x)
         upstream = upstream.owner if type(upstream) is Shared else None
-        weight = mb.shared_weights.pop(index, None)
+        form = mb.shared_forms.pop(index, None)
 
         def done(g: torch.Tensor) -> None:
             if call.mode == "rows":
                 calls.calls[at] = Call((x.detach().reshape(mb.batch, -1),), {})
             hooks.deliver(index, mb, at, g.reshape(mb.batch, calls.calls[at].args[0].shape[1], -1))
-            if upstream is not None:  # x is followed too: each sample's gradient of it, g W, goes back to its owner
-                take_back(upstream, x, g.reshape(mb.batch, *output.shape), weight)
+            if upstream is not None:  # x is followed too: each sample's gradient of it goes back to its owner
+                take_back(upstream, x, g.reshape(mb.batch, *output.shape), form)
 
         def refuse(why: str) -> None:
             if len(calls.calls) == 1:  # (a layer with other calls too waits for their gradients: finished at the read)

@@ -59,6 +59,7 @@ class LastDimsNormRule(_AffineNormRule):
     way (gapmon.affine_norm_sums: on the CPU one read of both in float64, instead of x̂, its product and the sums apart)."""
 
     moves_batch = True
+    reads_shared_rows = True  # a call on rows every sample shares: followed where they join the batch (shared_input)
 
     def positions(self, module, call, g, acc):
         a = call.arg(0, "input")
