@@ -17,6 +17,7 @@ differ from autograd's, which the use check (or a shared call's own check) refus
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable
 
@@ -33,7 +34,7 @@ _MAX_FORMED = 1 << 26
 class ThroughUses:
     """The uses of y = func(*args, **kwargs), any differentiable op of followed unbatched tensors (`parents`: (owner,
     tensor) each) and constants: y followed as a parameter of its own (Piece), its per-sample gradients taken back to
-    each parent."""
+    each parent. The op is formed again under the autocast the forward ran it in (a 16-bit product stays one)."""
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, parents: list[tuple[Any, torch.Tensor]],
                  out: torch.Tensor, batch: int):
@@ -41,6 +42,7 @@ class ThroughUses:
         self.parents, self.param, self.batch = parents, out, batch
         self.tensors = _torch_compat.tensor_leaves((args, kwargs))
         self.versions = [_torch_compat.version_counter(t) for t in self.tensors]
+        self.autocast = (out.device.type, _torch_compat.autocast_dtype(out.device.type))
 
     def on_escape(self, what: str) -> None:
         for owner, _ in self.parents:
@@ -51,33 +53,31 @@ class ThroughUses:
         if any(_torch_compat.version_counter(t) != v for t, v in zip(self.tensors, self.versions)):
             self.on_escape(f"{_name(self.func)} of a tensor changed in place afterwards")
             return
-        out = self.param
-        cotangents = g.reshape(self.batch, *out.shape).to(out.dtype)
-        inputs = [x for _, x in self.parents]
-        ids = [id(x) for x in inputs]
-        args, kwargs = _torch_compat.tree_map_tensors(torch.Tensor.detach, (self.args, self.kwargs))
-        # (every tensor detached, in order: the parents' places found by position among the leaves)
-        places = [i for i, t in enumerate(self.tensors) if id(t) in ids]
+        detached = _torch_compat.tree_map_tensors(torch.Tensor.detach, (self.args, self.kwargs))
+        leaves = _torch_compat.tensor_leaves(detached)  # (in the order of self.tensors)
+        parent_ids = {id(x) for _, x in self.parents}
+        places = [i for i, t in enumerate(self.tensors) if id(t) in parent_ids]
+        device_type, autocast_dtype = self.autocast
 
         def formed(*primals: torch.Tensor) -> torch.Tensor:
-            leaves = list(_torch_compat.tensor_leaves((args, kwargs)))
+            current = list(leaves)
             for i, x in zip(places, primals):
-                leaves[i] = x
-            replaced = iter(leaves)
-            a, k = _torch_compat.tree_map_tensors(lambda _: next(replaced), (args, kwargs))
-            return self.func(*a, **k)
+                current[i] = x
+            replaced = iter(current)
+            a, k = _torch_compat.tree_map_tensors(lambda _: next(replaced), detached)
+            with torch.autocast(device_type, autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                return self.func(*a, **k)
 
-        primals = [leaf for i, leaf in enumerate(_torch_compat.tensor_leaves((args, kwargs))) if i in places]
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*performance drop.*")  # no batching rule: a loop, exact
-            _, vjp = torch.func.vjp(formed, *primals)
-            grads = torch.vmap(vjp)(cotangents)
+            y, vjp = torch.func.vjp(formed, *(leaves[i] for i in places))
+            grads = torch.vmap(vjp)(g.reshape(self.batch, *y.shape).to(y.dtype))
         by_id: dict[int, torch.Tensor] = {}  # (a tensor passed twice, x @ x: its two gradients added)
         for i, gx in zip(places, grads):
             key = id(self.tensors[i])
             by_id[key] = gx if key not in by_id else by_id[key] + gx
         for owner, x in self.parents:
-            owner.take_per_sample(x, by_id[id(x)], coarser(rounding, out.dtype))
+            owner.take_per_sample(x, by_id[id(x)], coarser(rounding, y.dtype))
 
 
 def _name(func: Callable) -> str:

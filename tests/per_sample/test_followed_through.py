@@ -74,10 +74,16 @@ def test_swin_v2s_continuous_position_bias_is_exact(bookkeeping):
     assert {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"} <= set(cov["covered"])
 
 
-def test_swin_v2s_continuous_position_bias_under_bf16_autocast():
+@pytest.mark.parametrize("model, shape", [(lambda: ContinuousPositionBias(), (3, 18, 8)), (lambda: SharedMath("gram"), (4, 3, 5)),
+                                          (lambda: SharedMath("matrix_exp"), (4, 3, 5))],
+                         ids=["position bias MLP", "p @ p.T", "matrix_exp"])
+def test_under_bf16_autocast_within_its_rounding(model, shape):
+    """The ops formed again under the forward's autocast (a 16-bit product stays one): no layer left out, the norms
+    within bf16's rounding of a float64 loop."""
     torch.manual_seed(0)
-    model = ContinuousPositionBias()
-    assert_kept_under_bf16_autocast(model, _loss, torch.randn(3, 18, 8), torch.randn(3, 8))
+    model = model()
+    out = model(torch.randn(*shape))
+    assert_kept_under_bf16_autocast(model, _loss, torch.randn(*shape), torch.randn(shape[0], out.shape[-1]))
 
 
 class InterpolatedTable(nn.Module):
