@@ -263,6 +263,9 @@ class BatchTracker(TorchFunctionMode):
         # (batch, func, args, kwargs, [(tensor, Shared)], output) -> the Shared status of an op's output whose inputs are
         # all unbatched and no rule follows (followed_through), or None: the followed inputs are left out then
         self.followed_through: Callable[..., Shared | None] | None = None
+        # (batch, func, args, kwargs, (tensor, Shared), output, batch dim of the output) -> whether a pointwise op meeting
+        # a followed tensor every sample shares with the batch reads its per-sample gradient (followed_through)
+        self.met_in_pointwise: Callable[..., bool] | None = None
         self.func: Callable | None = None  # the op whose rules run now (the general rules' path only)
 
     # ------------------------------------------------------------------ statuses
@@ -415,8 +418,8 @@ class BatchTracker(TorchFunctionMode):
         the shared output unbatched."""
         shared = [(t, st) for t, st in inputs if type(st) is Shared]
         plain = [(t, st) for t, st in inputs if type(st) is not Shared]
-        if len(shared) == 2 and shared[0][0] is shared[1][0] and name in _SHAPED_AS:  # x.view_as(x): FSDP2's inputs
-            shared = shared[:1]
+        if name in _SHAPED_AS and shared[0][0] is args[0]:  # only the first's values (p.expand_as(x), x.view_as(x))
+            shared, plain = shared[:1], [(t, st) for t, st in plain if t is args[0]]
         if name == "linear" and kwargs:
             args, kwargs = _positional_linear(args, kwargs)
         if len(shared) == 1 and isinstance(out, torch.Tensor):
@@ -458,10 +461,18 @@ class BatchTracker(TorchFunctionMode):
                 d = None  # (the escape below, then the same Lost again)
             if type(d) is int and self._shared_cat(args, kwargs, out, d):
                 return d
-        if not plain and self.followed_through is not None:  # the same for every sample: autograd's graph takes it back
+        if not plain and self.followed_through is not None:  # the same for every sample: its own product takes it back
             through = self.followed_through(self.batch, self.func, args, kwargs, shared, out)
             if through is not None:
                 return through
+        if plain and len(shared) == 1 and self.met_in_pointwise is not None and isinstance(out, torch.Tensor) \
+                and _is_pointwise(name) and name not in _RULES:
+            try:
+                d = self.status_by_rules(name, args, kwargs, plain, out)
+            except Lost:
+                d = None
+            if type(d) is int and self.met_in_pointwise(self.batch, self.func, args, kwargs, shared[0], out, d):
+                return d
         for _, st in shared:
             escape_once_graded(st.owner, name, out)
         return self.status_by_rules(name, args, kwargs, plain, out) if plain else None

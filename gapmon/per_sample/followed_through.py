@@ -49,7 +49,14 @@ class ThroughUses:
             owner.on_escape(what)
 
     def add(self, g: torch.Tensor, rounding: torch.dtype) -> None:
-        """Takes one use's per-sample gradients of y, [batch, numel], back to the parents."""
+        """Takes one use's per-sample gradients of y, [batch, numel], back to the parents (in backward: an op that cannot
+        be formed again so, a batching rule torch lacks, leaves them out, named, and never breaks the user's backward)."""
+        try:
+            self._take_back(g, rounding)
+        except Exception as error:  # any failure of the product is a use gapmon cannot follow
+            self.on_escape(f"{_name(self.func)} (its per-sample gradient could not be formed: {type(error).__name__})")
+
+    def _take_back(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         if any(_torch_compat.version_counter(t) != v for t, v in zip(self.tensors, self.versions)):
             self.on_escape(f"{_name(self.func)} of a tensor changed in place afterwards")
             return
@@ -106,3 +113,64 @@ def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shar
             parents.append((st.owner, t))
     return Shared(Piece(ThroughUses(func, args, kwargs, parents, out, batch), tuple(out.shape)))
 
+
+
+def met_in_pointwise(batch: int, func: Callable, args: tuple, kwargs: dict, shared: tuple[torch.Tensor, Shared],
+                     out: Any, dim: int) -> bool:
+    """`out` = func(*args, **kwargs), a pointwise op (aten's tag) with no rule of its own for the followed tensor t
+    (`shared`: (t, its Shared)) that meets there a tensor batched on `dim` of out (timm's GeM pooling, `x.pow(self.p)`;
+    `torch.atan2(x, p)`): each element of out depends on t's element it was broadcast from alone, so each sample's
+    gradient of t is the op's vector-Jacobian product with t expanded to out's shape, summed over the dims t was
+    broadcast along within the sample. A hook on out's gradient forms it (the op formed again) and hands it to t's
+    owner. False where it does not apply (t not broadcast over the batch, no gradient, an in-place op)."""
+    t, st = shared
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point() or not t.requires_grad:
+        return False
+    name = _name(func)
+    if not torch.is_grad_enabled() or name.endswith("_") and not name.startswith("__") or name.startswith("__i"):
+        return False
+    if not hasattr(st.owner, "take_per_sample") or t.dim() > out.dim():
+        return False
+    # t's shape aligned to out's, a dim it is expanded along (stride 0: `p.expand_as(x)`) counted as broadcast
+    lead = out.dim() - t.dim()
+    aligned = [1] * lead + [1 if t.stride(k) == 0 else n for k, n in enumerate(t.shape)]
+    if aligned[dim] != 1 or any(a not in (1, o) for a, o in zip(aligned, out.shape)) or out.shape[dim] != batch:
+        return False
+    summed = [k for k in range(out.dim()) if k != dim and aligned[k] == 1 and out.shape[k] != 1]
+    tensors = _torch_compat.tensor_leaves((args, kwargs))
+    versions = [_torch_compat.version_counter(u) for u in tensors]
+    place = next(i for i, u in enumerate(tensors) if u is t)
+    device_type, autocast_dtype = out.device.type, _torch_compat.autocast_dtype(out.device.type)
+    owner = st.owner
+
+    def hook(g: torch.Tensor) -> None:
+        try:
+            take_back(g)
+        except Exception as error:  # (as ThroughUses.add: never the user's backward)
+            owner.on_escape(f"{name} (its per-sample gradient could not be formed: {type(error).__name__})")
+
+    def take_back(g: torch.Tensor) -> None:
+        if any(_torch_compat.version_counter(u) != v for u, v in zip(tensors, versions)):
+            owner.on_escape(f"{name} of a tensor changed in place afterwards")
+            return
+        detached = _torch_compat.tree_map_tensors(torch.Tensor.detach, (args, kwargs))
+        leaves = _torch_compat.tensor_leaves(detached)
+
+        def formed(full: torch.Tensor) -> torch.Tensor:
+            current = list(leaves)
+            current[place] = full
+            replaced = iter(current)
+            a, k = _torch_compat.tree_map_tensors(lambda _: next(replaced), detached)
+            with torch.autocast(device_type, autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                return func(*a, **k)
+
+        with torch.enable_grad():
+            y, vjp = torch.func.vjp(formed, leaves[place].expand(out.shape).contiguous())
+            (full,) = vjp(g.detach().to(y.dtype))
+        if summed:
+            full = full.sum(summed, keepdim=True)
+        # [batch, *aligned]: each sample's gradient of t's elements (an expanded t's, once each)
+        owner.take_per_sample(t, full.movedim(dim, 0).unsqueeze(dim + 1), coarser(g.dtype, y.dtype))
+
+    out.register_hook(hook)
+    return True

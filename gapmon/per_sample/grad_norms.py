@@ -46,7 +46,7 @@ from ..config import PerSampleConfig
 from ..utils import ParameterWatch, name_cleaner
 from .batch_provenance import batch_tracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
-from .followed_through import followed_through
+from .followed_through import followed_through, met_in_pointwise
 from .free_parameters import FREE_UNSEEN, FreeParameterNorms
 from .functional_head import FunctionalHeads
 from .functional_layers import FunctionalLinearUses
@@ -204,7 +204,7 @@ class PerSampleGradNorms(GradientProducts):
         mb = MicroBatch(batch, storages)
         tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
         tracker.lost_gradient = functools.partial(refuse_upstream, self._layer_hooks, mb)
-        tracker.followed_through = followed_through
+        tracker.followed_through, tracker.met_in_pointwise = followed_through, met_in_pointwise
         self._free.follow(mb, tracker)
         self._state.stop_tracking()  # a forward pass that raised before its end hook could run
         self._state.tracking = tracker.__enter__()

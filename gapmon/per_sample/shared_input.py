@@ -264,8 +264,12 @@ def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, form: Callable | Non
         owner.on_escape("a layer whose input's gradient gapmon cannot take back to what made it")
         return
     wide = torch.promote_types(torch.promote_types(g.dtype, x.dtype), torch.float32)
-    _, vjp = torch.func.vjp(form, x.detach().to(wide))
-    (dx,) = torch.vmap(vjp)(g.to(wide))
+    try:
+        _, vjp = torch.func.vjp(form, x.detach().to(wide))
+        (dx,) = torch.vmap(vjp)(g.to(wide))
+    except Exception as error:  # (in backward: never the user's backward)
+        owner.on_escape(f"a layer whose input's per-sample gradient could not be formed ({type(error).__name__})")
+        return
     owner.take_per_sample(x, dx, g.dtype)
 
 

@@ -808,8 +808,8 @@ class _Positions(nn.Module):
             h = h + 0.5 * p  # a use that is not a plain add (followed through its vector-Jacobian product)
         elif self.extra == "pooled":
             h = h + p.mean()  # a use that reduces it (the same)
-        elif self.extra == "atan2":
-            h = h + torch.atan2(h, p)  # where it meets the batch, an op no rule reads
+        elif self.extra == "stack":
+            h = torch.stack([h, p.expand_as(h)], -1).amax(-1)  # where it meets the batch, an op no rule reads
         return self.head(torch.tanh(h))
 
 
@@ -876,10 +876,10 @@ def test_a_shared_output_scaled_or_reduced_before_another_add_is_exact(extra):
 
 
 def test_a_shared_output_used_besides_its_add_is_left_out():
-    """The shared output meets the batch in an op no rule reads (atan2): its per-sample gradient cannot be read, so the
+    """The shared output meets the batch in an op no rule reads (a stack): its per-sample gradient cannot be read, so the
     layer is left out by name (the rest exact)."""
     torch.manual_seed(0)
-    model = _Positions("add", "atan2").double()
+    model = _Positions("add", "stack").double()
     ids, y = torch.randint(0, 11, (3, 6)), torch.randn(3, 6, 3, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="'pos' is not per-sample .*shared by every sample"):
         got, cov = _run(model, (ids,), y, False)
@@ -902,12 +902,12 @@ def test_a_shared_output_that_stops_being_added_mid_step_is_left_out():
             _loss(model(ids), y).backward()
 
     psn = gapmon.PerSampleGradNorms(model, strict=True)
-    step(psn, (None, "atan2"))
+    step(psn, (None, "stack"))
     with pytest.raises(RuntimeError, match="'pos' is not per-sample"):
         psn.local_norms()
     psn.close()
     psn = gapmon.PerSampleGradNorms(model)
-    step(psn, (None, "atan2"))
+    step(psn, (None, "stack"))
     with pytest.warns(RuntimeWarning, match="'pos' is not per-sample"):
         got = psn.local_norms()
     step(psn, (None,))  # the next step: still left out
@@ -915,7 +915,7 @@ def test_a_shared_output_that_stops_being_added_mid_step_is_left_out():
     psn.close()
     assert "pos.weight" not in covered
     want = []
-    for extra in (None, "atan2"):
+    for extra in (None, "stack"):
         model.extra = extra
         want.append(loop_per_sample_norms(model, _loss, ids, y, params=covered))
     _exact(got, torch.cat(want))

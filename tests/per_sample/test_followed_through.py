@@ -1,10 +1,11 @@
 """Computations every sample shares, between a model's own parameters (or a layer's call on a shared input) and where
 they meet the batch (gapmon.per_sample.followed_through): each op of unbatched tensors only is followed through its
-own vector-Jacobian product, and a Linear run on such a tensor through g W. Exact against a float64 loop, with and
-without book-keeping: Swin V2's continuous position bias (an MLP over a table of coordinates, gathered per pair of
-positions, 16·sigmoid, added to the scores of windows merged with the batch), BEiT's interpolated relative position
-table, a parameter normalised, multiplied by itself or summed before its use; a use that changes such a tensor in place
-is left out by name, and one formed again differently (a random op) is refused by the checks."""
+own vector-Jacobian product, a Linear or a norm run on such a tensor through its functional form's, and a pointwise op
+where such a tensor meets the batch through the op's. Exact against a float64 loop, with and without book-keeping:
+Swin V2's continuous position bias (an MLP over a table of coordinates, gathered per pair of positions, 16·sigmoid,
+added to the scores of windows merged with the batch), BEiT's interpolated relative position table, a parameter
+normalised, multiplied by itself or summed before its use, GeM pooling's learned exponent; a use that changes such a
+tensor in place is left out by name, and one formed again differently (a random op) is refused by the checks."""
 import math
 import warnings
 
@@ -152,6 +153,38 @@ def test_micro_batches_give_each_samples_own_norm():
     got = psn.local_norms()
     psn.close()
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
+
+
+class PointwiseMeeting(nn.Module):
+    """A parameter that meets the batch in a pointwise op with no rule of its own: timm's GeM pooling with a learned
+    exponent (`x.clamp(min=eps).pow(p)`, averaged, `.pow(1 / p)`), `torch.atan2(x, p)`, `torch.hypot`, and a
+    parameter expanded to the batch's shape first (`p.expand_as(x)`, which reads only x's shape)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.conv, self.head = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+        self.p = nn.Parameter(torch.full((1, 4, 1, 1), 3.0) + 0.2 * torch.randn(1, 4, 1, 1))
+
+    def forward(self, x):  # x [B, 3, 6, 6]
+        h = self.conv(x)
+        if self.use == "gem":
+            h = F.avg_pool2d(h.clamp(min=1e-6).pow(self.p), h.shape[-2:]).pow(1.0 / self.p)
+        elif self.use == "atan2":
+            h = torch.atan2(h, self.p).mean((2, 3), keepdim=True)
+        elif self.use == "hypot, expanded":
+            h = torch.hypot(h, self.p.expand_as(h)).mean((2, 3), keepdim=True)
+        return self.head(h.flatten(1))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("use", ["gem", "atan2", "hypot, expanded"])
+def test_a_parameter_meeting_the_batch_in_a_pointwise_op_is_exact(use, bookkeeping):
+    torch.manual_seed(6)
+    model = PointwiseMeeting(use).double()
+    cov = _exact_and_whole(model, torch.randn(3, 3, 6, 6, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64),
+                           bookkeeping=bookkeeping)
+    assert "p" in cov["covered"]
 
 
 class ChangedInPlace(nn.Module):

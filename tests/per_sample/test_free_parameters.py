@@ -29,7 +29,7 @@ class TinyViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, 8) * 0.1) if cls_token else None
         n = 4 + (1 if cls_token else 0)
         shape = {"add": (1, n, 8), "add_2d": (n, 8), "flat": (n * 8,), "sub": (1, n, 8), "in_place": (1, n, 8),
-                 "scaled": (1, n, 8), "cumsum": (1, n, 8), "atan2": (1, n, 8)}[use]
+                 "scaled": (1, n, 8), "cumsum": (1, n, 8), "stack": (1, n, 8)}[use]
         self.pos_embed = nn.Parameter(torch.randn(*shape) * 0.1)
         self.use = use
         self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
@@ -52,8 +52,8 @@ class TinyViT(nn.Module):
             x = x + (1.0 - self.pos_embed / 4) * 2
         elif self.use == "cumsum":  # an op of the parameter alone, followed through its vector-Jacobian product
             x = x + self.pos_embed.cumsum(1)
-        else:  # atan2: it meets the batch in an op that is not an add, a product, a concatenation or a contraction
-            x = x + torch.atan2(x, self.pos_embed)
+        else:  # stack: it meets the batch in an op no rule reads (not an add, a product, a concatenation, a contraction
+            x = torch.stack([x, self.pos_embed.expand_as(x)], -1).amax(-1)  # or a pointwise op)
         return self.head(self.encoder(x)[:, 0])
 
 
@@ -89,19 +89,18 @@ def test_micro_batches_accumulate_each_their_own_samples():
 
 
 def test_a_use_the_tracking_cannot_follow_leaves_the_parameter_out_by_name():
-    """torch.atan2(x, pos_embed): the parameter meets the batch in an op that is not an add, a product, a
-    concatenation or a contraction. It is left out (warned, and refused under strict=True), and the rest, the class
-    token among it, is exact."""
+    """torch.stack([x, pos_embed.expand_as(x)]): the parameter meets the batch in an op no rule reads. It is left out
+    (warned, and refused under strict=True), and the rest, the class token among it, is exact."""
     torch.manual_seed(2)
-    model = TinyViT(use="atan2").double()
+    model = TinyViT(use="stack").double()
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in atan2"):
+    with pytest.warns(RuntimeWarning, match=r"'pos_embed' is not per-sample \(the model uses this parameter in stack"):
         got, cov = _norms(model, x, y)
     assert "pos_embed" in cov["uncovered"] and "cls_token" in cov["covered"]
     want = loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"]))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="'pos_embed' is not per-sample"):
-        _norms(TinyViT(use="atan2").double(), x, y, strict=True)
+        _norms(TinyViT(use="stack").double(), x, y, strict=True)
 
 
 def test_a_use_outside_the_forward_pass_is_left_out_by_name():
