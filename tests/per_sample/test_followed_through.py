@@ -244,3 +244,27 @@ def test_a_shared_tensor_formed_again_differently_is_refused_not_wrong():
         psn.local_norms()
     assert "p" in psn.coverage()["uncovered"]
     psn.close()
+
+
+def test_a_product_that_cannot_be_formed_leaves_the_parameter_out_and_the_backward_alone(monkeypatch):
+    """Forming a product again fails (here: torch.func.vjp raising, as an op without a functional form would): the
+    tensors it would have reached are left out, named, and the user's backward and gradients are as without gapmon."""
+    torch.manual_seed(7)
+    model = SharedMath("gram").double()
+    x, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    _loss(model(x), y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no functional form")
+
+    monkeypatch.setattr(torch.func, "vjp", broken)
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum")
+    _loss(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match=r"'p' is not per-sample .*could not be formed: RuntimeError"):
+        psn.local_norms()
+    assert "p" in psn.coverage()["uncovered"] and {"lin.weight", "head.weight"} <= set(psn.coverage()["covered"])
+    psn.close()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=0, atol=0)
