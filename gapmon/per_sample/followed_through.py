@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _torch_compat
+from . import elementwise
 from .batch_provenance import Shared
 from .free_parameters import Piece, coarser
 
@@ -37,9 +38,10 @@ class ThroughUses:
     each parent. The op is formed again under the autocast the forward ran it in (a 16-bit product stays one)."""
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, parents: list[tuple[Any, torch.Tensor]],
-                 out: torch.Tensor, batch: int):
+                 out: torch.Tensor, batch: int, slope: torch.Tensor | None = None):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.parents, self.param, self.batch = parents, out, batch
+        self.slope = slope  # f'(x) of an elementwise function of one parent: its product is g ⊙ f'(x), not formed again
         self.tensors = _torch_compat.tensor_leaves((args, kwargs))
         self.versions = [_torch_compat.version_counter(t) for t in self.tensors]
         self.autocast = (out.device.type, _torch_compat.autocast_dtype(out.device.type))
@@ -57,6 +59,10 @@ class ThroughUses:
             self.on_escape(f"{_name(self.func)} (its per-sample gradient could not be formed: {type(error).__name__})")
 
     def _take_back(self, g: torch.Tensor, rounding: torch.dtype) -> None:
+        if self.slope is not None:  # (its inputs as autograd saved them: its slope was formed in the forward)
+            (owner, x), = self.parents
+            owner.take_per_sample(x, g.reshape(self.batch, *x.shape) * self.slope, coarser(rounding, self.slope.dtype))
+            return
         if any(_torch_compat.version_counter(t) != v for t, v in zip(self.tensors, self.versions)):
             self.on_escape(f"{_name(self.func)} of a tensor changed in place afterwards")
             return
@@ -111,7 +117,8 @@ def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shar
         if id(t) not in seen:  # (x * x: one input, its gradient taken once)
             seen.add(id(t))
             parents.append((st.owner, t))
-    return Shared(Piece(ThroughUses(func, args, kwargs, parents, out, batch), tuple(out.shape)))
+    slope = elementwise.slope(name, args, kwargs, parents[0][1], out) if len(parents) == 1 else None
+    return Shared(Piece(ThroughUses(func, args, kwargs, parents, out, batch, slope), tuple(out.shape)))
 
 
 

@@ -306,11 +306,7 @@ class Piece:
         if isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32) and index.dim() >= 2 \
                 and index.shape[0] == self.uses.batch:  # a row of ids per sample (Whisper's table[position_ids])
             return self.looked_up_rows(t, out, index, -1)
-        parts = index if isinstance(index, tuple) else (index,)
-        if not all(i is None or i is Ellipsis or isinstance(i, (slice, torch.Tensor)) or type(i) is int for i in parts):
-            return None
-        if any(isinstance(i, slice) and not all(type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))
-               for i in parts):
+        if not picks_elements(index):
             return None
         return self.rearranged(t, out, lambda every: every[index])
 
@@ -672,6 +668,16 @@ def joined_where_expanded(tracker: Any, args: tuple, batch: int) -> tuple | None
     tracker.mark(joined, dims[0])
     status.owner.on_add(joined, joined, dims[0], 1)
     return (joined, *args[1:])
+
+
+def picks_elements(index: Any) -> bool:
+    """Whether `t[index]` only picks elements of t, the same ones whatever t holds: ints, slices of int bounds, None,
+    Ellipsis and index tensors (unbatched: the caller's to know)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not all(i is None or i is Ellipsis or isinstance(i, (slice, torch.Tensor)) or type(i) is int for i in parts):
+        return False
+    return not any(isinstance(i, slice) and not all(type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))
+                   for i in parts)
 
 
 def element_positions(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch_provenance import Shared, graded_tensors
-from .free_parameters import broadcast_dims, element_positions, masked_positions, rearranged_positions, scattered, sum_to
+from .free_parameters import broadcast_dims, element_positions, masked_positions, picks_elements, rearranged_positions, scattered, sum_to
 from .micro_batch import LayerCalls
 from .row_lookup import ModeByFirstUse
 from .rules import Call
@@ -86,6 +86,11 @@ class SharedCall(ModeByFirstUse):
         """A permutation of the output's elements (T5's `bias.permute(2, 0, 1)`)."""
         return SharedView(self, element_positions(self.shape, t.device)).rearranged(t, out, how)
 
+    def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "SharedView | None":
+        """`out = output[index]`, elements picked by an index every sample shares (Swin V2's position-bias MLP output
+        gathered by its relative position index)."""
+        return SharedView(self, element_positions(self.shape, t.device)).sliced(t, index, out)
+
     def expanded(self, out: torch.Tensor) -> "SharedView | None":
         """An expansion of the output (see SharedView.expanded)."""
         return SharedView(self, element_positions(self.shape, out.device)).expanded(out)
@@ -152,7 +157,10 @@ class SharedCall(ModeByFirstUse):
         if not torch.allclose(summed, whole, rtol=rtol, atol=rtol * scale, equal_nan=True):
             self.refuse("its output, shared by every sample, has a use besides its adds to batched tensors")
             return
-        self.done(self.per_sample)
+        # In the output gradient's dtype where that is coarser (autocast's 16-bit): the precision autograd formed the
+        # layer's own gradient in, which the use check then allows for.
+        coarse = g.dtype.is_floating_point and torch.finfo(g.dtype).eps > torch.finfo(self.per_sample.dtype).eps
+        self.done(self.per_sample.to(g.dtype) if coarse else self.per_sample)
 
 
     def _explained(self) -> torch.Tensor:
@@ -209,6 +217,9 @@ class SharedView:
         moved = rearranged_positions(self.positions, t, out, how)
         return None if moved is None else SharedView(self.call, moved, self.holes)
 
+    def sliced(self, t: torch.Tensor, index: Any, out: torch.Tensor) -> "SharedView | None":
+        return self.rearranged(t, out, lambda every: every[index]) if picks_elements(index) else None
+
 
 def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
     """Whether a call of a layer (its rule, its input x) takes the shared-input path: a rule that reads such calls,
@@ -236,6 +247,16 @@ def on_followed_rows(rule: Any, tracking: Any, args: tuple) -> bool:
             and type(tracking.status(x)) is Shared and x.is_floating_point())
 
 
+class LinearForm:
+    """A Linear layer as a function of its input, with copies of its weight and bias: its input's gradient is g W."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
 def functional_form(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """`module` as a function of its input, with copies of its parameters as they are now (before its forward: under
     FSDP2 the unsharded ones, freed when it ends), in the input's dtype; None for a layer without one here (a
@@ -245,7 +266,7 @@ def functional_form(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.T
 
     copies = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False)}
     if kind(torch.nn.Linear) and "weight" in copies and set(copies) <= {"weight", "bias"}:
-        return lambda x: F.linear(x, *(copies[n].to(x.dtype) if n in copies else None for n in ("weight", "bias")))
+        return LinearForm(copies["weight"], copies.get("bias"))
     if kind(torch.nn.LayerNorm):
         return lambda x: F.layer_norm(x, module.normalized_shape, *(copies[n].to(x.dtype) if n in copies else None
                                                                     for n in ("weight", "bias")), module.eps)
@@ -264,6 +285,9 @@ def take_back(owner: Any, x: torch.Tensor, g: torch.Tensor, form: Callable | Non
         owner.on_escape("a layer whose input's gradient gapmon cannot take back to what made it")
         return
     wide = torch.promote_types(torch.promote_types(g.dtype, x.dtype), torch.float32)
+    if isinstance(form, LinearForm):  # g W: no product formed through autograd
+        owner.take_per_sample(x, (g.to(wide) @ form.weight.to(wide)).reshape(g.shape[0], *x.shape), g.dtype)
+        return
     try:
         _, vjp = torch.func.vjp(form, x.detach().to(wide))
         (dx,) = torch.vmap(vjp)(g.to(wide))
