@@ -198,6 +198,17 @@ def loop_per_sample_norms(model: torch.nn.Module, loss_fn, inputs, targets, para
     return torch.stack(norms)
 
 
+def micro_batch_norms(model: torch.nn.Module, loss_fn, x, y, parts) -> torch.Tensor:
+    """gapmon's strict per-sample norms of one step of summed-loss micro-batches `parts` (slices of x and y)."""
+    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    try:
+        for part in parts:
+            loss_fn(model(x[part]), y[part]).backward()
+        return psn.local_norms()
+    finally:
+        psn.close()
+
+
 def norms_and_coverage(model: torch.nn.Module, loss_fn, x, y, **kwargs) -> tuple[torch.Tensor, dict]:
     """gapmon's per-sample norms of one summed-loss backward of model(x) (PerSampleGradNorms(model, **kwargs)) and its
     coverage(); the norms are closed after."""

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import Autocast, loop_per_sample_norms, norms_and_coverage
+from helpers import Autocast, loop_per_sample_norms, micro_batch_norms, norms_and_coverage
 
 import gapmon
 
@@ -91,11 +91,7 @@ def test_micro_batches_of_a_functional_layer_each_keep_their_own_samples():
     torch.manual_seed(1)
     model = WindowAttention().double()
     x, y = torch.randn(5, 6, 4, dtype=torch.float64), torch.randn(5, 6, 3, dtype=torch.float64)
-    psn = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
-    for part in (slice(0, 2), slice(2, 5)):
-        _loss(model(x[part]), y[part]).backward()
-    got = psn.local_norms()
-    psn.close()
+    got = micro_batch_norms(model, _loss, x, y, (slice(0, 2), slice(2, 5)))
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)
 
 

@@ -32,6 +32,16 @@ def _accumulated_global_norms(model, psn, x, y, local_ids, micro: int):
     return psn.global_norms(local_ids)
 
 
+def _assert_accumulated(model, psn, x, y, local_ids, want, where: str, rtol: float = 1e-4, atol: float = 1e-6):
+    """One and two micro-batches of the step over this rank's samples: the global norms in id order, equal to `want`."""
+    for micro in (1, 2):
+        got_ids, got = _accumulated_global_norms(model, psn, x, y, local_ids, micro)
+        case = f"{where}, {micro} micro-batches"
+        assert got_ids.tolist() == list(range(GLOBAL)), case
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, c=case: f"{c}: {m}")
+        model.zero_grad()
+
+
 def _worker(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -122,12 +132,7 @@ def _granularity_worker(rank: int, world: int):
         model = make()
         psn = gapmon.PerSampleGradNorms(model, strict=True)
         for layout, local_ids in layouts.items():
-            for micro in (1, 2):
-                got_ids, got = _accumulated_global_norms(model, psn, x, y, local_ids, micro)
-                case = f"{where}, {layout}, {micro} micro-batches"
-                assert got_ids.tolist() == list(range(GLOBAL)), case
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, c=case: f"{c}: {m}")
-                model.zero_grad()
+            _assert_accumulated(model, psn, x, y, local_ids, want, f"{where}, {layout}")
         psn.close()
 
     # GAPMonitor with interval=2 over FSDP2 per-Linear units: the monitored steps' norms are exact, the
@@ -168,12 +173,8 @@ def _granularity_worker(rank: int, world: int):
         model.to_empty(device="cpu")
         set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
         psn = gapmon.PerSampleGradNorms(model, strict=True, bookkeeping=bookkeeping)
-        for micro in (1, 2):
-            got_ids, got = _accumulated_global_norms(model, psn, x, y, local_ids, micro)
-            case = f"meta init, checkpointed blocks, bf16 parameters, bookkeeping={bookkeeping}, {micro} micro-batches"
-            assert got_ids.tolist() == list(range(GLOBAL)), case
-            torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4, msg=lambda m, c=case: f"{c}: {m}")
-            model.zero_grad()
+        _assert_accumulated(model, psn, x, y, local_ids, want,
+                            f"meta init, checkpointed blocks, bf16 parameters, bookkeeping={bookkeeping}", 2e-2, 1e-4)
         psn.close()
 
 
