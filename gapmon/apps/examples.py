@@ -1,6 +1,8 @@
-"""A small GPT-style language model and synthetic data, for the demo, tests and benchmarks."""
+"""A small GPT-style language model, Swin V2's window attention and synthetic data, for the demo, tests and
+benchmarks."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +81,38 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class WindowAttentionV2(nn.Module):
+    """Swin V2's window attention with its continuous position bias, over 2 windows of window × window tokens per image
+    (x [B, 2 · window², d]): the bias MLP (Linear, ReLU, Linear) runs on a log-spaced table of relative coordinates (a
+    buffer), its output is gathered by a relative position index every sample shares, permuted, squashed (16·sigmoid)
+    and added to the scores of windows merged with the batch ([B·windows, heads, N, N]); cosine attention with a
+    learned temperature. The per-sample tests and benchmarks' model of a computation every sample shares."""
+
+    def __init__(self, d=8, heads=2, window=3, hidden=16):
+        super().__init__()
+        self.d, self.heads, self.window = d, heads, window
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, heads, bias=False))
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
+        span = torch.arange(-(window - 1), window, dtype=torch.float32)
+        table = torch.stack(torch.meshgrid(span, span, indexing="ij"), -1) / (window - 1) * 8  # [2w-1, 2w-1, 2]
+        self.register_buffer("table", (torch.sign(table) * torch.log2(table.abs() + 1) / math.log2(8)).unsqueeze(0))
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+        self.register_buffer("index", (rel[..., 0] * (2 * window - 1) + rel[..., 1]).reshape(-1))
+
+    def forward(self, x):  # x [B, 2 windows · N, d]
+        b, n = x.shape[0], self.window ** 2
+        windows = x.view(b, 2, n, self.d).reshape(b * 2, n, self.d)
+        q, k, v = self.qkv(windows).view(b * 2, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        scores = scores * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        bias = self.cpb_mlp(self.table).view(-1, self.heads)[self.index].view(n, n, -1).permute(2, 0, 1).contiguous()
+        scores = scores + 16 * torch.sigmoid(bias).unsqueeze(0)
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, 2 * n, self.d)
+        return self.out(out).mean(1)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -6,7 +6,6 @@ Swin V2's continuous position bias (an MLP over a table of coordinates, gathered
 added to the scores of windows merged with the batch), BEiT's interpolated relative position table, a parameter
 normalised, multiplied by itself or summed before its use, GeM pooling's learned exponent; a use that changes such a
 tensor in place is left out by name, and one formed again differently (a random op) is refused by the checks."""
-import math
 import warnings
 
 import pytest
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from helpers import assert_kept_under_bf16_autocast, loop_per_sample_norms, micro_batch_norms, norms_and_coverage
 
 import gapmon
+from gapmon.apps.examples import WindowAttentionV2
 
 BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [False, True], ids=["hooks", "bookkeeping"])
 
@@ -33,49 +33,18 @@ def _exact_and_whole(model, x, y, **kwargs):
     return cov
 
 
-class ContinuousPositionBias(nn.Module):
-    """Window attention with Swin V2's continuous position bias, over 2 windows of 3 × 3 tokens per image: the bias
-    MLP (Linear, ReLU, Linear) runs on a log-spaced table of relative coordinates (a buffer), its output is gathered by
-    a relative position index every sample shares, permuted, squashed (16·sigmoid) and added to the scores of windows
-    merged with the batch ([B·windows, heads, N, N]); a learned temperature as Swin V2's."""
-
-    def __init__(self, d=8, heads=2, window=3, hidden=16):
-        super().__init__()
-        self.d, self.heads, self.window = d, heads, window
-        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.cpb_mlp = nn.Sequential(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, heads, bias=False))
-        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
-        span = torch.arange(-(window - 1), window, dtype=torch.float32)
-        table = torch.stack(torch.meshgrid(span, span, indexing="ij"), -1) / (window - 1) * 8  # [2w-1, 2w-1, 2]
-        self.register_buffer("table", (torch.sign(table) * torch.log2(table.abs() + 1) / math.log2(8)).unsqueeze(0))
-        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
-        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
-        self.register_buffer("index", (rel[..., 0] * (2 * window - 1) + rel[..., 1]).reshape(-1))
-
-    def forward(self, x):  # x [B, 2 windows · N, d]
-        b, n = x.shape[0], self.window ** 2
-        windows = x.view(b, 2, n, self.d).reshape(b * 2, n, self.d)
-        q, k, v = self.qkv(windows).view(b * 2, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
-        scores = scores * torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
-        bias = self.cpb_mlp(self.table).view(-1, self.heads)[self.index].view(n, n, -1).permute(2, 0, 1).contiguous()
-        scores = scores + 16 * torch.sigmoid(bias).unsqueeze(0)
-        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, 2 * n, self.d)
-        return self.out(out).mean(1)
-
-
 @BOOKKEEPING
 def test_swin_v2s_continuous_position_bias_is_exact(bookkeeping):
     """Every parameter covered: the bias MLP's two Linear layers (the first on the table, the second on its ReLU, a
     followed tensor) and the temperature, exact."""
     torch.manual_seed(0)
-    model = ContinuousPositionBias().double()
+    model = WindowAttentionV2().double()
     x, y = torch.randn(3, 18, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
     cov = _exact_and_whole(model, x, y, bookkeeping=bookkeeping)
     assert {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"} <= set(cov["covered"])
 
 
-@pytest.mark.parametrize("model, shape", [(lambda: ContinuousPositionBias(), (3, 18, 8)), (lambda: SharedMath("gram"), (4, 3, 5)),
+@pytest.mark.parametrize("model, shape", [(lambda: WindowAttentionV2(), (3, 18, 8)), (lambda: SharedMath("gram"), (4, 3, 5)),
                                           (lambda: SharedMath("matrix_exp"), (4, 3, 5))],
                          ids=["position bias MLP", "p @ p.T", "matrix_exp"])
 def test_under_bf16_autocast_within_its_rounding(model, shape):
@@ -145,7 +114,7 @@ def test_a_parameter_through_unbatched_ops_is_exact(use, bookkeeping):
 def test_micro_batches_give_each_samples_own_norm():
     """Two micro-batches (of 3 samples and of 1) accumulated in one step: each sample's own loss's norm."""
     torch.manual_seed(3)
-    model = ContinuousPositionBias().double()
+    model = WindowAttentionV2().double()
     x, y = torch.randn(4, 18, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
     got = micro_batch_norms(model, _loss, x, y, (slice(0, 3), slice(3, 4)))
     torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y), rtol=1e-10, atol=1e-12)

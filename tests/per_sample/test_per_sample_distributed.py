@@ -291,12 +291,12 @@ def _tied_worker(rank: int, world: int):
     psn.close()
     # Swin V2's continuous position bias (followed_through): its MLP's second Linear runs on a followed tensor every
     # sample shares, its input's gradient taken back through a copy of the unsharded weight its forward used.
-    from test_followed_through import ContinuousPositionBias
+    from gapmon.apps.examples import WindowAttentionV2
 
     class TwoBlocks(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = torch.nn.ModuleList([ContinuousPositionBias() for _ in range(2)])
+            self.blocks = torch.nn.ModuleList([WindowAttentionV2() for _ in range(2)])
 
         def forward(self, x):
             return self.blocks[0](x) + self.blocks[1](x)
@@ -311,7 +311,7 @@ def _tied_worker(rank: int, world: int):
     for units in ("each Linear", "each block"):
         model = copy.deepcopy(blocks)
         for m in model.modules():
-            if isinstance(m, torch.nn.Linear) if units == "each Linear" else isinstance(m, ContinuousPositionBias):
+            if isinstance(m, torch.nn.Linear) if units == "each Linear" else isinstance(m, WindowAttentionV2):
                 fully_shard(m, mesh=mesh)
         model = fully_shard(model, mesh=mesh)
         psn = gapmon.PerSampleGradNorms(model, strict=True, loss_reduction="sum")
