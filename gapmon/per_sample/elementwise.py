@@ -92,6 +92,21 @@ def _factor_slope(name: str, args: Sequence, x: torch.Tensor, y: torch.Tensor) -
     return torch.broadcast_to(c.reciprocal() if name in QUOTIENTS else c, x.shape)
 
 
+# The functions of one tensor whose slope their output alone gives (relu's by its sign): run in place, their input is
+# gone, yet their slope is known (`nn.ReLU(inplace=True)`, `x.sigmoid_()`)
+_FROM_OUTPUT = {"relu", "sigmoid", "tanh", "exp", "expm1", "sqrt", "rsqrt", "reciprocal"}
+
+
+def in_place_slope(name: str, kwargs: dict, y: torch.Tensor) -> torch.Tensor | None:
+    """f'(x) of y = f(x) computed in place (`name` its in-place or out-of-place name: `relu_`, or `relu` with
+    inplace=True), from y alone; None for a function whose slope needs its input."""
+    base = name[:-1] if name.endswith("_") else name
+    if base not in _FROM_OUTPUT or set(kwargs) - {"inplace"} or not y.is_floating_point():
+        return None
+    y = y.detach()
+    return _OF_ONE[base](y, y)
+
+
 def slope(name: str, args: Sequence, kwargs: dict, x: torch.Tensor, y: Any) -> torch.Tensor | None:
     """f'(x) for y = name(x, *args[1:], **kwargs), an elementwise function of x (args[0]; either argument of a
     product) of y's shape, detached; None where `name` is no function listed here or its other arguments are not

@@ -100,16 +100,31 @@ def _name(func: Callable) -> str:
 def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shared: list[tuple[torch.Tensor, Shared]],
                      out: Any) -> Shared | None:
     """The status of `out` = func(*args, **kwargs), an op whose followed inputs are `shared` ((tensor, Shared) each) and
-    whose other inputs are all unbatched: followed as a parameter of its own (ThroughUses), or None where it cannot be (an
-    in-place op, an output that is not one tensor with a gradient, an input whose owner cannot take per-sample
-    gradients or that does not require one, per-sample gradients too large to form): the caller leaves it out then."""
+    whose other inputs are all unbatched: followed as a parameter of its own (ThroughUses); an op that returned its
+    input as it is keeps its status; None where it cannot be followed (an in-place op whose slope needs its input, an
+    output that is not one tensor with a gradient, an input whose owner cannot take per-sample gradients or that does
+    not require one, per-sample gradients too large to form): the caller leaves it out then."""
     if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point():
         return None
     name = _name(func)
-    if not torch.is_grad_enabled() or name.endswith("_") and not name.startswith("__") or name.startswith("__i"):
-        return None
     if any(not hasattr(st.owner, "take_per_sample") or not t.requires_grad for t, st in shared):
         return None
+    if not torch.is_grad_enabled():
+        return None
+    in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i") or kwargs.get("inplace") is True
+    if not in_place:
+        for t, st in shared:
+            if t is out:  # an op that returned its input as it is (a no-op dropout, a cast to its own dtype)
+                return st
+    else:
+        # In place: its input is gone; followed only where its output gives its slope (nn.ReLU(inplace=True))
+        slope = elementwise.in_place_slope(name, kwargs, out) if len(shared) == 1 and shared[0][0] is out else None
+        owner = shared[0][1].owner
+        if slope is None or not isinstance(owner, Piece) and not hasattr(owner, "moved_in_place"):
+            return None
+        if hasattr(owner, "moved_in_place"):  # (a shared call's own check reads its output's gradient: moved too)
+            owner.moved_in_place(out, slope)
+        return Shared(Piece(ThroughUses(func, args, kwargs, [(owner, out)], out, batch, slope), tuple(out.shape)))
     if batch * max([out.numel()] + [t.numel() for t, _ in shared]) > _MAX_FORMED:
         return None
     parents, seen = [], set()
@@ -119,7 +134,6 @@ def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shar
             parents.append((st.owner, t))
     slope = elementwise.slope(name, args, kwargs, parents[0][1], out) if len(parents) == 1 else None
     return Shared(Piece(ThroughUses(func, args, kwargs, parents, out, batch, slope), tuple(out.shape)))
-
 
 
 def met_in_pointwise(batch: int, func: Callable, args: tuple, kwargs: dict, shared: tuple[torch.Tensor, Shared],

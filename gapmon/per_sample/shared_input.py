@@ -46,7 +46,7 @@ class SharedCall(ModeByFirstUse):
         self.escaped: str | None = None
         self.rows = rows
         self.mode: str | None = None  # "rows" or "broadcast", once a use says which
-        output.register_hook(self._whole)
+        self._hook = output.register_hook(self._whole)
 
     def on_add(self, total: torch.Tensor, output: torch.Tensor, dim: int, sign: int,
                positions: torch.Tensor | None = None, holes: bool = False) -> None:
@@ -116,6 +116,13 @@ class SharedCall(ModeByFirstUse):
             return
         other = other.detach()
         out.register_hook(lambda g: self._add(g * other, dim, broadcast, 1, positions, holes))
+
+    def moved_in_place(self, output: torch.Tensor, slope: torch.Tensor) -> None:
+        """The output was overwritten in place by an elementwise function of slope `slope` (`nn.ReLU(inplace=True)`):
+        a hook on it before then may no longer fire (the output a view: autograd rebases it), so its own gradient is
+        read on the new value instead, times the slope."""
+        self._hook.remove()
+        self._hook = output.register_hook(lambda g: self._whole(g * slope))
 
     def take_per_sample(self, t: torch.Tensor, g: torch.Tensor, rounding: torch.dtype,
                         positions: torch.Tensor | None = None, holes: bool = False) -> None:

@@ -726,6 +726,36 @@ def test_deberta_is_whole_and_exact(share_att_key, bookkeeping):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["swinv2", "beit interpolated"])
+def test_swinv2_and_beit_position_biases_are_whole(family):
+    """Swin V2's continuous position bias (an MLP with an in-place ReLU over a coordinate table every sample shares,
+    gathered, 16·sigmoid, added to each window's scores) and BEiT's relative position table, interpolated to another
+    image size: followed through their ops (followed_through, session 25; Swin V2 left its MLP's first layer out,
+    BEiT its table when interpolated), every parameter covered, exact against a float64 loop."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (CI installs it)")
+    torch.manual_seed(0)
+    if family == "swinv2":
+        model = transformers.Swinv2ForImageClassification(transformers.Swinv2Config(
+            image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3,
+            drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        pixels, kwargs = torch.randn(3, 3, 16, 16, dtype=torch.float64), {}
+    else:
+        model = transformers.BeitForImageClassification(transformers.BeitConfig(
+            image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=24, num_labels=3, use_relative_position_bias=True, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+        pixels, kwargs = torch.randn(3, 3, 24, 24, dtype=torch.float64), {"interpolate_pos_encoding": True}
+    model = model.double()
+
+    def loss_of(m, s):
+        y = m(pixel_values=pixels[s], **kwargs).logits
+        return (y * torch.linspace(-1, 1, y.shape[-1], dtype=torch.float64)).sum() + 0.5 * y.square().sum()
+
+    got, want, cov, said = _exact_norms(model, loss_of, 3)
+    assert not cov["uncovered"] and not said, (cov["uncovered_reasons"], said)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def _convnextv2(transformers):  # channels-first LayerNorms, global response normalisation (a leaf layer of its own)
     return transformers.ConvNextV2ForImageClassification(transformers.ConvNextV2Config(
         num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=16, num_labels=3,

@@ -152,6 +152,49 @@ def test_a_parameter_meeting_the_batch_in_a_pointwise_op_is_exact(use, bookkeepi
     assert "p" in cov["covered"]
 
 
+class InPlaceMLP(nn.Module):
+    """A position MLP over a table every sample shares whose hidden activation is computed in place (`how`): its
+    first layer's output overwritten (a view of its product: autograd rebases it, and a hook on it from before may not
+    fire). relu and sigmoid give their slope from their output; log needs its input, which is gone."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.inp, self.out, self.lin = nn.Linear(2, 16), nn.Linear(16, 4, bias=False), nn.Linear(4, 4)
+        self.register_buffer("table", torch.randn(1, 5, 2, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):  # x [B, 5, 4]
+        h = self.inp(self.table)
+        if self.how == "relu":
+            F.relu(h, inplace=True)
+        elif self.how == "sigmoid_":
+            h.sigmoid_()
+        else:
+            h = h.abs() + 1
+            h.log_()
+        return self.lin(x) + torch.sigmoid(self.out(h))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("how", ["relu", "sigmoid_"])
+def test_an_activation_in_place_on_a_shared_output_is_exact(how, bookkeeping):
+    torch.manual_seed(8)
+    model = InPlaceMLP(how).double()
+    _exact_and_whole(model, torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64),
+                     bookkeeping=bookkeeping)
+
+
+def test_an_in_place_function_whose_slope_needs_its_input_is_left_out_by_name():
+    torch.manual_seed(8)
+    model = InPlaceMLP("log_").double()
+    x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match=r"layer 'inp' is not per-sample .*used by log_"):
+        got, cov = norms_and_coverage(model, _loss, x, y)
+    assert {"inp.weight", "inp.bias"} <= set(cov["uncovered"]) and "out.weight" in cov["covered"]
+    torch.testing.assert_close(got, loop_per_sample_norms(model, _loss, x, y, params=set(cov["covered"])),
+                               rtol=1e-10, atol=1e-12)
+
+
 class ChangedInPlace(nn.Module):
     """A tensor made from the parameter alone, changed in place before its use (or the parameter itself changed in
     place after the op that read it): no longer what the op made."""
