@@ -8,13 +8,12 @@ plain step side by side (alternating steps, medians).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.nn as nn
-from common import machine
+from common import machine, write_result
 
 import gapmon
 from gapmon.apps.examples import WindowAttentionV2
@@ -74,10 +73,7 @@ def main() -> None:
     for kind in ("frozen", "trained"):
         r = result[kind]
         print(f"| {kind} | {r['plain_ms']:.2f} ms | {r['norms_ms']:.2f} ms | {r['ratio']:.2f}x |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

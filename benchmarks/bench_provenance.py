@@ -12,13 +12,13 @@ itself then costs little, so the difference is the mode's Python), and with an e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 
 import torch
+from common import write_result
 from torch.overrides import TorchFunctionMode
 
 TARGET_US = 5.0  # issue #34: at most 5 µs per op
@@ -159,10 +159,7 @@ def main() -> None:
     print("| --- | ---: | ---: |")
     for kind in ("norms", "bookkeeping"):
         print(f"| {kind} | {result[f'added_per_step_ms_{kind}']:.2f} ms | {result[f'added_per_layer_us_{kind}']:.0f} µs |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ directory is on sys.path and `from common import ...` needs no path set-up."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 
@@ -33,3 +34,11 @@ def machine(device: str) -> dict:
 def vmap_norms(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Norms of per-sample gradients materialised with torch.func.vmap(grad(...)) (gapmon.reference)."""
     return gapmon.reference.per_sample_grad_norms(model, lm_loss, x, y)
+
+
+def write_result(path: str | None, result: dict) -> None:
+    """Writes a benchmark's result as JSON to `path` (nothing when None) and says so."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")

@@ -201,7 +201,7 @@ class PerSampleGradNorms(GradientProducts):
                 raise ValueError(f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim "
                                  f"{self.batch_dim} of size {batch} (the first one's)")
             tracker.mark(t, self.batch_dim)
-        mb = MicroBatch(batch, storages)
+        mb = MicroBatch(batch, storages, {b.untyped_storage().data_ptr() for b in self.model.buffers()})
         tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
         tracker.lost_gradient = functools.partial(refuse_upstream, self._layer_hooks, mb)
         tracker.followed_through, tracker.met_in_pointwise = followed_through, met_in_pointwise

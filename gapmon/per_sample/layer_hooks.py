@@ -222,7 +222,7 @@ class LayerHooks:
             return None  # non-reentrant checkpointing recomputing a call the forward pass recorded (a shared one too)
         x = args[0] if args else kwargs.get("input")
         # (Not for a tied table: a refusal found in backward would come after its partners added their parts.)
-        if (index not in self.tied and shared_input.shares_input(rule, self.state.tracking, x, mb.batch)
+        if (index not in self.tied and shared_input.shares_input(rule, self.state.tracking, x, mb.batch, mb.buffers)
                 and not _torch_compat.in_backward() and not torch.compiler.is_compiling()):
             self.shared.follow(index, mb, module, rule, x, output)
             return None

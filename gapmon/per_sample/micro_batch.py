@@ -58,6 +58,7 @@ class MicroBatch:
 
     batch: int  # its number of samples
     inputs: set[int]  # storages of the model's own tensor inputs
+    buffers: set[int] = field(default_factory=set)  # storages of the model's buffers: tables no sample's data is in
     # each layer call's per-sample squared norms (as the layer formed them) with its layer's name, per layer type
     # ("Linear"): widened to float64 and summed when read (sq, sq_by_type), not layer by layer (ops per layer in
     # backward); a layer found wrong when the norms are read is dropped from them (drop)

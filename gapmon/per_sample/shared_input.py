@@ -228,7 +228,7 @@ class SharedView:
         return self.rearranged(t, out, lambda every: every[index]) if picks_elements(index) else None
 
 
-def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
+def shares_input(rule: Any, tracking: Any, x: Any, batch: int, buffers: set[int] = frozenset()) -> bool:
     """Whether a call of a layer (its rule, its input x) takes the shared-input path: a rule that reads such calls,
     and an input nothing in the batch flows into: integer ids (an embedding's), or rows of floats without a dim of the
     batch's size (a Linear's: DeBERTa-v3's projections of its relative-position table), or a followed tensor every
@@ -243,7 +243,10 @@ def shares_input(rule: Any, tracking: Any, x: Any, batch: int) -> bool:
                 and getattr(rule, "reads_shared_rows", False) and x.dim() >= 1)
     if not x.is_floating_point():
         return getattr(rule, "reads_shared_ids", False)
-    return getattr(rule, "reads_shared_rows", False) and batch > 1 and x.dim() >= 1 and batch not in x.shape
+    # (a dim of the batch's size may be an unnamed per-sample input's, unless x is one of the model's buffers: Swin V2's
+    # coordinate table [1, 2w - 1, 2w - 1, 2] in a batch of 2)
+    return getattr(rule, "reads_shared_rows", False) and batch > 1 and x.dim() >= 1 and (
+        batch not in x.shape or x.untyped_storage().data_ptr() in buffers)
 
 
 def on_followed_rows(rule: Any, tracking: Any, args: tuple) -> bool:

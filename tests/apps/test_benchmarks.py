@@ -74,6 +74,14 @@ def test_bench_provenance_reports_the_cost_per_op(tmp_path):
     assert result["step_plain_ms"] > 0 and {"added_per_layer_us_norms", "added_per_layer_us_bookkeeping"} <= set(result)
 
 
+def test_bench_followed_through_times_the_bias_mlp_frozen_and_trained(tmp_path):
+    result = _run("bench_followed_through.py", "--blocks", "1", "--batch", "2", "--steps", "2",
+                  out=tmp_path / "followed.json")
+    for kind in ("frozen", "trained"):
+        assert result[kind]["plain_ms"] > 0 and result[kind]["norms_ms"] > 0 and result[kind]["ratio"] > 0
+    assert result["blocks"] == 1 and result["batch"] == 2 and result["device"].startswith("cpu")
+
+
 def test_profile_persample_compares_a_norms_step_with_a_plain_one(tmp_path):
     result = _run("profile_persample.py", "--small", "--device", "cpu", out=tmp_path / "profile.json")
     plain, norms = result["plain"], result["norms"]

@@ -34,12 +34,14 @@ def _exact_and_whole(model, x, y, **kwargs):
 
 
 @BOOKKEEPING
-def test_swin_v2s_continuous_position_bias_is_exact(bookkeeping):
+@pytest.mark.parametrize("batch", [3, 2])
+def test_swin_v2s_continuous_position_bias_is_exact(batch, bookkeeping):
     """Every parameter covered: the bias MLP's two Linear layers (the first on the table, the second on its ReLU, a
-    followed tensor) and the temperature, exact."""
+    followed tensor) and the temperature, exact; in a batch of 2 too, the size of the coordinate table's last dim (a
+    buffer of the model: no sample's data)."""
     torch.manual_seed(0)
     model = WindowAttentionV2().double()
-    x, y = torch.randn(3, 18, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    x, y = torch.randn(batch, 18, 8, dtype=torch.float64), torch.randn(batch, 8, dtype=torch.float64)
     cov = _exact_and_whole(model, x, y, bookkeeping=bookkeeping)
     assert {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"} <= set(cov["covered"])
 
