@@ -465,16 +465,19 @@ class BatchTracker(TorchFunctionMode):
             through = self.followed_through(self.batch, self.func, args, kwargs, shared, out)
             if through is not None:
                 return through
+        d = None  # the output's batch dim from the batched inputs, where a pointwise op needed it already
         if plain and len(shared) == 1 and self.met_in_pointwise is not None and isinstance(out, torch.Tensor) \
                 and _is_pointwise(name) and name not in _RULES:
             try:
                 d = self.status_by_rules(name, args, kwargs, plain, out)
             except Lost:
-                d = None
+                d = None  # (formed again below: the same Lost, for the caller)
             if type(d) is int and self.met_in_pointwise(self.batch, self.func, args, kwargs, shared[0], out, d):
                 return d
         for _, st in shared:
             escape_once_graded(st.owner, name, out)
+        if type(d) is int:
+            return d
         return self.status_by_rules(name, args, kwargs, plain, out) if plain else None
 
     def _shared_cat(self, args: Sequence, kwargs: dict, out: torch.Tensor, d: int) -> bool:

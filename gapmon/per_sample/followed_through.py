@@ -32,19 +32,51 @@ from .free_parameters import Piece, coarser
 _MAX_FORMED = 1 << 26
 
 
-class ThroughUses:
-    """The uses of y = func(*args, **kwargs), any differentiable op of followed unbatched tensors (`parents`: (owner,
-    tensor) each) and constants: y followed as a parameter of its own (Piece), its per-sample gradients taken back to
-    each parent. The op is formed again under the autocast the forward ran it in (a 16-bit product stays one)."""
+class RecordedOp:
+    """An op as the forward ran it: its function, its arguments (their tensors' version counters kept) and the autocast
+    it ran under, to be formed again in backward with some of its tensor arguments replaced."""
 
-    def __init__(self, func: Callable, args: tuple, kwargs: dict, parents: list[tuple[Any, torch.Tensor]],
-                 out: torch.Tensor, batch: int, slope: torch.Tensor | None = None):
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, device_type: str):
         self.func, self.args, self.kwargs = func, args, kwargs
-        self.parents, self.param, self.batch = parents, out, batch
-        self.slope = slope  # f'(x) of an elementwise function of one parent: its product is g ⊙ f'(x), not formed again
+        self.name = _name(func)
         self.tensors = _torch_compat.tensor_leaves((args, kwargs))
         self.versions = [_torch_compat.version_counter(t) for t in self.tensors]
-        self.autocast = (out.device.type, _torch_compat.autocast_dtype(out.device.type))
+        self.autocast = (device_type, _torch_compat.autocast_dtype(device_type))
+
+    def changed(self) -> bool:
+        """Whether a tensor argument was written in place since the op ran (formed again, it would give another
+        output)."""
+        return any(_torch_compat.version_counter(t) != v for t, v in zip(self.tensors, self.versions))
+
+    def places(self, t: torch.Tensor) -> list[int]:
+        """The places of tensor t among the op's tensor arguments (twice for x @ x)."""
+        return [i for i, u in enumerate(self.tensors) if u is t]
+
+    def former(self) -> tuple[Callable[[dict[int, torch.Tensor]], torch.Tensor], list[torch.Tensor]]:
+        """(formed, the detached tensor arguments): formed({place: tensor}) runs the op again, under its autocast, on
+        its arguments detached with those places replaced."""
+        detached = _torch_compat.tree_map_tensors(torch.Tensor.detach, (self.args, self.kwargs))
+        leaves = _torch_compat.tensor_leaves(detached)  # (in the order of self.tensors)
+        device_type, autocast_dtype = self.autocast
+
+        def formed(replaced: dict[int, torch.Tensor]) -> torch.Tensor:
+            current = iter([replaced.get(i, t) for i, t in enumerate(leaves)])
+            a, k = _torch_compat.tree_map_tensors(lambda _: next(current), detached)
+            with torch.autocast(device_type, autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                return self.func(*a, **k)
+
+        return formed, leaves
+
+
+class ThroughUses:
+    """The uses of y = op(...), any differentiable op (RecordedOp) of followed unbatched tensors (`parents`: (owner,
+    tensor) each) and constants: y followed as a parameter of its own (Piece), its per-sample gradients taken back to
+    each parent by the op's vector-Jacobian product (or, for an elementwise function of one parent, its slope)."""
+
+    def __init__(self, op: RecordedOp, parents: list[tuple[Any, torch.Tensor]], out: torch.Tensor, batch: int,
+                 slope: torch.Tensor | None = None):
+        self.op, self.parents, self.param, self.batch = op, parents, out, batch
+        self.slope = slope  # f'(x) of an elementwise function of one parent: its product is g ⊙ f'(x), not formed again
 
     def on_escape(self, what: str) -> None:
         for owner, _ in self.parents:
@@ -56,45 +88,33 @@ class ThroughUses:
         try:
             self._take_back(g, rounding)
         except Exception as error:  # any failure of the product is a use gapmon cannot follow
-            self.on_escape(f"{_name(self.func)} (its per-sample gradient could not be formed: {type(error).__name__})")
+            self.on_escape(f"{self.op.name} (its per-sample gradient could not be formed: {type(error).__name__})")
 
     def _take_back(self, g: torch.Tensor, rounding: torch.dtype) -> None:
         if self.slope is not None:  # (its inputs as autograd saved them: its slope was formed in the forward)
             (owner, x), = self.parents
             owner.take_per_sample(x, g.reshape(self.batch, *x.shape) * self.slope, coarser(rounding, self.slope.dtype))
             return
-        if any(_torch_compat.version_counter(t) != v for t, v in zip(self.tensors, self.versions)):
-            self.on_escape(f"{_name(self.func)} of a tensor changed in place afterwards")
+        if self.op.changed():
+            self.on_escape(f"{self.op.name} of a tensor changed in place afterwards")
             return
-        detached = _torch_compat.tree_map_tensors(torch.Tensor.detach, (self.args, self.kwargs))
-        leaves = _torch_compat.tensor_leaves(detached)  # (in the order of self.tensors)
-        parent_ids = {id(x) for _, x in self.parents}
-        places = [i for i, t in enumerate(self.tensors) if id(t) in parent_ids]
-        device_type, autocast_dtype = self.autocast
-
-        def formed(*primals: torch.Tensor) -> torch.Tensor:
-            current = list(leaves)
-            for i, x in zip(places, primals):
-                current[i] = x
-            replaced = iter(current)
-            a, k = _torch_compat.tree_map_tensors(lambda _: next(replaced), detached)
-            with torch.autocast(device_type, autocast_dtype) if autocast_dtype else contextlib.nullcontext():
-                return self.func(*a, **k)
-
+        formed, leaves = self.op.former()
+        places = [i for _, x in self.parents for i in self.op.places(x)]
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*performance drop.*")  # no batching rule: a loop, exact
-            y, vjp = torch.func.vjp(formed, *(leaves[i] for i in places))
-            grads = torch.vmap(vjp)(g.reshape(self.batch, *y.shape).to(y.dtype))
-        by_id: dict[int, torch.Tensor] = {}  # (a tensor passed twice, x @ x: its two gradients added)
-        for i, gx in zip(places, grads):
-            key = id(self.tensors[i])
-            by_id[key] = gx if key not in by_id else by_id[key] + gx
-        for owner, x in self.parents:
-            owner.take_per_sample(x, by_id[id(x)], coarser(rounding, y.dtype))
+            y, vjp = torch.func.vjp(lambda *primals: formed(dict(zip(places, primals))), *(leaves[i] for i in places))
+            grads = dict(zip(places, torch.vmap(vjp)(g.reshape(self.batch, *y.shape).to(y.dtype))))
+        for owner, x in self.parents:  # (a tensor passed twice, x @ x: its two gradients added)
+            owner.take_per_sample(x, sum(grads[i] for i in self.op.places(x)), coarser(rounding, y.dtype))
 
 
 def _name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
+
+
+def _in_place(name: str, kwargs: dict) -> bool:
+    """Whether op `name` writes its first argument (`relu_`, `__iadd__`, F.relu(x, inplace=True))."""
+    return name.endswith("_") and not name.startswith("__") or name.startswith("__i") or kwargs.get("inplace") is True
 
 
 def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shared: list[tuple[torch.Tensor, Shared]],
@@ -111,8 +131,8 @@ def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shar
         return None
     if not torch.is_grad_enabled():
         return None
-    in_place = name.endswith("_") and not name.startswith("__") or name.startswith("__i") or kwargs.get("inplace") is True
-    if not in_place:
+    op = RecordedOp(func, args, kwargs, out.device.type)
+    if not _in_place(name, kwargs):
         for t, st in shared:
             if t is out:  # an op that returned its input as it is (a no-op dropout, a cast to its own dtype)
                 return st
@@ -124,7 +144,7 @@ def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shar
             return None
         if hasattr(owner, "moved_in_place"):  # (a shared call's own check reads its output's gradient: moved too)
             owner.moved_in_place(out, slope)
-        return Shared(Piece(ThroughUses(func, args, kwargs, [(owner, out)], out, batch, slope), tuple(out.shape)))
+        return Shared(Piece(ThroughUses(op, [(owner, out)], out, batch, slope), tuple(out.shape)))
     if batch * max([out.numel()] + [t.numel() for t, _ in shared]) > _MAX_FORMED:
         return None
     parents, seen = [], set()
@@ -133,7 +153,7 @@ def followed_through(batch: int, func: Callable, args: tuple, kwargs: dict, shar
             seen.add(id(t))
             parents.append((st.owner, t))
     slope = elementwise.slope(name, args, kwargs, parents[0][1], out) if len(parents) == 1 else None
-    return Shared(Piece(ThroughUses(func, args, kwargs, parents, out, batch, slope), tuple(out.shape)))
+    return Shared(Piece(ThroughUses(op, parents, out, batch, slope), tuple(out.shape)))
 
 
 def met_in_pointwise(batch: int, func: Callable, args: tuple, kwargs: dict, shared: tuple[torch.Tensor, Shared],
@@ -148,7 +168,7 @@ def met_in_pointwise(batch: int, func: Callable, args: tuple, kwargs: dict, shar
     if not isinstance(out, torch.Tensor) or not out.requires_grad or not out.is_floating_point() or not t.requires_grad:
         return False
     name = _name(func)
-    if not torch.is_grad_enabled() or name.endswith("_") and not name.startswith("__") or name.startswith("__i"):
+    if not torch.is_grad_enabled() or _in_place(name, kwargs):
         return False
     if not hasattr(st.owner, "take_per_sample") or t.dim() > out.dim():
         return False
@@ -158,11 +178,8 @@ def met_in_pointwise(batch: int, func: Callable, args: tuple, kwargs: dict, shar
     if aligned[dim] != 1 or any(a not in (1, o) for a, o in zip(aligned, out.shape)) or out.shape[dim] != batch:
         return False
     summed = [k for k in range(out.dim()) if k != dim and aligned[k] == 1 and out.shape[k] != 1]
-    tensors = _torch_compat.tensor_leaves((args, kwargs))
-    versions = [_torch_compat.version_counter(u) for u in tensors]
-    place = next(i for i, u in enumerate(tensors) if u is t)
-    device_type, autocast_dtype = out.device.type, _torch_compat.autocast_dtype(out.device.type)
-    owner = st.owner
+    op, owner = RecordedOp(func, args, kwargs, out.device.type), st.owner
+    (place,) = op.places(t)[:1]
 
     def hook(g: torch.Tensor) -> None:
         try:
@@ -171,22 +188,12 @@ def met_in_pointwise(batch: int, func: Callable, args: tuple, kwargs: dict, shar
             owner.on_escape(f"{name} (its per-sample gradient could not be formed: {type(error).__name__})")
 
     def take_back(g: torch.Tensor) -> None:
-        if any(_torch_compat.version_counter(u) != v for u, v in zip(tensors, versions)):
+        if op.changed():
             owner.on_escape(f"{name} of a tensor changed in place afterwards")
             return
-        detached = _torch_compat.tree_map_tensors(torch.Tensor.detach, (args, kwargs))
-        leaves = _torch_compat.tensor_leaves(detached)
-
-        def formed(full: torch.Tensor) -> torch.Tensor:
-            current = list(leaves)
-            current[place] = full
-            replaced = iter(current)
-            a, k = _torch_compat.tree_map_tensors(lambda _: next(replaced), detached)
-            with torch.autocast(device_type, autocast_dtype) if autocast_dtype else contextlib.nullcontext():
-                return func(*a, **k)
-
+        formed, leaves = op.former()
         with torch.enable_grad():
-            y, vjp = torch.func.vjp(formed, leaves[place].expand(out.shape).contiguous())
+            y, vjp = torch.func.vjp(lambda full: formed({place: full}), leaves[place].expand(out.shape).contiguous())
             (full,) = vjp(g.detach().to(y.dtype))
         if summed:
             full = full.sum(summed, keepdim=True)

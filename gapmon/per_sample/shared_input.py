@@ -237,10 +237,8 @@ def shares_input(rule: Any, tracking: Any, x: Any, batch: int, buffers: set[int]
     over the batch of what it is added to, or repeated over the batch; anything else leaves the layer out."""
     if batch < 1 or tracking is None or not isinstance(x, torch.Tensor):
         return False
-    status = tracking.status(x)
-    if status is not None:  # a followed tensor every sample shares (Swin V2's position MLP after its first layer)
-        return (type(status) is Shared and hasattr(status.owner, "take_per_sample") and x.is_floating_point()
-                and getattr(rule, "reads_shared_rows", False) and x.dim() >= 1)
+    if tracking.status(x) is not None:  # a followed tensor every sample shares (Swin V2's position MLP after its first
+        return on_followed_rows(rule, tracking, (x,))  # layer)
     if not x.is_floating_point():
         return getattr(rule, "reads_shared_ids", False)
     # (a dim of the batch's size may be an unnamed per-sample input's, unless x is one of the model's buffers: Swin V2's
@@ -253,8 +251,10 @@ def on_followed_rows(rule: Any, tracking: Any, args: tuple) -> bool:
     """Whether a layer call (its rule, its args) is one on a followed tensor every sample shares whose input gradient
     goes back to that tensor's owner (take_back): the pre-forward hook keeps the layer's functional form then."""
     x = args[0] if args else None
-    return (getattr(rule, "reads_shared_rows", False) and tracking is not None and isinstance(x, torch.Tensor)
-            and type(tracking.status(x)) is Shared and x.is_floating_point())
+    if not getattr(rule, "reads_shared_rows", False) or tracking is None or not isinstance(x, torch.Tensor):
+        return False
+    status = tracking.status(x)
+    return type(status) is Shared and hasattr(status.owner, "take_per_sample") and x.is_floating_point() and x.dim() >= 1
 
 
 class LinearForm:
