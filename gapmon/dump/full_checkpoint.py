@@ -66,9 +66,13 @@ class FullCheckpointWriter:
         staging = directory / FULL_STAGING
         if self.rank == 0:
             # Left by an interrupted dump of this step (or planted: a link is removed, never followed):
-            # none of its files may join this one. No rank writes before DCP's first collective, which
-            # needs rank 0 past this point.
+            # none of its files may join this one.
             remove_entry(staging)
+        if self.world > 1:
+            # Every rank creates the staging directory in DCP's local plan, before DCP's first collective:
+            # none may do so while rank 0 is removing the old one (a rank whose mkdir met rank 0's rmtree
+            # failed with FileExistsError).
+            dist.barrier(group=self.group)
         # DCP's safetensors writer takes contiguous tensors (a channels_last conv's gradient is not).
         state = {name: g.detach() if is_dtensor(g) else g.detach().contiguous() for name, g in grads}
         index = full_index({name: (list(g.shape), g.dtype) for name, g in grads})

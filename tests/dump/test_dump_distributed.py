@@ -65,6 +65,9 @@ def _worker(rank: int, world: int, root: str):
         dist.barrier()
         if layout == "hsdp":
             _diverged_replicas_are_caught(model, f"{root}/hsdp-diverged", rank)
+        if layout == "fsdp":
+            for async_write in (False, True):
+                _no_rank_plans_before_the_stale_staging_is_gone(model, f"{root}/stale-{async_write}", rank, async_write)
         if layout == "hsdp" and rank == 0:
             _corrupt_replica_is_caught(f"{root}/hsdp-shards")
         if layout == "fsdp" and rank == 0:
@@ -74,6 +77,48 @@ def _worker(rank: int, world: int, root: str):
             with pytest.raises(DumpError, match="missing rank file.*rank2.safetensors"):
                 reconstruct_gradients(f"{root}/fsdp-shards", 3)
         dist.barrier()
+
+
+def _no_rank_plans_before_the_stale_staging_is_gone(model, save: str, rank: int, async_write: bool):
+    """A staging directory left by an interrupted full dump is removed by rank 0 before any rank
+    creates it again in DCP's local plan (a rank whose mkdir met rank 0's removal failed with
+    FileExistsError in CI). Rank 0's removal is slowed; every other rank records, when DCP makes
+    the staging directory, whether the stale file is still there."""
+    import os
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    import gapmon.dump.full_checkpoint as full_checkpoint
+
+    stale = f"{save}/step3/.full.tmp/stale.bin"
+    if rank == 0:
+        os.makedirs(os.path.dirname(stale))
+        open(stale, "wb").close()
+    dist.barrier()
+    seen, mkdir, remove = [], FileSystem.mkdir, full_checkpoint.remove_entry
+
+    def slow_remove(path):
+        time.sleep(0.5)
+        remove(path)
+
+    def recording_mkdir(fs, path):
+        seen.append(os.path.exists(stale))
+        mkdir(fs, path)
+
+    FileSystem.mkdir, full_checkpoint.remove_entry = recording_mkdir, slow_remove
+    try:
+        with gapmon.GradientDumper(model, save, mode="full", async_write=async_write) as dumper:
+            dumper.maybe_dump(3)
+    finally:
+        FileSystem.mkdir, full_checkpoint.remove_entry = mkdir, remove
+    assert seen and not any(seen), (rank, async_write, seen)
+    dist.barrier()
+    if rank == 0:
+        assert not os.path.exists(stale)
+        got = reconstruct_gradients(save, 3)
+        assert set(got) == {n for n, _ in model.named_parameters()}
+    dist.barrier()
 
 
 def _corrupt_replica_is_caught(save: str):
