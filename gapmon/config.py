@@ -83,8 +83,10 @@ class PerSampleConfig:
     """Form the weight gradients of direct-form Linear layers from their per-sample gradients (no extra GEMM)."""
     batch_dim: int = 0
     """The dim of the batched inputs that holds the samples."""
-    batch_inputs: tuple[int | str, ...] | None = None
-    """Positions or names of the forward's arguments that hold per-sample data; None: its first tensor input."""
+    batch_inputs: tuple[int | str | tuple[int | str, int], ...] | None = None
+    """Positions or names of the forward's arguments that hold per-sample data, each on batch_dim or paired with
+    the dim that holds its samples: ("input_ids", ("h0", 1)) for a recurrent layer's initial state; a dict
+    {"input_ids": 0, "h0": 1} says the same. None: its first tensor input."""
     process_group: Any = None
     """The group global_norms gathers over (None: the world, or the monitor's group)."""
     gram: bool = False
@@ -107,14 +109,32 @@ class PerSampleConfig:
                              "consumes in backward: turn one of them off")
         _set(self, batch_dim=check_int(self.batch_dim, who, "batch_dim", 0))
         if self.batch_inputs is not None:
-            keys = self.batch_inputs
-            if isinstance(keys, (str, int)) or not all(
-                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in keys):
-                raise TypeError(f"{who}: batch_inputs must be a sequence of argument names and positions "
-                                f"of the model's forward, e.g. ('input_ids', 1), got {keys!r}")
-            if not keys:
-                raise ValueError(f"{who}: batch_inputs names no input; leave it None for the first one")
-            _set(self, batch_inputs=tuple(keys))
+            _set(self, batch_inputs=_batch_inputs(self.batch_inputs, who))
+
+    def batch_input_dims(self) -> list[tuple[int | str, int]]:
+        """Each named batch input with the dim that holds its samples (batch_dim unless given); [] when none is named."""
+        return [entry if isinstance(entry, tuple) else (entry, self.batch_dim) for entry in self.batch_inputs or ()]
+
+
+def _batch_inputs(given: Any, who: str) -> tuple:
+    """batch_inputs checked: a tuple of argument names and positions, each alone or paired with its batch dim."""
+    def index(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    entries = list(given.items()) if isinstance(given, dict) else given
+    if isinstance(entries, (str, int)) or not all(
+            isinstance(e, str) or index(e) or (isinstance(e, tuple) and len(e) == 2 and (isinstance(e[0], str)
+                                               or index(e[0])) and index(e[1])) for e in entries):
+        raise TypeError(f"{who}: batch_inputs must be a sequence of argument names and positions of the model's "
+                        f"forward, each alone or paired with the dim that holds its samples, e.g. ('input_ids', "
+                        f"('h0', 1)), or a dict {{name: dim}}; got {given!r}")
+    if not entries:
+        raise ValueError(f"{who}: batch_inputs names no input; leave it None for the first one")
+    keys = [e[0] if isinstance(e, tuple) else e for e in entries]
+    repeated = sorted({repr(k) for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"{who}: batch_inputs names {', '.join(repeated)} more than once")
+    return tuple(entries)
 
 
 @dataclass(frozen=True)

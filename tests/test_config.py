@@ -241,6 +241,10 @@ def test_options_are_given_one_way():
     (lambda: MonitorConfig(numerics=("bf17",)), "unknown format"),
     (lambda: PerSampleConfig(loss_reduction="max"), "loss_reduction"),
     (lambda: PerSampleConfig(batch_inputs="x"), "batch_inputs"),
+    (lambda: PerSampleConfig(batch_inputs=("x", ("h0", -1))), "batch_inputs"),
+    (lambda: PerSampleConfig(batch_inputs=("x", ("h0",))), "batch_inputs"),
+    (lambda: PerSampleConfig(batch_inputs={"x": 1.0}), "batch_inputs"),
+    (lambda: PerSampleConfig(batch_inputs=("x", ("x", 1))), "'x' more than once"),
     (lambda: PerSampleConfig(batch_dim=-1), "batch_dim"),
     (lambda: DumpConfig(mode="everything"), "mode"),
     (lambda: DumpConfig(mode="sampled"), "save_first_n"),
@@ -250,6 +254,16 @@ def test_options_are_given_one_way():
 def test_configs_are_validated_when_made(make, error):
     with pytest.raises((TypeError, ValueError), match=error):
         make()
+
+
+def test_batch_inputs_pair_each_input_with_its_batch_dim():
+    """A dict and pairs say the same; inputs named alone hold their samples on batch_dim; the config stays hashable."""
+    pairs = PerSampleConfig(batch_dim=1, batch_inputs=("x", ("h0", 0), 2))
+    assert pairs == PerSampleConfig(batch_dim=1, batch_inputs=["x", ("h0", 0), 2])
+    assert pairs.batch_input_dims() == [("x", 1), ("h0", 0), (2, 1)]
+    assert PerSampleConfig(batch_inputs={"x": 0, "h0": 1}) == PerSampleConfig(batch_inputs=(("x", 0), ("h0", 1)))
+    assert PerSampleConfig().batch_input_dims() == []
+    hash(pairs)
 
 
 def test_configs_are_frozen_and_schedules_count_the_same_steps_everywhere(tmp_path):

@@ -22,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import make_dumper, make_monitor, require, unwrap_optimizer, watch_reduction
 
 pl = require("lightning.pytorch", "lightning", "lightning")
@@ -33,15 +35,17 @@ from ..monitor.gap_monitor import GAPMonitor  # noqa: E402
 from ..utils import first_tensor  # noqa: E402
 
 
-def batched_tensors(batch: Any, batch_dim: int, names: Any = None) -> list:
-    """The tensors of `batch` that hold its samples on `batch_dim`: those `names` picks (keys of a dict
-    batch, positions of a sequence), else every tensor with the first one's size on that dim."""
+def batched_tensors(batch: Any, batch_dim: int, names: Any = None) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of `batch` that hold its samples, each with the dim that holds them: those `names` picks
+    (keys of a dict batch, positions of a sequence, each alone, on `batch_dim`, or paired with its dim), else
+    every tensor with the first one's size on `batch_dim`."""
     if names is not None:
-        picked = [batch[k] for k in names if (isinstance(batch, dict) and k in batch)
+        entries = [e if isinstance(e, tuple) else (e, batch_dim) for e in names]
+        picked = [(batch[k], dim) for k, dim in entries if (isinstance(batch, dict) and k in batch)
                   or (isinstance(batch, (list, tuple)) and isinstance(k, int) and k < len(batch))]
-        return [t for p in picked for t in tensor_leaves(p)]
+        return [(t, dim) for p, dim in picked for t in tensor_leaves(p)]
     found = [t for t in tensor_leaves(batch) if t.dim() > batch_dim]
-    return [t for t in found if t.shape[batch_dim] == found[0].shape[batch_dim]] if found else []
+    return [(t, batch_dim) for t in found if t.shape[batch_dim] == found[0].shape[batch_dim]] if found else []
 
 
 class GAPMonitorCallback(pl.Callback):
@@ -85,9 +89,9 @@ class GAPMonitorCallback(pl.Callback):
             self.monitor.add_samples(x.shape[0])
         per_sample = self.monitor.per_sample
         if per_sample is not None and self.monitor.monitoring:
-            tensors = batched_tensors(batch, per_sample.batch_dim, per_sample.batch_inputs)
-            per_sample.begin_forward(*tensors)
-            samples = tensors[0].shape[per_sample.batch_dim]
+            pairs = batched_tensors(batch, per_sample.batch_dim, per_sample.batch_inputs)
+            per_sample.begin_forward(*[t for t, _ in pairs], dims=[dim for _, dim in pairs])
+            samples = pairs[0][0].shape[pairs[0][1]] if pairs else 0
             share = 1.0 / samples if per_sample.loss_reduction == "mean" else 1.0
             per_sample.set_loss_weights(share / trainer.accumulate_grad_batches)
 

@@ -29,7 +29,7 @@ class PerSampleGradients:
     into `out_dir`, one generation per step and rank; read them back with gapmon.per_sample.load_gradients."""
 
     def __init__(self, model: nn.Module, out_dir: str | Path, layers: Sequence[str] = ("*",), chunk: int = 8,
-                 loss_reduction: str = "mean", batch_dim: int = 0, batch_inputs: Sequence[int | str] | None = None,
+                 loss_reduction: str = "mean", batch_dim: int = 0, batch_inputs: Sequence[Any] | dict | None = None,
                  process_group: Any = None, async_write: bool = False):
         if isinstance(layers, str):
             layers = (layers,)

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, name_cleaner
+from ..utils import ParameterWatch, check_int, name_cleaner
 from .batch_provenance import batch_tracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
 from .followed_through import followed_through, met_in_pointwise
@@ -83,7 +83,7 @@ class PerSampleGradNorms(GradientProducts):
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", strict: bool = False,
                  process_group: dist.ProcessGroup | None = None, bookkeeping: bool = False,
-                 batch_dim: int = 0, batch_inputs: Sequence[int | str] | None = None, gram: bool = False):
+                 batch_dim: int = 0, batch_inputs: Sequence[Any] | dict | None = None, gram: bool = False):
         self._setup(model, PerSampleConfig(loss_reduction=loss_reduction, strict=strict, process_group=process_group,
                                            bookkeeping=bookkeeping, batch_dim=batch_dim, batch_inputs=batch_inputs,
                                            gram=gram))
@@ -185,22 +185,25 @@ class PerSampleGradNorms(GradientProducts):
         if self._explicit:  # begin_forward named this micro-batch's inputs already (the model runs inside it)
             return
         storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
-        self._open_micro_batch(batched_inputs(module, args, kwargs, self.batch_inputs, self.batch_dim), storages)
+        self._open_micro_batch(batched_inputs(module, args, kwargs, self.config.batch_input_dims(), self.batch_dim),
+                               storages)
 
-    def _open_micro_batch(self, batched: list[torch.Tensor], storages: set[int]) -> None:
-        """Starts following a micro-batch whose samples lie along batch_dim of every tensor of `batched`."""
+    def _open_micro_batch(self, batched: list[tuple[torch.Tensor, int]], storages: set[int]) -> None:
+        """Starts following a micro-batch whose samples lie along the given dim of each tensor of `batched`."""
         if self._state.read:
             self.reset()
         if not self._state.micro and self._watch.changed():  # the first micro-batch of a step: parameters replaced?
             self._derive_params()
         self._checker.hook_covered(self._coverage.layers, trainable_state(self._params))
-        batch = batched[0].shape[self.batch_dim]
+        batch = batched[0][0].shape[batched[0][1]]
         tracker = batch_tracker(batch)
-        for t in batched:
-            if t.dim() <= self.batch_dim or t.shape[self.batch_dim] != batch:
-                raise ValueError(f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim "
-                                 f"{self.batch_dim} of size {batch} (the first one's)")
-            tracker.mark(t, self.batch_dim)
+        for t, dim in batched:
+            if t.dim() <= dim or t.shape[dim] != batch:
+                raise ValueError(
+                    f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim {dim} of size "
+                    f"{batch} (the first one's); an input that holds its samples on another dim is named with it in "
+                    "batch_inputs, e.g. ('x', ('h0', 1)) for a recurrent layer's initial state [layers, batch, hidden]")
+            tracker.mark(t, dim)
         mb = MicroBatch(batch, storages, {b.untyped_storage().data_ptr() for b in self.model.buffers()})
         tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
         tracker.lost_gradient = functools.partial(refuse_upstream, self._layer_hooks, mb)
@@ -211,19 +214,25 @@ class PerSampleGradNorms(GradientProducts):
         self._state.micro.append(mb)
         self._state.collected = False
 
-    def begin_forward(self, *batched: torch.Tensor) -> None:
-        """Starts a micro-batch whose samples lie along `batch_dim` of each tensor of `batched`, for loops
-        in which the watched module's own forward is not what runs the batch (a LightningModule whose
-        training_step calls `self.model(...)`): the layers that run until end_forward() are followed
-        from these tensors. The watched module's forward calls in between are part of this micro-batch."""
+    def begin_forward(self, *batched: torch.Tensor, dims: Sequence[int] | None = None) -> None:
+        """Starts a micro-batch whose samples lie along `batch_dim` of each tensor of `batched` (or along the
+        dim `dims` gives for each), for loops in which the watched module's own forward is not what runs the
+        batch (a LightningModule whose training_step calls `self.model(...)`): the layers that run until
+        end_forward() are followed from these tensors. The watched module's forward calls in between are part
+        of this micro-batch."""
         tensors = [t for t in batched if isinstance(t, torch.Tensor)]
-        if not tensors or tensors[0].dim() <= self.batch_dim:
+        dims = [self.batch_dim] * len(batched) if dims is None else [
+            check_int(d, "PerSampleGradNorms.begin_forward", "dims", 0) for d in dims]
+        if len(dims) != len(batched):
+            raise ValueError(f"PerSampleGradNorms.begin_forward: {len(dims)} dims for {len(batched)} tensors")
+        pairs = [(t, d) for t, d in zip(batched, dims) if isinstance(t, torch.Tensor)]
+        if not pairs or pairs[0][0].dim() <= pairs[0][1]:
             raise ValueError(f"PerSampleGradNorms.begin_forward: give the micro-batch's batched tensors (samples on dim "
                              f"{self.batch_dim}); got {[type(t).__name__ for t in batched]}")
         self.end_forward()
         if not self._state.collecting:
             return
-        self._open_micro_batch(tensors, {t.untyped_storage().data_ptr() for t in tensors})
+        self._open_micro_batch(pairs, {t.untyped_storage().data_ptr() for t in tensors})
         self._explicit = True
 
     def mark_batched(self, *tensors: torch.Tensor) -> None:

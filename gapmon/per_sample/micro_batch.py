@@ -216,21 +216,25 @@ class Collection:
             self.tracking = None
 
 
-def batched_inputs(module: nn.Module, args: tuple, kwargs: dict, batch_inputs, batch_dim: int) -> list[torch.Tensor]:
-    """The tensors of a root forward call that hold the batch on `batch_dim`: the first tensor input, or those
-    `batch_inputs` names (positions or argument names); ValueError naming what is missing."""
-    if batch_inputs is None:
+def batched_inputs(module: nn.Module, args: tuple, kwargs: dict, named: list[tuple[int | str, int]],
+                   batch_dim: int) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of a root forward call that hold the batch, each with the dim that holds it: the first tensor
+    input (on `batch_dim`), or those `named` names (positions or argument names, each with its dim); ValueError
+    naming what is missing."""
+    if not named:
         x = first_input(args, kwargs)
-        found = [] if x is None else [x]
+        found = [] if x is None else [(x, batch_dim)]
     else:
-        found = [named_input(module, args, kwargs, key) for key in batch_inputs]
-        missing = [k for k, t in zip(batch_inputs, found) if not isinstance(t, torch.Tensor)]
+        tensors = [named_input(module, args, kwargs, key) for key, _ in named]
+        missing = [k for (k, _), t in zip(named, tensors) if not isinstance(t, torch.Tensor)]
         if missing:
             raise ValueError(f"PerSampleGradNorms: batch_inputs {missing} are not tensor arguments of this "
                              "forward call; name the forward's arguments that hold per-sample data")
-    if not found or found[0].dim() <= batch_dim:
-        raise ValueError(f"PerSampleGradNorms: the model's first tensor input gives the batch size (dim "
-                         f"{batch_dim}), but this forward call has no tensor input with that dim")
+        found = [(t, dim) for t, (_, dim) in zip(tensors, named)]
+    if not found or found[0][0].dim() <= found[0][1]:
+        dim = found[0][1] if found else batch_dim
+        raise ValueError(f"PerSampleGradNorms: the model's first batched input gives the batch size (dim "
+                         f"{dim}), but this forward call has no tensor input with that dim")
     return found
 
 

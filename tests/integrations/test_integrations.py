@@ -142,6 +142,60 @@ def test_olmo_core_callback_driven_as_the_trainer_drives_it(tmp_path):
     assert sampled["1.weight"].shape == (4, 4)
 
 
+def test_lightning_per_sample_norms_with_inputs_batched_on_different_dims(tmp_path):
+    """A collate that gives sequence-first tokens [T, batch, d] beside a per-sample condition [batch, c]:
+    batch_inputs={"x": 1, "cond": 0} says where each holds its samples; the norms are each sample's own
+    (float64 loop over the parameters as the optimizer step sees them), nothing refused."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.cond, self.head = nn.Linear(4, 8), nn.Linear(3, 8), nn.Linear(8, 2)
+
+        def forward(self, x, cond):
+            return self.head(torch.tanh(self.enc(x) + self.cond(cond)[None]).mean(0))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self(batch["x"], batch["cond"]), batch["y"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def collate(samples):
+        return {"x": torch.stack([s[0] for s in samples], 1), "cond": torch.stack([s[1] for s in samples]),
+                "y": torch.stack([s[2] for s in samples])}
+
+    torch.manual_seed(0)
+    data = [(torch.randn(5, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64), torch.randint(0, 2, ()))
+            for _ in range(8)]
+    config = gapmon.PerSampleConfig(batch_dim=1, batch_inputs={"x": 1, "cond": 0}, strict=True)
+    gap = GAPMonitorCallback(interval=1, per_sample_grad_norms=config)
+    checks = []
+
+    class Check(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.batch = batch
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # after gapmon's
+            want = []
+            for i in range(self.batch["y"].shape[0]):
+                grads = torch.autograd.grad(nn.functional.cross_entropy(
+                    pl_module(self.batch["x"][:, i:i + 1], self.batch["cond"][i:i + 1]), self.batch["y"][i:i + 1]),
+                    list(pl_module.parameters()))
+                want.append(torch.sqrt(sum(g.square().sum() for g in grads)).item())
+            checks.append((gap.monitor.per_sample.local_norms().tolist(), want))
+
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, callbacks=[gap, Check()],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(Module().double(), torch.utils.data.DataLoader(data, batch_size=4, collate_fn=collate))
+    assert len(checks) == 2
+    for got, want in checks:
+        assert got == pytest.approx(want, rel=1e-10)
+
+
 LIGHTNING_FSDP2 = '''
 import json, sys, torch, torch.nn as nn, lightning.pytorch as pl
 from torch.distributed.fsdp import fully_shard

@@ -191,6 +191,60 @@ def test_a_second_per_sample_input_is_refused_until_named(bookkeeping):
     _exact(got, _reference(model, x, y, cov, extra=[(t, True)]))
 
 
+class InitialStateProjected(nn.Module):
+    """A GRU whose initial state [layers, batch, hidden] is projected from per-sample data (samples on dim 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru, self.proj, self.head = nn.GRU(4, 6, num_layers=2, batch_first=True), nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x, h0):
+        out, _ = self.gru(x, torch.tanh(self.proj(h0)))
+        return self.head(out[:, -1])
+
+
+class SequenceFirstConditioned(nn.Module):
+    """Sequence-first activations [T, batch, d] (batch_dim=1) with a per-sample condition [batch, c] (dim 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.cond, self.head = nn.Linear(4, 8), nn.Linear(3, 8), nn.Linear(8, 3)
+
+    def forward(self, x, cond):
+        return self.head(torch.relu(self.enc(x) + self.cond(cond).unsqueeze(0)).mean(0))
+
+
+def _per_input_reference(model, inputs, dims, y):
+    """Each sample's norm over every parameter: one backward per sample, each input narrowed on its own dim."""
+    norms = []
+    for i in range(y.shape[0]):
+        grads = torch.autograd.grad(_loss(model(*[t.narrow(d, i, 1) for t, d in zip(inputs, dims)]), y[i:i + 1]),
+                                    list(model.parameters()))
+        norms.append(torch.sqrt(sum(g.square().sum() for g in grads)))
+    return torch.stack(norms)
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("form", ["pairs", "dict"])
+def test_batch_inputs_name_each_inputs_own_batch_dim(bookkeeping, form):
+    """An input whose samples lie on another dim than batch_dim is named with its dim: a recurrent layer's initial
+    state [layers, batch, hidden] beside a batch-first input, a per-sample condition [batch, c] beside sequence-first
+    activations. Named without its dim, it is refused in one line that says how to name it."""
+    torch.manual_seed(0)
+    cases = [(InitialStateProjected(), (torch.randn(B + 1, 7, 4), torch.randn(2, B + 1, 5)), (0, 1), 0, ("x", "h0")),
+             (SequenceFirstConditioned(), (torch.randn(7, B + 1, 4), torch.randn(B + 1, 3)), (1, 0), 1,
+              ("x", "cond"))]
+    for model, inputs, dims, batch_dim, names in cases:
+        model, inputs = model.double(), [t.double() for t in inputs]
+        y = torch.randn(B + 1, 3, dtype=torch.float64)
+        named = dict(zip(names, dims)) if form == "dict" else tuple(zip(names, dims))
+        got, cov = _run(model, inputs, y, bookkeeping, batch_dim=batch_dim, batch_inputs=named, strict=True)
+        assert not cov["uncovered"], cov["uncovered"]
+        _exact(got, _per_input_reference(model, inputs, dims, y))
+        with pytest.raises(ValueError, match=r"has no dim %d of size 5.*\('x', \('h0', 1\)\)" % batch_dim):
+            _run(model, inputs, y, bookkeeping, batch_dim=batch_dim, batch_inputs=names, strict=True)
+
+
 @BOOKKEEPING
 def test_mark_batched_declares_more_inputs_of_the_running_forward(bookkeeping):
     """What the Hugging Face integration does with a collated batch: a pre-hook after gapmon's marks the timestep."""
