@@ -98,6 +98,12 @@ def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return found if found is not None else first_tensor(kwargs)
 
 
+def input_storages(args: tuple, kwargs: dict) -> set[int]:
+    """The storages of a forward call's tensor arguments (what a forward pass's inputs are known by when backward
+    runs it again on detached copies: reentrant activation checkpointing)."""
+    return {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+
+
 def check_int(value: Any, who: str, name: str, minimum: int = 0) -> int:
     """`value` as an int >= minimum: any integral number (int, numpy.int64, a 0-dim integer tensor's
     item), never a float or bool. Raises TypeError/ValueError naming `who` and `name`."""

@@ -97,6 +97,8 @@ def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weight
     def hook(module, args, kwargs):
         if not monitor.monitoring or _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
             return  # a skipped step, or activation checkpointing recomputing the forward
+        if not torch.is_grad_enabled():
+            return  # an evaluation or a reference pass of the model inside the step: none of its samples
         x = first_input(args, kwargs)
         if x is None or x.dim() == 0:
             return

@@ -71,8 +71,9 @@ class ActivationRecorder:
     Rows [0, M) of the accumulator take the activations, rows [M, 2M) their gradients."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]], activations: bool, activation_grads: bool,
-                 correction: int, numerics: bool, block_formats: tuple[str, ...] = ()):
+                 correction: int, numerics: bool, block_formats: tuple[str, ...] = (), forwards: Any = None):
         self.modules = modules
+        self.forwards = forwards  # a StepForwards: which forward passes are the step's (None: every one)
         self.kinds = (activations, activation_grads)
         self.correction, self.numerics = correction, numerics
         self.blocks = BlockRowsAccumulator(block_formats, 2 * len(modules)) if block_formats else None
@@ -137,10 +138,13 @@ class ActivationRecorder:
     def _forward_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self.active:
             return
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self.forwards is not None and self.forwards.without_grad:
+            return  # a forward pass with gradients off (an evaluation): not the step's batch
         out = first_tensor(output)
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return
-        if not torch.compiler.is_compiling():  # eager-only bookkeeping (as the order tracking below)
+        if not compiling:  # eager-only bookkeeping (as the order tracking below)
             version = _torch_compat.version_counter(out)
             last = self._last_output
             if last is not None and last[0]() is out and last[2] == version >= 0:
@@ -151,7 +155,9 @@ class ActivationRecorder:
         # A forward pass inside backward is activation checkpointing recomputing this module: its
         # activations were counted already (the gradient hooks of exactly one of the passes fire).
         # The check is eager-only: Dynamo cannot trace it (compiled regions are not recomputed by it).
-        recomputing = not torch.compiler.is_compiling() and _torch_compat.in_backward()
+        # (Unless the pass it repeats ran without gradients: the whole model under reentrant checkpointing.)
+        recomputing = not compiling and _torch_compat.in_backward() and not (
+            self.forwards is not None and self.forwards.recounting)
         if self.kinds[0] and not recomputing:
             self._fold(out, index, 0)
         if self.kinds[1] and out.requires_grad:

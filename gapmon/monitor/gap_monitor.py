@@ -30,6 +30,7 @@ from .optimizer_stats import OptimizerStats
 from .per_sample_metrics import PerSampleMetrics
 from .readout import StepReadout, reduced_step
 from .sinks import Sink
+from .step_forwards import StepForwards
 from .tensor_rows import WatchedTensors
 
 
@@ -129,8 +130,11 @@ class GAPMonitor:
         self._module_types = {n: layer_type_name(m) for n, m in modules}  # numerics histogram groups (Linear, not FSDPLinear)
         self._watch = ParameterWatch(model)
         self._tensors = WatchedTensors(model, modules, real_only=config.params or config.grads)
+        # (before the recorder's hooks: the root's pre-hook says whether the forward pass is the step's)
+        self._forwards = StepForwards(model) if config.activations else None
         self._recorder = ActivationRecorder(modules, config.activations, config.activation_grads,
-                                            config.correction, bool(config.numerics), config.block_formats)
+                                            config.correction, bool(config.numerics), config.block_formats,
+                                            self._forwards)
         self._numerics = NumericsMetrics(config.numerics, config.numerics_alert, self._layer_type, self._recorder,
                                          config.process_group) if config.numerics else None
         self._block_formats = BlockFormatMetrics(config.block_formats, self._recorder) if config.block_formats else None
@@ -223,6 +227,8 @@ class GAPMonitor:
             self._tensors.derive()
         self._batch_size = batch_size or 0
         self._recorder.begin(self.model)
+        if self._forwards is not None:
+            self._forwards.new_step()
 
     @property
     def monitoring(self) -> bool:
@@ -307,6 +313,8 @@ class GAPMonitor:
         if self.closed:
             return
         self._recorder.close()
+        if self._forwards is not None:
+            self._forwards.close()
         for watched in self._optimizers:
             watched.close()
         if self.per_sample is not None:

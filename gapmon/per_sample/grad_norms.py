@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, check_int, name_cleaner
+from ..utils import ParameterWatch, check_int, input_storages, name_cleaner
 from .batch_provenance import batch_tracker
 from .coverage import LayerCoverage, parameter_names, trainable_state
 from .followed_through import followed_through, met_in_pointwise
@@ -180,17 +180,29 @@ class PerSampleGradNorms(GradientProducts):
 
     def _micro_batch_starts(self, module, args, kwargs) -> None:
         # Activation-checkpoint recomputation, or the model run under torch.func.
-        if _torch_compat.in_backward() or _torch_compat.functorch_transforms_active():
+        if _torch_compat.in_backward():
+            if self._state.without_grad:  # the whole model under reentrant checkpointing: its first pass had no grad
+                self._take_back(self._state.take_back(input_storages(args, kwargs)))
+            return
+        if _torch_compat.functorch_transforms_active():
             return
         if self._explicit:  # begin_forward named this micro-batch's inputs already (the model runs inside it)
             return
-        storages = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         self._open_micro_batch(batched_inputs(module, args, kwargs, self.config.batch_input_dims(), self.batch_dim),
-                               storages)
+                               input_storages(args, kwargs), without_grad=not torch.is_grad_enabled())
 
-    def _open_micro_batch(self, batched: list[tuple[torch.Tensor, int]], storages: set[int]) -> None:
-        """Starts following a micro-batch whose samples lie along the given dim of each tensor of `batched`."""
-        if self._state.read:
+    def _take_back(self, mb: MicroBatch | None) -> None:
+        if mb is not None:
+            if self._state.read:
+                self.reset()
+            self._state.micro.append(mb)
+
+    def _open_micro_batch(self, batched: list[tuple[torch.Tensor, int]], storages: set[int],
+                          without_grad: bool = False) -> None:
+        """Starts following a micro-batch whose samples lie along the given dim of each tensor of `batched`.
+        `without_grad`: its forward runs with gradients off (an evaluation): set aside when it ends, and the norms
+        read before stay readable."""
+        if self._state.read and not without_grad:
             self.reset()
         if not self._state.micro and self._watch.changed():  # the first micro-batch of a step: parameters replaced?
             self._derive_params()
@@ -204,7 +216,8 @@ class PerSampleGradNorms(GradientProducts):
                     f"{batch} (the first one's); an input that holds its samples on another dim is named with it in "
                     "batch_inputs, e.g. ('x', ('h0', 1)) for a recurrent layer's initial state [layers, batch, hidden]")
             tracker.mark(t, dim)
-        mb = MicroBatch(batch, storages, {b.untyped_storage().data_ptr() for b in self.model.buffers()})
+        mb = MicroBatch(batch, storages, {b.untyped_storage().data_ptr() for b in self.model.buffers()},
+                        without_grad=without_grad)
         tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
         tracker.lost_gradient = functools.partial(refuse_upstream, self._layer_hooks, mb)
         tracker.followed_through, tracker.met_in_pointwise = followed_through, met_in_pointwise
@@ -273,6 +286,8 @@ class PerSampleGradNorms(GradientProducts):
         if module is not None and self._explicit:  # the model ran inside a begin_forward micro-batch: not its end
             return
         self._state.stop_tracking()
+        if not _torch_compat.in_backward():
+            self._state.set_aside()
 
     # ------------------------------------------------------------------ results
     def start(self) -> None:
@@ -294,7 +309,7 @@ class PerSampleGradNorms(GradientProducts):
 
     def reset(self) -> None:
         """Forgets the samples seen so far."""
-        self._state.micro = []
+        self._state.micro, self._state.without_grad = [], []
         self._state.read = self._state.collected = False
         self._checker.new_step()
 

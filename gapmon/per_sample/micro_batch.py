@@ -81,6 +81,7 @@ class MicroBatch:
     free: dict[str, Any] = field(default_factory=dict)  # free parameter -> its uses (free_parameters.ParameterUses)
     # (layer index, "weight" / "bias") -> the uses of a Linear's parameter outside its forward (functional_layers)
     functional: dict[tuple[int, str], Any] = field(default_factory=dict)
+    without_grad: bool = False  # its forward ran with gradients off (evaluation, or reentrant checkpointing's first pass)
 
     def keep_positions(self, index: int, pos: tuple) -> None:
         """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""
@@ -209,6 +210,25 @@ class Collection:
         self.tracking: BatchTracker | None = None  # active during the model's forward pass
         self.read = False
         self.collected = False  # the micro-batches were finished and checked (PerSampleGradNorms._collect)
+        # Forward passes run with gradients off, set aside when they end: an evaluation's has no samples of the step;
+        # one that backward runs again (the whole model under reentrant checkpointing) is taken back then (take_back).
+        self.without_grad: list[MicroBatch] = []
+
+    def set_aside(self) -> None:
+        """The micro-batch just ended, if its forward ran with gradients off: out of the step's until backward runs
+        it again (a bounded few are kept for that)."""
+        if self.micro and self.micro[-1].without_grad:
+            self.without_grad = [*self.without_grad[-7:], self.micro.pop()]
+
+    def take_back(self, storages: set[int]) -> MicroBatch | None:
+        """The micro-batch set aside whose forward pass ran on the inputs of `storages`, if any: backward runs that
+        forward again (reentrant checkpointing of the whole model), so its samples are the step's after all."""
+        for mb in reversed(self.without_grad):
+            if storages and storages <= mb.inputs:
+                self.without_grad.remove(mb)
+                mb.without_grad = False
+                return mb
+        return None
 
     def stop_tracking(self) -> None:
         if self.tracking is not None:

@@ -124,6 +124,38 @@ def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(
     assert batch_sizes == [4] * 6 + [2]
 
 
+def test_huggingface_trainer_with_a_reference_pass_of_the_same_model_logs_the_same(tmp_path):
+    """A compute_loss that also runs the trained model without gradients (a reference pass, as TRL's DPO takes
+    with a PEFT adapter disabled; an evaluation inside the step): gapmon's metrics (activations, the sample count,
+    per-sample norms) are those of the run without that pass."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    class WithReference(transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            with torch.no_grad():
+                model(input_ids=inputs["input_ids"][:, :5] % 7)  # another batch: its statistics would differ
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def run(trainer_class, where):
+        model, _ = _llama(transformers)
+        trainer = trainer_class(model=model, args=_hf_args(transformers, where, max_steps=2,
+                                                           gradient_accumulation_steps=2, per_device_train_batch_size=2),
+                                train_dataset=_lm_data(8))
+        attach(trainer, interval=1, per_sample_grad_norms=True)
+        trainer.train()
+        return [{k: v for k, v in e.items() if k.startswith("gap/")} for e in trainer.state.log_history
+                if any(k.startswith("gap/") for k in e)]
+
+    plain, with_reference = run(transformers.Trainer, tmp_path / "plain"), run(WithReference, tmp_path / "reference")
+    assert len(plain) == 2 and any(k.startswith("gap/activations/") for k in plain[0])
+    assert [e[GLOBAL_BATCH_SIZE] for e in with_reference] == [4, 4]
+    for want, got in zip(plain, with_reference):
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("family", ["llama", "gpt2-tied", "mixtral"])
