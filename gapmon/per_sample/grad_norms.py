@@ -43,8 +43,7 @@ import torch.nn as nn
 
 from .. import _torch_compat
 from ..config import PerSampleConfig
-from ..utils import ParameterWatch, check_int, input_storages, name_cleaner
-from .batch_provenance import batch_tracker
+from ..utils import ParameterWatch, input_storages, name_cleaner
 from .coverage import LayerCoverage, parameter_names, trainable_state
 from .followed_through import followed_through, met_in_pointwise
 from .free_parameters import FREE_UNSEEN, FreeParameterNorms
@@ -58,7 +57,10 @@ from .micro_batch import (
     MicroBatch,
     batched_inputs,
     concatenated,
+    given_batched,
+    mark_more,
     refuse_before_backward,
+    tracker_of,
 )
 from .mixing import SampleMixing, refuse_batch_mixing
 from .sample_ids import by_global_id
@@ -181,8 +183,12 @@ class PerSampleGradNorms(GradientProducts):
     def _micro_batch_starts(self, module, args, kwargs) -> None:
         # Activation-checkpoint recomputation, or the model run under torch.func.
         if _torch_compat.in_backward():
-            if self._state.without_grad:  # the whole model under reentrant checkpointing: its first pass had no grad
-                self._take_back(self._state.take_back(input_storages(args, kwargs)))
+            # The whole model under reentrant checkpointing, whose first pass had no grad: that pass's micro-batch.
+            mb = self._state.take_back(input_storages(args, kwargs)) if self._state.without_grad else None
+            if mb is not None:
+                if self._state.read:
+                    self.reset()
+                self._state.micro.append(mb)
             return
         if _torch_compat.functorch_transforms_active():
             return
@@ -190,12 +196,6 @@ class PerSampleGradNorms(GradientProducts):
             return
         self._open_micro_batch(batched_inputs(module, args, kwargs, self.config.batch_input_dims(), self.batch_dim),
                                input_storages(args, kwargs), without_grad=not torch.is_grad_enabled())
-
-    def _take_back(self, mb: MicroBatch | None) -> None:
-        if mb is not None:
-            if self._state.read:
-                self.reset()
-            self._state.micro.append(mb)
 
     def _open_micro_batch(self, batched: list[tuple[torch.Tensor, int]], storages: set[int],
                           without_grad: bool = False) -> None:
@@ -207,15 +207,7 @@ class PerSampleGradNorms(GradientProducts):
         if not self._state.micro and self._watch.changed():  # the first micro-batch of a step: parameters replaced?
             self._derive_params()
         self._checker.hook_covered(self._coverage.layers, trainable_state(self._params))
-        batch = batched[0][0].shape[batched[0][1]]
-        tracker = batch_tracker(batch)
-        for t, dim in batched:
-            if t.dim() <= dim or t.shape[dim] != batch:
-                raise ValueError(
-                    f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim {dim} of size "
-                    f"{batch} (the first one's); an input that holds its samples on another dim is named with it in "
-                    "batch_inputs, e.g. ('x', ('h0', 1)) for a recurrent layer's initial state [layers, batch, hidden]")
-            tracker.mark(t, dim)
+        batch, tracker = tracker_of(batched)
         mb = MicroBatch(batch, storages, {b.untyped_storage().data_ptr() for b in self.model.buffers()},
                         without_grad=without_grad)
         tracker.mixing = mb.mixing  # (a loss over pairs of samples is recorded there)
@@ -233,19 +225,11 @@ class PerSampleGradNorms(GradientProducts):
         batch (a LightningModule whose training_step calls `self.model(...)`): the layers that run until
         end_forward() are followed from these tensors. The watched module's forward calls in between are part
         of this micro-batch."""
-        tensors = [t for t in batched if isinstance(t, torch.Tensor)]
-        dims = [self.batch_dim] * len(batched) if dims is None else [
-            check_int(d, "PerSampleGradNorms.begin_forward", "dims", 0) for d in dims]
-        if len(dims) != len(batched):
-            raise ValueError(f"PerSampleGradNorms.begin_forward: {len(dims)} dims for {len(batched)} tensors")
-        pairs = [(t, d) for t, d in zip(batched, dims) if isinstance(t, torch.Tensor)]
-        if not pairs or pairs[0][0].dim() <= pairs[0][1]:
-            raise ValueError(f"PerSampleGradNorms.begin_forward: give the micro-batch's batched tensors (samples on dim "
-                             f"{self.batch_dim}); got {[type(t).__name__ for t in batched]}")
+        pairs = given_batched(batched, dims, self.batch_dim)
         self.end_forward()
         if not self._state.collecting:
             return
-        self._open_micro_batch(pairs, {t.untyped_storage().data_ptr() for t in tensors})
+        self._open_micro_batch(pairs, {t.untyped_storage().data_ptr() for t, _ in pairs})
         self._explicit = True
 
     def mark_batched(self, *tensors: torch.Tensor) -> None:
@@ -255,13 +239,7 @@ class PerSampleGradNorms(GradientProducts):
         tracking = self._state.tracking
         if tracking is None or not self._state.micro:
             return
-        batch = self._state.micro[-1].batch
-        for t in tensors:
-            if t.dim() <= self.batch_dim or t.shape[self.batch_dim] != batch:
-                raise ValueError(f"PerSampleGradNorms.mark_batched: {list(t.shape)} has no dim {self.batch_dim} of "
-                                 f"the micro-batch's {batch} samples")
-            if tracking.status(t) is None:
-                tracking.mark(t, self.batch_dim)
+        mark_more(tracking, tensors, self.batch_dim, self._state.micro[-1].batch)
 
     def end_forward(self) -> None:
         """Ends the micro-batch begin_forward started (call it after the forward pass, before backward)."""

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from .. import _torch_compat
-from ..utils import first_input
-from .batch_provenance import BatchTracker, Merged
+from ..utils import check_int, first_input
+from .batch_provenance import BatchTracker, Merged, batch_tracker
 from .rules import Call
 
 
@@ -256,6 +256,46 @@ def batched_inputs(module: nn.Module, args: tuple, kwargs: dict, named: list[tup
         raise ValueError(f"PerSampleGradNorms: the model's first batched input gives the batch size (dim "
                          f"{dim}), but this forward call has no tensor input with that dim")
     return found
+
+
+def given_batched(batched: tuple, dims: Any, batch_dim: int) -> list[tuple[torch.Tensor, int]]:
+    """begin_forward's tensors, each with the dim that holds its samples (`dims`, else batch_dim); ValueError when
+    none holds one."""
+    dims = [batch_dim] * len(batched) if dims is None else [
+        check_int(d, "PerSampleGradNorms.begin_forward", "dims", 0) for d in dims]
+    if len(dims) != len(batched):
+        raise ValueError(f"PerSampleGradNorms.begin_forward: {len(dims)} dims for {len(batched)} tensors")
+    pairs = [(t, d) for t, d in zip(batched, dims) if isinstance(t, torch.Tensor)]
+    if not pairs or pairs[0][0].dim() <= pairs[0][1]:
+        raise ValueError(f"PerSampleGradNorms.begin_forward: give the micro-batch's batched tensors (samples on dim "
+                         f"{batch_dim}); got {[type(t).__name__ for t in batched]}")
+    return pairs
+
+
+def tracker_of(batched: list[tuple[torch.Tensor, int]]) -> tuple[int, BatchTracker]:
+    """The micro-batch's number of samples (the first input's) and a batch tracker with each input marked on its dim;
+    ValueError naming an input that does not hold as many samples there."""
+    batch = batched[0][0].shape[batched[0][1]]
+    tracker = batch_tracker(batch)
+    for t, dim in batched:
+        if t.dim() <= dim or t.shape[dim] != batch:
+            raise ValueError(
+                f"PerSampleGradNorms: the batched inputs disagree: {list(t.shape)} has no dim {dim} of size "
+                f"{batch} (the first one's); an input that holds its samples on another dim is named with it in "
+                "batch_inputs, e.g. ('x', ('h0', 1)) for a recurrent layer's initial state [layers, batch, hidden]")
+        tracker.mark(t, dim)
+    return batch, tracker
+
+
+def mark_more(tracking: BatchTracker, tensors: tuple, dim: int, batch: int) -> None:
+    """Marks more tensors of the running forward pass as holding its `batch` samples on `dim` (mark_batched);
+    ValueError naming one that does not."""
+    for t in tensors:
+        if t.dim() <= dim or t.shape[dim] != batch:
+            raise ValueError(f"PerSampleGradNorms.mark_batched: {list(t.shape)} has no dim {dim} of "
+                             f"the micro-batch's {batch} samples")
+        if tracking.status(t) is None:
+            tracking.mark(t, dim)
 
 
 def refuse_before_backward(micro: list[MicroBatch]) -> None:
