@@ -60,6 +60,7 @@ from .micro_batch import (
     given_batched,
     mark_more,
     refuse_before_backward,
+    refuse_second_backward,
     tracker_of,
 )
 from .mixing import SampleMixing, refuse_batch_mixing
@@ -319,6 +320,7 @@ class PerSampleGradNorms(GradientProducts):
         self.keep_out_of_compiled_graphs()
         self._state.read = True
         refuse_batch_mixing(self._state.micro)
+        refuse_second_backward(self._state.micro)
         self._coverage.warn_uncovered(RuntimeError, 4, self._params, self._param_names)
         try:
             refuse_before_backward(self._state.micro)

@@ -291,11 +291,10 @@ class LayerHooks:
     def _backward_hook(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
         calls = mb.layers.get(index)
         if calls is None or calls.grads[call] is not None:
-            raise RuntimeError(
-                "PerSampleGradNorms: a second backward pass through the same forward pass (retain_graph=True) "
-                "is not supported: the per-sample gradients of the two passes add, so their norms cannot be "
-                "combined. Sum the losses and call backward once."
-            )
+            # A second backward pass through this forward pass: the norms cannot be formed (refused when read,
+            # refuse_second_backward); the user's backward runs on untouched.
+            mb.second_backward = True
+            return
         if isinstance(g, tuple):  # a rule of several outputs (graded_outputs) reads its layout itself
             calls.grads[call] = tuple(None if t is None else t.detach() for t in g)
         else:
@@ -316,7 +315,8 @@ class LayerHooks:
             self._backward_hook(index, mb, call, g)
             return
         if calls is None or calls.grads[call] is not None:
-            self._backward_hook(index, mb, call, g)  # raises: a second backward through this call
+            self._backward_hook(index, mb, call, g)  # a second backward through this call: noted
+            return
         del mb.layers[index]
         name, module, rule = self.layers[index]
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32

@@ -82,6 +82,7 @@ class MicroBatch:
     # (layer index, "weight" / "bias") -> the uses of a Linear's parameter outside its forward (functional_layers)
     functional: dict[tuple[int, str], Any] = field(default_factory=dict)
     without_grad: bool = False  # its forward ran with gradients off (evaluation, or reentrant checkpointing's first pass)
+    second_backward: bool = False  # backward ran through its forward pass twice (its norms cannot be formed)
 
     def keep_positions(self, index: int, pos: tuple) -> None:
         """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""
@@ -296,6 +297,19 @@ def mark_more(tracking: BatchTracker, tensors: tuple, dim: int, batch: int) -> N
                              f"the micro-batch's {batch} samples")
         if tracking.status(t) is None:
             tracking.mark(t, dim)
+
+
+def refuse_second_backward(micro: list[MicroBatch]) -> None:
+    """RuntimeError when backward ran through a micro-batch's forward pass twice: the per-sample gradients of the two
+    passes add, and a gradient taken through the model (create_graph=True) has terms no layer's rule forms."""
+    twice = [mb for mb in micro if mb.second_backward]
+    if twice:
+        raise RuntimeError(
+            f"PerSampleGradNorms: backward ran twice through the forward pass of {len(twice)} micro-batch(es) "
+            "(loss.backward(retain_graph=True) called again, or torch.autograd.grad taken through the model before "
+            "loss.backward(), as a gradient penalty does): their per-sample norms cannot be formed, and none are given "
+            "for this step (your gradients are unaffected). Sum the losses and call backward once; a loss that holds "
+            "a gradient of the model (create_graph=True) has no per-sample norms here.")
 
 
 def refuse_before_backward(micro: list[MicroBatch]) -> None:

@@ -1,5 +1,7 @@
 """PerSampleGradNorms against exact per-sample gradients from torch.func.vmap(grad(...))."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -247,13 +249,50 @@ def test_monitor_reports_per_sample_norms():
     assert m["gap/per_sample_grad_norm/mean"] == pytest.approx(want.mean().item(), rel=1e-4)
 
 
-def test_second_backward_through_same_graph_is_refused():
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
-    psn = gapmon.PerSampleGradNorms(model)
-    out = model(torch.randn(5, 3)).sum()
-    out.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward"):
-        out.backward()
+def _twice(model, x):
+    loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def _gradient_penalty(model, x, penalty_only=False):
+    """A critic's loss with an R1-style penalty: a gradient taken through the model (create_graph=True)."""
+    x = x.clone().requires_grad_()
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (g.square().sum() if penalty_only else out.sum() + g.square().sum()).backward()
+
+
+@pytest.mark.parametrize("run", [_twice, _gradient_penalty], ids=["retain_graph", "gradient_penalty"])
+def test_second_backward_through_same_graph_is_refused_when_read_and_backward_is_untouched(run):
+    """Backward run twice through one forward pass: the user's backward completes with the gradients it has without
+    gapmon (bit for bit), and the norms are refused when read, saying why; the next step starts over."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    run(plain, x)
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
+    run(model, x)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(RuntimeError, match="backward ran twice through the forward pass of 1 micro-batch"):
+        psn.local_norms()
+    model.zero_grad()
+    model(x).sum().backward()  # a plain step after it is measured
+    assert psn.local_norms().shape == (5,)
+    psn.close()
+
+
+def test_a_penalty_through_a_linear_model_alone_is_caught_by_the_use_check():
+    """A loss that is only a gradient penalty of a linear model: its backward never reaches the layers' outputs again,
+    so the layers saw only the inner gradient's pass; the use check finds their gradients are not what they formed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)).double()
+    psn = gapmon.PerSampleGradNorms(model, strict=True)
+    _gradient_penalty(model, torch.randn(5, 3, dtype=torch.float64), penalty_only=True)
+    with pytest.raises(RuntimeError, match="is not per-sample"):
+        psn.local_norms()
     psn.close()
 
 
