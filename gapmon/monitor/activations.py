@@ -139,8 +139,10 @@ class ActivationRecorder:
         if not self.active:
             return
         compiling = torch.compiler.is_compiling()
-        if not compiling and self.forwards is not None and self.forwards.without_grad:
-            return  # a forward pass with gradients off (an evaluation): not the step's batch
+        if self.forwards is not None and (self.forwards.without_grad if not compiling else not torch.is_grad_enabled()):
+            # A forward pass with gradients off (an evaluation): not the step's batch. (Traced, grad mode is read
+            # as a guard; a compiled region is never reentrant checkpointing's first pass, which breaks the graph.)
+            return
         out = first_tensor(output)
         if out is None or out.dim() <= 1 or not out.is_floating_point() or out.numel() == 0:
             return

@@ -113,3 +113,24 @@ def test_monitor_counts_the_whole_model_checkpointed_reentrantly_once():
     assert set(got) == set(want)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def test_monitor_leaves_out_a_compiled_pass_without_gradients():
+    """The model compiled (aot_eager): a compiled evaluation pass inside the step adds nothing either."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    x, y = _data()
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def extra(_):
+        with torch.no_grad():
+            compiled(torch.randn(3, 4, dtype=torch.float64) * 100)
+
+    want = _monitored_step(model, x, y, per_sample=False, wrap=lambda m, t: compiled(t))
+    got = _monitored_step(model, x, y, extra, per_sample=False, wrap=lambda m, t: compiled(t))
+    assert any(k.startswith("gap/activations/") for k in want)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
