@@ -31,6 +31,22 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+def accumulates_gradient(p: torch.Tensor) -> bool:
+    """Whether the backward pass running now accumulates leaf p's gradient (loss.backward(), or backward(inputs=...)
+    naming p); False for torch.autograd.grad, which captures gradients and accumulates none, and for backward(inputs=...)
+    without p."""
+    node = torch.autograd.graph.get_gradient_edge(p).node
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # "... we are currently running autograd.grad()"
+        return False
+
+
+def at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Runs `callback` when the backward pass running now ends (autograd's final callbacks)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def current_autograd_node() -> Any:
     """The autograd node backward evaluates now (in a tensor hook: the hooked tensor's grad_fn), None where this torch
     has no such call (callers then assume the worst)."""

@@ -62,6 +62,7 @@ from .micro_batch import (
     refuse_before_backward,
     refuse_second_backward,
     tracker_of,
+    without_input_gradient_only,
 )
 from .mixing import SampleMixing, refuse_batch_mixing
 from .sample_ids import by_global_id
@@ -319,6 +320,7 @@ class PerSampleGradNorms(GradientProducts):
             return
         self.keep_out_of_compiled_graphs()
         self._state.read = True
+        self._state.micro = without_input_gradient_only(self._state.micro)
         refuse_batch_mixing(self._state.micro)
         refuse_second_backward(self._state.micro)
         self._coverage.warn_uncovered(RuntimeError, 4, self._params, self._param_names)

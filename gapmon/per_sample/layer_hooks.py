@@ -289,6 +289,11 @@ class LayerHooks:
         self._backward_hook(index, mb, call, g)
 
     def _backward_hook(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
+        if self.checker.passes.act_now(mb.used.get(index) or [], functools.partial(self._take_gradient, index, mb, call, g),
+                                       mb):
+            self._take_gradient(index, mb, call, g)
+
+    def _take_gradient(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
         calls = mb.layers.get(index)
         if calls is None or calls.grads[call] is not None:
             # A second backward pass through this forward pass: the norms cannot be formed (refused when read,
@@ -308,14 +313,20 @@ class LayerHooks:
         [B, T, p], sq the call's per-sample squared norms (weight and bias) and `returned` the (parameter, gradient)
         pairs it hands to autograd, each the sum of the per-sample gradients it formed (the use check takes them as
         they are)."""
+        work = functools.partial(self._take_bookkept, index, mb, call, g, sq, returned)
+        if self.checker.passes.act_now(mb.used.get(index) or [], work, mb):
+            work()
+
+    def _take_bookkept(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor, sq: torch.Tensor,
+                       returned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         calls = mb.layers.get(index)
         if calls is not None and len(calls.calls) > 1:
             # The layer ran several times: its per-sample gradient is the sum over the calls, whose
             # norm needs all their gradients together (the weight gradient itself is exact).
-            self._backward_hook(index, mb, call, g)
+            self._take_gradient(index, mb, call, g)
             return
         if calls is None or calls.grads[call] is not None:
-            self._backward_hook(index, mb, call, g)  # a second backward through this call: noted
+            self._take_gradient(index, mb, call, g)  # a second backward through this call: noted
             return
         del mb.layers[index]
         name, module, rule = self.layers[index]

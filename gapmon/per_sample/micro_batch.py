@@ -83,6 +83,7 @@ class MicroBatch:
     functional: dict[tuple[int, str], Any] = field(default_factory=dict)
     without_grad: bool = False  # its forward ran with gradients off (evaluation, or reentrant checkpointing's first pass)
     second_backward: bool = False  # backward ran through its forward pass twice (its norms cannot be formed)
+    input_gradient_pass: bool = False  # a backward pass through it reached no parameter (parameter_passes)
 
     def keep_positions(self, index: int, pos: tuple) -> None:
         """Keeps layer `index`'s positions for gram() and per_sample_gradients(), with their in-place versions."""
@@ -297,6 +298,13 @@ def mark_more(tracking: BatchTracker, tensors: tuple, dim: int, batch: int) -> N
                              f"the micro-batch's {batch} samples")
         if tracking.status(t) is None:
             tracking.mark(t, dim)
+
+
+def without_input_gradient_only(micro: list[MicroBatch]) -> list[MicroBatch]:
+    """The micro-batches but those whose forward served an input's gradient alone (torch.autograd.grad(loss, x) of
+    adversarial training's first pass): a backward pass reached no parameter through them, and none else came."""
+    return [mb for mb in micro if not (mb.input_gradient_pass and not mb.finished and not any(
+        g is not None for calls in mb.layers.values() for g in calls.grads))]
 
 
 def refuse_second_backward(micro: list[MicroBatch]) -> None:

@@ -18,6 +18,7 @@ from ..stats import _backend
 from ..stats.layout import STAT_NAMES
 from ..utils import is_dtensor
 from .micro_batch import Collection
+from .parameter_passes import ParameterPasses
 from .rules import NormRule, add_sketch, sketch_rows
 
 # Relative difference between a parameter's accumulated gradient and the sum of the per-sample
@@ -181,6 +182,7 @@ class UseChecker:
         # Layer -> the group whose largest gradient scales its checks' differences (a layer's own name by default):
         # the free parameters of one module that overrides a ruled layer's forward (timm's LayerNorm: weight and bias).
         self.scale_groups: dict[str, str] = {}
+        self.passes = ParameterPasses()  # which backward passes give the covered parameters gradients
 
     def forget(self, param_names: dict[int, str]) -> None:
         """Drops what was keyed by the old parameter objects (they were replaced) and takes their names."""
@@ -263,6 +265,7 @@ class UseChecker:
         p = ref()
         if p is None or p.numel() == 0 or _torch_compat.functorch_transforms_active():
             return
+        self.passes.reached(p)
         check = self.check(p, layer)
         if check.returned:
             for i, mine in enumerate(check.returned):
