@@ -289,9 +289,11 @@ class LayerHooks:
         self._backward_hook(index, mb, call, g)
 
     def _backward_hook(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
-        if self.checker.passes.act_now(mb.used.get(index) or [], functools.partial(self._take_gradient, index, mb, call, g),
-                                       mb):
+        passes, params = self.checker.passes, mb.used.get(index) or []
+        if passes.accumulating(params):
             self._take_gradient(index, mb, call, g)
+        else:  # a pass for other tensors' gradients (parameter_passes)
+            passes.wait(params, functools.partial(self._take_gradient, index, mb, call, g), mb)
 
     def _take_gradient(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor) -> None:
         calls = mb.layers.get(index)
@@ -313,9 +315,11 @@ class LayerHooks:
         [B, T, p], sq the call's per-sample squared norms (weight and bias) and `returned` the (parameter, gradient)
         pairs it hands to autograd, each the sum of the per-sample gradients it formed (the use check takes them as
         they are)."""
-        work = functools.partial(self._take_bookkept, index, mb, call, g, sq, returned)
-        if self.checker.passes.act_now(mb.used.get(index) or [], work, mb):
-            work()
+        passes, params = self.checker.passes, mb.used.get(index) or []
+        if passes.accumulating(params):
+            self._take_bookkept(index, mb, call, g, sq, returned)
+        else:  # a pass for other tensors' gradients (parameter_passes)
+            passes.wait(params, functools.partial(self._take_bookkept, index, mb, call, g, sq, returned), mb)
 
     def _take_bookkept(self, index: int, mb: MicroBatch, call: int, g: torch.Tensor, sq: torch.Tensor,
                        returned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

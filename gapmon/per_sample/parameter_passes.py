@@ -19,30 +19,31 @@ from .micro_batch import MicroBatch
 
 
 class ParameterPasses:
-    """Shared by the layers' gradient hooks (act_now) and the covered parameters' (reached)."""
+    """Shared by the layers' gradient hooks (accumulating, wait) and the covered parameters' (reached)."""
 
     def __init__(self) -> None:
         self._task, self._accumulates = -2, True  # the pass last asked about, and whether it accumulates
         self._waiting: dict[int, list[tuple[list[torch.Tensor], Callable[[], None], MicroBatch]]] = {}
         self._reached: set[tuple[int, int]] = set()  # (pass, parameter id): a covered parameter's gradient in it
 
-    def act_now(self, params: list[torch.Tensor], work: Callable[[], None], mb: MicroBatch) -> bool:
-        """True when the pass running now accumulates parameters' gradients (asked once a pass, of `params`' first):
-        the caller acts. Else `work` waits for the pass's end, done there if one of `params` got its gradient in it."""
+    def accumulating(self, params: list[torch.Tensor] | None) -> bool:
+        """Whether the pass running now accumulates the parameters' gradients (asked of autograd once a pass, of the
+        first layer's first parameter), or takes them with create_graph=True: the layers' hooks act at once."""
         task = _torch_compat.graph_task_id()
         if task != self._task:
             self._task = task
             # (A pass with create_graph=True is acted on: its gradient is differentiated again, a gradient penalty
             # whose backward runs through the forward a second time, refused by name when the norms are read.)
-            self._accumulates = (not params or torch.is_grad_enabled()
-                                 or _torch_compat.accumulates_gradient(params[0]))
-        if self._accumulates:
-            return True
+            self._accumulates = not params or torch.is_grad_enabled() or _torch_compat.accumulates_gradient(params[0])
+        return self._accumulates
+
+    def wait(self, params: list[torch.Tensor], work: Callable[[], None], mb: MicroBatch) -> None:
+        """`work` waits for the end of the pass running now, done there if one of `params` got its gradient in it."""
+        task = _torch_compat.graph_task_id()
         if task not in self._waiting:
             self._waiting[task] = []
             _torch_compat.at_end_of_backward(functools.partial(self._settle, task))
         self._waiting[task].append((params, work, mb))
-        return False
 
     def reached(self, p: torch.Tensor) -> None:
         """A covered parameter's gradient hook: p got a gradient in the pass running now."""
