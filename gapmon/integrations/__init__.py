@@ -102,11 +102,18 @@ def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weight
         x = first_input(args, kwargs)
         if x is None or x.dim() == 0:
             return
+        packed = packed_samples(kwargs) if collated else None
         if count_samples:
-            monitor.add_samples(x.shape[0])
+            monitor.add_samples(x.shape[0] if packed is None else packed)
         per_sample = monitor.per_sample
         if per_sample is None:
             return
+        if packed is not None:
+            raise RuntimeError(
+                f"gapmon: the batch packs {packed} sequences into {x.shape[0]} row(s) (position_ids restart within a "
+                "row, as DataCollatorWithFlattening and padding-free training make them): per-sample gradient norms "
+                "take each row for a sample, so they are not formed for it. Pad the batch instead "
+                "(DataCollatorForLanguageModeling, DataCollatorWithPadding), or turn per_sample_grad_norms off.")
         dim = per_sample.batch_dim
         if collated and per_sample.batch_inputs is None and x.dim() > dim:
             per_sample.mark_batched(*[t for t in _torch_compat.tensor_leaves((args, kwargs))
@@ -117,6 +124,23 @@ def watch_micro_batches(model: torch.nn.Module, monitor: GAPMonitor, loss_weight
                 per_sample.set_loss_weights(weights)
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def packed_samples(kwargs: dict) -> int | None:
+    """The number of sequences in a packed batch (several in one row, no padding: position_ids that restart within a
+    row, or flash attention's cu_seq_lens_q, as DataCollatorWithFlattening makes them); None when each row is one.
+    A padded batch (an attention mask with zeros) is never taken for a packed one: its pads' positions may repeat.
+    Reads the positions (a sync on a GPU) where they are given."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() > 1:
+        return cu.numel() - 1
+    pos, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] < 2 or pos.is_floating_point():
+        return None
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
+        return None
+    starts = int((pos[:, 1:] <= pos[:, :-1]).sum())  # a row's next sequence starts where its positions restart
+    return pos.shape[0] + starts if starts else None
 
 
 def tokens_per_sample(labels: torch.Tensor, samples: int, ignore_index: int = -100) -> torch.Tensor:

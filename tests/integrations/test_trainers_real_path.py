@@ -124,6 +124,47 @@ def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(
     assert batch_sizes == [4] * 6 + [2]
 
 
+def _packed_trainer(transformers, tmp_path, **attach_kwargs):
+    from gapmon.integrations.huggingface import attach
+
+    model, _ = _llama(transformers)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, VOCAB, (3 + i % 4,), generator=g).tolist()} for i in range(8)]
+    trainer = transformers.Trainer(model=model, args=_hf_args(transformers, tmp_path, max_steps=2), train_dataset=data,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    attach(trainer, interval=1, **attach_kwargs)
+    return trainer
+
+
+def test_huggingface_trainer_with_packed_sequences_counts_sequences_and_refuses_per_sample_norms(tmp_path):
+    """DataCollatorWithFlattening packs a batch of 4 sequences into one row (position_ids restarting): the global
+    batch size counts the sequences, and per-sample norms, which would take the row for one sample, are refused
+    before the first step with a message that says what to do."""
+    transformers = _hf()
+    trainer = _packed_trainer(transformers, tmp_path / "plain")
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if GLOBAL_BATCH_SIZE in e]
+    assert [e[GLOBAL_BATCH_SIZE] for e in logged] == [4, 4]
+    trainer = _packed_trainer(transformers, tmp_path / "per-sample", per_sample_grad_norms=True)
+    with pytest.raises(RuntimeError, match="packs 4 sequences into 1 row.*Pad the batch"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_packed_batches_are_told_from_padded_ones():
+    from gapmon.integrations import packed_samples
+
+    ones = torch.ones(2, 6, dtype=torch.long)
+    assert packed_samples({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}) == 3
+    assert packed_samples({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]]), "attention_mask": ones[:1]}) == 3
+    assert packed_samples({"position_ids": torch.arange(6).expand(2, 6)}) is None  # one sequence a row
+    left_padded = torch.tensor([[1, 1, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5]])  # HF's positions for left padding
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    assert packed_samples({"position_ids": left_padded, "attention_mask": mask}) is None
+    assert packed_samples({"cu_seq_lens_q": torch.tensor([0, 3, 5, 6])}) == 3
+    assert packed_samples({}) is None
+
+
 def test_huggingface_trainer_with_a_reference_pass_of_the_same_model_logs_the_same(tmp_path):
     """A compute_loss that also runs the trained model without gradients (a reference pass, as TRL's DPO takes
     with a PEFT adapter disabled; an evaluation inside the step): gapmon's metrics (activations, the sample count,
