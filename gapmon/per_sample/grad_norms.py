@@ -35,6 +35,7 @@ calls was seen while its parameters got gradients (used only functionally).
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -216,10 +217,7 @@ class PerSampleGradNorms(GradientProducts):
         tracker.lost_gradient = functools.partial(refuse_upstream, self._layer_hooks, mb)
         tracker.followed_through, tracker.met_in_pointwise = followed_through, met_in_pointwise
         self._free.follow(mb, tracker)
-        self._state.stop_tracking()  # a forward pass that raised before its end hook could run
-        self._state.tracking = tracker.__enter__()
-        self._state.micro.append(mb)
-        self._state.collected = False
+        self._state.open(mb, tracker)
 
     def begin_forward(self, *batched: torch.Tensor, dims: Sequence[int] | None = None) -> None:
         """Starts a micro-batch whose samples lie along `batch_dim` of each tensor of `batched` (or along the
@@ -265,9 +263,8 @@ class PerSampleGradNorms(GradientProducts):
     def _end_forward(self, module, args, output) -> None:
         if module is not None and self._explicit:  # the model ran inside a begin_forward micro-batch: not its end
             return
-        self._state.stop_tracking()
-        if not _torch_compat.in_backward():
-            self._state.set_aside()
+        # (The forward raised when its always-called hook gets no output while an exception is being handled.)
+        self._state.end_forward(module is not None and output is None and sys.exc_info()[1] is not None)
 
     # ------------------------------------------------------------------ results
     def start(self) -> None:

@@ -215,11 +215,26 @@ class Collection:
         # Forward passes run with gradients off, set aside when they end: an evaluation's has no samples of the step;
         # one that backward runs again (the whole model under reentrant checkpointing) is taken back then (take_back).
         self.without_grad: list[MicroBatch] = []
+        self.opened: MicroBatch | None = None  # the micro-batch the forward pass running now opened
 
-    def set_aside(self) -> None:
-        """The micro-batch just ended, if its forward ran with gradients off: out of the step's until backward runs
-        it again (a bounded few are kept for that)."""
-        if self.micro and self.micro[-1].without_grad:
+    def open(self, mb: MicroBatch, tracker: BatchTracker) -> None:
+        """Starts micro-batch `mb`, its batch followed by `tracker`."""
+        self.stop_tracking()  # a forward pass that raised before its end hook could run
+        self.tracking = tracker.__enter__()
+        self.micro.append(mb)
+        self.opened, self.collected = mb, False
+
+    def end_forward(self, raised: bool) -> None:
+        """The model's forward pass ended (`raised`: by an exception). One that raised leaves its micro-batch out (none
+        of its samples reaches backward: a batch skipped after an out-of-memory error); one run with gradients off
+        sets it aside (until backward runs it again)."""
+        self.stop_tracking()
+        if _torch_compat.in_backward():
+            return
+        opened, self.opened = self.opened, None
+        if raised and opened is not None and self.micro and self.micro[-1] is opened:
+            self.micro.pop()
+        elif self.micro and self.micro[-1].without_grad:
             self.without_grad = [*self.without_grad[-7:], self.micro.pop()]
 
     def take_back(self, storages: set[int]) -> MicroBatch | None:

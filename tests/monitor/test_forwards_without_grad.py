@@ -134,3 +134,40 @@ def test_monitor_leaves_out_a_compiled_pass_without_gradients():
     assert set(got) == set(want)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+class _FailsOnRequest(nn.Module):
+    """Raises out of memory in the middle of its forward when asked (after its first layer ran)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.fail = nn.Linear(4, 8), nn.Linear(8, 3), False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.fail:
+            raise torch.OutOfMemoryError("out of memory (raised by the test)")
+        return self.b(h)
+
+
+@pytest.mark.parametrize("retry_inside_except", [False, True])
+def test_a_forward_that_raised_holds_none_of_the_steps_samples(retry_inside_except):
+    """A loop that skips a batch whose forward ran out of memory (or retries a smaller one inside its except block):
+    the skipped forward's micro-batch is left out, the norms are the completed ones' (they raised 'no backward pass
+    yet' before)."""
+    torch.manual_seed(0)
+    model = _FailsOnRequest().double()
+    x, y = _data()
+    want = _loop_norms(model, x, y)
+    norms = gapmon.PerSampleGradNorms(model, loss_reduction="sum", strict=True)
+    model.fail = True
+    try:
+        model(torch.randn(5, 4, dtype=torch.float64))
+    except torch.OutOfMemoryError:
+        model.fail = False
+        if retry_inside_except:  # a forward that completes while the exception is being handled counts
+            nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    if not retry_inside_except:
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    torch.testing.assert_close(norms.local_norms(), want, rtol=1e-12, atol=0)
+    norms.close()
