@@ -14,19 +14,26 @@ from ..utils import input_storages
 
 
 class StepForwards:
-    """Root hooks on `model` that say whether the forward pass running now counts for the step."""
+    """Hooks on `model` and its direct children (a loop may call a child itself: a LightningModule's training_step
+    calling `self.model(...)`) that say whether the forward pass running now counts for the step; the outermost of
+    them decides (one called inside another's forward is part of it)."""
 
     KEPT = 8  # the inputs of the latest forward passes run without gradients, for their recomputation
 
     def __init__(self, model: nn.Module):
-        self.without_grad = False  # the model's forward running now has gradients off: not the step's
+        self.without_grad = False  # the forward pass running now has gradients off: not the step's
         self.recounting = False  # backward recomputes a forward that ran without gradients: counted now
+        self._depth = 0  # watched forwards running now, one inside another
         self._set_aside: list[set[int]] = []
-        self._handles = [model.register_forward_pre_hook(self._starts, with_kwargs=True),
-                         model.register_forward_hook(self._ends, always_call=True)]
+        self._handles = [handle for module in (model, *model.children())
+                         for handle in (module.register_forward_pre_hook(self._starts, with_kwargs=True),
+                                        module.register_forward_hook(self._ends, always_call=True))]
 
     def _starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():  # a compiled forward is the step's (no flag is read in compiled code)
+            return
+        self._depth += 1
+        if self._depth > 1:  # inside the outermost watched forward, which decided
             return
         if _torch_compat.in_backward():
             storages = input_storages(args, kwargs)
@@ -36,7 +43,11 @@ class StepForwards:
             self._set_aside = [*self._set_aside[1 - self.KEPT:], input_storages(args, kwargs)]
 
     def _ends(self, module: nn.Module, args: tuple, output) -> None:
-        self.without_grad = self.recounting = False
+        if torch.compiler.is_compiling():
+            return
+        self._depth = max(self._depth - 1, 0)
+        if not self._depth:
+            self.without_grad = self.recounting = False
 
     def new_step(self) -> None:
         self._set_aside = []

@@ -100,6 +100,49 @@ def test_lightning_trainer_logs_to_its_loggers(tmp_path):
         assert "gap/activations/net.1/max" in metrics
 
 
+def test_lightning_evaluation_pass_inside_training_step_is_not_the_steps(tmp_path):
+    """training_step calls self.net(...) (not the LightningModule's own forward) and also runs it without gradients
+    (an evaluation, a target): gapmon's metrics, activations and per-sample norms included, are those of the run
+    without that pass."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from gapmon.integrations.lightning import GAPMonitorCallback
+
+    def fit(extra_pass: bool) -> dict:
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                if extra_pass:
+                    with torch.no_grad():
+                        self.net(torch.randn(5, 6) * 10)
+                return ((self.net(x) - y) ** 2).mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(12, 6), torch.randn(12, 1))
+        records: list = []
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=memory_logger(pl, records, dict)(),
+                             callbacks=[GAPMonitorCallback(interval=1, per_sample_grad_norms=True)],
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=str(tmp_path), log_every_n_steps=1)
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=3))
+        return {step: {k: v for k, v in m.items() if k.startswith("gap/")} for step, m in records
+                if "gap/global_batch_size" in m}
+
+    want, got = fit(False), fit(True)
+    assert sorted(want) == [0, 1] and "gap/activations/net.1/max" in want[0]
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert sorted(got[step]) == sorted(want[step])
+        for key, value in want[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+
+
 # ------------------------------------------------------------------ OLMo-core
 def test_olmo_core_callback_driven_as_the_trainer_drives_it(tmp_path):
     pytest.importorskip("olmo_core")
