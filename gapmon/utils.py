@@ -101,7 +101,7 @@ def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
 def input_storages(args: tuple, kwargs: dict) -> set[int]:
     """The storages of a forward call's tensor arguments (what a forward pass's inputs are known by when backward
     runs it again on detached copies: reentrant activation checkpointing)."""
-    return {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+    return {t.untyped_storage().data_ptr() for t in _torch_compat.tensor_leaves((args, kwargs))}
 
 
 def check_int(value: Any, who: str, name: str, minimum: int = 0) -> int:

@@ -255,24 +255,37 @@ class Collection:
 
 def batched_inputs(module: nn.Module, args: tuple, kwargs: dict, named: list[tuple[int | str, int]],
                    batch_dim: int) -> list[tuple[torch.Tensor, int]]:
-    """The tensors of a root forward call that hold the batch, each with the dim that holds it: the first tensor
-    input (on `batch_dim`), or those `named` names (positions or argument names, each with its dim); ValueError
-    naming what is missing."""
+    """The tensors of a root forward call that hold the batch, each with the dim that holds it: those of its first
+    argument that holds a tensor (on `batch_dim`), or of those `named` names (positions or argument names, each with
+    its dim). An argument that is a container (a dict batch, `model(batch)`) holds its tensors with the first one's
+    size on that dim, as a collated batch does. ValueError naming what is missing."""
     if not named:
-        x = first_input(args, kwargs)
-        found = [] if x is None else [(x, batch_dim)]
+        found = next((held for held in (batched_in(v, batch_dim) for v in (*args, *kwargs.values())) if held), [])
+        if not found and first_input(args, kwargs) is not None:  # a tensor without the dim: said below
+            found = [(first_input(args, kwargs), batch_dim)]
     else:
-        tensors = [named_input(module, args, kwargs, key) for key, _ in named]
-        missing = [k for (k, _), t in zip(named, tensors) if not isinstance(t, torch.Tensor)]
+        held = [batched_in(named_input(module, args, kwargs, key), dim) for key, dim in named]
+        missing = [k for (k, _), h in zip(named, held) if not h]
         if missing:
             raise ValueError(f"PerSampleGradNorms: batch_inputs {missing} are not tensor arguments of this "
-                             "forward call; name the forward's arguments that hold per-sample data")
-        found = [(t, dim) for t, (_, dim) in zip(tensors, named)]
+                             "forward call (nor containers of tensors with that dim); name the forward's arguments "
+                             "that hold per-sample data")
+        found = [pair for h in held for pair in h]
     if not found or found[0][0].dim() <= found[0][1]:
         dim = found[0][1] if found else batch_dim
         raise ValueError(f"PerSampleGradNorms: the model's first batched input gives the batch size (dim "
                          f"{dim}), but this forward call has no tensor input with that dim")
     return found
+
+
+def batched_in(value: Any, dim: int) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of a forward argument that hold the batch on `dim`: the tensor itself, or the tensors of a
+    container (nested dicts, lists, tuples) with its first one's size on that dim (every tensor of a collated
+    batch is per-sample)."""
+    if isinstance(value, torch.Tensor):
+        return [(value, dim)]
+    leaves = [t for t in _torch_compat.tensor_leaves(value) if t.dim() > dim] if value is not None else []
+    return [(t, dim) for t in leaves if t.shape[dim] == leaves[0].shape[dim]]
 
 
 def given_batched(batched: tuple, dims: Any, batch_dim: int) -> list[tuple[torch.Tensor, int]]:

@@ -245,6 +245,35 @@ def test_batch_inputs_name_each_inputs_own_batch_dim(bookkeeping, form):
             _run(model, inputs, y, bookkeeping, batch_dim=batch_dim, batch_inputs=names, strict=True)
 
 
+class DictBatch(nn.Module):
+    """model(batch): a dict of per-sample tensors, a timestep among them through its own Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.time, self.inp, self.out = nn.Linear(1, 6), nn.Linear(5, 6), nn.Linear(6, 5)
+
+    def forward(self, batch):
+        return self.out(torch.tanh(self.inp(batch["x"]) + self.time(batch["t"][:, None])))
+
+
+@BOOKKEEPING
+@pytest.mark.parametrize("named", [None, ("batch",)], ids=["first-argument", "named"])
+def test_a_container_argument_holds_the_batch_in_each_of_its_tensors(bookkeeping, named):
+    """A forward that takes its batch as one dict (model(batch)): every tensor in it with the first one's number of
+    samples is per-sample, as a collated batch (they were refused: 'no tensor input with that dim')."""
+    torch.manual_seed(0)
+    _, x, t, y = _time_conditioned()
+    model = DictBatch().double()
+    batch = {"x": x, "t": t, "note": torch.arange(3)}  # a tensor of another size is not taken for a batched one
+    got, cov = _run(model, (batch,), y, bookkeeping, strict=True, batch_inputs=named)
+    assert not cov["uncovered"]
+    want = []
+    for i in range(B):
+        grads = torch.autograd.grad(_loss(model({"x": x[i:i + 1], "t": t[i:i + 1]}), y[i:i + 1]), list(model.parameters()))
+        want.append(torch.sqrt(sum(g.square().sum() for g in grads)))
+    _exact(got, torch.stack(want))
+
+
 @BOOKKEEPING
 def test_mark_batched_declares_more_inputs_of_the_running_forward(bookkeeping):
     """What the Hugging Face integration does with a collated batch: a pre-hook after gapmon's marks the timestep."""
