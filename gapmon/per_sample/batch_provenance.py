@@ -214,6 +214,8 @@ _ALIASES = {alias + suffix: op + suffix for alias, op in (
     ("arctan2", "atan2"), ("arctanh", "atanh"), ("clip", "clamp"), ("fix", "trunc"), ("greater", "gt"),
     ("greater_equal", "ge"), ("less", "lt"), ("less_equal", "le"), ("not_equal", "ne"), ("negative", "neg"),
     ("special_expit", "sigmoid")) for suffix in ("", "_")}
+# F.pad as Dynamo's decomposition calls it between graph breaks (transformers' label shift in a compiled forward)
+_ALIASES.update({"constant_pad_nd": "pad", "constant_pad_nd.default": "pad"})
 
 
 def _op_name(func: Callable) -> str:

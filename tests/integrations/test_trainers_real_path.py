@@ -124,6 +124,36 @@ def test_huggingface_trainer_keeps_its_own_logs_and_counts_the_short_last_batch(
     assert batch_sizes == [4] * 6 + [2]
 
 
+@pytest.mark.slow
+def test_huggingface_trainer_with_torch_compile_logs_what_it_logs_eagerly(tmp_path):
+    """TrainingArguments(torch_compile=True) (the aot_eager backend here): gapmon's metrics, per-sample norms
+    included, are the eager run's (the label shift's F.pad reached the batch tracking as aten's constant_pad_nd
+    and every layer was refused: norms 0)."""
+    transformers = _hf()
+    from gapmon.integrations.huggingface import attach
+
+    def run(where, **kw):
+        torch._dynamo.reset()
+        model, _ = _llama(transformers)
+        trainer = transformers.Trainer(model=model, args=_hf_args(transformers, where, max_steps=2,
+                                                                  per_device_train_batch_size=2, **kw),
+                                       train_dataset=_lm_data(8))
+        attach(trainer, interval=1, per_sample_grad_norms=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="PerSampleGradNorms", category=RuntimeWarning)
+            trainer.train()
+        return [{k: v for k, v in e.items() if k.startswith("gap/")} for e in trainer.state.log_history
+                if any(k.startswith("gap/") for k in e)]
+
+    eager = run(tmp_path / "eager")
+    compiled = run(tmp_path / "compiled", torch_compile=True, torch_compile_backend="aot_eager")
+    assert len(eager) == 2 and eager[0]["gap/per_sample_grad_norm/max"] > 0
+    for want, got in zip(eager, compiled):
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def _packed_trainer(transformers, tmp_path, **attach_kwargs):
     from gapmon.integrations.huggingface import attach
 

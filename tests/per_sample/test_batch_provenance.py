@@ -342,6 +342,9 @@ def test_tracker_follows_the_batch_through_common_ops():
             "expand positions": (torch.arange(T).expand(B, T), 0), "broadcast add": (x + torch.ones(T, 8), 0),
             "mixed layouts": (x + x.transpose(0, 1), str), "no rule": (torch.cdist(x, x), str),
             "fft over T": (torch.fft.fft(x, dim=1), 0), "fft over B": (torch.fft.fft(x, dim=0), str),
+            # F.pad as Dynamo's decomposition calls it between graph breaks (transformers' label shift, compiled)
+            "pad T": (F.pad(x, (0, 0, 0, 1)), 0), "aten pad T": (torch.ops.aten.constant_pad_nd.default(x, [0, 0, 0, 1]), 0),
+            "aten pad B": (torch.ops.aten.constant_pad_nd.default(x, [0, 0, 0, 0, 0, 1]), str),
         }
     for what, (t, want) in cases.items():
         got = tracker.status(t)
