@@ -68,8 +68,7 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
 
     def _loss_weights(self, model_args: tuple, model_kwargs: dict, samples: int) -> torch.Tensor:
         """Each sample's weight in the loss the Trainer backpropagates for this micro-batch (see
-        Trainer.compute_loss and training_step)."""
-        trainer = self.trainer
+        Trainer.compute_loss and training_step), read from what the model's forward is given."""
         labels = model_kwargs.get("shift_labels")
         if labels is None:
             labels = model_kwargs.get("labels")
@@ -77,10 +76,18 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
                 labels = labels[..., 1:]  # a causal LM predicts token t + 1 at t
         token_level = isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.shape[0] == samples
         num_items = model_kwargs.get("num_items_in_batch")
-        if token_level and num_items is not None and self._loss_divides_by_items():
+        return self._weights(labels if token_level else None, num_items, samples,
+                             num_items is not None and self._loss_divides_by_items())
+
+    def _weights(self, labels: torch.Tensor | None, num_items: Any, samples: int, divides: bool) -> torch.Tensor:
+        """Weights of a loss over the label items of `labels` (tokens; None: one item a sample, a mean over the
+        micro-batch's samples), divided by `num_items` (`divides`) or by the micro-batch's items, then scaled as
+        compute_loss and training_step scale it."""
+        trainer = self.trainer
+        if labels is not None and divides:
             # sum over the step's tokens / num_items_in_batch (the count over every micro-batch, and ranks)
             weights = tokens_per_sample(labels, samples) / float(num_items)
-        elif token_level:  # the model's own mean over the micro-batch's tokens
+        elif labels is not None:  # a mean over the micro-batch's tokens
             tokens = tokens_per_sample(labels, samples)
             weights = tokens / tokens.sum().clamp(min=1)
         else:  # the model's own mean over the micro-batch's samples
@@ -96,6 +103,15 @@ class GAPMonitorTrainerCallback(transformers.TrainerCallback):
         if not scaled_for_accumulation:  # training_step divides by the micro-batches of the step
             weights = weights / getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps)
         return weights
+
+    def label_smoothed(self, labels: torch.Tensor, num_items: Any) -> None:
+        """The Trainer's LabelSmoother formed this micro-batch's loss from `labels` (shifted as it shifted them), which
+        the Trainer took out of the model's inputs: the weights are declared from them (see WeighingLabelSmoother)."""
+        monitor = self.monitor
+        if monitor is None or monitor.per_sample is None or not monitor.monitoring or not torch.is_grad_enabled():
+            return
+        labels = labels.reshape(labels.shape[0], -1)  # a classifier's [B] labels: one item a sample
+        monitor.per_sample.set_loss_weights(self._weights(labels, num_items, labels.shape[0], num_items is not None))
 
     def _loss_divides_by_items(self) -> bool:
         """Whether the model's loss divides by the num_items_in_batch the Trainer passes it: the Trainer passes it to any
@@ -176,5 +192,23 @@ def attach(trainer: Any, dump_dir: str | Path | None = None, dump_kwargs: dict |
     the DDP or FSDP2 reduction (GAPMonitor.watch_data_parallel). Returns the callback."""
     callback = GAPMonitorTrainerCallback(trainer, dump_dir, dump_kwargs, monitor_config, dump_config, optimizer_stats,
                                          data_parallel_noise, **monitor_kwargs)
+    if getattr(trainer, "label_smoother", None) is not None and not isinstance(trainer.label_smoother, WeighingLabelSmoother):
+        trainer.label_smoother = WeighingLabelSmoother(trainer.label_smoother, callback)
     trainer.add_callback(callback)
     return callback
+
+
+class WeighingLabelSmoother:
+    """The Trainer's LabelSmoother (`label_smoothing_factor`), which then tells the callback the labels it formed the
+    loss from: the Trainer takes them out of the model's inputs, where the forward's hook reads them otherwise."""
+
+    def __init__(self, smoother: Any, callback: GAPMonitorTrainerCallback):
+        self.smoother, self.callback = smoother, callback
+
+    def __call__(self, model_output: Any, labels: torch.Tensor, shift_labels: bool = False, **kwargs: Any) -> torch.Tensor:
+        loss = self.smoother(model_output, labels, shift_labels=shift_labels, **kwargs)
+        self.callback.label_smoothed(labels[..., 1:] if shift_labels else labels, kwargs.get("num_items_in_batch"))
+        return loss
+
+    def __getattr__(self, name: str) -> Any:  # epsilon, ignore_index: the smoother's own
+        return getattr(self.smoother, name)

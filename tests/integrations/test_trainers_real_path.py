@@ -154,6 +154,52 @@ def test_huggingface_trainer_with_torch_compile_logs_what_it_logs_eagerly(tmp_pa
             assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_huggingface_label_smoothing_gives_each_samples_own_smoothed_loss(tmp_path, accumulation):
+    """label_smoothing_factor: the Trainer takes the labels out of the model's inputs and its LabelSmoother divides the
+    step's smoothed token losses by num_items_in_batch; the norms are those of each sample's own smoothed loss (the
+    mean over its tokens), whatever the tokens per sample (they were scaled by the micro-batch's share: 0.4-0.6x)."""
+    transformers = _hf()
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from gapmon.integrations.huggingface import attach
+
+    model, _ = _llama(transformers)
+    seen, checks = [], []
+
+    class Recording(transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen.extend({k: v[i].clone() for k, v in inputs.items()} for i in range(inputs["input_ids"].shape[0]))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    args = _hf_args(transformers, tmp_path, max_steps=2, per_device_train_batch_size=2, max_grad_norm=0.0,
+                    gradient_accumulation_steps=accumulation, label_smoothing_factor=0.1)
+    trainer = Recording(model=model, args=args, train_dataset=_lm_data(8))
+    callback = attach(trainer, interval=1, per_sample_grad_norms=True)
+    smoother = LabelSmoother(epsilon=0.1)
+
+    class Check(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # after gapmon's
+            state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            covered = set(callback.monitor.per_sample.coverage()["covered"])
+
+            def loss_of(m, sample):
+                return smoother(m(input_ids=sample["input_ids"][None]), sample["labels"][None], shift_labels=True)
+
+            checks.append((callback.monitor.per_sample.local_norms().tolist(),
+                           _reference_norms(lambda: _llama(transformers)[0], state_dict, list(seen), covered, loss_of)))
+            seen.clear()
+
+    trainer.add_callback(Check())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="PerSampleGradNorms", category=RuntimeWarning)
+        trainer.train()
+    assert len(checks) == 2
+    for got, want in checks:
+        assert len(got) == 2 * accumulation
+        assert got == pytest.approx(want, rel=HF_RTOL)
+
+
 def _packed_trainer(transformers, tmp_path, **attach_kwargs):
     from gapmon.integrations.huggingface import attach
 
