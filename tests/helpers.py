@@ -288,3 +288,25 @@ def memory_logger(pl, records: list, keep):
             records.append((step, keep(metrics)))
 
     return Logger
+
+
+def regression_module(pl, training_step=None):
+    """A LightningModule class: a small MLP regressor (`self.net`, 6 -> 1) trained by SGD on (x, y) batches with
+    the mean squared error, or with `training_step(module, batch)` where given."""
+    import torch.nn as nn
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            if training_step is not None:
+                return training_step(self, batch)
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module

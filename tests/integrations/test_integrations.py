@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from helpers import memory_logger
+from helpers import memory_logger, regression_module
 
 import gapmon
 from gapmon.integrations import require
@@ -64,18 +64,7 @@ def test_lightning_trainer_logs_to_its_loggers(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
     from gapmon.integrations.lightning import GAPMonitorCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return ((self.net(x) - y) ** 2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    Module = regression_module(pl)
     grads = {}
 
     class Recorder(pl.Callback):
@@ -108,21 +97,14 @@ def test_lightning_evaluation_pass_inside_training_step_is_not_the_steps(tmp_pat
     from gapmon.integrations.lightning import GAPMonitorCallback
 
     def fit(extra_pass: bool) -> dict:
-        class Module(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        def training_step(module, batch):
+            x, y = batch
+            if extra_pass:
+                with torch.no_grad():
+                    module.net(torch.randn(5, 6) * 10)
+            return ((module.net(x) - y) ** 2).mean()
 
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                if extra_pass:
-                    with torch.no_grad():
-                        self.net(torch.randn(5, 6) * 10)
-                return ((self.net(x) - y) ** 2).mean()
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.1)
-
+        Module = regression_module(pl, training_step)
         torch.manual_seed(0)
         data = torch.utils.data.TensorDataset(torch.randn(12, 6), torch.randn(12, 1))
         records: list = []

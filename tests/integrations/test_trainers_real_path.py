@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from helpers import memory_logger
+from helpers import memory_logger, regression_module
 
 from gapmon.monitor.metric_names import GLOBAL_BATCH_SIZE, per_sample_norm_name
 
@@ -724,20 +724,14 @@ def test_lightning_keeps_everything_it_logs_without_gapmon(tmp_path):
     pl = pytest.importorskip("lightning.pytorch", reason="needs lightning (CI installs it)")
     from gapmon.integrations.lightning import GAPMonitorCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    def training_step(module, batch):
+        x, y = batch
+        loss = ((module.net(x) - y) ** 2).mean()
+        module.log("train_loss", loss)
+        module.log("lr", module.optimizers().param_groups[0]["lr"])
+        return loss
 
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = ((self.net(x) - y) ** 2).mean()
-            self.log("train_loss", loss)
-            self.log("lr", self.optimizers().param_groups[0]["lr"])
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    Module = regression_module(pl, training_step)
 
     def run(callbacks):
         records = []
