@@ -35,7 +35,10 @@ def accumulates_gradient(p: torch.Tensor) -> bool:
     """Whether the backward pass running now accumulates leaf p's gradient (loss.backward(), or backward(inputs=...)
     naming p); False for torch.autograd.grad, which captures gradients and accumulates none, and for backward(inputs=...)
     without p."""
-    node = torch.autograd.graph.get_gradient_edge(p).node
+    try:
+        node = torch.autograd.graph.get_gradient_edge(p).node
+    except RuntimeError:  # p needs no gradient: nothing to tell (taken as accumulating, as before the question)
+        return True
     try:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:  # "... we are currently running autograd.grad()"
