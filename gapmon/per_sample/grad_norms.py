@@ -78,7 +78,10 @@ class PerSampleGradNorms(GradientProducts):
     saw them (micro-batches concatenated), where loss_i is sample i's own loss. The samples are
     along `batch_dim` of the model's first tensor input, or of each input `batch_inputs` names
     (positions or argument names: every input that holds per-sample data used by covered layers,
-    e.g. ("input_ids", "timesteps")); the batch is followed from there by provenance. With
+    e.g. ("input_ids", "timesteps"), each alone or paired with the dim that holds its samples:
+    ("x", ("h0", 1))); the batch is followed from there by provenance. Only forward passes whose
+    backward gives the parameters their gradients count (not an evaluation under no_grad, nor an
+    adversarial attack's input gradient). With
     loss_reduction="mean" the loss is taken to be the mean of per-sample losses over each
     micro-batch (so the gradients are rescaled by the micro-batch size); with "sum", their sum.
     The accumulator restarts at the first forward pass after the norms were read, or on reset().
