@@ -32,20 +32,19 @@ from .._torch_compat import tensor_leaves  # noqa: E402
 from ..config import DumpConfig, MonitorConfig  # noqa: E402
 from ..dump.dumper import GradientDumper  # noqa: E402
 from ..monitor.gap_monitor import GAPMonitor  # noqa: E402
+from ..per_sample.micro_batch import batched_in  # noqa: E402
 from ..utils import first_tensor  # noqa: E402
 
 
-def batched_tensors(batch: Any, batch_dim: int, names: Any = None) -> list[tuple[torch.Tensor, int]]:
-    """The tensors of `batch` that hold its samples, each with the dim that holds them: those `names` picks
-    (keys of a dict batch, positions of a sequence, each alone, on `batch_dim`, or paired with its dim), else
-    every tensor with the first one's size on `batch_dim`."""
-    if names is not None:
-        entries = [e if isinstance(e, tuple) else (e, batch_dim) for e in names]
-        picked = [(batch[k], dim) for k, dim in entries if (isinstance(batch, dict) and k in batch)
+def batched_tensors(batch: Any, batch_dim: int, named: list[tuple[Any, int]]) -> list[tuple[torch.Tensor, int]]:
+    """The tensors of `batch` that hold its samples, each with the dim that holds them: those `named` picks ((key of a
+    dict batch or position of a sequence, dim) pairs: PerSampleConfig.batch_input_dims), else every tensor with the
+    first one's size on `batch_dim` (micro_batch.batched_in)."""
+    if named:
+        picked = [(batch[k], dim) for k, dim in named if (isinstance(batch, dict) and k in batch)
                   or (isinstance(batch, (list, tuple)) and isinstance(k, int) and k < len(batch))]
         return [(t, dim) for p, dim in picked for t in tensor_leaves(p)]
-    found = [t for t in tensor_leaves(batch) if t.dim() > batch_dim]
-    return [(t, batch_dim) for t in found if t.shape[batch_dim] == found[0].shape[batch_dim]] if found else []
+    return batched_in(batch, batch_dim)
 
 
 class GAPMonitorCallback(pl.Callback):
@@ -89,7 +88,7 @@ class GAPMonitorCallback(pl.Callback):
             self.monitor.add_samples(x.shape[0])
         per_sample = self.monitor.per_sample
         if per_sample is not None and self.monitor.monitoring:
-            pairs = batched_tensors(batch, per_sample.batch_dim, per_sample.batch_inputs)
+            pairs = batched_tensors(batch, per_sample.batch_dim, per_sample.config.batch_input_dims())
             per_sample.begin_forward(*[t for t, _ in pairs], dims=[dim for _, dim in pairs])
             samples = pairs[0][0].shape[pairs[0][1]] if pairs else 0
             share = 1.0 / samples if per_sample.loss_reduction == "mean" else 1.0

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from .. import _torch_compat
+from ..per_sample.micro_batch import SET_ASIDE_KEPT
 from ..utils import input_storages
 
 
@@ -17,8 +18,6 @@ class StepForwards:
     """Hooks on `model` and its direct children (a loop may call a child itself: a LightningModule's training_step
     calling `self.model(...)`) that say whether the forward pass running now counts for the step; the outermost of
     them decides (one called inside another's forward is part of it)."""
-
-    KEPT = 8  # the inputs of the latest forward passes run without gradients, for their recomputation
 
     def __init__(self, model: nn.Module):
         self.without_grad = False  # the forward pass running now has gradients off: not the step's
@@ -40,7 +39,7 @@ class StepForwards:
             self.recounting = bool(storages) and any(storages <= kept for kept in self._set_aside)
         elif not torch.is_grad_enabled():
             self.without_grad = True
-            self._set_aside = [*self._set_aside[1 - self.KEPT:], input_storages(args, kwargs)]
+            self._set_aside = [*self._set_aside[1 - SET_ASIDE_KEPT:], input_storages(args, kwargs)]
 
     def _ends(self, module: nn.Module, args: tuple, output) -> None:
         if torch.compiler.is_compiling():

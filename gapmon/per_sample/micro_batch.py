@@ -52,6 +52,11 @@ def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     return functools.reduce(lambda a, b: a + b.to(a.device, torch.float64), tensors[1:], tensors[0].double())
 
 
+# Forward passes run without gradients kept set aside (the latest), for backward to take back the one it runs again
+# (reentrant checkpointing of the whole model): per_sample's micro-batches, the monitor's StepForwards.
+SET_ASIDE_KEPT = 8
+
+
 @dataclass
 class MicroBatch:
     """What one forward pass of the model collected."""
@@ -235,7 +240,7 @@ class Collection:
         if raised and opened is not None and self.micro and self.micro[-1] is opened:
             self.micro.pop()
         elif self.micro and self.micro[-1].without_grad:
-            self.without_grad = [*self.without_grad[-7:], self.micro.pop()]
+            self.without_grad = [*self.without_grad[1 - SET_ASIDE_KEPT:], self.micro.pop()]
 
     def take_back(self, storages: set[int]) -> MicroBatch | None:
         """The micro-batch set aside whose forward pass ran on the inputs of `storages`, if any: backward runs that
